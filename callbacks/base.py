@@ -1,0 +1,127 @@
+"""FederatedCallback: a Lightning ``Callback`` plus the round hooks FederatedStrategy calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fl.client_store import ClientStore
+from lightning_fl.samplers import Participation
+from lightning_fl.tensors import TensorList
+
+if TYPE_CHECKING:
+    from lightning_fl.tensors import FederatedTensors
+
+
+@dataclass
+class RoundState:
+    """What the hooks of one round see.
+
+    ``global_tensors`` is θ^t (parameters first, then floating buffers; the first
+    ``num_params`` entries are parameters). ``update_sum`` accumulates Σ_i ω_i Δ_i over
+    the accepted client updates Δ_i = θ_i^{t+1} − θ^t.
+    """
+
+    round_idx: int
+    participation: Participation
+    global_tensors: TensorList
+    update_sum: TensorList
+    model: FederatedTensors
+    store: ClientStore
+    num_clients: int
+    sample_counts: list[int]
+    target_weights: torch.Tensor
+    local_steps_done: int = 0
+    accepted: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+
+    @property
+    def num_params(self) -> int:
+        return self.model.num_params
+
+    @property
+    def global_params(self) -> TensorList:
+        return self.global_tensors[: self.num_params]
+
+    def weight_of(self, client: int) -> float:
+        return self.participation.weights[self.participation.clients.index(client)]
+
+
+class FederatedCallback(pl.Callback):
+    """Base class of the algorithms that plug into a round. Every hook is optional."""
+
+    def on_round_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+        """After the participants are chosen, before the first client trains."""
+
+    def on_client_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int, state: RoundState
+    ) -> None:
+        """After the global weights are loaded into the module for ``client``."""
+
+    def transform_update(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        client: int,
+        update: TensorList,
+        state: RoundState,
+    ) -> TensorList:
+        """May change the update a client sends (DP noise, attacks, compression)."""
+        return update
+
+    def on_client_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        client: int,
+        update: TensorList,
+        state: RoundState,
+    ) -> None:
+        """After an accepted update is folded into ``state.update_sum``."""
+
+    def on_round_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+        """After aggregation; ``state.global_tensors`` holds θ^{t+1}."""
+
+    def on_client_evaluation_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int
+    ) -> None:
+        """Before ``client``'s held-out batches: load a personalized model here."""
+
+    def on_client_evaluation_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int
+    ) -> None:
+        """After ``client``'s held-out batches: restore the global model here."""
+
+
+Weighting = Literal["samples", "uniform"]
+
+
+class Aggregator(FederatedCallback):
+    """The one callback that turns the weighted update sum into the new global model.
+
+    Args:
+        weighting: the target weights p_i of the federated objective Σ p_i L_i:
+            ``"samples"`` gives p_i = n_i/Σn_j, ``"uniform"`` gives p_i = 1/n over the
+            clients that have training data (Fraboni thesis eq. 1.1).
+    """
+
+    #: True for the centralized baseline: the strategy trains one client holding all data.
+    pools_clients: bool = False
+
+    def __init__(self, weighting: Weighting = "samples") -> None:
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting must be 'samples' or 'uniform', got {weighting!r}.")
+        self.weighting = weighting
+
+    def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
+        counts = torch.tensor(sample_counts, dtype=torch.float64)
+        if self.weighting == "uniform":
+            counts = (counts > 0).double()
+        return counts / counts.sum()
+
+    def aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+        """Write θ^{t+1} into ``state.global_tensors`` in place."""
+        raise NotImplementedError

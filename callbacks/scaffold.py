@@ -1,0 +1,93 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020), Algorithm 1 with control variates of option II.
+
+Client i, from y_i = x and its control variate c_i, takes K local steps
+    y_i ← y_i − η_l (g_i(y_i) − c_i + c)                       (Alg. 1, line 10)
+then
+    c_i⁺ = c_i − c + (x − y_i)/(K η_l)                          (option II, line 12)
+    Δc_i = c_i⁺ − c_i.
+The server updates the model with the aggregator (FedAvg: x ← x + η_g Σ ω_i Δy_i; with
+uniform sampling and p_i = 1/N, ω_i = 1/|S| as in Alg. 1 line 16) and
+    c ← c + (1/N) Σ_{i∈S} Δc_i                                  (line 17, |S|/N · mean)
+
+The correction (c − c_i) is added to the gradient before the optimizer step, so the rule
+is exact for plain SGD; K counts the optimizer steps taken and η_l is the learning rate of
+the first parameter group. Memory: each client that took part stores c_i as one float32
+vector, 4·d bytes (d parameters) in the client store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.optim import Optimizer
+
+from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.tensors import TensorList, flatten, unflatten, zeros_like
+
+STORE_KEY = "scaffold_c"
+
+
+class SCAFFOLD(FederatedCallback):
+    def __init__(self) -> None:
+        self.server_control: TensorList | None = None
+        self._correction: TensorList | None = None
+        self._client_control: TensorList | None = None
+        self._control_delta_sum: TensorList | None = None
+        self._steps = 0
+
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        if self.server_control is None:
+            self.server_control = zeros_like(state.global_params)
+        self._control_delta_sum = zeros_like(state.global_params)
+
+    def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        stored = state.store.get(client, STORE_KEY)
+        self._client_control = (
+            zeros_like(self.server_control)
+            if stored is None
+            else unflatten(stored, self.server_control)
+        )
+        self._correction = torch._foreach_sub(self.server_control, self._client_control)
+        self._steps = 0
+
+    @torch.no_grad()
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._correction is None:
+            return
+        params = trainer.strategy.federated_tensors.params
+        pairs = [(p.grad, c) for p, c in zip(params, self._correction) if p.grad is not None]
+        if len(pairs) != len(params):
+            raise RuntimeError(
+                "SCAFFOLD needs a gradient for every parameter; freeze parameters by "
+                "excluding them from the module instead."
+            )
+        torch._foreach_add_([g for g, _ in pairs], [c for _, c in pairs])
+        self._steps += 1
+
+    @torch.no_grad()
+    def on_client_end(self, trainer, pl_module, client: int, update: TensorList, state) -> None:
+        if self._steps == 0:
+            return
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        # Δc_i = c_i⁺ − c_i = −c + (x − y_i)/(K η_l) = −c − Δy_i/(K η_l)
+        delta_c = torch._foreach_mul(update[: state.num_params], -1.0 / (self._steps * lr))
+        torch._foreach_sub_(delta_c, self.server_control)
+        torch._foreach_add_(self._control_delta_sum, delta_c)
+        new_control = torch._foreach_add(self._client_control, delta_c)
+        state.store.set(client, STORE_KEY, flatten(new_control))
+
+    @torch.no_grad()
+    def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
+        num_clients = sum(1 for n in state.sample_counts if n > 0)
+        torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=1.0 / num_clients)
+        self._correction = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"server_control": self.server_control}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.server_control = state_dict.get("server_control")

@@ -1,0 +1,104 @@
+"""FederatedDataModule: per-client datasets, built lazily, and the loaders the strategy uses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+Split = Literal["train", "val", "test"]
+
+
+class FederatedLoader:
+    """What ``train/val/test_dataloader`` return: a handle that FederatedStrategy expands
+    into one round's client-by-client batches. Iterating it without the strategy is an error.
+    """
+
+    def __init__(self, datamodule: FederatedDataModule, split: Split) -> None:
+        self.datamodule = datamodule
+        self.split = split
+
+    def __iter__(self):
+        # A generator: Lightning calls iter() to check iterability before the strategy
+        # replaces this handle; only actually drawing a batch is an error.
+        raise RuntimeError(
+            "A FederatedDataModule's loaders run only under FederatedStrategy: pass "
+            "Trainer(strategy=lightning_fl.FederatedStrategy(...))."
+        )
+        yield  # pragma: no cover
+
+
+class FederatedDataModule(pl.LightningDataModule):
+    """Base class. Subclasses implement :attr:`num_clients` and :meth:`client_dataset`.
+
+    ``client_dataset(c, split)`` may build datasets lazily; it returns ``None`` or an empty
+    dataset when client ``c`` has no data for that split.
+    """
+
+    def __init__(self, batch_size: int = 32, eval_batch_size: int | None = None) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+
+    @property
+    def num_clients(self) -> int:
+        raise NotImplementedError
+
+    def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        raise NotImplementedError
+
+    def sample_counts(self, split: Split = "train") -> list[int]:
+        """Number of samples of every client in ``split`` (0 when it has none)."""
+        return [_size(self.client_dataset(c, split)) for c in range(self.num_clients)]
+
+    def pooled_dataset(self, split: Split = "train") -> Dataset:
+        """The union of all clients' data (the centralized baseline)."""
+        parts = [self.client_dataset(c, split) for c in range(self.num_clients)]
+        return torch.utils.data.ConcatDataset([d for d in parts if _size(d) > 0])
+
+    def client_dataloader(
+        self, dataset: Dataset, split: Split, generator: torch.Generator | None = None
+    ) -> DataLoader:
+        """The loader for one client's dataset; training loaders shuffle with ``generator``."""
+        if split == "train":
+            return DataLoader(dataset, batch_size=self.batch_size, shuffle=True, generator=generator)
+        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False)
+
+    def train_dataloader(self) -> FederatedLoader:
+        return FederatedLoader(self, "train")
+
+    def val_dataloader(self) -> FederatedLoader:
+        return FederatedLoader(self, "val")
+
+    def test_dataloader(self) -> FederatedLoader:
+        return FederatedLoader(self, "test")
+
+
+class InMemoryFederatedDataModule(FederatedDataModule):
+    """Clients given as tensors: ``clients[c][split] = (x, y)``. Useful for tests and benchmarks."""
+
+    def __init__(
+        self,
+        clients: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size)
+        self._clients = list(clients)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self._clients)
+
+    def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        data = self._clients[client].get(split)
+        return None if data is None else TensorDataset(*data)
+
+
+def _size(dataset: Dataset | None) -> int:
+    return 0 if dataset is None else len(dataset)  # type: ignore[arg-type]

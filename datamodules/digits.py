@@ -1,0 +1,82 @@
+"""The embedded default dataset: scikit-learn's copy of the UCI optical digits test set.
+
+1,797 grayscale 8×8 images (features 0..16), 10 classes. License CC BY 4.0 (Alpaydin &
+Kaynak, UCI Machine Learning Repository). The file ships with the package: no download.
+"""
+
+from __future__ import annotations
+
+import gzip
+from importlib import resources
+from typing import Literal
+
+import numpy as np
+import torch
+
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule
+from lightning_fl.datamodules.partition import (
+    dirichlet_partition,
+    iid_partition,
+    shard_partition,
+    split_fractions,
+)
+
+DIGITS_FILE = "digits.csv.gz"
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Features as float32 in [0, 1] of shape (1797, 64) and int64 labels."""
+    raw = resources.files("lightning_fl.datamodules").joinpath("data", DIGITS_FILE).read_bytes()
+    table = np.loadtxt(gzip.decompress(raw).decode().splitlines(), delimiter=",")
+    if table.shape != (1797, 65):
+        raise ValueError(f"{DIGITS_FILE}: expected 1797 rows of 65 columns, got {table.shape}.")
+    return (table[:, :64] / 16.0).astype(np.float32), table[:, 64].astype(np.int64)
+
+
+class DigitsDataModule(InMemoryFederatedDataModule):
+    """Digits split over ``num_clients`` clients, each with its own train/val/test parts.
+
+    Args:
+        partition: ``"dirichlet"`` (label skew with ``alpha``), ``"iid"`` or ``"shards"``
+            (``shards_per_client`` label shards per client).
+        split: fractions of each client's samples for train, val and test.
+        image: yield 1×8×8 images instead of 64 features.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 20,
+        partition: Literal["dirichlet", "iid", "shards"] = "dirichlet",
+        alpha: float = 0.5,
+        shards_per_client: int = 2,
+        min_size: int = 10,
+        split: tuple[float, float, float] = (0.6, 0.2, 0.2),
+        image: bool = False,
+        seed: int = 0,
+        batch_size: int = 16,
+        eval_batch_size: int | None = 256,
+    ) -> None:
+        x, y = load_digits()
+        if partition == "dirichlet":
+            parts = dirichlet_partition(y, num_clients, alpha, seed, min_size=min_size)
+        elif partition == "iid":
+            parts = iid_partition(y, num_clients, seed)
+        elif partition == "shards":
+            parts = shard_partition(y, num_clients, shards_per_client, seed)
+        else:
+            raise ValueError(f"Unknown partition {partition!r}; use dirichlet, iid or shards.")
+        features = torch.from_numpy(x)
+        if image:
+            features = features.view(-1, 1, 8, 8)
+        labels = torch.from_numpy(y)
+        clients = []
+        for c, idx in enumerate(parts):
+            pieces = split_fractions(idx, tuple(split), seed + 7919 * (c + 1))
+            clients.append(
+                {
+                    name: (features[torch.from_numpy(p)], labels[torch.from_numpy(p)])
+                    for name, p in zip(("train", "val", "test"), pieces)
+                }
+            )
+        super().__init__(clients, batch_size, eval_batch_size)
+        self.save_hyperparameters()

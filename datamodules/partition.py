@@ -1,0 +1,101 @@
+"""Partitioners: pure functions of (labels, seed) that split sample indices over clients.
+
+Each returns a list with one sorted ``int64`` index array per client; every sample is
+assigned exactly once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _labels(labels) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) == 0:
+        raise ValueError("labels must be a non-empty 1-D array.")
+    return labels
+
+
+def _check_num_clients(num_clients: int, num_samples: int) -> None:
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}.")
+    if num_clients > num_samples:
+        raise ValueError(
+            f"num_clients={num_clients} exceeds the {num_samples} samples; use fewer clients."
+        )
+
+
+def iid_partition(labels, num_clients: int, seed: int) -> list[np.ndarray]:
+    """A uniformly random split into ``num_clients`` parts of (almost) equal size."""
+    labels = _labels(labels)
+    _check_num_clients(num_clients, len(labels))
+    order = np.random.default_rng(seed).permutation(len(labels))
+    return [np.sort(part) for part in np.array_split(order, num_clients)]
+
+
+def dirichlet_partition(
+    labels, num_clients: int, alpha: float, seed: int, min_size: int = 0, max_tries: int = 1000
+) -> list[np.ndarray]:
+    """Label skew by a Dirichlet prior (Hsu et al. 2019, as in FedEM and FedLab).
+
+    For every class k, proportions q_k ~ Dir(alpha·1_N) split that class's samples over
+    the N clients. Small alpha gives skewed label histograms, large alpha near-IID ones.
+    With ``min_size > 0`` the draw is repeated (same seed stream) until every client has
+    at least ``min_size`` samples.
+    """
+    if not alpha > 0:
+        raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}; use e.g. alpha=0.5.")
+    labels = _labels(labels)
+    _check_num_clients(num_clients, len(labels))
+    if min_size * num_clients > len(labels):
+        raise ValueError(
+            f"min_size={min_size} for {num_clients} clients needs more than the "
+            f"{len(labels)} samples; lower min_size."
+        )
+    rng = np.random.default_rng(seed)
+    for _ in range(max_tries):
+        parts: list[list[int]] = [[] for _ in range(num_clients)]
+        for k in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == k))
+            q = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(q)[:-1] * len(idx)).astype(int)
+            for client, chunk in enumerate(np.split(idx, cuts)):
+                parts[client].extend(chunk.tolist())
+        if min(len(p) for p in parts) >= min_size:
+            return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+    raise ValueError(
+        f"No Dirichlet({alpha}) split gave every client >= {min_size} samples in "
+        f"{max_tries} tries; raise alpha or lower min_size."
+    )
+
+
+def shard_partition(
+    labels, num_clients: int, shards_per_client: int, seed: int
+) -> list[np.ndarray]:
+    """Pathological non-IID split of McMahan et al. (2017), §3.
+
+    Sort by label, cut into ``num_clients·shards_per_client`` equal shards and give each
+    client ``shards_per_client`` random shards, so each client sees about that many
+    classes.
+    """
+    if shards_per_client < 1:
+        raise ValueError(f"shards_per_client must be >= 1, got {shards_per_client}.")
+    labels = _labels(labels)
+    num_shards = num_clients * shards_per_client
+    _check_num_clients(num_shards, len(labels))
+    rng = np.random.default_rng(seed)
+    order = np.argsort(labels, kind="stable")
+    shards = np.array_split(order, num_shards)
+    assignment = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
+    return [np.sort(np.concatenate([shards[s] for s in row])) for row in assignment]
+
+
+def split_fractions(
+    indices: np.ndarray, fractions: tuple[float, ...], seed: int
+) -> list[np.ndarray]:
+    """Randomly split one client's indices into parts with the given fractions (sum 1)."""
+    if any(f < 0 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        raise ValueError(f"split fractions must be >= 0 and sum to 1, got {fractions}.")
+    shuffled = np.random.default_rng(seed).permutation(indices)
+    cuts = np.round(np.cumsum(fractions)[:-1] * len(indices)).astype(int)
+    return [np.sort(part) for part in np.split(shuffled, cuts)]

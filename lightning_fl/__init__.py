@@ -1,0 +1,31 @@
+"""lightning_fl: federated learning as a PyTorch Lightning strategy plus callbacks."""
+
+from lightning_fl.client_store import ClientStore
+from lightning_fl.models import MLP, Classifier, DigitsCNN, MnistCNN
+from lightning_fl.progress import FederatedProgressBar
+from lightning_fl.samplers import (
+    ClientSampler,
+    FullParticipation,
+    MDSampler,
+    Participation,
+    UniformSampler,
+)
+from lightning_fl.strategy import FederatedStrategy, NonFiniteUpdateError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLP",
+    "Classifier",
+    "ClientSampler",
+    "ClientStore",
+    "DigitsCNN",
+    "FederatedProgressBar",
+    "FederatedStrategy",
+    "FullParticipation",
+    "MDSampler",
+    "MnistCNN",
+    "NonFiniteUpdateError",
+    "Participation",
+    "UniformSampler",
+]

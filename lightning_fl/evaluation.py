@@ -1,0 +1,71 @@
+"""Per-client evaluation metrics and their summaries.
+
+The user's ``validation_step``/``test_step`` logs batch means with ``self.log``; Lightning
+accumulates Σ value·batch_size and Σ batch_size per metric. Reading those sums at every
+client boundary gives each client's own mean. The epoch value Lightning reports is then
+the sample-weighted mean over clients; this module adds the uniform mean and the bottom
+decile (the 10th-percentile client), as reported in the FedEM and kNN-Per papers.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+
+import torch
+
+
+class ClientMetricCapture:
+    """Collects ``{metric: {client: (mean, num_samples)}}`` for one evaluation epoch.
+
+    Only tensor metrics logged with ``on_epoch=True`` and the default mean reduction are
+    split per client (a torchmetrics ``Metric`` object cannot be split this way).
+    """
+
+    def __init__(self) -> None:
+        self.per_client: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
+        self._totals: dict[str, tuple[float, float]] = {}
+
+    def reset(self) -> None:
+        self.per_client.clear()
+        self._totals.clear()
+
+    def close_client(self, results: Mapping, client: int) -> None:
+        for key, metric in results.items():
+            meta = getattr(metric, "meta", None)
+            if meta is None or not (metric.is_tensor and meta.on_epoch and meta.is_mean_reduction):
+                continue
+            total, count = float(metric.value), float(metric.cumulated_batch_size)
+            previous_total, previous_count = self._totals.get(key, (0.0, 0.0))
+            if count > previous_count:
+                mean = (total - previous_total) / (count - previous_count)
+                self.per_client[meta.name][client] = (mean, count - previous_count)
+            self._totals[key] = (total, count)
+
+
+def summarize(values: Mapping[int, tuple[float, float]]) -> dict[str, float]:
+    """Sample-weighted mean, uniform mean and 10th percentile over clients."""
+    means = torch.tensor([v for v, _ in values.values()], dtype=torch.float64)
+    counts = torch.tensor([n for _, n in values.values()], dtype=torch.float64)
+    return {
+        "weighted": float((means * counts).sum() / counts.sum()),
+        "uniform": float(means.mean()),
+        "p10": float(torch.quantile(means, 0.1)),
+    }
+
+
+def write_client_metrics_csv(
+    path: str, stage: str, round_idx: int, per_client: Mapping[str, Mapping[int, tuple[float, float]]]
+) -> None:
+    """Append one row per (metric, client) to ``path`` (header written once)."""
+    new_file = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", newline="") as handle:
+        writer = csv.writer(handle)
+        if new_file:
+            writer.writerow(["stage", "round", "metric", "client", "value", "num_samples"])
+        for name, values in per_client.items():
+            for client, (value, count) in sorted(values.items()):
+                writer.writerow([stage, round_idx, name, client, f"{value:.8g}", int(count)])

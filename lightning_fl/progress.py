@@ -1,0 +1,32 @@
+"""A progress bar that shows the round, the client i/n and the local step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class FederatedProgressBar(TQDMProgressBar):
+    """``Round r/R`` as the description, ``client i/m`` and ``step k/K`` in the postfix.
+
+    FederatedStrategy puts it in place of Lightning's default bar.
+    """
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # The round is planned when its batches are first drawn, so its size is known here.
+        if batch_idx == 0 and trainer.strategy.current_round is not None:
+            self.train_progress_bar.reset(total=trainer.strategy.current_round.schedule.total)
+            total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else "?"
+            self.train_progress_bar.set_description(f"Round {trainer.current_epoch + 1}/{total}")
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        strategy = trainer.strategy
+        plan, where = getattr(strategy, "current_round", None), getattr(strategy, "current_client", None)
+        if trainer.training and plan is not None and where is not None:
+            pos, step = where
+            metrics["client"] = f"{pos + 1}/{len(plan.schedule.clients)}"
+            metrics["step"] = f"{step + 1}/{plan.schedule.num_batches[pos]}"
+        return metrics

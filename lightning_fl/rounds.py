@@ -1,0 +1,98 @@
+"""The iterables that stand in for a round's "dataloader".
+
+They only read data. Lightning's data fetcher reads one batch ahead, so nothing here
+switches clients or aggregates: the strategy does that when a batch is consumed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import DataLoader
+
+from lightning_fl.datamodules.base import FederatedDataModule, Split
+
+if TYPE_CHECKING:
+    from lightning_fl.strategy import FederatedStrategy
+
+
+@dataclass(frozen=True)
+class ClientSchedule:
+    """Clients in visiting order and how many batches each contributes."""
+
+    clients: tuple[int, ...]
+    num_batches: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        starts = [0, *itertools.accumulate(self.num_batches)]
+        object.__setattr__(self, "_starts", starts)
+
+    @property
+    def total(self) -> int:
+        return self._starts[-1]  # type: ignore[attr-defined]
+
+    def locate(self, batch_idx: int) -> tuple[int, int]:
+        """(position of the client in :attr:`clients`, local step) of a batch index."""
+        if not 0 <= batch_idx < self.total:
+            raise IndexError(f"batch {batch_idx} is outside this schedule of {self.total} batches.")
+        pos = bisect.bisect_right(self._starts, batch_idx) - 1  # type: ignore[attr-defined]
+        return pos, batch_idx - self._starts[pos]  # type: ignore[attr-defined]
+
+
+def cycle_batches(loader: DataLoader, count: int) -> Iterator[Any]:
+    """Exactly ``count`` batches, starting a new pass (a new shuffle) when one ends."""
+    produced = 0
+    while produced < count:
+        for batch in loader:
+            yield batch
+            produced += 1
+            if produced == count:
+                return
+
+
+class TrainRounds:
+    """One round's training batches: each participant's local batches in turn."""
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+
+    def __iter__(self) -> Iterator[Any]:
+        # Lightning calls iter() once per epoch, after the previous epoch has ended (for the
+        # first or a resumed epoch: during fit setup), so the round is planned here. The
+        # generator below only reads data.
+        plan = self.strategy.begin_round(self.strategy.lightning_module.trainer.current_epoch)
+        return self._batches(plan)
+
+    @staticmethod
+    def _batches(plan) -> Iterator[Any]:
+        for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
+            yield from cycle_batches(client_loader, count)
+
+
+class EvalRounds:
+    """Held-out batches of every client that has data for ``split``, client by client."""
+
+    def __init__(self, datamodule: FederatedDataModule, split: Split, strategy: FederatedStrategy) -> None:
+        self.datamodule = datamodule
+        self.split = split
+        self.strategy = strategy
+        clients, loaders = [], []
+        for c in range(datamodule.num_clients):
+            dataset = datamodule.client_dataset(c, split)
+            if dataset is not None and len(dataset) > 0:
+                clients.append(c)
+                loaders.append(datamodule.client_dataloader(dataset, split))
+        self.loaders = loaders
+        self.schedule = ClientSchedule(tuple(clients), tuple(len(lo) for lo in loaders))
+
+    def __len__(self) -> int:
+        return self.schedule.total
+
+    def __iter__(self) -> Iterator[Any]:
+        self.strategy.begin_evaluation(self.schedule)
+        for loader in self.loaders:
+            yield from loader

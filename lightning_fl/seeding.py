@@ -1,0 +1,24 @@
+"""Seeds derived from (seed, purpose, round, client): never from a global RNG state.
+
+Every random choice of a round is a pure function of the run's seed and the round
+index, so a resumed run and every rank make the same choice.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import torch
+
+
+def derive_seed(seed: int, purpose: str, *keys: int) -> int:
+    """A 63-bit seed mixed from ``seed``, a purpose tag and integer keys (round, client)."""
+    tag = zlib.crc32(purpose.encode())
+    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag, *(int(k) for k in keys)])
+    return int(state.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def generator(seed: int, purpose: str, *keys: int) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded by :func:`derive_seed`."""
+    return torch.Generator().manual_seed(derive_seed(seed, purpose, *keys))

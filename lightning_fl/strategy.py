@@ -1,0 +1,433 @@
+"""FederatedStrategy: one Lightning epoch is one communication round.
+
+Round t (DESIGN.md, "One round is one Lightning epoch"):
+1. the sampler chooses the participants S_t and their weights ω_i from (seed, t);
+2. the round's batches are each participant's local batches in turn;
+3. at a client's first batch the global weights θ^t are loaded in place, its optimizer
+   state is reset (or restored) and the callbacks apply its persistent state; the user's
+   ``training_step``, backward and optimizer step run unchanged;
+4. after its last optimizer step, its update Δ_i = θ_i − θ^t is folded into Σ ω_i Δ_i;
+5. after the last participant, the one aggregator callback writes θ^{t+1};
+6. validation and test run client by client.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.utils.data import DataLoader
+
+from lightning_fl.callbacks.aggregation import FedAvg
+from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
+from lightning_fl.client_store import ClientStore
+from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
+from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
+from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
+from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
+from lightning_fl.seeding import derive_seed, generator
+from lightning_fl.tensors import FederatedTensors, TensorList, all_finite, zeros_like
+
+#: Client id of the single virtual client of the pooled (centralized) baseline.
+POOLED_CLIENT = -1
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive rounds had NaN or Inf client updates."""
+
+
+@dataclass
+class RoundPlan:
+    schedule: ClientSchedule
+    loaders: list[DataLoader]
+    state: RoundState
+
+
+class FederatedStrategy(SingleDeviceStrategy):
+    """Simulates federated rounds inside one process.
+
+    Args:
+        sampler: chooses the participants of each round (default: every client).
+        local_steps: local optimizer steps per client and round (K), cycling the client's
+            data; exclusive with ``local_epochs``.
+        local_epochs: local passes over the client's data per round (E).
+        seed: the only source of the run's FL randomness: participants, client data order
+            and the global torch RNG at each client start are derived from (seed, round,
+            client), which makes resumed runs exact.
+        keep_optimizer_state: keep each client's optimizer state across its rounds
+            (stored in the client store) instead of resetting it every round.
+        max_consecutive_bad_rounds: a client update with NaN or Inf is dropped and logged;
+            after this many consecutive rounds with a dropped update, training stops.
+        device: the device to simulate on (default: the accelerator's first device).
+    """
+
+    strategy_name = "federated"
+
+    def __init__(
+        self,
+        sampler: ClientSampler | None = None,
+        local_steps: int | None = None,
+        local_epochs: int | None = None,
+        seed: int = 0,
+        keep_optimizer_state: bool = False,
+        max_consecutive_bad_rounds: int = 3,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if local_steps is not None and local_epochs is not None:
+            raise ValueError("Give either local_steps or local_epochs, not both.")
+        if local_steps is None and local_epochs is None:
+            local_epochs = 1
+        for name, value in (("local_steps", local_steps), ("local_epochs", local_epochs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if max_consecutive_bad_rounds < 1:
+            raise ValueError("max_consecutive_bad_rounds must be >= 1.")
+        self._device_given = device is not None
+        self.sampler = sampler or FullParticipation()
+        self.local_steps = local_steps
+        self.local_epochs = local_epochs
+        self.seed = seed
+        self.keep_optimizer_state = keep_optimizer_state
+        self.max_consecutive_bad_rounds = max_consecutive_bad_rounds
+        self.client_store = ClientStore()
+        self.current_round: RoundPlan | None = None
+        self.current_client: tuple[int, int] | None = None  # (position, local step)
+        self.consecutive_bad_rounds = 0
+        self.metric_capture = ClientMetricCapture()
+        self._federated_tensors: FederatedTensors | None = None
+        self._eval: dict[str, Any] = {}
+        self._warned_empty = False
+
+    # ------------------------------------------------------------------ Lightning glue
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        return super().root_device
+
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        trainer = model.trainer
+        if not any(isinstance(cb, _RoundDriver) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, _RoundDriver(self))
+        for i, cb in enumerate(trainer.callbacks):
+            if type(cb) is TQDMProgressBar:
+                from lightning_fl.progress import FederatedProgressBar
+
+                trainer.callbacks[i] = FederatedProgressBar(
+                    refresh_rate=cb.refresh_rate, leave=cb._leave
+                )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "FederatedStrategy needs accumulate_grad_batches=1: client boundaries must "
+                "fall on optimizer steps. Raise the datamodule's batch_size instead."
+            )
+        if not isinstance(trainer.datamodule, FederatedDataModule):
+            raise TypeError(
+                "FederatedStrategy needs a lightning_fl.datamodules.FederatedDataModule: "
+                "call trainer.fit(model, datamodule=...)."
+            )
+        self._federated_tensors = FederatedTensors(self.lightning_module)
+        self.aggregator  # noqa: B018 -- validates the callbacks early
+
+    @property
+    def federated_tensors(self) -> FederatedTensors:
+        if self._federated_tensors is None:
+            raise RuntimeError("FederatedStrategy is not set up yet.")
+        return self._federated_tensors
+
+    @property
+    def federated_callbacks(self) -> list[FederatedCallback]:
+        return [cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, FederatedCallback)]
+
+    @property
+    def aggregator(self) -> Aggregator:
+        aggregators = [cb for cb in self.federated_callbacks if isinstance(cb, Aggregator)]
+        if len(aggregators) > 1:
+            names = ", ".join(type(a).__name__ for a in aggregators)
+            raise ValueError(
+                f"Exactly one aggregator callback may decide aggregation, got {names}. "
+                "Keep one of them (FedAvg is the default when none is given)."
+            )
+        if not aggregators:
+            default = FedAvg()
+            self.lightning_module.trainer.callbacks.append(default)
+            return default
+        return aggregators[0]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, FederatedLoader):
+            return dataloader
+        if dataloader.split == "train":
+            return TrainRounds(self)
+        return EvalRounds(dataloader.datamodule, dataloader.split, self)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        pos, step = self.current_round.schedule.locate(batch_idx)
+        self.current_client = (pos, step)
+        if step == 0:
+            self.start_client(pos)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._switch_eval_client(_batch_idx(args, kwargs))
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._switch_eval_client(_batch_idx(args, kwargs))
+        return super().test_step(*args, **kwargs)
+
+    # ------------------------------------------------------------------ rounds
+    def _datamodule(self) -> FederatedDataModule:
+        return self.lightning_module.trainer.datamodule
+
+    def begin_round(self, round_idx: int) -> RoundPlan:
+        """Choose the participants of ``round_idx`` and build their loaders."""
+        dm = self._datamodule()
+        counts = dm.sample_counts("train")
+        if sum(counts) == 0:
+            raise ValueError("Every client has an empty training set: there is nothing to train on.")
+        empty = [c for c, n in enumerate(counts) if n == 0]
+        if empty and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"Skipping {len(empty)} client(s) with no training data: {empty[:10]}"
+                + ("..." if len(empty) > 10 else ""),
+                stacklevel=2,
+            )
+        aggregator = self.aggregator
+        p = aggregator.target_weights(counts)
+        if aggregator.pools_clients:
+            participation = Participation((POOLED_CLIENT,), (1.0,))
+            datasets = [dm.pooled_dataset("train")]
+        else:
+            participation = self.sampler.sample(round_idx, self.seed, p)
+            datasets = [dm.client_dataset(c, "train") for c in participation.clients]
+        loaders = [
+            dm.client_dataloader(ds, "train", generator(self.seed, "data", round_idx, c))
+            for ds, c in zip(datasets, participation.clients)
+        ]
+        model = self.federated_tensors
+        global_tensors = model.clone()
+        state = RoundState(
+            round_idx=round_idx,
+            participation=participation,
+            global_tensors=global_tensors,
+            update_sum=zeros_like(global_tensors),
+            model=model,
+            store=self.client_store,
+            num_clients=dm.num_clients,
+            sample_counts=counts,
+            target_weights=p,
+        )
+        schedule = ClientSchedule(participation.clients, tuple(self._num_batches(lo) for lo in loaders))
+        self.current_round = RoundPlan(schedule, loaders, state)
+        self._call("on_round_start", state)
+        return self.current_round
+
+    def _num_batches(self, loader: DataLoader) -> int:
+        if self.local_steps is not None:
+            return self.local_steps
+        try:
+            return self.local_epochs * len(loader)
+        except TypeError as err:
+            raise TypeError(
+                "local_epochs needs client loaders with a length; use local_steps for "
+                "iterable-style client datasets."
+            ) from err
+
+    def start_client(self, pos: int) -> None:
+        state = self.current_round.state
+        client = state.participation.clients[pos]
+        self.federated_tensors.load_(state.global_tensors)
+        torch.manual_seed(derive_seed(self.seed, "client", state.round_idx, client))
+        trainer = self.lightning_module.trainer
+        for i, optimizer in enumerate(trainer.optimizers):
+            optimizer.state.clear()
+            saved = self.client_store.get(client, f"optimizer_{i}") if self.keep_optimizer_state else None
+            if saved is not None:
+                optimizer.load_state_dict({"state": saved, "param_groups": optimizer.state_dict()["param_groups"]})
+        self._call("on_client_start", client, state)
+
+    def finish_client(self, pos: int) -> None:
+        """Fold the client's update into the weighted sum (after its last optimizer step)."""
+        state = self.current_round.state
+        client = state.participation.clients[pos]
+        update = self.federated_tensors.minus(state.global_tensors)
+        trainer, module = self.lightning_module.trainer, self.lightning_module
+        for cb in self.federated_callbacks:
+            update = cb.transform_update(trainer, module, client, update, state)
+        if not all_finite(update):
+            state.dropped.append(client)
+            warnings.warn(
+                f"Round {state.round_idx}: client {client} sent an update with NaN or Inf; "
+                "it is dropped from this round.",
+                stacklevel=2,
+            )
+            return
+        torch._foreach_add_(state.update_sum, update, alpha=state.participation.weights[pos])
+        state.accepted.append(client)
+        if self.keep_optimizer_state:
+            for i, optimizer in enumerate(trainer.optimizers):
+                self.client_store.set(client, f"optimizer_{i}", copy.deepcopy(optimizer.state_dict()["state"]))
+        self._call("on_client_end", client, update, state)
+
+    def end_round(self) -> RoundState:
+        """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
+        state = self.current_round.state
+        self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if state.dropped else 0
+        if self.consecutive_bad_rounds >= self.max_consecutive_bad_rounds:
+            raise NonFiniteUpdateError(
+                f"{self.consecutive_bad_rounds} consecutive rounds had NaN/Inf client updates "
+                f"(last: clients {state.dropped}). Lower the learning rate, clip gradients "
+                "(Trainer(gradient_clip_val=...)) or check the data; raise "
+                "max_consecutive_bad_rounds to tolerate more."
+            )
+        self.aggregator.aggregate(self.lightning_module.trainer, self.lightning_module, state)
+        self.federated_tensors.load_(state.global_tensors)
+        self._call("on_round_end", state)
+        return state
+
+    def _call(self, hook: str, *args: Any) -> None:
+        trainer, module = self.lightning_module.trainer, self.lightning_module
+        for cb in self.federated_callbacks:
+            getattr(cb, hook)(trainer, module, *args)
+
+    # ------------------------------------------------------------------ evaluation
+    def begin_evaluation(self, schedule: ClientSchedule) -> None:
+        personalizes = any(
+            type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
+            for cb in self.federated_callbacks
+        )
+        self._eval = {
+            "schedule": schedule,
+            "open": None,
+            "global": self.federated_tensors.clone() if personalizes else None,
+        }
+        self.metric_capture.reset()
+
+    def _switch_eval_client(self, batch_idx: int) -> None:
+        pos, step = self._eval["schedule"].locate(batch_idx)
+        if step == 0:
+            self.end_client_evaluation()
+            client = self._eval["schedule"].clients[pos]
+            self._eval["open"] = client
+            self._call("on_client_evaluation_start", client)
+
+    def end_client_evaluation(self) -> None:
+        client = self._eval.get("open")
+        if client is None:
+            return
+        trainer = self.lightning_module.trainer
+        self.metric_capture.close_client(trainer._results, client)
+        self._call("on_client_evaluation_end", client)
+        if self._eval["global"] is not None:
+            self.federated_tensors.load_(self._eval["global"])
+        self._eval["open"] = None
+
+    # ------------------------------------------------------------------ checkpoint state
+    def federated_state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.lightning_module.trainer.current_epoch,
+            "seed": self.seed,
+            "client_store": self.client_store.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "consecutive_bad_rounds": self.consecutive_bad_rounds,
+        }
+
+    def load_federated_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            warnings.warn(
+                f"Resuming with seed {self.seed} from a checkpoint made with seed "
+                f"{state['seed']}: the resumed run will differ from the original.",
+                stacklevel=2,
+            )
+        self.client_store.load_state_dict(state["client_store"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.consecutive_bad_rounds = state["consecutive_bad_rounds"]
+
+
+class _RoundDriver(pl.Callback):
+    """Installed by FederatedStrategy: finishes clients
+    after their last optimizer step, logs round summaries and carries the federated state
+    in checkpoints."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        strategy: FederatedStrategy = trainer.strategy
+        schedule = strategy.current_round.schedule
+        pos, step = schedule.locate(batch_idx)
+        if step == schedule.num_batches[pos] - 1:
+            strategy.finish_client(pos)
+            if pos == len(schedule.clients) - 1:
+                strategy.end_round()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = trainer.strategy.current_round.state
+        pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
+        pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
+        pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer, pl_module, "test")
+
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy: FederatedStrategy = trainer.strategy
+        strategy.end_client_evaluation()
+        if trainer.sanity_checking:
+            return
+        per_client = {k: v for k, v in strategy.metric_capture.per_client.items() if v}
+        for name, values in per_client.items():
+            summary = summarize(values)
+            pl_module.log(f"{name}/uniform", summary["uniform"])
+            pl_module.log(f"{name}/p10", summary["p10"])
+        if per_client and trainer.log_dir is not None and trainer.is_global_zero:
+            path = os.path.join(trainer.log_dir, "client_metrics.csv")
+            write_client_metrics_csv(path, stage, trainer.current_epoch, per_client)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                import wandb
+
+                logger.experiment.log(
+                    {
+                        f"{name}/clients": wandb.Histogram([v for v, _ in values.values()])
+                        for name, values in per_client.items()
+                    }
+                    | {"trainer/global_step": trainer.global_step},
+                )
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.federated_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.strategy.load_federated_state_dict(state_dict)
+
+
+def _batch_idx(args: tuple, kwargs: dict) -> int:
+    return kwargs["batch_idx"] if "batch_idx" in kwargs else args[1]

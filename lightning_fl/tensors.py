@@ -1,0 +1,73 @@
+"""The tensors that are federated (parameters and floating buffers) and their update math.
+
+Everything is done with ``torch._foreach_*`` over lists, in place where possible.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+TensorList = list[Tensor]
+
+
+class FederatedTensors:
+    """The module's parameters followed by its floating-point buffers, by reference.
+
+    Integer buffers (for example BatchNorm's ``num_batches_tracked``) stay local.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.param_names = [name for name, _ in module.named_parameters()]
+        self.buffer_names = [
+            name for name, b in module.named_buffers() if torch.is_floating_point(b)
+        ]
+        self.params: TensorList = [p for _, p in module.named_parameters()]
+        self.tensors: TensorList = self.params + [
+            b for _, b in module.named_buffers() if torch.is_floating_point(b)
+        ]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.params)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.tensors)
+
+    @torch.no_grad()
+    def clone(self) -> TensorList:
+        return [t.detach().clone() for t in self.tensors]
+
+    @torch.no_grad()
+    def load_(self, values: TensorList) -> None:
+        torch._foreach_copy_(self.tensors, values)
+
+    @torch.no_grad()
+    def minus(self, reference: TensorList) -> TensorList:
+        """The update: these tensors minus ``reference``."""
+        return torch._foreach_sub([t.detach() for t in self.tensors], reference)
+
+
+def flatten(tensors: TensorList) -> Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten(flat: Tensor, like: TensorList) -> TensorList:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return out
+
+
+def all_finite(tensors: TensorList) -> bool:
+    """One reduction over all tensors: False if any entry is NaN or ±Inf."""
+    if not tensors:
+        return True
+    norms = torch._foreach_norm([t.float() for t in tensors])
+    return bool(torch.isfinite(torch.stack(norms)).all())
+
+
+def zeros_like(tensors: TensorList) -> TensorList:
+    return [torch.zeros_like(t) for t in tensors]
