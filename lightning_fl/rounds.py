@@ -64,7 +64,10 @@ class TrainRounds:
         # Lightning calls iter() once per epoch, after the previous epoch has ended (for the
         # first or a resumed epoch: during fit setup), so the round is planned here. The
         # generator below only reads data.
-        plan = self.strategy.begin_round(self.strategy.lightning_module.trainer.current_epoch)
+        # When resuming from a checkpoint taken at the end of epoch e, iter() runs while
+        # current_epoch still reads e; the epoch to be trained is the processed count.
+        trainer = self.strategy.lightning_module.trainer
+        plan = self.strategy.begin_round(trainer.fit_loop.epoch_progress.current.processed)
         return self._batches(plan)
 
     @staticmethod

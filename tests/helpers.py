@@ -1,0 +1,98 @@
+"""Shared test helpers: a tiny federated problem and a hand-written FL reference loop."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fl import MLP, Classifier, FederatedStrategy
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.seeding import derive_seed, generator
+
+IN, HIDDEN, OUT = 6, 8, 3
+
+
+def tiny_clients(num_clients: int = 10, seed: int = 0) -> list[dict]:
+    """Clients of unequal sizes (4..40 training samples) with a shared linear rule plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(IN, OUT, generator=g)
+    clients = []
+    for c in range(num_clients):
+        n = 4 + (c * 7) % 37
+        x = torch.randn(n + 6, IN, generator=g) + 0.3 * c
+        y = (x @ w + 0.5 * torch.randn(n + 6, OUT, generator=g)).argmax(1)
+        clients.append({"train": (x[:n], y[:n]), "val": (x[n:n + 3], y[n:n + 3]), "test": (x[n + 3:], y[n + 3:])})
+    return clients
+
+
+def tiny_datamodule(batch_size: int = 4, **kw) -> InMemoryFederatedDataModule:
+    return InMemoryFederatedDataModule(tiny_clients(**kw), batch_size=batch_size)
+
+
+def tiny_module(lr: float = 0.1, seed: int = 1) -> Classifier:
+    torch.manual_seed(seed)
+    return Classifier(network=MLP(IN, (HIDDEN,), OUT), lr=lr)
+
+
+def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -> pl.Trainer:
+    options = dict(
+        max_epochs=rounds,
+        strategy=strategy,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        accelerator="cpu",
+    )
+    options.update(kw)
+    return pl.Trainer(**options)
+
+
+def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def local_sgd(
+    net: torch.nn.Module,
+    data: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    round_idx: int,
+    client: int,
+    loss_extra=None,
+    grad_extra=None,
+) -> int:
+    """K plain SGD steps over the client's data, reshuffling after each pass (hand-written)."""
+    torch.manual_seed(derive_seed(seed, "client", round_idx, client))
+    loader = DataLoader(
+        TensorDataset(*data), batch_size=batch_size, shuffle=True,
+        generator=generator(seed, "data", round_idx, client),
+    )  # fmt: skip
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            for p in net.parameters():
+                p.grad = None
+            loss = F.cross_entropy(net(x), y)
+            if loss_extra is not None:
+                loss = loss + loss_extra(net)
+            loss.backward()
+            with torch.no_grad():
+                for i, p in enumerate(net.parameters()):
+                    g = p.grad if grad_extra is None else p.grad + grad_extra[i]
+                    p -= lr * g
+            done += 1
+            if done == steps:
+                break
+    return done

@@ -1,0 +1,191 @@
+"""The strategy's rounds equal hand-written FL loops, to float round-off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_fl import FederatedStrategy, MDSampler, UniformSampler
+from lightning_fl.callbacks import SCAFFOLD, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+from tests.helpers import (
+    local_sgd,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
+
+ROUNDS, STEPS, LR, SEED, BATCH = 5, 5, 0.1, 3, 4
+
+
+def run_strategy(sampler, callbacks, rounds=ROUNDS, **strategy_kw):
+    module = tiny_module(LR)
+    strategy = FederatedStrategy(sampler=sampler, local_steps=STEPS, seed=SEED, **strategy_kw)
+    make_trainer(strategy, rounds, callbacks).fit(module, datamodule=tiny_datamodule(BATCH))
+    return params_of(module)
+
+
+def sample_weights(clients, weighting="samples"):
+    counts = torch.tensor([len(c["train"][1]) for c in clients], dtype=torch.float64)
+    return counts / counts.sum() if weighting == "samples" else torch.full_like(counts, 1 / len(counts))
+
+
+def reference(sampler, server_step, loss_extra=None, weighting="samples"):
+    """Hand-written FedAvg-style loop: θ ← server_step(θ, Σ ω_i (θ_i − θ), r)."""
+    clients = tiny_clients()
+    net = tiny_module(LR).network
+    p = sample_weights(clients, weighting)
+    theta = params_of(net)
+    for r in range(ROUNDS):
+        part = sampler.sample(r, SEED, p)
+        delta = [torch.zeros_like(t) for t in theta]
+        for c, w in zip(part.clients, part.weights):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), theta):
+                    q.copy_(t)
+            extra = None if loss_extra is None else loss_extra(theta)
+            local_sgd(net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c, loss_extra=extra)
+            for d, q, t in zip(delta, net.parameters(), theta):
+                d += w * (q.detach() - t)
+        theta = server_step(theta, delta, r)
+    return theta
+
+
+@pytest.mark.parametrize("sampler", [UniformSampler(3), MDSampler(3)], ids=["uniform", "md"])
+def test_fedavg_equals_hand_written_loop(sampler):
+    ours = run_strategy(sampler, [FedAvg()])
+    ref = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)])
+    assert max_abs_diff(ours, ref) <= 1e-6
+
+
+def test_fedavg_uniform_weighting_and_server_lr():
+    sampler = UniformSampler(3)
+    ours = run_strategy(sampler, [FedAvg(weighting="uniform", server_lr=0.5)])
+    ref = reference(sampler, lambda t, d, r: [a + 0.5 * b for a, b in zip(t, d)], weighting="uniform")
+    assert max_abs_diff(ours, ref) <= 1e-6
+
+
+def test_fedprox_equals_proximal_loss_by_autograd():
+    mu, sampler = 0.5, UniformSampler(3)
+    ours = run_strategy(sampler, [FedProx(mu)])
+
+    def prox(theta):
+        anchor = [t.clone() for t in theta]
+        return lambda net: mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+
+    ref = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)], loss_extra=prox)
+    assert max_abs_diff(ours, ref) <= 1e-6
+
+
+def test_fedadam_equals_reddi_algorithm_2():
+    eta, b1, b2, tau, sampler = 0.05, 0.9, 0.99, 1e-3, UniformSampler(3)
+    ours = run_strategy(sampler, [FedAdam(server_lr=eta, beta1=b1, beta2=b2, tau=tau)])
+    m, v = {}, {}
+
+    def adam(theta, delta, r):
+        out = []
+        for i, (t, d) in enumerate(zip(theta, delta)):
+            m[i] = b1 * m.get(i, torch.zeros_like(d)) + (1 - b1) * d
+            v[i] = b2 * v.get(i, torch.full_like(d, tau**2)) + (1 - b2) * d * d
+            out.append(t + eta * m[i] / (v[i].sqrt() + tau))
+        return out
+
+    assert max_abs_diff(ours, reference(sampler, adam)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["yogi", "adagrad", "avgm"])
+def test_other_server_optimizers_follow_their_equations(name):
+    eta, b1, b2, tau, sampler = 0.05, 0.9, 0.99, 1e-3, UniformSampler(3)
+    callback = {
+        "yogi": FedYogi(server_lr=eta, beta1=b1, beta2=b2, tau=tau),
+        "adagrad": FedAdagrad(server_lr=eta, beta1=b1, beta2=b2, tau=tau),
+        "avgm": FedAvgM(server_lr=eta, beta=b1),
+    }[name]
+    ours = run_strategy(sampler, [callback])
+    m, v = {}, {}
+
+    def step(theta, delta, r):
+        out = []
+        for i, (t, d) in enumerate(zip(theta, delta)):
+            if name == "avgm":
+                m[i] = b1 * m.get(i, torch.zeros_like(d)) + d
+                out.append(t + eta * m[i])
+                continue
+            m[i] = b1 * m.get(i, torch.zeros_like(d)) + (1 - b1) * d
+            prev = v.get(i, torch.full_like(d, tau**2))
+            if name == "yogi":
+                v[i] = prev - (1 - b2) * d * d * torch.sign(prev - d * d)
+            else:
+                v[i] = prev + d * d
+            out.append(t + eta * m[i] / (v[i].sqrt() + tau))
+        return out
+
+    assert max_abs_diff(ours, reference(sampler, step)) <= 1e-6
+
+
+def test_scaffold_equals_karimireddy_algorithm_1_option_2():
+    sampler = UniformSampler(3)
+    ours = run_strategy(sampler, [SCAFFOLD(), FedAvg(weighting="uniform")])
+
+    clients = tiny_clients()
+    n = len(clients)
+    net = tiny_module(LR).network
+    x = params_of(net)
+    c = [torch.zeros_like(t) for t in x]
+    c_i = {i: [torch.zeros_like(t) for t in x] for i in range(n)}
+    p = torch.full((n,), 1 / n, dtype=torch.float64)
+    for r in range(ROUNDS):
+        part = sampler.sample(r, SEED, p)
+        dy = [torch.zeros_like(t) for t in x]
+        dc = [torch.zeros_like(t) for t in x]
+        for i in part.clients:
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), x):
+                    q.copy_(t)
+            correction = [cc - ci for cc, ci in zip(c, c_i[i])]  # y ← y − η(g − c_i + c)
+            k = local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, r, i, grad_extra=correction)
+            y = params_of(net)
+            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
+            for a, b, yy, xx in zip(dy, dc, y, x):
+                a += (yy - xx) / len(part.clients)
+            for b, nc, oc in zip(dc, new_ci, c_i[i]):
+                b += (nc - oc) / len(part.clients)
+            c_i[i] = new_ci
+        x = [xx + d for xx, d in zip(x, dy)]  # η_g = 1
+        c = [cc + len(part.clients) / n * d for cc, d in zip(c, dc)]
+    assert max_abs_diff(ours, x) <= 1e-6
+
+
+def test_scaffold_controls_live_in_the_client_store():
+    module = tiny_module(LR)
+    strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=STEPS, seed=SEED)
+    make_trainer(strategy, 2, [SCAFFOLD()]).fit(module, datamodule=tiny_datamodule(BATCH))
+    stored = strategy.client_store.clients()
+    assert 3 <= len(stored) <= 6
+    d = sum(q.numel() for q in module.parameters())
+    assert strategy.client_store.nbytes() == 4 * d * len(stored)
+
+
+def test_local_steps_vs_local_epochs_batches():
+    module = tiny_module(LR)
+    strategy = FederatedStrategy(local_epochs=2, seed=SEED)
+    trainer = make_trainer(strategy, 1, [FedAvg()])
+    trainer.fit(module, datamodule=tiny_datamodule(BATCH))
+    counts = [len(c["train"][1]) for c in tiny_clients()]
+    assert strategy.current_round.schedule.num_batches == tuple(2 * -(-n // BATCH) for n in counts)
+    assert trainer.global_step == sum(strategy.current_round.schedule.num_batches)
+
+
+def test_keep_optimizer_state_restores_momentum():
+    module = tiny_module(LR)
+    module.hparams.momentum = 0.9
+    strategy = FederatedStrategy(local_steps=2, seed=SEED, keep_optimizer_state=True)
+    make_trainer(strategy, 2, [FedAvg()]).fit(module, datamodule=tiny_datamodule(BATCH))
+    saved = strategy.client_store.get(0, "optimizer_0")
+    assert saved and "momentum_buffer" in saved[0]
+    again = copy.deepcopy(saved)
+    assert torch.equal(again[0]["momentum_buffer"], saved[0]["momentum_buffer"])

@@ -1,0 +1,69 @@
+"""Samplers draw from (seed, round) only, and their weights are unbiased: E[ω_i] = p_i."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fl import FullParticipation, MDSampler, UniformSampler
+
+P = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64)
+DRAWS = 20_000
+
+
+@pytest.mark.parametrize("sampler", [UniformSampler(4), MDSampler(4)], ids=["uniform", "md"])
+def test_weights_are_unbiased_within_three_standard_errors(sampler):
+    """Fraboni et al. Def. 2.1; the variances of Tab. 2.1 are checked too."""
+    omega = torch.zeros(DRAWS, len(P), dtype=torch.float64)
+    for r in range(DRAWS):
+        part = sampler.sample(r, 0, P)
+        omega[r, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    mean, std_err = omega.mean(0), omega.std(0) / DRAWS**0.5
+    assert ((mean - P).abs() <= 3 * std_err + 1e-12).all(), (mean, P)
+    n, m = len(P), 4
+    expected_var = (n / m - 1) * P**2 if isinstance(sampler, UniformSampler) else (P - P**2) / m
+    assert torch.allclose(omega.var(0), expected_var, rtol=0.1, atol=1e-5)
+
+
+def test_md_weights_sum_to_one_and_count_repeats():
+    part = MDSampler(50).sample(0, 0, torch.tensor([0.9, 0.1], dtype=torch.float64))
+    assert abs(sum(part.weights) - 1) < 1e-12
+    assert all(abs(w * 50 - round(w * 50)) < 1e-9 for w in part.weights)
+
+
+def test_uniform_weights_are_n_over_m_p():
+    part = UniformSampler(4).sample(7, 1, P)
+    assert len(part.clients) == 4
+    for c, w in zip(part.clients, part.weights):
+        assert w == pytest.approx(10 / 4 * float(P[c]))
+
+
+def test_renormalized_weights_are_an_explicit_opt_in():
+    biased = UniformSampler(4, renormalize=True).sample(7, 1, P)
+    plain = UniformSampler(4).sample(7, 1, P)
+    assert biased.clients == plain.clients
+    assert sum(biased.weights) == pytest.approx(1.0)
+    assert sum(plain.weights) != pytest.approx(1.0)
+
+
+def test_full_participation_uses_p_and_skips_empty_clients():
+    p = torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64)
+    part = FullParticipation().sample(0, 0, p)
+    assert part.clients == (0, 2) and part.weights == (0.5, 0.5)
+
+
+def test_same_seed_same_round_same_draw_and_seeds_differ():
+    s = UniformSampler(3)
+    assert s.sample(5, 11, P) == s.sample(5, 11, P)
+    draws = {s.sample(5, seed, P).clients for seed in range(20)}
+    assert len(draws) > 1
+
+
+def test_more_clients_per_round_than_clients_is_a_clear_error():
+    with pytest.raises(ValueError, match="clients_per_round=11 but only 10 clients"):
+        UniformSampler(11).sample(0, 0, P)
+
+
+def test_target_weights_are_checked():
+    with pytest.raises(ValueError, match="sum to 1"):
+        UniformSampler(1).sample(0, 0, torch.tensor([0.5, 0.2]))
