@@ -56,6 +56,9 @@ class ClientSampler:
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         raise NotImplementedError
 
+    def check(self, num_eligible: int) -> None:
+        """Raise a clear error when this sampler cannot work with ``num_eligible`` clients."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -85,14 +88,17 @@ class UniformSampler(_FixedSizeSampler):
     p_i > 0. The weights sum to 1 only when p_i = 1/n.
     """
 
+    def check(self, num_eligible: int) -> None:
+        if self.clients_per_round > num_eligible:
+            raise ValueError(
+                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
+                f"have training data; set clients_per_round <= {num_eligible}."
+            )
+
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         eligible = torch.nonzero(p > 0).flatten()
         n, m = len(eligible), self.clients_per_round
-        if m > n:
-            raise ValueError(
-                f"clients_per_round={m} but only {n} clients have training data; "
-                f"set clients_per_round <= {n}."
-            )
+        self.check(n)
         chosen = eligible[torch.randperm(n, generator=gen)[:m]].tolist()
         return {i: n / m * float(p[i]) for i in chosen}
 

@@ -149,7 +149,11 @@ class FederatedStrategy(SingleDeviceStrategy):
                 "call trainer.fit(model, datamodule=...)."
             )
         self._federated_tensors = FederatedTensors(self.lightning_module)
-        self.aggregator  # noqa: B018 -- validates the callbacks early
+        aggregator = self.aggregator  # validates the callbacks early
+        if trainer.state.fn == "fit":
+            counts = self._training_counts()
+            if not aggregator.pools_clients:
+                self.sampler.check(sum(1 for n in counts if n > 0))
 
     @property
     def federated_tensors(self) -> FederatedTensors:
@@ -202,12 +206,19 @@ class FederatedStrategy(SingleDeviceStrategy):
     def _datamodule(self) -> FederatedDataModule:
         return self.lightning_module.trainer.datamodule
 
+    def _training_counts(self) -> list[int]:
+        counts = self._datamodule().sample_counts("train")
+        if sum(counts) == 0:
+            raise ValueError(
+                "Every client has an empty training set: there is nothing to train on. "
+                "Check the datamodule's split fractions and data path."
+            )
+        return counts
+
     def begin_round(self, round_idx: int) -> RoundPlan:
         """Choose the participants of ``round_idx`` and build their loaders."""
         dm = self._datamodule()
-        counts = dm.sample_counts("train")
-        if sum(counts) == 0:
-            raise ValueError("Every client has an empty training set: there is nothing to train on.")
+        counts = self._training_counts()
         empty = [c for c, n in enumerate(counts) if n == 0]
         if empty and not self._warned_empty:
             self._warned_empty = True

@@ -1,0 +1,144 @@
+"""Bad input gets a clear error naming the problem and the fix, or the documented handling."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_fl import FederatedStrategy, NonFiniteUpdateError, UniformSampler
+from lightning_fl.callbacks import FedAdam, FedAvg
+from lightning_fl.datamodules import InMemoryFederatedDataModule, dirichlet_partition
+from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
+
+
+def test_more_clients_per_round_than_clients():
+    trainer = make_trainer(FederatedStrategy(sampler=UniformSampler(11), local_steps=1), 1)
+    with pytest.raises(ValueError, match="clients_per_round=11 but only 10 clients"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+
+
+@pytest.mark.parametrize("alpha", [0.0, -1.0])
+def test_dirichlet_alpha_must_be_positive(alpha):
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        dirichlet_partition([0, 1, 2, 3], 2, alpha, seed=0)
+
+
+def _clients_with_empty(indices):
+    clients = tiny_clients()
+    for c in indices:
+        x, y = clients[c]["train"]
+        clients[c]["train"] = (x[:0], y[:0])
+    return clients
+
+
+def test_client_without_training_data_is_skipped_with_a_warning():
+    dm = InMemoryFederatedDataModule(_clients_with_empty([0, 4]), batch_size=4)
+    strategy = FederatedStrategy(local_steps=2)
+    with pytest.warns(UserWarning, match=r"Skipping 2 client\(s\) with no training data: \[0, 4\]"):
+        make_trainer(strategy, 2, [FedAvg()]).fit(tiny_module(), datamodule=dm)
+    assert 0 not in strategy.current_round.schedule.clients
+    assert len(strategy.current_round.schedule.clients) == 8
+
+
+def test_every_client_empty_is_an_error():
+    dm = InMemoryFederatedDataModule(_clients_with_empty(range(10)), batch_size=4)
+    with pytest.raises(ValueError, match="Every client has an empty training set"):
+        make_trainer(FederatedStrategy(local_steps=1), 1).fit(tiny_module(), datamodule=dm)
+
+
+def _poisoned_datamodule():
+    clients = tiny_clients()
+    x, y = clients[3]["train"]
+    clients[3]["train"] = (torch.full_like(x, math.nan), y)
+    return InMemoryFederatedDataModule(clients, batch_size=4)
+
+
+def test_nan_update_is_dropped_and_training_goes_on():
+    module = tiny_module()
+    strategy = FederatedStrategy(local_steps=2, max_consecutive_bad_rounds=10)
+    with pytest.warns(UserWarning, match="client 3 sent an update with NaN or Inf"):
+        trainer = make_trainer(strategy, 3, [FedAvg()])
+        trainer.fit(module, datamodule=_poisoned_datamodule())
+    assert strategy.current_round.state.dropped == [3]
+    assert trainer.callback_metrics["fl/dropped_updates"] == 1
+    assert all(torch.isfinite(p).all() for p in params_of(module))
+
+
+def test_nan_update_equals_round_without_that_client_weight():
+    """A dropped update contributes nothing; the others keep their weights ω_i."""
+    clean = tiny_module()
+    make_trainer(FederatedStrategy(local_steps=2), 1, [FedAvg()]).fit(clean, datamodule=tiny_datamodule())
+    poisoned = tiny_module()
+    strategy = FederatedStrategy(local_steps=2)
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        make_trainer(strategy, 1, [FedAvg()]).fit(poisoned, datamodule=_poisoned_datamodule())
+    assert strategy.current_round.state.accepted == [c for c in range(10) if c != 3]
+    assert any(not torch.equal(a, b) for a, b in zip(params_of(clean), params_of(poisoned)))
+
+
+def test_consecutive_bad_rounds_stop_training():
+    strategy = FederatedStrategy(local_steps=2, max_consecutive_bad_rounds=2)
+    with pytest.warns(UserWarning), pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"):
+        make_trainer(strategy, 5, [FedAvg()]).fit(tiny_module(), datamodule=_poisoned_datamodule())
+
+
+def test_two_aggregators_are_refused():
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [FedAvg(), FedAdam()])
+    with pytest.raises(ValueError, match="Exactly one aggregator callback.*FedAvg, FedAdam"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+
+
+def test_gradient_accumulation_is_refused():
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=1"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+
+
+def test_plain_datamodule_is_refused():
+    class Plain(pl.LightningDataModule):
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 6)))
+
+    with pytest.raises(TypeError, match="needs a lightning_fl.datamodules.FederatedDataModule"):
+        make_trainer(FederatedStrategy(local_steps=1), 1).fit(tiny_module(), datamodule=Plain())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"local_steps": 1, "local_epochs": 1}, "either local_steps or local_epochs"),
+        ({"local_steps": 0}, "local_steps must be >= 1"),
+        ({"max_consecutive_bad_rounds": 0}, "max_consecutive_bad_rounds must be >= 1"),
+    ],
+)
+def test_impossible_strategy_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FederatedStrategy(**kwargs)
+
+
+def test_manual_optimization_is_supported_and_matches_automatic():
+    class Manual(type(tiny_module())):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+            self.manual_backward(loss)
+            opt.step()
+
+    auto = tiny_module()
+    make_trainer(FederatedStrategy(sampler=UniformSampler(3), local_steps=3), 2, [FedAvg()]).fit(
+        auto, datamodule=tiny_datamodule()
+    )
+    torch.manual_seed(1)
+    manual = Manual(network=type(auto.network)(6, (8,), 3), lr=0.1)
+    strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=3)
+    make_trainer(strategy, 2, [FedAvg()]).fit(manual, datamodule=tiny_datamodule())
+    assert all(torch.equal(a, b) for a, b in zip(params_of(auto), params_of(manual)))
+    assert any(not torch.equal(a, b) for a, b in zip(params_of(auto), params_of(tiny_module())))
