@@ -30,7 +30,9 @@ class FedAvg(Aggregator):
         self.server_lr = server_lr
 
     @torch.no_grad()
-    def aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)
 
 
@@ -61,14 +63,18 @@ class FedAvgM(_StatefulServerOptimizer):
 
     _state_names = ("momentum",)
 
-    def __init__(self, server_lr: float = 1.0, beta: float = 0.9, weighting: Weighting = "samples") -> None:
+    def __init__(
+        self, server_lr: float = 1.0, beta: float = 0.9, weighting: Weighting = "samples"
+    ) -> None:
         super().__init__(weighting, server_lr)
         if not 0 <= beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {beta}.")
         self.beta = beta
 
     @torch.no_grad()
-    def aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         if self.momentum is None:
             self.momentum = zeros_like(state.update_sum)
         torch._foreach_mul_(self.momentum, self.beta)
@@ -107,7 +113,9 @@ class _AdaptiveServerOptimizer(_StatefulServerOptimizer):
         raise NotImplementedError
 
     @torch.no_grad()
-    def aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         delta = state.update_sum
         if self.first_moment is None:
             self.first_moment = zeros_like(delta)
@@ -117,7 +125,9 @@ class _AdaptiveServerOptimizer(_StatefulServerOptimizer):
         self._update_second_moment(self.second_moment, torch._foreach_mul(delta, delta))
         denom = torch._foreach_sqrt(self.second_moment)
         torch._foreach_add_(denom, self.tau)
-        torch._foreach_addcdiv_(state.global_tensors, self.first_moment, denom, value=self.server_lr)
+        torch._foreach_addcdiv_(
+            state.global_tensors, self.first_moment, denom, value=self.server_lr
+        )
 
 
 class FedAdagrad(_AdaptiveServerOptimizer):

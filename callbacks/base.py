@@ -53,7 +53,9 @@ class RoundState:
 class FederatedCallback(pl.Callback):
     """Base class of the algorithms that plug into a round. Every hook is optional."""
 
-    def on_round_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def on_round_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         """After the participants are chosen, before the first client trains."""
 
     def on_client_start(
@@ -82,7 +84,9 @@ class FederatedCallback(pl.Callback):
     ) -> None:
         """After an accepted update is folded into ``state.update_sum``."""
 
-    def on_round_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def on_round_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         """After aggregation; ``state.global_tensors`` holds θ^{t+1}."""
 
     def on_client_evaluation_start(
@@ -122,6 +126,8 @@ class Aggregator(FederatedCallback):
             counts = (counts > 0).double()
         return counts / counts.sum()
 
-    def aggregate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState) -> None:
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
         """Write θ^{t+1} into ``state.global_tensors`` in place."""
         raise NotImplementedError

@@ -66,7 +66,9 @@ class FederatedDataModule(pl.LightningDataModule):
     ) -> DataLoader:
         """The loader for one client's dataset; training loaders shuffle with ``generator``."""
         if split == "train":
-            return DataLoader(dataset, batch_size=self.batch_size, shuffle=True, generator=generator)
+            return DataLoader(
+                dataset, batch_size=self.batch_size, shuffle=True, generator=generator
+            )
         return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False)
 
     def train_dataloader(self) -> FederatedLoader:

@@ -57,7 +57,10 @@ def summarize(values: Mapping[int, tuple[float, float]]) -> dict[str, float]:
 
 
 def write_client_metrics_csv(
-    path: str, stage: str, round_idx: int, per_client: Mapping[str, Mapping[int, tuple[float, float]]]
+    path: str,
+    stage: str,
+    round_idx: int,
+    per_client: Mapping[str, Mapping[int, tuple[float, float]]],
 ) -> None:
     """Append one row per (metric, client) to ``path`` (header written once)."""
     new_file = not os.path.exists(path)

@@ -14,7 +14,9 @@ from torch import nn
 class MLP(nn.Module):
     """Fully connected ReLU network: in → hidden... → out."""
 
-    def __init__(self, in_features: int = 64, hidden: tuple[int, ...] = (64,), num_classes: int = 10) -> None:
+    def __init__(
+        self, in_features: int = 64, hidden: tuple[int, ...] = (64,), num_classes: int = 10
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = [nn.Flatten()]
         width = in_features
@@ -38,14 +40,17 @@ class MnistCNN(nn.Module):
             nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
         )  # fmt: skip
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
 
 class DigitsCNN(nn.Module):
-    """A small CNN for 1×8×8 digits: Conv(1,16,3,p1)-ReLU-Conv(16,32,3,p1)-ReLU-MaxPool2-Linear(512,C)."""
+    """A small CNN for 1×8×8 digits:
+    Conv(1,16,3,p1)-ReLU-Conv(16,32,3,p1)-ReLU-MaxPool2-Linear(512,C)."""
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
@@ -90,7 +95,14 @@ class Classifier(LightningModule):
         acc = (logits.argmax(dim=-1) == y).float().mean()
         on_step = stage == "train"
         self.log(f"{stage}_loss", loss, on_step=on_step, on_epoch=True, batch_size=len(y))
-        self.log(f"{stage}_acc", acc, on_step=False, on_epoch=True, batch_size=len(y), prog_bar=stage != "train")
+        self.log(
+            f"{stage}_acc",
+            acc,
+            on_step=False,
+            on_epoch=True,
+            batch_size=len(y),
+            prog_bar=stage != "train",
+        )
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -104,8 +116,13 @@ class Classifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+        )
         if hp.lr_decay == 1.0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=hp.lr_decay)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
+        }

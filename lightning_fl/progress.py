@@ -14,7 +14,9 @@ class FederatedProgressBar(TQDMProgressBar):
     FederatedStrategy puts it in place of Lightning's default bar.
     """
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # The round is planned when its batches are first drawn, so its size is known here.
         if batch_idx == 0 and trainer.strategy.current_round is not None:
             self.train_progress_bar.reset(total=trainer.strategy.current_round.schedule.total)
@@ -24,7 +26,10 @@ class FederatedProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         strategy = trainer.strategy
-        plan, where = getattr(strategy, "current_round", None), getattr(strategy, "current_client", None)
+        plan, where = (
+            getattr(strategy, "current_round", None),
+            getattr(strategy, "current_client", None),
+        )
         if trainer.training and plan is not None and where is not None:
             pos, step = where
             metrics["client"] = f"{pos + 1}/{len(plan.schedule.clients)}"

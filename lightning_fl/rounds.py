@@ -79,7 +79,9 @@ class TrainRounds:
 class EvalRounds:
     """Held-out batches of every client that has data for ``split``, client by client."""
 
-    def __init__(self, datamodule: FederatedDataModule, split: Split, strategy: FederatedStrategy) -> None:
+    def __init__(
+        self, datamodule: FederatedDataModule, split: Split, strategy: FederatedStrategy
+    ) -> None:
         self.datamodule = datamodule
         self.split = split
         self.strategy = strategy

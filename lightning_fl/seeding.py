@@ -15,7 +15,9 @@ import torch
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:
     """A 63-bit seed mixed from ``seed``, a purpose tag and integer keys (round, client)."""
     tag = zlib.crc32(purpose.encode())
-    state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, tag, *(int(k) & 0xFFFFFFFF for k in keys)])
+    state = np.random.SeedSequence(
+        [int(seed) & 0xFFFFFFFF, tag, *(int(k) & 0xFFFFFFFF for k in keys)]
+    )
     return int(state.generate_state(2, dtype=np.uint64)[0] >> np.uint64(1))
 
 

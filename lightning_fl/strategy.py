@@ -35,7 +35,7 @@ from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
 from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
 from lightning_fl.seeding import derive_seed, generator
-from lightning_fl.tensors import FederatedTensors, TensorList, all_finite, zeros_like
+from lightning_fl.tensors import FederatedTensors, all_finite, zeros_like
 
 #: Client id of the single virtual client of the pooled (centralized) baseline.
 POOLED_CLIENT = -1
@@ -163,7 +163,11 @@ class FederatedStrategy(SingleDeviceStrategy):
 
     @property
     def federated_callbacks(self) -> list[FederatedCallback]:
-        return [cb for cb in self.lightning_module.trainer.callbacks if isinstance(cb, FederatedCallback)]
+        return [
+            cb
+            for cb in self.lightning_module.trainer.callbacks
+            if isinstance(cb, FederatedCallback)
+        ]
 
     @property
     def aggregator(self) -> Aggregator:
@@ -252,7 +256,9 @@ class FederatedStrategy(SingleDeviceStrategy):
             sample_counts=counts,
             target_weights=p,
         )
-        schedule = ClientSchedule(participation.clients, tuple(self._num_batches(lo) for lo in loaders))
+        schedule = ClientSchedule(
+            participation.clients, tuple(self._num_batches(lo) for lo in loaders)
+        )
         self.current_round = RoundPlan(schedule, loaders, state)
         self._call("on_round_start", state)
         return self.current_round
@@ -276,9 +282,15 @@ class FederatedStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         for i, optimizer in enumerate(trainer.optimizers):
             optimizer.state.clear()
-            saved = self.client_store.get(client, f"optimizer_{i}") if self.keep_optimizer_state else None
+            saved = (
+                self.client_store.get(client, f"optimizer_{i}")
+                if self.keep_optimizer_state
+                else None
+            )
             if saved is not None:
-                optimizer.load_state_dict({"state": saved, "param_groups": optimizer.state_dict()["param_groups"]})
+                optimizer.load_state_dict(
+                    {"state": saved, "param_groups": optimizer.state_dict()["param_groups"]}
+                )
         self._call("on_client_start", client, state)
 
     def finish_client(self, pos: int) -> None:
@@ -301,7 +313,9 @@ class FederatedStrategy(SingleDeviceStrategy):
         state.accepted.append(client)
         if self.keep_optimizer_state:
             for i, optimizer in enumerate(trainer.optimizers):
-                self.client_store.set(client, f"optimizer_{i}", copy.deepcopy(optimizer.state_dict()["state"]))
+                self.client_store.set(
+                    client, f"optimizer_{i}", copy.deepcopy(optimizer.state_dict()["state"])
+                )
         self._call("on_client_end", client, update, state)
 
     def end_round(self) -> RoundState:

@@ -23,7 +23,13 @@ def tiny_clients(num_clients: int = 10, seed: int = 0) -> list[dict]:
         n = 4 + (c * 7) % 37
         x = torch.randn(n + 6, IN, generator=g) + 0.3 * c
         y = (x @ w + 0.5 * torch.randn(n + 6, OUT, generator=g)).argmax(1)
-        clients.append({"train": (x[:n], y[:n]), "val": (x[n:n + 3], y[n:n + 3]), "test": (x[n + 3:], y[n + 3:])})
+        clients.append(
+            {
+                "train": (x[:n], y[:n]),
+                "val": (x[n : n + 3], y[n : n + 3]),
+                "test": (x[n + 3 :], y[n + 3 :]),
+            }
+        )
     return clients
 
 

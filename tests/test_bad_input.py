@@ -70,7 +70,9 @@ def test_nan_update_is_dropped_and_training_goes_on():
 def test_nan_update_equals_round_without_that_client_weight():
     """A dropped update contributes nothing; the others keep their weights ω_i."""
     clean = tiny_module()
-    make_trainer(FederatedStrategy(local_steps=2), 1, [FedAvg()]).fit(clean, datamodule=tiny_datamodule())
+    make_trainer(FederatedStrategy(local_steps=2), 1, [FedAvg()]).fit(
+        clean, datamodule=tiny_datamodule()
+    )
     poisoned = tiny_module()
     strategy = FederatedStrategy(local_steps=2)
     with pytest.warns(UserWarning, match="NaN or Inf"):
@@ -81,7 +83,10 @@ def test_nan_update_equals_round_without_that_client_weight():
 
 def test_consecutive_bad_rounds_stop_training():
     strategy = FederatedStrategy(local_steps=2, max_consecutive_bad_rounds=2)
-    with pytest.warns(UserWarning), pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"):
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"),
+    ):
         make_trainer(strategy, 5, [FedAvg()]).fit(tiny_module(), datamodule=_poisoned_datamodule())
 
 

@@ -31,7 +31,11 @@ def run_strategy(sampler, callbacks, rounds=ROUNDS, **strategy_kw):
 
 def sample_weights(clients, weighting="samples"):
     counts = torch.tensor([len(c["train"][1]) for c in clients], dtype=torch.float64)
-    return counts / counts.sum() if weighting == "samples" else torch.full_like(counts, 1 / len(counts))
+    return (
+        counts / counts.sum()
+        if weighting == "samples"
+        else torch.full_like(counts, 1 / len(counts))
+    )
 
 
 def reference(sampler, server_step, loss_extra=None, weighting="samples"):
@@ -65,7 +69,9 @@ def test_fedavg_equals_hand_written_loop(sampler):
 def test_fedavg_uniform_weighting_and_server_lr():
     sampler = UniformSampler(3)
     ours = run_strategy(sampler, [FedAvg(weighting="uniform", server_lr=0.5)])
-    ref = reference(sampler, lambda t, d, r: [a + 0.5 * b for a, b in zip(t, d)], weighting="uniform")
+    ref = reference(
+        sampler, lambda t, d, r: [a + 0.5 * b for a, b in zip(t, d)], weighting="uniform"
+    )
     assert max_abs_diff(ours, ref) <= 1e-6
 
 
@@ -75,7 +81,9 @@ def test_fedprox_equals_proximal_loss_by_autograd():
 
     def prox(theta):
         anchor = [t.clone() for t in theta]
-        return lambda net: mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+        return lambda net: (
+            mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+        )
 
     ref = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)], loss_extra=prox)
     assert max_abs_diff(ours, ref) <= 1e-6
@@ -150,7 +158,7 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2():
             k = local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, r, i, grad_extra=correction)
             y = params_of(net)
             new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
-            for a, b, yy, xx in zip(dy, dc, y, x):
+            for a, yy, xx in zip(dy, y, x):
                 a += (yy - xx) / len(part.clients)
             for b, nc, oc in zip(dc, new_ci, c_i[i]):
                 b += (nc - oc) / len(part.clients)

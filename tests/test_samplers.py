@@ -7,7 +7,9 @@ import torch
 
 from lightning_fl import FullParticipation, MDSampler, UniformSampler
 
-P = torch.tensor([0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64)
+P = torch.tensor(
+    [0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64
+)
 DRAWS = 20_000
 
 

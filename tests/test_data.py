@@ -1,0 +1,72 @@
+"""Partitioners are pure functions of (labels, seed); the embedded digits datamodule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_fl.datamodules import (
+    DigitsDataModule,
+    dirichlet_partition,
+    iid_partition,
+    load_digits,
+    shard_partition,
+)
+
+LABELS = np.repeat(np.arange(10), 100)
+
+
+def _histograms(parts):
+    return np.stack([np.bincount(LABELS[p], minlength=10) / max(len(p), 1) for p in parts])
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        lambda s: iid_partition(LABELS, 7, s),
+        lambda s: dirichlet_partition(LABELS, 7, 0.3, s),
+        lambda s: shard_partition(LABELS, 7, 2, s),
+    ],
+    ids=["iid", "dirichlet", "shards"],
+)
+def test_every_sample_once_and_same_seed_same_split(split):
+    parts = split(0)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, split(0)))
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, split(1)))
+
+
+def test_dirichlet_alpha_controls_skew():
+    near_iid = _histograms(dirichlet_partition(LABELS, 5, 1e4, seed=0))
+    skewed = _histograms(dirichlet_partition(LABELS, 5, 0.05, seed=0))
+    assert np.abs(near_iid - 0.1).max() < 0.05
+    assert np.abs(skewed - 0.1).max() > 0.4
+
+
+def test_dirichlet_min_size_and_impossible_min_size():
+    parts = dirichlet_partition(LABELS, 10, 0.5, seed=0, min_size=20)
+    assert min(len(p) for p in parts) >= 20
+    with pytest.raises(ValueError, match="lower min_size"):
+        dirichlet_partition(LABELS, 10, 0.5, seed=0, min_size=200)
+
+
+def test_shards_give_few_classes_per_client():
+    parts = shard_partition(LABELS, 10, 2, seed=0)
+    assert max(len(np.unique(LABELS[p])) for p in parts) <= 2
+
+
+def test_too_many_clients_is_a_clear_error():
+    with pytest.raises(ValueError, match="exceeds the 1000 samples"):
+        iid_partition(LABELS, 1001, 0)
+
+
+def test_digits_is_embedded_and_split_per_client():
+    x, y = load_digits()
+    assert x.shape == (1797, 64) and set(np.unique(y)) == set(range(10))
+    assert 0 <= x.min() and x.max() <= 1
+    dm = DigitsDataModule(num_clients=20, alpha=0.5, seed=0)
+    total = sum(sum(dm.sample_counts(s)) for s in ("train", "val", "test"))
+    assert dm.num_clients == 20 and total == 1797
+    assert min(dm.sample_counts("train")) > 0
+    with pytest.raises(ValueError, match="Unknown partition"):
+        DigitsDataModule(partition="zipf")

@@ -1,0 +1,96 @@
+"""Determinism given a seed, and client-by-client evaluation summaries."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import FedAvg, Local, Pooled
+from lightning_fl.evaluation import summarize
+from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
+
+
+def _run(seed: int, rounds: int = 3):
+    module = tiny_module()
+    strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=3, seed=seed)
+    participants = []
+
+    class Record(FedAvg):
+        def on_round_start(self, trainer, pl_module, state):
+            participants.append(state.participation.clients)
+
+    make_trainer(strategy, rounds, [Record()]).fit(module, datamodule=tiny_datamodule())
+    return params_of(module), participants
+
+
+def test_same_seed_same_run_and_other_seed_other_participants():
+    a, parts_a = _run(7)
+    b, parts_b = _run(7)
+    assert parts_a == parts_b
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _, parts_c = _run(8)
+    assert parts_a != parts_c
+
+
+def test_global_rng_state_does_not_change_the_run():
+    a, _ = _run(7)
+    torch.manual_seed(999)
+    torch.rand(10)
+    b, _ = _run(7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _per_client_accuracy(net, clients, split="val"):
+    accs, sizes = [], []
+    with torch.no_grad():
+        for c in clients:
+            x, y = c[split]
+            accs.append(float((net(x).argmax(1) == y).float().mean()))
+            sizes.append(len(y))
+    return torch.tensor(accs, dtype=torch.float64), torch.tensor(sizes, dtype=torch.float64)
+
+
+def test_validation_reports_weighted_uniform_and_bottom_decile():
+    module = tiny_module()
+    trainer = make_trainer(FederatedStrategy(local_steps=3), 2, [FedAvg()], limit_val_batches=None)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    accs, sizes = _per_client_accuracy(module.network, tiny_clients())
+    metrics = trainer.callback_metrics
+    assert abs(float(metrics["val_acc"]) - float((accs * sizes).sum() / sizes.sum())) < 1e-6
+    assert abs(float(metrics["val_acc/uniform"]) - float(accs.mean())) < 1e-6
+    assert abs(float(metrics["val_acc/p10"]) - float(torch.quantile(accs, 0.1))) < 1e-6
+
+
+def test_summarize_by_hand():
+    values = {0: (1.0, 1.0), 1: (0.0, 3.0), 2: (0.5, 4.0)}
+    s = summarize(values)
+    assert abs(s["weighted"] - (1 + 0 + 2) / 8) < 1e-12
+    assert abs(s["uniform"] - 0.5) < 1e-12
+    assert abs(s["p10"] - 0.1) < 1e-12  # linear interpolation between 0.0 and 0.5
+
+
+def test_local_evaluates_each_client_with_its_own_model():
+    module = tiny_module()
+    strategy = FederatedStrategy(local_steps=3)
+    trainer = make_trainer(strategy, 2, [Local()], limit_val_batches=None)
+    initial = params_of(module)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    assert all(torch.equal(a, b) for a, b in zip(initial, params_of(module)))  # global untouched
+    clients = tiny_clients()
+    accs = []
+    for c in range(len(clients)):
+        net = tiny_module().network
+        flat = strategy.client_store.get(c, "local_model")
+        torch.nn.utils.vector_to_parameters(flat, net.parameters())
+        accs.append(_per_client_accuracy(net, [clients[c]])[0].item())
+    assert abs(float(trainer.callback_metrics["val_acc/uniform"]) - sum(accs) / len(accs)) < 1e-6
+
+
+def test_pooled_trains_one_client_on_the_union():
+    module = tiny_module()
+    strategy = FederatedStrategy(local_steps=5)
+    make_trainer(strategy, 1, [Pooled()]).fit(module, datamodule=tiny_datamodule())
+    schedule = strategy.current_round.schedule
+    assert schedule.clients == (-1,) and schedule.num_batches == (5,)
+    total = sum(len(c["train"][1]) for c in tiny_clients())
+    assert len(strategy.current_round.loaders[0].dataset) == total
