@@ -78,6 +78,7 @@ def local_sgd(
     client: int,
     loss_extra=None,
     grad_extra=None,
+    clip_norm: float | None = None,
 ) -> int:
     """K plain SGD steps over the client's data, reshuffling after each pass (hand-written)."""
     torch.manual_seed(derive_seed(seed, "client", round_idx, client))
@@ -94,6 +95,8 @@ def local_sgd(
             if loss_extra is not None:
                 loss = loss + loss_extra(net)
             loss.backward()
+            if clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(list(net.parameters()), clip_norm)
             with torch.no_grad():
                 for i, p in enumerate(net.parameters()):
                     g = p.grad if grad_extra is None else p.grad + grad_extra[i]
