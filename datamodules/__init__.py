@@ -6,6 +6,11 @@ from lightning_fl.datamodules.base import (
     InMemoryFederatedDataModule,
 )
 from lightning_fl.datamodules.digits import DigitsDataModule, load_digits
+from lightning_fl.datamodules.flamby import (
+    FedHeartDiseaseDataModule,
+    FedTcgaBrcaDataModule,
+    NaturalSplitDataModule,
+)
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
     iid_partition,
@@ -15,6 +20,9 @@ from lightning_fl.datamodules.partition import (
 
 __all__ = [
     "DigitsDataModule",
+    "FedHeartDiseaseDataModule",
+    "FedTcgaBrcaDataModule",
+    "NaturalSplitDataModule",
     "FederatedDataModule",
     "FederatedLoader",
     "InMemoryFederatedDataModule",

@@ -1,7 +1,15 @@
 """lightning_fl: federated learning as a PyTorch Lightning strategy plus callbacks."""
 
 from lightning_fl.client_store import ClientStore
-from lightning_fl.models import MLP, Classifier, DigitsCNN, MnistCNN
+from lightning_fl.models import (
+    MLP,
+    BinaryClassifier,
+    Classifier,
+    CoxRegression,
+    DigitsCNN,
+    FederatedTask,
+    MnistCNN,
+)
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
@@ -16,6 +24,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MLP",
+    "BinaryClassifier",
+    "CoxRegression",
+    "FederatedTask",
     "Classifier",
     "ClientSampler",
     "ClientStore",

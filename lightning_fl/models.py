@@ -64,45 +64,49 @@ class DigitsCNN(nn.Module):
         return self.net(x.view(-1, 1, 8, 8))
 
 
-class Classifier(LightningModule):
-    """Cross-entropy classification with SGD; logs ``{stage}_loss`` and ``{stage}_acc``.
+class FederatedTask(LightningModule):
+    """A network, a loss and metrics, with the client optimizer as hyper-parameters.
+
+    Subclasses implement :meth:`loss_and_metrics`. Logs ``{stage}_loss`` and
+    ``{stage}_{metric}`` as batch-size-weighted epoch means (per client under
+    FederatedStrategy).
 
     Args:
-        network: any ``nn.Module`` mapping inputs to logits (default: MLP 64-64-10).
-        lr, momentum, weight_decay: the client optimizer (SGD).
+        network: the ``nn.Module`` to train.
+        optimizer: ``"sgd"`` or ``"adam"`` (client optimizer).
+        lr, momentum, weight_decay: its settings (momentum is ignored by Adam).
         lr_decay: multiply the learning rate by this factor after every round (1 = constant).
     """
 
     def __init__(
         self,
-        network: nn.Module | None = None,
+        network: nn.Module,
         lr: float = 0.05,
+        optimizer: str = "sgd",
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         lr_decay: float = 1.0,
     ) -> None:
         super().__init__()
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}.")
         self.save_hyperparameters(ignore=["network"])
-        self.network = network if network is not None else MLP()
+        self.network = network
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
 
+    def loss_and_metrics(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
     def _step(self, batch, stage: str) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        acc = (logits.argmax(dim=-1) == y).float().mean()
-        on_step = stage == "train"
-        self.log(f"{stage}_loss", loss, on_step=on_step, on_epoch=True, batch_size=len(y))
-        self.log(
-            f"{stage}_acc",
-            acc,
-            on_step=False,
-            on_epoch=True,
-            batch_size=len(y),
-            prog_bar=stage != "train",
-        )
+        loss, metrics = self.loss_and_metrics(batch)
+        size = len(batch[-1])
+        self.log(f"{stage}_loss", loss, on_step=stage == "train", on_epoch=True, batch_size=size)
+        for name, value in metrics.items():
+            self.log(
+                f"{stage}_{name}", value, on_epoch=True, batch_size=size, prog_bar=stage != "train"
+            )
         return loss
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -116,9 +120,12 @@ class Classifier(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.SGD(
-            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
-        )
+        if hp.optimizer == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(
+                self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+            )
         if hp.lr_decay == 1.0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=hp.lr_decay)
@@ -126,3 +133,53 @@ class Classifier(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
         }
+
+
+class Classifier(FederatedTask):
+    """Multi-class classification: cross-entropy loss, accuracy (default network MLP 64-64-10)."""
+
+    def __init__(self, network: nn.Module | None = None, lr: float = 0.05, **optim) -> None:
+        super().__init__(network if network is not None else MLP(), lr=lr, **optim)
+
+    def loss_and_metrics(self, batch):
+        x, y = batch
+        logits = self(x)
+        acc = (logits.argmax(dim=-1) == y).float().mean()
+        return F.cross_entropy(logits, y), {"acc": acc}
+
+
+class BinaryClassifier(FederatedTask):
+    """Binary classification on one logit: BCE-with-logits loss, accuracy at p = 0.5.
+
+    Equal to FLamby's Fed-Heart-Disease baseline (sigmoid(Linear(13, 1)) with BCELoss).
+    """
+
+    def __init__(self, network: nn.Module | None = None, lr: float = 1e-3, **optim) -> None:
+        super().__init__(network if network is not None else nn.Linear(13, 1), lr=lr, **optim)
+
+    def loss_and_metrics(self, batch):
+        x, y = batch
+        logits = self(x).reshape(-1)
+        target = y.reshape(-1).to(logits.dtype)
+        acc = ((logits > 0).to(target.dtype) == target).float().mean()
+        return F.binary_cross_entropy_with_logits(logits, target), {"acc": acc}
+
+
+class CoxRegression(FederatedTask):
+    """Cox proportional hazards with a network giving the risk score (default Linear(39, 1),
+    FLamby's Fed-TCGA-BRCA baseline). Targets are (event, time) pairs. Loss: negative Cox
+    partial log-likelihood; metric: C-index of the batch (FLamby evaluates each client's
+    whole test set as one batch)."""
+
+    def __init__(self, network: nn.Module | None = None, lr: float = 0.1, **optim) -> None:
+        super().__init__(network if network is not None else nn.Linear(39, 1), lr=lr, **optim)
+
+    def loss_and_metrics(self, batch):
+        from lightning_fl.survival import concordance_index, cox_partial_likelihood_loss
+
+        x, target = batch
+        scores = self(x).reshape(-1)
+        events, times = target[:, 0], target[:, 1]
+        loss = cox_partial_likelihood_loss(scores, events, times)
+        cindex = concordance_index(times, scores.detach(), events)
+        return loss, {"cindex": torch.tensor(cindex)}
