@@ -1,6 +1,6 @@
 """FLamby benchmark: every recipe of recipes/flamby/ over 5 seeds.
 
-    python benchmarks/flamby.py [--data ../shared/data] [--seeds 0 1 2 3 4] [--out benchmarks/results/flamby.md]
+    python benchmarks/flamby.py [--data ../shared/data] [--seeds 0 1 2 3 4] [--out FILE.md]
 
 For each (dataset, strategy) it reports mean ± std over seeds of two numbers: the test
 metric averaged uniformly over the clients' test sets, and the metric of the final global
