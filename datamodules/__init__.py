@@ -5,6 +5,7 @@ from lightning_fl.datamodules.base import (
     FederatedLoader,
     InMemoryFederatedDataModule,
 )
+from lightning_fl.datamodules.cifar import CifarDataModule, load_pickle_batch
 from lightning_fl.datamodules.digits import DigitsDataModule, load_digits
 from lightning_fl.datamodules.flamby import (
     FedHeartDiseaseDataModule,
@@ -13,12 +14,15 @@ from lightning_fl.datamodules.flamby import (
 )
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
+    grouped_dirichlet_partition,
     iid_partition,
+    pachinko_partition,
     shard_partition,
     split_fractions,
 )
 
 __all__ = [
+    "CifarDataModule",
     "DigitsDataModule",
     "FedHeartDiseaseDataModule",
     "FedTcgaBrcaDataModule",
@@ -27,8 +31,11 @@ __all__ = [
     "FederatedLoader",
     "InMemoryFederatedDataModule",
     "dirichlet_partition",
+    "grouped_dirichlet_partition",
+    "pachinko_partition",
     "iid_partition",
     "load_digits",
+    "load_pickle_batch",
     "shard_partition",
     "split_fractions",
 ]

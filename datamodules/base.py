@@ -44,6 +44,8 @@ class FederatedDataModule(pl.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
+        #: Clients held out of training ("unseen"); evaluation reports them apart.
+        self.unseen_clients: list[int] = []
 
     @property
     def num_clients(self) -> int:
@@ -56,9 +58,13 @@ class FederatedDataModule(pl.LightningDataModule):
         """Number of samples of every client in ``split`` (0 when it has none)."""
         return [_size(self.client_dataset(c, split)) for c in range(self.num_clients)]
 
+    def seen_clients(self) -> list[int]:
+        unseen = set(self.unseen_clients)
+        return [c for c in range(self.num_clients) if c not in unseen]
+
     def pooled_dataset(self, split: Split = "train") -> Dataset:
-        """The union of all clients' data (the centralized baseline)."""
-        parts = [self.client_dataset(c, split) for c in range(self.num_clients)]
+        """The union of the seen clients' data (the centralized baseline)."""
+        parts = [self.client_dataset(c, split) for c in self.seen_clients()]
         return torch.utils.data.ConcatDataset([d for d in parts if _size(d) > 0])
 
     def client_dataloader(

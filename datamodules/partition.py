@@ -99,3 +99,82 @@ def split_fractions(
     shuffled = np.random.default_rng(seed).permutation(indices)
     cuts = np.round(np.cumsum(fractions)[:-1] * len(indices)).astype(int)
     return [np.sort(part) for part in np.split(shuffled, cuts)]
+
+
+def grouped_dirichlet_partition(
+    labels, num_clients: int, alpha: float, num_groups: int, seed: int
+) -> list[np.ndarray]:
+    """FedEM's label split (Marfoq et al. 2021, App. D.1, ``split_dataset_by_labels``).
+
+    The labels are shuffled into ``num_groups`` groups of (almost) equal size. For every
+    group, weights w ~ Dir(alpha·1_N) and counts ~ Multinomial(group size, w) split the
+    group's shuffled samples over the N clients. ``num_groups`` equal to the number of
+    classes gives the plain per-label Dirichlet split.
+    """
+    if not alpha > 0:
+        raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}; use e.g. alpha=0.4.")
+    labels = _labels(labels)
+    _check_num_clients(num_clients, len(labels))
+    classes = np.unique(labels)
+    if not 1 <= num_groups <= len(classes):
+        raise ValueError(f"num_groups must be in [1, {len(classes)}], got {num_groups}.")
+    rng = np.random.default_rng(seed)
+    groups = np.array_split(rng.permutation(classes), num_groups)
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for group in groups:
+        idx = rng.permutation(np.flatnonzero(np.isin(labels, group)))
+        counts = rng.multinomial(len(idx), rng.dirichlet(np.full(num_clients, alpha)))
+        for client, chunk in enumerate(np.split(idx, np.cumsum(counts)[:-1])):
+            parts[client].extend(chunk.tolist())
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def pachinko_partition(
+    coarse_labels,
+    fine_labels,
+    num_clients: int,
+    samples_per_client: int,
+    alpha: float,
+    beta: float,
+    seed: int,
+) -> list[np.ndarray]:
+    """Pachinko allocation for CIFAR-100 (Reddi et al., ICLR 2021, App. C.1; Li & McCallum 2006).
+
+    Each client draws a multinomial over coarse labels from Dir(alpha) and, for each coarse
+    label, a multinomial over its fine labels from Dir(beta). Its samples are then drawn one
+    at a time: a coarse label, then a fine label within it, then a sample of that fine label
+    without replacement. An exhausted fine label gets probability 0 (renormalized); so does
+    a coarse label with no samples left.
+    """
+    if not (alpha > 0 and beta > 0):
+        raise ValueError(f"Pachinko alpha and beta must be > 0, got {alpha}, {beta}.")
+    coarse, fine = _labels(coarse_labels), _labels(fine_labels)
+    if len(coarse) != len(fine):
+        raise ValueError("coarse_labels and fine_labels must have the same length.")
+    if num_clients * samples_per_client > len(fine):
+        raise ValueError(
+            f"{num_clients} clients x {samples_per_client} samples exceed the {len(fine)} "
+            "samples; lower samples_per_client."
+        )
+    rng = np.random.default_rng(seed)
+    coarse_ids = np.unique(coarse)
+    fine_of = {c: np.unique(fine[coarse == c]) for c in coarse_ids}
+    pools = {f: list(rng.permutation(np.flatnonzero(fine == f))) for f in np.unique(fine)}
+    parts = []
+    for _ in range(num_clients):
+        p_coarse = rng.dirichlet(np.full(len(coarse_ids), alpha))
+        p_fine = {c: rng.dirichlet(np.full(len(fine_of[c]), beta)) for c in coarse_ids}
+        taken: list[int] = []
+        while len(taken) < samples_per_client:
+            alive_fine = {c: np.array([len(pools[f]) > 0 for f in fine_of[c]]) for c in coarse_ids}
+            pc = p_coarse * np.array([alive_fine[c].any() for c in coarse_ids])
+            if pc.sum() == 0:  # every label this client can draw is exhausted: use any left
+                pc = np.array([alive_fine[c].any() for c in coarse_ids], dtype=float)
+            c = coarse_ids[rng.choice(len(coarse_ids), p=pc / pc.sum())]
+            pf = p_fine[c] * alive_fine[c]
+            if pf.sum() == 0:
+                pf = alive_fine[c].astype(float)
+            f = fine_of[c][rng.choice(len(fine_of[c]), p=pf / pf.sum())]
+            taken.append(int(pools[f].pop()))
+        parts.append(np.sort(np.asarray(taken, dtype=np.int64)))
+    return parts

@@ -77,7 +77,10 @@ class TrainRounds:
 
 
 class EvalRounds:
-    """Held-out batches of every client that has data for ``split``, client by client."""
+    """Held-out batches of every seen client that has data for ``split``, client by client.
+
+    Unseen clients are left to personalization callbacks, which evaluate them apart.
+    """
 
     def __init__(
         self, datamodule: FederatedDataModule, split: Split, strategy: FederatedStrategy
@@ -86,7 +89,7 @@ class EvalRounds:
         self.split = split
         self.strategy = strategy
         clients, loaders = [], []
-        for c in range(datamodule.num_clients):
+        for c in datamodule.seen_clients():
             dataset = datamodule.client_dataset(c, split)
             if dataset is not None and len(dataset) > 0:
                 clients.append(c)

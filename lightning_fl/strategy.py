@@ -211,7 +211,11 @@ class FederatedStrategy(SingleDeviceStrategy):
         return self.lightning_module.trainer.datamodule
 
     def _training_counts(self) -> list[int]:
-        counts = self._datamodule().sample_counts("train")
+        """Training samples per client; unseen (held-out) clients count 0."""
+        dm = self._datamodule()
+        counts = dm.sample_counts("train")
+        for c in dm.unseen_clients:
+            counts[c] = 0
         if sum(counts) == 0:
             raise ValueError(
                 "Every client has an empty training set: there is nothing to train on. "
@@ -223,7 +227,8 @@ class FederatedStrategy(SingleDeviceStrategy):
         """Choose the participants of ``round_idx`` and build their loaders."""
         dm = self._datamodule()
         counts = self._training_counts()
-        empty = [c for c, n in enumerate(counts) if n == 0]
+        unseen = set(dm.unseen_clients)
+        empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]
         if empty and not self._warned_empty:
             self._warned_empty = True
             warnings.warn(

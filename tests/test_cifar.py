@@ -1,0 +1,106 @@
+"""CIFAR: the official pickle format, a restricted unpickler, and the paper splits."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+from lightning_fl.datamodules import (
+    CifarDataModule,
+    grouped_dirichlet_partition,
+    load_pickle_batch,
+    pachinko_partition,
+)
+from lightning_fl.datamodules.cifar import CIFAR, write_synthetic_cifar
+from lightning_fl.datamodules.download import ChecksumError
+
+
+@pytest.fixture
+def cifar10_root(tmp_path):
+    write_synthetic_cifar(tmp_path, CIFAR["cifar10"], train_per_file=60, test_size=100, seed=0)
+    return tmp_path
+
+
+def test_reads_official_format_and_splits_every_sample_once(cifar10_root):
+    dm = CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=6,
+                         alpha=0.5, val_fraction=0.2, unseen_fraction=1 / 3)  # fmt: skip
+    counts = [a + b for a, b in zip(dm.sample_counts("train"), dm.sample_counts("val"))]
+    assert sum(counts) == 300 and sum(dm.sample_counts("test")) == 100
+    x, y = dm.client_dataset(0, "train")[:]
+    assert x.shape[1:] == (3, 32, 32) and 0 <= x.min() and x.max() <= 1
+    assert dm.unseen_clients == [4, 5] and dm.seen_clients() == [0, 1, 2, 3]
+
+
+def test_checksum_mismatch_names_the_file(cifar10_root):
+    with pytest.raises(ChecksumError, match="data_batch_1: md5 is"):
+        CifarDataModule("cifar10", root=str(cifar10_root), num_clients=2)
+
+
+def test_corrupt_pickle_names_the_file(cifar10_root):
+    path = cifar10_root / "cifar-10-batches-py" / "data_batch_2"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="data_batch_2: not a valid CIFAR pickle batch"):
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(pickle.dumps({b"data": _Exploit()}, protocol=2))
+    with pytest.raises(ValueError, match=r"refusing to load (posix|os)\.system"):
+        load_pickle_batch(path)
+
+
+def test_wrong_image_size_and_missing_keys_name_the_file(cifar10_root):
+    path = cifar10_root / "cifar-10-batches-py" / "data_batch_3"
+    batch = load_pickle_batch(path)
+    batch[b"data"] = np.zeros((60, 1024), dtype=np.uint8)
+    path.write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(ValueError, match=r"data_batch_3: images must be rows of 3072"):
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+    del batch[b"labels"]
+    path.write_bytes(pickle.dumps(batch, protocol=2))
+    with pytest.raises(ValueError, match="data_batch_3: missing key 'labels'"):
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+
+
+def test_missing_files_say_how_to_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="download=True"):
+        CifarDataModule("cifar10", root=str(tmp_path), num_clients=2)
+
+
+def test_grouped_dirichlet_keeps_each_label_group_together():
+    labels = np.repeat(np.arange(10), 50)
+    parts = grouped_dirichlet_partition(labels, 8, alpha=1e4, num_groups=2, seed=0)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(500))
+    parts = grouped_dirichlet_partition(labels, 4, alpha=1e-3, num_groups=2, seed=0)
+    label_sets = [set(labels[p]) for p in parts if len(p)]
+    assert all(len(s) % 5 == 0 for s in label_sets)  # tiny alpha: clients get whole groups
+
+
+def test_pachinko_draws_without_replacement_and_follows_coarse_skew():
+    fine = np.repeat(np.arange(100), 20)
+    coarse = fine // 5
+    parts = pachinko_partition(coarse, fine, 10, 100, alpha=0.05, beta=10.0, seed=0)
+    everything = np.concatenate(parts)
+    assert len(everything) == 1000 and len(np.unique(everything)) == 1000
+    coarse_counts = [np.bincount(coarse[p], minlength=20).max() / 100 for p in parts]
+    assert np.mean(coarse_counts) > 0.5  # small alpha: few coarse labels per client
+    again = pachinko_partition(coarse, fine, 10, 100, alpha=0.05, beta=10.0, seed=0)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_cifar100_pachinko_datamodule(tmp_path):
+    dm = CifarDataModule("cifar100", root=str(tmp_path), generate=True, num_clients=5,
+                         partition="pachinko", alpha=0.3, beta=10.0, samples_per_client=50,
+                         generate_sizes=(400, 200))  # fmt: skip
+    assert dm.sample_counts("train") == [50] * 5
+    assert (tmp_path / "cifar-100-python" / "train").exists()
