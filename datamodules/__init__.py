@@ -12,6 +12,13 @@ from lightning_fl.datamodules.flamby import (
     FedTcgaBrcaDataModule,
     NaturalSplitDataModule,
 )
+from lightning_fl.datamodules.leaf import (
+    GeneratedLeafDataModule,
+    LeafDataModule,
+    generate_synthetic,
+    read_leaf_file,
+    write_leaf_json,
+)
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
     grouped_dirichlet_partition,
@@ -29,8 +36,13 @@ __all__ = [
     "NaturalSplitDataModule",
     "FederatedDataModule",
     "FederatedLoader",
+    "GeneratedLeafDataModule",
+    "LeafDataModule",
     "InMemoryFederatedDataModule",
     "dirichlet_partition",
+    "generate_synthetic",
+    "read_leaf_file",
+    "write_leaf_json",
     "grouped_dirichlet_partition",
     "pachinko_partition",
     "iid_partition",
