@@ -4,10 +4,13 @@ from lightning_fl.client_store import ClientStore
 from lightning_fl.models import (
     MLP,
     BinaryClassifier,
+    CharLSTM,
+    CifarCNN,
     Classifier,
     CoxRegression,
     DigitsCNN,
     FederatedTask,
+    FemnistCNN,
     MnistCNN,
 )
 from lightning_fl.progress import FederatedProgressBar
@@ -25,8 +28,11 @@ __version__ = "0.1.0"
 __all__ = [
     "MLP",
     "BinaryClassifier",
+    "CharLSTM",
+    "CifarCNN",
     "CoxRegression",
     "FederatedTask",
+    "FemnistCNN",
     "Classifier",
     "ClientSampler",
     "ClientStore",

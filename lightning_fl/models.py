@@ -64,6 +64,57 @@ class DigitsCNN(nn.Module):
         return self.net(x.view(-1, 1, 8, 8))
 
 
+class FemnistCNN(nn.Module):
+    """The EMNIST/FEMNIST CNN of Reddi et al. (ICLR 2021, App. C), used by FedEM (§3.5.6):
+    Conv(1,32,3)-ReLU-Conv(32,64,3)-ReLU-MaxPool2-Dropout(0.25)-Linear(9216,128)-ReLU-
+    Dropout(0.5)-Linear(128,C)."""
+
+    def __init__(self, num_classes: int = 62) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Dropout(0.25), nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Dropout(0.5),
+            nn.Linear(128, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.view(-1, 1, 28, 28))
+
+
+class CifarCNN(nn.Module):
+    """The CIFAR CNN of McMahan et al. (2017): Conv(3,32,5)-ReLU-MaxPool2-Conv(32,64,5)-
+    ReLU-MaxPool2-Linear(1600,512)-ReLU-Linear(512,C)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 5 * 5, 512), nn.ReLU(), nn.Linear(512, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CharLSTM(nn.Module):
+    """Next-character model for LEAF Shakespeare (FedEM §3.5.6; Fraboni Ch. 2 uses 100
+    hidden units): Embedding(V, embed)-LSTM(layers × hidden)-Linear(hidden, V) on the last
+    step."""
+
+    def __init__(
+        self, vocab_size: int = 80, embed_dim: int = 8, hidden: int = 256, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, embed_dim)
+        self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embedding(x))
+        return self.head(out[:, -1])
+
+
 class FederatedTask(LightningModule):
     """A network, a loss and metrics, with the client optimizer as hyper-parameters.
 

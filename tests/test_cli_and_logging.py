@@ -76,3 +76,28 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     for key in (b"val_acc/uniform", b"val_acc/clients", b"fl/participants", b"test_acc"):
         assert key in payload
     assert cli.trainer.current_epoch == 2
+
+
+PAPER = ROOT / "recipes" / "paper"
+SMALL = sorted(PAPER.glob("*_small.yaml"))
+FULL = sorted(set(PAPER.glob("*.yaml")) - set(SMALL))
+
+
+@pytest.mark.parametrize("recipe", SMALL, ids=[r.stem for r in SMALL])
+def test_paper_small_variants_run_on_generated_data(recipe, tmp_path):
+    cli = run(
+        ["fit", "--config", str(recipe), "--data.init_args.root", str(tmp_path / "data"),
+         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir",
+         str(tmp_path), "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0",
+         "--trainer.limit_test_batches", "2", "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+    assert any((tmp_path / "data").rglob("*"))  # the generated files in the real format
+
+
+@pytest.mark.parametrize("recipe", FULL, ids=[r.stem for r in FULL])
+def test_paper_scale_recipes_parse(recipe, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "class_path: lightning_fl.FederatedStrategy" in capsys.readouterr().out
