@@ -35,6 +35,9 @@ class RoundState:
     sample_counts: list[int]
     target_weights: torch.Tensor
     local_steps_done: int = 0
+    #: Other per-round sums that must be added over all ranks with the updates (one
+    #: all-reduce per round), registered by callbacks in ``on_round_start``.
+    extra_sums: dict[str, TensorList] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
 

@@ -41,6 +41,7 @@ class SCAFFOLD(FederatedCallback):
         if self.server_control is None:
             self.server_control = zeros_like(state.global_params)
         self._control_delta_sum = zeros_like(state.global_params)
+        state.extra_sums["scaffold_control_delta"] = self._control_delta_sum
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         stored = state.store.get(client, STORE_KEY)
@@ -60,6 +61,8 @@ class SCAFFOLD(FederatedCallback):
             return
         params = trainer.strategy.federated_tensors.params
         pairs = [(p.grad, c) for p, c in zip(params, self._correction) if p.grad is not None]
+        if not pairs:  # an idle step: nothing was trained
+            return
         if len(pairs) != len(params):
             raise RuntimeError(
                 "SCAFFOLD needs a gradient for every parameter; freeze parameters by "

@@ -153,10 +153,25 @@ class FederatedTask(LightningModule):
     def _step(self, batch, stage: str) -> torch.Tensor:
         loss, metrics = self.loss_and_metrics(batch)
         size = len(batch[-1])
-        self.log(f"{stage}_loss", loss, on_step=stage == "train", on_epoch=True, batch_size=size)
+        self.log(
+            f"{stage}_loss",
+            loss,
+            on_step=stage == "train",
+            on_epoch=True,
+            batch_size=size,
+            sync_dist=stage != "train",
+        )
         for name, value in metrics.items():
+            # Evaluation means are synced over ranks at epoch end (sum and count), so the
+            # logged value is the sample-weighted mean over all clients; training metrics
+            # are not synced (that would cost a collective per step).
             self.log(
-                f"{stage}_{name}", value, on_epoch=True, batch_size=size, prog_bar=stage != "train"
+                f"{stage}_{name}",
+                value,
+                on_epoch=True,
+                batch_size=size,
+                prog_bar=stage != "train",
+                sync_dist=stage != "train",
             )
         return loss
 

@@ -74,10 +74,13 @@ class TrainRounds:
     def _batches(plan) -> Iterator[Any]:
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
+        padding = plan.schedule.total - sum(plan.schedule.num_batches[: len(plan.loaders)])
+        for _ in range(padding):  # idle batches: this rank has fewer local batches
+            yield ()
 
 
 class EvalRounds:
-    """Held-out batches of every seen client that has data for ``split``, client by client.
+    """Held-out batches of every seen client this rank owns that has data for ``split``.
 
     Unseen clients are left to personalization callbacks, which evaluate them apart.
     """
@@ -90,6 +93,8 @@ class EvalRounds:
         self.strategy = strategy
         clients, loaders = [], []
         for c in datamodule.seen_clients():
+            if strategy.owner(c) != strategy.global_rank:
+                continue
             dataset = datamodule.client_dataset(c, split)
             if dataset is not None and len(dataset) > 0:
                 clients.append(c)

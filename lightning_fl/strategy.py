@@ -17,14 +17,17 @@ import copy
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from lightning_fl.callbacks.aggregation import FedAvg
@@ -35,10 +38,12 @@ from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
 from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
 from lightning_fl.seeding import derive_seed, generator
-from lightning_fl.tensors import FederatedTensors, all_finite, zeros_like
+from lightning_fl.tensors import FederatedTensors, all_finite, flatten, unflatten, zeros_like
 
 #: Client id of the single virtual client of the pooled (centralized) baseline.
 POOLED_CLIENT = -1
+#: Pseudo-client of the idle batches that give every rank a round of the same length.
+PADDING = -2
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -52,8 +57,15 @@ class RoundPlan:
     state: RoundState
 
 
-class FederatedStrategy(SingleDeviceStrategy):
-    """Simulates federated rounds inside one process.
+class FederatedStrategy(DDPStrategy):
+    """Simulates federated rounds, in one process or over several (``devices=N``,
+    ``num_nodes``, torchrun, SLURM: Lightning's launchers and ``torch.distributed``).
+
+    The model is never wrapped in DistributedDataParallel. Rank k owns the clients with
+    ``client % world_size == k``, trains the round's participants it owns and keeps their
+    client state; ranks with fewer local batches get idle batches so that every rank steps
+    through rounds of the same length. Each round ends with one all-reduce of the weighted
+    update sums (gloo on CPU, NCCL on GPU). With one process no process group is created.
 
     Args:
         sampler: chooses the participants of each round (default: every client).
@@ -80,16 +92,24 @@ class FederatedStrategy(SingleDeviceStrategy):
         seed: int = 0,
         keep_optimizer_state: bool = False,
         max_consecutive_bad_rounds: int = 3,
-        device: str | torch.device | None = None,
+        timeout: timedelta | float = timedelta(minutes=10),
         accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        process_group_backend: str | None = None,
     ) -> None:
+        if not isinstance(timeout, timedelta):
+            timeout = timedelta(seconds=float(timeout))
         super().__init__(
-            device=device or "cpu",
             accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
         )
         if local_steps is not None and local_epochs is not None:
             raise ValueError("Give either local_steps or local_epochs, not both.")
@@ -100,7 +120,6 @@ class FederatedStrategy(SingleDeviceStrategy):
                 raise ValueError(f"{name} must be >= 1, got {value}.")
         if max_consecutive_bad_rounds < 1:
             raise ValueError("max_consecutive_bad_rounds must be >= 1.")
-        self._device_given = device is not None
         self.sampler = sampler or FullParticipation()
         self.local_steps = local_steps
         self.local_epochs = local_epochs
@@ -118,10 +137,27 @@ class FederatedStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ Lightning glue
     @property
-    def root_device(self) -> torch.device:
-        if not self._device_given and isinstance(self.accelerator, CUDAAccelerator):
-            return torch.device("cuda", torch.cuda.current_device())
-        return super().root_device
+    def _single_process(self) -> bool:
+        return self.num_nodes * self.num_processes <= 1
+
+    def _configure_launcher(self) -> None:
+        if self._single_process:
+            self._launcher = None
+        else:
+            super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        if self._single_process and not dist.is_initialized():
+            self.set_world_ranks()
+        else:
+            super().setup_distributed()
+
+    def configure_ddp(self) -> None:
+        """Never wrap the model in DistributedDataParallel: ranks train different clients."""
+
+    def owner(self, client: int) -> int:
+        """The rank that trains ``client`` and keeps its state: a stable assignment."""
+        return client % self.world_size
 
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
@@ -137,7 +173,20 @@ class FederatedStrategy(SingleDeviceStrategy):
                 )
 
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if dist.is_initialized() and self.world_size > 1:
+            with torch.no_grad():  # every rank starts from rank 0's model
+                for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
+        warnings.filterwarnings("ignore", message=".*train_dataloader yielded None.*")
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 "FederatedStrategy needs accumulate_grad_batches=1: client boundaries must "
@@ -150,10 +199,15 @@ class FederatedStrategy(SingleDeviceStrategy):
             )
         self._federated_tensors = FederatedTensors(self.lightning_module)
         aggregator = self.aggregator  # validates the callbacks early
-        if trainer.state.fn == "fit":
+        if fitting:
             counts = self._training_counts()
             if not aggregator.pools_clients:
                 self.sampler.check(sum(1 for n in counts if n > 0))
+        if self._datamodule().num_clients < self.world_size:
+            raise ValueError(
+                f"{self.world_size} processes but only {self._datamodule().num_clients} "
+                "clients: every rank must own at least one client; use fewer devices."
+            )
 
     @property
     def federated_tensors(self) -> FederatedTensors:
@@ -195,16 +249,34 @@ class FederatedStrategy(SingleDeviceStrategy):
         super().on_train_batch_start(batch, batch_idx)
         pos, step = self.current_round.schedule.locate(batch_idx)
         self.current_client = (pos, step)
-        if step == 0:
+        if step == 0 and not self._is_padding(pos):
             self.start_client(pos)
 
+    def _is_padding(self, pos: int) -> bool:
+        return self.current_round.schedule.clients[pos] == PADDING
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step, except on idle batches: a zero loss tied to no parameter, so the
+        optimizer step that follows finds no gradient and changes nothing."""
+        if self.current_client is not None and self._is_padding(self.current_client[0]):
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        return super().training_step(*args, **kwargs)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._switch_eval_client(_batch_idx(args, kwargs))
-        return super().validation_step(*args, **kwargs)
+        return self._client_eval_step(super().validation_step, args, kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._switch_eval_client(_batch_idx(args, kwargs))
-        return super().test_step(*args, **kwargs)
+        return self._client_eval_step(super().test_step, args, kwargs)
+
+    def _client_eval_step(self, step: Any, args: tuple, kwargs: dict) -> Any:
+        batch_idx = _batch_idx(args, kwargs)
+        self._switch_eval_client(batch_idx)
+        output = step(*args, **kwargs)
+        if batch_idx == self._eval["schedule"].total - 1:
+            # Close the last client now: Lightning syncs (in place) the logged sums over
+            # ranks before the epoch-end hooks run.
+            self.end_client_evaluation()
+        return output
 
     # ------------------------------------------------------------------ rounds
     def _datamodule(self) -> FederatedDataModule:
@@ -244,10 +316,21 @@ class FederatedStrategy(SingleDeviceStrategy):
         else:
             participation = self.sampler.sample(round_idx, self.seed, p)
             datasets = [dm.client_dataset(c, "train") for c in participation.clients]
-        loaders = [
+        all_loaders = [
             dm.client_dataloader(ds, "train", generator(self.seed, "data", round_idx, c))
             for ds, c in zip(datasets, participation.clients)
         ]
+        batches = [self._num_batches(lo) for lo in all_loaders]
+        per_rank = [0] * self.world_size
+        for c, n in zip(participation.clients, batches):
+            per_rank[self.owner(c)] += n
+        mine = [i for i, c in enumerate(participation.clients) if self.owner(c) == self.global_rank]
+        local_clients = [participation.clients[i] for i in mine]
+        local_batches = [batches[i] for i in mine]
+        loaders = [all_loaders[i] for i in mine]
+        if max(per_rank) > sum(local_batches):
+            local_clients.append(PADDING)
+            local_batches.append(max(per_rank) - sum(local_batches))
         model = self.federated_tensors
         global_tensors = model.clone()
         state = RoundState(
@@ -261,9 +344,7 @@ class FederatedStrategy(SingleDeviceStrategy):
             sample_counts=counts,
             target_weights=p,
         )
-        schedule = ClientSchedule(
-            participation.clients, tuple(self._num_batches(lo) for lo in loaders)
-        )
+        schedule = ClientSchedule(tuple(local_clients), tuple(local_batches))
         self.current_round = RoundPlan(schedule, loaders, state)
         self._call("on_round_start", state)
         return self.current_round
@@ -281,7 +362,7 @@ class FederatedStrategy(SingleDeviceStrategy):
 
     def start_client(self, pos: int) -> None:
         state = self.current_round.state
-        client = state.participation.clients[pos]
+        client = self.current_round.schedule.clients[pos]
         self.federated_tensors.load_(state.global_tensors)
         torch.manual_seed(derive_seed(self.seed, "client", state.round_idx, client))
         trainer = self.lightning_module.trainer
@@ -301,7 +382,7 @@ class FederatedStrategy(SingleDeviceStrategy):
     def finish_client(self, pos: int) -> None:
         """Fold the client's update into the weighted sum (after its last optimizer step)."""
         state = self.current_round.state
-        client = state.participation.clients[pos]
+        client = self.current_round.schedule.clients[pos]
         update = self.federated_tensors.minus(state.global_tensors)
         trainer, module = self.lightning_module.trainer, self.lightning_module
         for cb in self.federated_callbacks:
@@ -314,7 +395,7 @@ class FederatedStrategy(SingleDeviceStrategy):
                 stacklevel=2,
             )
             return
-        torch._foreach_add_(state.update_sum, update, alpha=state.participation.weights[pos])
+        torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
         state.accepted.append(client)
         if self.keep_optimizer_state:
             for i, optimizer in enumerate(trainer.optimizers):
@@ -326,7 +407,8 @@ class FederatedStrategy(SingleDeviceStrategy):
     def end_round(self) -> RoundState:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
         state = self.current_round.state
-        self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if state.dropped else 0
+        dropped = self._all_reduce_round(state)
+        self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0
         if self.consecutive_bad_rounds >= self.max_consecutive_bad_rounds:
             raise NonFiniteUpdateError(
                 f"{self.consecutive_bad_rounds} consecutive rounds had NaN/Inf client updates "
@@ -338,6 +420,22 @@ class FederatedStrategy(SingleDeviceStrategy):
         self.federated_tensors.load_(state.global_tensors)
         self._call("on_round_end", state)
         return state
+
+    def _all_reduce_round(self, state: RoundState) -> int:
+        """Sum the weighted updates, the callbacks' round sums and the number of dropped
+        updates over all ranks in one all-reduce; returns the total dropped."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            return len(state.dropped)
+        sums = [state.update_sum, *state.extra_sums.values()]
+        dropped = torch.tensor([float(len(state.dropped))], device=self.root_device)
+        buffer = torch.cat([flatten(s) for s in sums] + [dropped])
+        dist.all_reduce(buffer)
+        offset = 0
+        for part in sums:
+            size = sum(t.numel() for t in part)
+            torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
+            offset += size
+        return int(buffer[-1].item())
 
     def _call(self, hook: str, *args: Any) -> None:
         trainer, module = self.lightning_module.trainer, self.lightning_module
@@ -378,10 +476,17 @@ class FederatedStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ checkpoint state
     def federated_state_dict(self) -> dict[str, Any]:
+        store = self.client_store.state_dict()
+        if dist.is_initialized() and self.world_size > 1:  # every rank's clients, in one file
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(
+                parts, {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}
+            )
+            store = {c: e for part in parts for c, e in part.items()}
         return {
             "round": self.lightning_module.trainer.current_epoch,
             "seed": self.seed,
-            "client_store": self.client_store.state_dict(),
+            "client_store": store,
             "sampler": self.sampler.state_dict(),
             "consecutive_bad_rounds": self.consecutive_bad_rounds,
         }
@@ -393,7 +498,13 @@ class FederatedStrategy(SingleDeviceStrategy):
                 f"{state['seed']}: the resumed run will differ from the original.",
                 stacklevel=2,
             )
-        self.client_store.load_state_dict(state["client_store"])
+        self.client_store.load_state_dict(
+            {
+                c: e
+                for c, e in state["client_store"].items()
+                if self.owner(int(c)) == self.global_rank
+            }
+        )
         self.sampler.load_state_dict(state["sampler"])
         self.consecutive_bad_rounds = state["consecutive_bad_rounds"]
 
@@ -408,7 +519,8 @@ class _RoundDriver(pl.Callback):
         schedule = strategy.current_round.schedule
         pos, step = schedule.locate(batch_idx)
         if step == schedule.num_batches[pos] - 1:
-            strategy.finish_client(pos)
+            if not strategy._is_padding(pos):
+                strategy.finish_client(pos)
             if pos == len(schedule.clients) - 1:
                 strategy.end_round()
 
@@ -429,15 +541,27 @@ class _RoundDriver(pl.Callback):
         strategy.end_client_evaluation()
         if trainer.sanity_checking:
             return
-        per_client = {k: v for k, v in strategy.metric_capture.per_client.items() if v}
+        per_client = {k: dict(v) for k, v in strategy.metric_capture.per_client.items() if v}
+        if dist.is_initialized() and trainer.world_size > 1:
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, per_client)
+            per_client = {}
+            for part in parts:
+                for name, values in part.items():
+                    per_client.setdefault(name, {}).update(values)
         for name, values in per_client.items():
             summary = summarize(values)
-            pl_module.log(f"{name}/uniform", summary["uniform"])
-            pl_module.log(f"{name}/p10", summary["p10"])
-        if per_client and trainer.log_dir is not None and trainer.is_global_zero:
-            path = os.path.join(trainer.log_dir, "client_metrics.csv")
+            # the same on every rank: syncing only averages equal values
+            pl_module.log(f"{name}/weighted", summary["weighted"], sync_dist=True)
+            pl_module.log(f"{name}/uniform", summary["uniform"], sync_dist=True)
+            pl_module.log(f"{name}/p10", summary["p10"], sync_dist=True)
+        if per_client and trainer.is_global_zero:
+            # no trainer.log_dir here: it is a collective, and only rank 0 writes
+            logger = trainer.loggers[0] if trainer.loggers else None
+            log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
+            path = os.path.join(log_dir, "client_metrics.csv")
             write_client_metrics_csv(path, stage, trainer.current_epoch, per_client)
-        for logger in trainer.loggers:
+        for logger in trainer.loggers if trainer.is_global_zero else []:
             if isinstance(logger, WandbLogger):
                 import wandb
 
@@ -457,6 +581,10 @@ class _RoundDriver(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.strategy.load_federated_state_dict(state_dict)
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _batch_idx(args: tuple, kwargs: dict) -> int:

@@ -105,3 +105,14 @@ def local_sgd(
             if done == steps:
                 break
     return done
+
+
+class CrashOnRank(pl.Callback):
+    """Raises on one rank at the start of one round (for the crash-reporting test)."""
+
+    def __init__(self, rank: int = 1, round_idx: int = 1) -> None:
+        self.rank, self.round_idx = rank, round_idx
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == self.rank and trainer.current_epoch == self.round_idx:
+            raise RuntimeError(f"injected failure on rank {self.rank}")

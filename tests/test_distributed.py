@@ -1,0 +1,86 @@
+"""Several processes: the same recipe on 2 gloo processes equals the 1-process run, resumes
+exactly, and a crashed rank ends the run with a clear error instead of a hang."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+SCAFFOLD = str(ROOT / "recipes" / "scaffold.yaml")
+
+
+def _cli(workdir: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", *args,
+         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir),
+         "--trainer.logger.init_args.save_dir", str(workdir), "--test_after_fit", "false"],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def _weights(workdir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
+    (path,) = glob.glob(str(workdir / "**" / name), recursive=True)
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+def _ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    for devices in ("1", "2"):
+        _ok(_cli(tmp_path / devices, "--config", QUICKSTART, "--trainer.max_epochs", "5",
+                 "--trainer.devices", devices))  # fmt: skip
+    one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    rows = {}
+    for d in ("1", "2"):
+        (path,) = glob.glob(str(tmp_path / d / "**" / "client_metrics.csv"), recursive=True)
+        rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
+    assert [r[:4] + r[5:] for r in rows["1"]] == [r[:4] + r[5:] for r in rows["2"]]
+    for a, b in zip(rows["1"], rows["2"]):  # every client's metric, gathered from both ranks
+        assert float(a[4]) == pytest.approx(float(b[4]), rel=1e-4, abs=1e-6)
+
+
+def test_two_process_resume_is_exact(tmp_path):
+    common = ["--config", SCAFFOLD, "--trainer.devices", "2", "--trainer.limit_val_batches", "0"]
+    _ok(_cli(tmp_path / "full", *common, "--trainer.max_epochs", "4"))
+    _ok(_cli(tmp_path / "first", *common, "--trainer.max_epochs", "2"))
+    (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "last.ckpt"), recursive=True)
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
+    assert saved and {c % 2 for c in saved} == {0, 1}  # both ranks' clients in one file
+    _ok(_cli(tmp_path / "resumed", *common, "--trainer.max_epochs", "4", "--ckpt_path", ckpt))
+    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_crashed_rank_is_reported_and_nothing_hangs(tmp_path, rank):
+    result = _cli(
+        tmp_path, "--config", QUICKSTART, "--trainer.max_epochs", "3", "--trainer.devices", "2",
+        "--trainer.strategy.init_args.timeout", "20",
+        "--trainer.callbacks+=tests.helpers.CrashOnRank",
+        "--trainer.callbacks.init_args.rank", str(rank), timeout=150,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert f"injected failure on rank {rank}" in result.stdout + result.stderr
+
+
+def test_more_processes_than_clients_is_refused(tmp_path):
+    result = _cli(
+        tmp_path, "--config", QUICKSTART, "--trainer.devices", "2",
+        "--data.init_args.num_clients", "1", "--data.init_args.partition", "iid",
+        "--trainer.strategy.init_args.sampler", "lightning_fl.FullParticipation",
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "2 processes but only 1 clients" in result.stderr
