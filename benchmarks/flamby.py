@@ -44,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "flamby.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -51,7 +52,7 @@ def main() -> None:
         "| dataset | strategy | client-averaged test metric | pooled test metric |",
         "|---|---|---|---|",
     ]
-    for prefix in DATASETS:
+    for prefix in args.datasets:
         for name in ORDER:
             recipe = ROOT / "recipes" / "flamby" / f"{prefix}_{name}.yaml"
             with tempfile.TemporaryDirectory() as workdir:
