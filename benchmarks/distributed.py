@@ -65,8 +65,9 @@ def main() -> None:
         ).stdout
         times[n] = float(re.search(r"FIT_SECONDS ([\d.]+)", out).group(1))
         clients_per_s = PER_ROUND * args.rounds / times[n]
+        speedup = times[args.devices[0]] / times[n]
         print(
-            f"cnn, {n} process(es): {times[n]:.3f} s, speed-up {times[args.devices[0]] / times[n]:.2f}x, "
+            f"cnn, {n} process(es): {times[n]:.3f} s, speed-up {speedup:.2f}x, "
             f"{clients_per_s:.2f} clients/s ({PER_ROUND} clients x {args.rounds} rounds)",
             flush=True,
         )
