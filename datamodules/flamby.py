@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, Split
 from lightning_fl.datamodules.download import download, verify
 
 CACHE = Path(os.environ.get("LIGHTNING_FL_CACHE", Path.home() / ".cache" / "lightning_fl"))
@@ -158,21 +158,13 @@ def heart_disease_tables(root: str | os.PathLike) -> list[dict[str, np.ndarray]]
     return out
 
 
-class _TabularCenters(FederatedDataModule):
-    """Clients given as per-center ``{train: (x, y), test: (x, y)}`` plus a pooled version."""
+class _TabularCenters(InMemoryFederatedDataModule):
+    """Clients given as per-center ``{train: (x, y), test: (x, y)}`` plus a pooled version
+    with its own preprocessing (FLamby normalizes pooled data with pooled statistics)."""
 
     def __init__(self, batch_size: int, eval_batch_size: int | None) -> None:
-        super().__init__(batch_size, eval_batch_size)
-        self.centers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        super().__init__([], batch_size, eval_batch_size)
         self.pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.centers)
-
-    def client_dataset(self, client: int, split: Split) -> Dataset | None:
-        data = self.centers[client].get(split)
-        return None if data is None else TensorDataset(*data)
 
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         return TensorDataset(*self.pooled[split])
@@ -211,7 +203,7 @@ class FedHeartDiseaseDataModule(_TabularCenters):
                 y = torch.from_numpy(t["y"][mask]).float()
                 center[split] = (torch.from_numpy(xc).float(), y)
                 pooled[split].append((torch.from_numpy(xp).float(), y))
-            self.centers.append(center)
+            self._clients.append(center)
         self.pooled = {s: tuple(torch.cat(v) for v in zip(*parts)) for s, parts in pooled.items()}
         self.save_hyperparameters()
 
@@ -287,7 +279,7 @@ class FedTcgaBrcaDataModule(_TabularCenters):
         def tensors(pair):
             return tuple(torch.from_numpy(a).float() for a in pair)
 
-        self.centers = [
+        self._clients = [
             {split: tensors(tables[str(k)][split]) for split in ("train", "test")} for k in range(6)
         ]
         self.pooled = {split: tensors(tables["pooled"][split]) for split in ("train", "test")}
@@ -359,7 +351,7 @@ class NaturalSplitDataModule(_TabularCenters):
                 )
                 center[split] = (torch.from_numpy(xs).float(), ys)
                 pooled[split].append(center[split])
-            self.centers.append(center)
+            self._clients.append(center)
         self.pooled = {s: tuple(torch.cat(v) for v in zip(*parts)) for s, parts in pooled.items()}
 
     @staticmethod

@@ -38,8 +38,9 @@ def sample_weights(clients, weighting="samples"):
     )
 
 
-def reference(sampler, server_step, loss_extra=None, weighting="samples"):
-    """Hand-written FedAvg-style loop: θ ← server_step(θ, Σ ω_i (θ_i − θ), r)."""
+def reference(sampler, server_step, loss_extra=None, weighting="samples", lr_at=None, clip=None):
+    """Hand-written FedAvg-style loop: θ ← server_step(θ, Σ ω_i (θ_i − θ), r), local SGD at
+    learning rate ``lr_at(r)`` with optional gradient-norm clipping."""
     clients = tiny_clients()
     net = tiny_module(LR).network
     p = sample_weights(clients, weighting)
@@ -52,7 +53,11 @@ def reference(sampler, server_step, loss_extra=None, weighting="samples"):
                 for q, t in zip(net.parameters(), theta):
                     q.copy_(t)
             extra = None if loss_extra is None else loss_extra(theta)
-            local_sgd(net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c, loss_extra=extra)
+            lr = LR if lr_at is None else lr_at(r)
+            local_sgd(
+                net, clients[c]["train"], STEPS, lr, BATCH, SEED, r, c, loss_extra=extra,
+                clip_norm=clip,
+            )  # fmt: skip
             for d, q, t in zip(delta, net.parameters(), theta):
                 d += w * (q.detach() - t)
         theta = server_step(theta, delta, r)
@@ -85,22 +90,10 @@ def test_gradient_clipping_and_per_round_lr_schedule_keep_working():
     make_trainer(strategy, ROUNDS, [FedAvg()], gradient_clip_val=clip).fit(
         module, datamodule=tiny_datamodule(BATCH)
     )
-    clients = tiny_clients()
-    net = tiny_module(LR).network
-    theta = params_of(net)
-    p = sample_weights(clients)
-    for r in range(ROUNDS):
-        part = sampler.sample(r, SEED, p)
-        delta = [torch.zeros_like(t) for t in theta]
-        for c, w in zip(part.clients, part.weights):
-            with torch.no_grad():
-                for q, t in zip(net.parameters(), theta):
-                    q.copy_(t)
-            lr = LR * gamma**r
-            local_sgd(net, clients[c]["train"], STEPS, lr, BATCH, SEED, r, c, clip_norm=clip)
-            for d, q, t in zip(delta, net.parameters(), theta):
-                d += w * (q.detach() - t)
-        theta = [a + b for a, b in zip(theta, delta)]
+    theta = reference(
+        sampler, lambda t, d, r: [a + b for a, b in zip(t, d)], lr_at=lambda r: LR * gamma**r,
+        clip=clip,
+    )  # fmt: skip
     assert max_abs_diff(params_of(module), theta) <= 1e-6
 
 
