@@ -34,7 +34,6 @@ class RoundState:
     num_clients: int
     sample_counts: list[int]
     target_weights: torch.Tensor
-    local_steps_done: int = 0
     #: Other per-round sums that must be added over all ranks with the updates (one
     #: all-reduce per round), registered by callbacks in ``on_round_start``.
     extra_sums: dict[str, TensorList] = field(default_factory=dict)

@@ -26,9 +26,6 @@ class ClientStore:
     def set(self, client: int, key: str, value: Tensor | int | float | str) -> None:
         self._state.setdefault(client, {})[key] = value
 
-    def pop(self, client: int, key: str, default: Any = None) -> Any:
-        return self._state.get(client, {}).pop(key, default)
-
     def clients(self) -> list[int]:
         return sorted(self._state)
 

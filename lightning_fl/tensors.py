@@ -31,10 +31,6 @@ class FederatedTensors:
     def num_params(self) -> int:
         return len(self.params)
 
-    @property
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.tensors)
-
     @torch.no_grad()
     def clone(self) -> TensorList:
         return [t.detach().clone() for t in self.tensors]
