@@ -12,6 +12,7 @@ from lightning_fl.models import (
     FederatedTask,
     FemnistCNN,
     MnistCNN,
+    MobileNetV2,
 )
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
@@ -42,6 +43,7 @@ __all__ = [
     "FullParticipation",
     "MDSampler",
     "MnistCNN",
+    "MobileNetV2",
     "NonFiniteUpdateError",
     "Participation",
     "UniformSampler",

@@ -115,6 +115,78 @@ class CharLSTM(nn.Module):
         return self.head(out[:, -1])
 
 
+def _make_divisible(value: float, divisor: int = 8) -> int:
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    return rounded + divisor if rounded < 0.9 * value else rounded
+
+
+def _conv_bn_relu6(cin: int, cout: int, kernel: int, stride: int, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU6(inplace=True),
+    )
+
+
+class InvertedResidual(nn.Module):
+    """MobileNet-v2 block (Sandler et al. 2018, Table 1): expand 1×1, depthwise 3×3,
+    linear 1×1 projection; a residual connection when the shape is kept."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        hidden = cin * expand
+        layers = [] if expand == 1 else [_conv_bn_relu6(cin, hidden, 1, 1)]
+        layers += [
+            _conv_bn_relu6(hidden, hidden, 3, stride, groups=hidden),
+            nn.Conv2d(hidden, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        ]
+        self.block = nn.Sequential(*layers)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+class MobileNetV2(nn.Module):
+    """MobileNet-v2 (Sandler et al., CVPR 2018, Table 2), the architecture of
+    torchvision's ``mobilenet_v2`` that FedEM and kNN-Per train on CIFAR: (t, c, n, s) =
+    (1,16,1,1) (6,24,2,2) (6,32,3,2) (6,64,4,2) (6,96,3,1) (6,160,3,2) (6,320,1,1), a 32-channel
+    stem of stride 2, a 1280-channel head, dropout 0.2 and a linear classifier."""
+
+    SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))  # fmt: skip
+
+    def __init__(
+        self, num_classes: int = 10, width_mult: float = 1.0, dropout: float = 0.2
+    ) -> None:
+        super().__init__()
+        cin = _make_divisible(32 * width_mult)
+        last = _make_divisible(1280 * max(1.0, width_mult))
+        layers: list[nn.Module] = [_conv_bn_relu6(3, cin, 3, 2)]
+        for t, c, n, s in self.SETTINGS:
+            cout = _make_divisible(c * width_mult)
+            for i in range(n):
+                layers.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
+                cin = cout
+        layers.append(_conv_bn_relu6(cin, last, 1, 1))
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(last, num_classes))
+        for m in self.modules():  # torchvision's initialization
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
 class FederatedTask(LightningModule):
     """A network, a loss and metrics, with the client optimizer as hyper-parameters.
 

@@ -70,3 +70,13 @@ def test_digits_is_embedded_and_split_per_client():
     assert min(dm.sample_counts("train")) > 0
     with pytest.raises(ValueError, match="Unknown partition"):
         DigitsDataModule(partition="zipf")
+
+
+def test_mobilenet_v2_matches_the_published_architecture():
+    """torchvision's mobilenet_v2(num_classes=1000) has 3,504,872 parameters (Sandler et al.)."""
+    import torch
+
+    from lightning_fl import MobileNetV2
+
+    assert sum(p.numel() for p in MobileNetV2(1000).parameters()) == 3_504_872
+    assert MobileNetV2(100)(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
