@@ -134,6 +134,7 @@ class FederatedStrategy(DDPStrategy):
         self._federated_tensors: FederatedTensors | None = None
         self._eval: dict[str, Any] = {}
         self._warned_empty = False
+        self._train_counts: list[int] = []
 
     # ------------------------------------------------------------------ Lightning glue
     @property
@@ -200,7 +201,7 @@ class FederatedStrategy(DDPStrategy):
         self._federated_tensors = FederatedTensors(self.lightning_module)
         aggregator = self.aggregator  # validates the callbacks early
         if fitting:
-            counts = self._training_counts()
+            counts = self._train_counts = self._training_counts()  # once per fit, not per round
             if not aggregator.pools_clients:
                 self.sampler.check(sum(1 for n in counts if n > 0))
         if self._datamodule().num_clients < self.world_size:
@@ -298,7 +299,7 @@ class FederatedStrategy(DDPStrategy):
     def begin_round(self, round_idx: int) -> RoundPlan:
         """Choose the participants of ``round_idx`` and build their loaders."""
         dm = self._datamodule()
-        counts = self._training_counts()
+        counts = self._train_counts
         unseen = set(dm.unseen_clients)
         empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]
         if empty and not self._warned_empty:
@@ -312,22 +313,28 @@ class FederatedStrategy(DDPStrategy):
         p = aggregator.target_weights(counts)
         if aggregator.pools_clients:
             participation = Participation((POOLED_CLIENT,), (1.0,))
-            datasets = [dm.pooled_dataset("train")]
         else:
             participation = self.sampler.sample(round_idx, self.seed, p)
-            datasets = [dm.client_dataset(c, "train") for c in participation.clients]
-        all_loaders = [
-            dm.client_dataloader(ds, "train", generator(self.seed, "data", round_idx, c))
-            for ds, c in zip(datasets, participation.clients)
+
+        def make_loader(c: int) -> DataLoader:
+            ds = dm.pooled_dataset("train") if c == POOLED_CLIENT else dm.client_dataset(c, "train")
+            return dm.client_dataloader(ds, "train", generator(self.seed, "data", round_idx, c))
+
+        # Only this rank's participants need loaders, unless local_epochs makes the other
+        # ranks' batch counts depend on their loaders' lengths.
+        mine = [i for i, c in enumerate(participation.clients) if self.owner(c) == self.global_rank]
+        needed = mine if self.local_steps is not None else range(len(participation.clients))
+        built = {i: make_loader(participation.clients[i]) for i in needed}
+        batches = [
+            self.local_steps if self.local_steps is not None else self._num_batches(built[i])
+            for i in range(len(participation.clients))
         ]
-        batches = [self._num_batches(lo) for lo in all_loaders]
         per_rank = [0] * self.world_size
         for c, n in zip(participation.clients, batches):
             per_rank[self.owner(c)] += n
-        mine = [i for i, c in enumerate(participation.clients) if self.owner(c) == self.global_rank]
         local_clients = [participation.clients[i] for i in mine]
         local_batches = [batches[i] for i in mine]
-        loaders = [all_loaders[i] for i in mine]
+        loaders = [built[i] for i in mine]
         if max(per_rank) > sum(local_batches):
             local_clients.append(PADDING)
             local_batches.append(max(per_rank) - sum(local_batches))
