@@ -187,7 +187,6 @@ class FederatedStrategy(DDPStrategy):
             with torch.no_grad():  # every rank starts from rank 0's model
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor.data, src=0)
-        warnings.filterwarnings("ignore", message=".*train_dataloader yielded None.*")
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
                 "FederatedStrategy needs accumulate_grad_batches=1: client boundaries must "
@@ -357,8 +356,7 @@ class FederatedStrategy(DDPStrategy):
         return self.current_round
 
     def _num_batches(self, loader: DataLoader) -> int:
-        if self.local_steps is not None:
-            return self.local_steps
+        """Batches of ``local_epochs`` passes over a client's loader."""
         try:
             return self.local_epochs * len(loader)
         except TypeError as err:
