@@ -3,7 +3,9 @@
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.callbacks.baselines import Local, Pooled
+from lightning_fl.callbacks.fedem import FedEM
 from lightning_fl.callbacks.fedprox import FedProx
+from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 
 __all__ = [
@@ -12,9 +14,11 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedEM",
     "FedProx",
     "FedYogi",
     "FederatedCallback",
+    "GossipAveraging",
     "Local",
     "Pooled",
     "RoundState",

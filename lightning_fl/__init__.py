@@ -14,6 +14,7 @@ from lightning_fl.models import (
     MnistCNN,
     MobileNetV2,
 )
+from lightning_fl.mixture import MixtureClassifier
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
@@ -42,6 +43,7 @@ __all__ = [
     "FederatedStrategy",
     "FullParticipation",
     "MDSampler",
+    "MixtureClassifier",
     "MnistCNN",
     "MobileNetV2",
     "NonFiniteUpdateError",

@@ -32,7 +32,9 @@ class ClientMetricCapture:
         self.per_client.clear()
         self._totals.clear()
 
-    def close_client(self, results: Mapping, client: int) -> None:
+    def close_client(self, results: Mapping, client: int, exclude: bool = False) -> None:
+        """Record ``client``'s means; with ``exclude``, also take its batches back out of
+        Lightning's epoch sums (unseen clients must not move the seen clients' mean)."""
         for key, metric in results.items():
             meta = getattr(metric, "meta", None)
             if meta is None or not (metric.is_tensor and meta.on_epoch and meta.is_mean_reduction):
@@ -42,7 +44,13 @@ class ClientMetricCapture:
             if count > previous_count:
                 mean = (total - previous_total) / (count - previous_count)
                 self.per_client[meta.name][client] = (mean, count - previous_count)
-            self._totals[key] = (total, count)
+            if exclude:
+                metric.value = torch.full_like(metric.value, previous_total)
+                metric.cumulated_batch_size = torch.full_like(
+                    metric.cumulated_batch_size, int(previous_count)
+                )
+            else:
+                self._totals[key] = (total, count)
 
 
 def summarize(values: Mapping[int, tuple[float, float]]) -> dict[str, float]:

@@ -80,9 +80,9 @@ class TrainRounds:
 
 
 class EvalRounds:
-    """Held-out batches of every seen client this rank owns that has data for ``split``.
-
-    Unseen clients are left to personalization callbacks, which evaluate them apart.
+    """Held-out batches of every client this rank owns that has data for ``split``: the
+    seen clients first, then the unseen (held-out) ones, which the strategy reports apart
+    and which personalization callbacks adapt to before their batches.
     """
 
     def __init__(
@@ -92,7 +92,7 @@ class EvalRounds:
         self.split = split
         self.strategy = strategy
         clients, loaders = [], []
-        for c in datamodule.seen_clients():
+        for c in [*datamodule.seen_clients(), *datamodule.unseen_clients]:
             if strategy.owner(c) != strategy.global_rank:
                 continue
             dataset = datamodule.client_dataset(c, split)

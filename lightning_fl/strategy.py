@@ -443,8 +443,12 @@ class FederatedStrategy(DDPStrategy):
         return int(buffer[-1].item())
 
     def _call(self, hook: str, *args: Any) -> None:
+        """Run ``hook`` on every federated callback, the aggregator first: it decides
+        which model a client starts from (a cluster's, a gossip neighbour's, its own)."""
         trainer, module = self.lightning_module.trainer, self.lightning_module
-        for cb in self.federated_callbacks:
+        callbacks = self.federated_callbacks
+        callbacks.sort(key=lambda cb: not isinstance(cb, Aggregator))  # stable
+        for cb in callbacks:
             getattr(cb, hook)(trainer, module, *args)
 
     # ------------------------------------------------------------------ evaluation
@@ -473,7 +477,8 @@ class FederatedStrategy(DDPStrategy):
         if client is None:
             return
         trainer = self.lightning_module.trainer
-        self.metric_capture.close_client(trainer._results, client)
+        unseen = client in set(self._datamodule().unseen_clients)
+        self.metric_capture.close_client(trainer._results, client, exclude=unseen)
         self._call("on_client_evaluation_end", client)
         if self._eval["global"] is not None:
             self.federated_tensors.load_(self._eval["global"])
@@ -554,12 +559,19 @@ class _RoundDriver(pl.Callback):
             for part in parts:
                 for name, values in part.items():
                     per_client.setdefault(name, {}).update(values)
+        unseen = set(trainer.datamodule.unseen_clients)
         for name, values in per_client.items():
-            summary = summarize(values)
-            # the same on every rank: syncing only averages equal values
-            pl_module.log(f"{name}/weighted", summary["weighted"], sync_dist=True)
-            pl_module.log(f"{name}/uniform", summary["uniform"], sync_dist=True)
-            pl_module.log(f"{name}/p10", summary["p10"], sync_dist=True)
+            groups = {
+                name: {c: v for c, v in values.items() if c not in unseen},
+                f"{name}/unseen": {c: v for c, v in values.items() if c in unseen},
+            }
+            for prefix, group in groups.items():
+                if not group:
+                    continue
+                summary = summarize(group)
+                for key, value in summary.items():
+                    # the same on every rank: syncing only averages equal values
+                    pl_module.log(f"{prefix}/{key}", value, sync_dist=True)
         if per_client and trainer.is_global_zero:
             # no trainer.log_dir here: it is a collective, and only rank 0 writes
             logger = trainer.loggers[0] if trainer.loggers else None

@@ -1,0 +1,130 @@
+"""FedEM: federated EM over a mixture of M shared components (Marfoq et al., NeurIPS 2021;
+Marfoq thesis §3.5, Algorithm 7 and, with :class:`~lightning_fl.callbacks.GossipAveraging`,
+Algorithm 8)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.local_training import batches, client_loader, evaluation_mode
+from lightning_fl.mixture import MixtureClassifier
+
+STORE_KEY = "fedem_pi"
+
+
+def e_step(module: MixtureClassifier, loader, log_prior: Tensor) -> Tensor:
+    """Responsibilities of Alg. 7's E-step for every sample of ``loader``:
+    q(z_i = m) = π_m exp(−ℓ(h_θm(x_i), y_i)) / Σ_m' π_m' exp(−ℓ(h_θm'(x_i), y_i)),
+    computed as softmax(log π − ℓ) with the module's current components (eval mode)."""
+    with evaluation_mode(module):
+        losses = torch.cat(
+            [module.component_losses(x, y) for x, y in batches(loader, module.device)]
+        )
+    return torch.softmax(log_prior.to(losses) - losses, dim=1)
+
+
+def update_mixture_weights(q: Tensor) -> Tensor:
+    """Alg. 7's M-step for π_t: π_tm = (1/n_t) Σ_i q(z_i = m)."""
+    return q.mean(dim=0)
+
+
+class FedEM(FederatedCallback):
+    """Runs FedEM's client steps around the user's local training of a
+    :class:`~lightning_fl.mixture.MixtureClassifier`.
+
+    For each participating client t in round k (Alg. 7):
+
+    1. E-step over the client's whole training set with the received components θ^{k−1}
+       and its mixture weights π_t^{k−1}: q_t^k (:func:`e_step`);
+    2. π_t^k = mean of q_t^k (:func:`update_mixture_weights`), kept in the client store
+       (and so in checkpoints); it is never sent to the server;
+    3. local training: the strategy's local epochs/steps of the module's optimizer on the
+       q-weighted losses; q of a sample is recomputed per batch from a frozen copy of
+       θ^{k−1} and π_t^{k−1}, which gives exactly q_t^k without storing it;
+    4. aggregation: the aggregator averages every component's parameters, with weights
+       n_t/n under FedAvg's default sample weighting.
+
+    Evaluation uses each client's π_t in the personalized predictor (3.5). A client that
+    has not trained yet uses the uniform π (the authors' initialization). An unseen client
+    keeps the components frozen, starts from the uniform π and runs one E-step and one π
+    update on its training data (§3.5.6, Table 3.3).
+    """
+
+    def __init__(self) -> None:
+        self._reference: torch.nn.ModuleList | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not isinstance(pl_module, MixtureClassifier):
+            raise TypeError(
+                f"FedEM needs a lightning_fl.MixtureClassifier, got {type(pl_module).__name__}: "
+                "wrap your network as MixtureClassifier(network, num_components=M)."
+            )
+
+    @staticmethod
+    def uniform(module: MixtureClassifier) -> Tensor:
+        m = module.num_components
+        return torch.full((m,), 1.0 / m)
+
+    def mixture_weights(
+        self, trainer: pl.Trainer, module: MixtureClassifier, client: int
+    ) -> Tensor:
+        stored = trainer.strategy.client_store.get(client, STORE_KEY)
+        return self.uniform(module) if stored is None else stored
+
+    def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        prior = self.mixture_weights(trainer, pl_module, client)
+        log_prior = torch.log(prior).to(pl_module.device)
+        q = e_step(pl_module, client_loader(trainer, client, "train"), log_prior)
+        pi = update_mixture_weights(q)
+        state.store.set(client, STORE_KEY, pi.cpu())
+        pl_module.log_mixture_weights = torch.log(pi)
+        reference = self._frozen_copy(pl_module)
+
+        def responsibilities(x: Tensor, y: Tensor) -> Tensor:
+            losses = pl_module.component_losses(x, y, components=reference)
+            return torch.softmax(log_prior - losses, dim=1)
+
+        pl_module.responsibilities = responsibilities
+
+    def _frozen_copy(self, module: MixtureClassifier) -> torch.nn.ModuleList:
+        """θ^{k−1}, in eval mode, for the per-batch responsibilities."""
+        if self._reference is None:
+            self._reference = copy.deepcopy(module.network).eval().requires_grad_(False)
+        with torch.no_grad():
+            live = [*module.network.parameters(), *module.network.buffers()]
+            frozen = [*self._reference.parameters(), *self._reference.buffers()]
+            torch._foreach_copy_(frozen, live)
+        return self._reference
+
+    def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
+        pl_module.responsibilities = None
+
+    def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
+        pl_module.responsibilities = None
+        pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
+        weights = [state.store.get(c, STORE_KEY) for c in state.accepted]
+        if weights:
+            entropy = torch.stack([-(w * torch.log(w.clamp_min(1e-12))).sum() for w in weights])
+            pl_module.log("fedem/pi_entropy", entropy.mean(), on_epoch=True)
+
+    def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
+        if client in set(trainer.datamodule.unseen_clients):
+            pi = self.uniform(pl_module)
+            loader = client_loader(trainer, client, "train")
+            if loader is not None:
+                log_prior = torch.log(pi).to(pl_module.device)
+                pi = update_mixture_weights(e_step(pl_module, loader, log_prior))
+        else:
+            pi = self.mixture_weights(trainer, pl_module, client)
+        pl_module.log_mixture_weights = torch.log(pi).to(pl_module.device)
+
+    def on_client_evaluation_end(self, trainer, pl_module, client: int) -> None:
+        pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
+
+
+__all__ = ["FedEM", "e_step", "update_mixture_weights"]

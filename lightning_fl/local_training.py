@@ -1,0 +1,130 @@
+"""Client-side work that personalization callbacks run outside the user's training loop:
+an E-step, a fine-tuning pass, a personal head's epochs, an unseen client's adaptation.
+
+These run inside Lightning's hooks, including evaluation hooks where Lightning has turned
+on inference mode; :func:`training_mode` turns autograd back on for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_fl.client_store import ClientStore
+from lightning_fl.datamodules.base import Split
+from lightning_fl.seeding import generator
+from lightning_fl.tensors import FederatedTensors, TensorList, flatten, unflatten
+
+
+@contextlib.contextmanager
+def training_mode(module: nn.Module) -> Iterator[None]:
+    """Autograd on (also inside Lightning's evaluation inference mode) and ``module.train()``;
+    the module's previous mode is restored on exit."""
+    was_training = module.training
+    with torch.inference_mode(False), torch.enable_grad():
+        module.train()
+        try:
+            yield
+        finally:
+            module.train(was_training)
+
+
+@contextlib.contextmanager
+def evaluation_mode(module: nn.Module) -> Iterator[None]:
+    """No autograd and ``module.eval()`` (dropout off, BatchNorm running statistics used)."""
+    was_training = module.training
+    with torch.no_grad():
+        module.eval()
+        try:
+            yield
+        finally:
+            module.train(was_training)
+
+
+def client_loader(
+    trainer: pl.Trainer, client: int, split: Split, shuffle_seed: tuple | None = None
+) -> DataLoader | None:
+    """``client``'s ``split`` loader from the datamodule, or None when it has no data.
+
+    With ``shuffle_seed`` (a tuple of seed parts) the loader is a training loader shuffled
+    by a generator derived from the strategy's seed and those parts; without it, the
+    evaluation loader (fixed order).
+    """
+    dm = trainer.datamodule
+    dataset = dm.client_dataset(client, split)
+    if dataset is None or len(dataset) == 0:
+        return None
+    if shuffle_seed is None:
+        return dm.client_dataloader(dataset, "val")
+    return dm.client_dataloader(dataset, "train", generator(trainer.strategy.seed, *shuffle_seed))
+
+
+def batches(loader: DataLoader, device: torch.device) -> Iterator[Any]:
+    for batch in loader:
+        yield move_data_to_device(batch, device)
+
+
+def task_loss(module: pl.LightningModule, batch: Any) -> Tensor:
+    """The module's training loss on ``batch`` through ``loss_and_metrics`` (a
+    :class:`~lightning_fl.models.FederatedTask`)."""
+    if not hasattr(module, "loss_and_metrics"):
+        raise TypeError(
+            f"{type(module).__name__} has no loss_and_metrics(batch): personalization "
+            "callbacks train outside training_step and need a lightning_fl.FederatedTask "
+            "(Classifier, BinaryClassifier, ...) or a module with that method."
+        )
+    return module.loss_and_metrics(batch)[0]
+
+
+def sgd(
+    module: pl.LightningModule,
+    params: list[nn.Parameter],
+    loader: DataLoader,
+    lr: float,
+    epochs: int = 1,
+    extra_grad: Callable[[], TensorList] | None = None,
+) -> int:
+    """``epochs`` passes of plain SGD on ``params`` with the module's loss:
+    θ ← θ − lr (∇L(θ; batch) + extra_grad()). Other parameters are left unchanged.
+    Returns the number of steps."""
+    steps = 0
+    with training_mode(module):
+        for _ in range(epochs):
+            for batch in batches(loader, module.device):
+                grads = torch.autograd.grad(task_loss(module, batch), params, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+                if extra_grad is not None:
+                    torch._foreach_add_(grads, extra_grad())
+                with torch.no_grad():
+                    torch._foreach_add_(params, grads, alpha=-lr)
+                steps += 1
+    return steps
+
+
+class PersonalModels:
+    """One flat float32 copy of the module's federated tensors per client, in the client
+    store under ``key`` (4·d bytes per client that has one)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def has(self, store: ClientStore, client: int) -> bool:
+        return store.get(client, self.key) is not None
+
+    def save(self, store: ClientStore, client: int, model: FederatedTensors) -> None:
+        store.set(client, self.key, flatten(model.clone()))
+
+    def load(self, store: ClientStore, client: int, model: FederatedTensors) -> bool:
+        """Load ``client``'s copy into ``model``; False (nothing loaded) if it has none."""
+        flat = store.get(client, self.key)
+        if flat is None:
+            return False
+        model.load_(unflatten(flat, model.tensors))
+        return True

@@ -1,0 +1,233 @@
+"""FedEM (Alg. 7) and D-FedEM (Alg. 8): the E-step by hand, M = 1 equals FedAvg, the
+Trainer equals a hand-written FedEM loop, and π survives checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fl import MLP, FederatedStrategy, MixtureClassifier
+from lightning_fl.callbacks import FedEM, GossipAveraging
+from lightning_fl.callbacks.fedem import STORE_KEY, e_step, update_mixture_weights
+from lightning_fl.callbacks.gossip import erdos_renyi, metropolis_weights
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.seeding import derive_seed, generator
+from tests.helpers import (
+    HIDDEN,
+    IN,
+    OUT,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
+
+LR, STEPS, SEED, BATCH = 0.1, 3, 7, 4
+
+
+def mixture(m: int = 2, seed: int = 1, lr: float = LR) -> MixtureClassifier:
+    torch.manual_seed(seed)
+    return MixtureClassifier(MLP(IN, (HIDDEN,), OUT), num_components=m, lr=lr)
+
+
+def test_e_step_and_mixture_weights_match_a_case_computed_by_hand():
+    module = MixtureClassifier(torch.nn.Linear(1, 2, bias=False), num_components=2)
+    with torch.no_grad():
+        module.network[0].weight.copy_(torch.tensor([[1.0], [0.0]]))  # logits (x, 0)
+        module.network[1].weight.copy_(torch.tensor([[0.0], [2.0]]))  # logits (0, 2x)
+    x = torch.tensor([[1.0], [-1.0], [0.5]])
+    y = torch.tensor([0, 1, 1])
+    prior = [0.25, 0.75]
+
+    def ce(logits, label):
+        return math.log(sum(math.exp(v) for v in logits)) - logits[label]
+
+    expected_q = []
+    for (xi,), yi in zip(x.tolist(), y.tolist()):
+        losses = [ce([xi, 0.0], yi), ce([0.0, 2 * xi], yi)]
+        joint = [p * math.exp(-loss) for p, loss in zip(prior, losses)]
+        expected_q.append([j / sum(joint) for j in joint])
+    expected_pi = [sum(q[m] for q in expected_q) / 3 for m in range(2)]
+
+    loader = DataLoader(TensorDataset(x, y), batch_size=2)
+    q = e_step(module, loader, torch.log(torch.tensor(prior)))
+    assert torch.allclose(q, torch.tensor(expected_q), atol=1e-6)
+    assert torch.allclose(update_mixture_weights(q), torch.tensor(expected_pi), atol=1e-6)
+
+
+def _fit(module, callbacks, rounds=3, dm=None, **kw):
+    strategy = FederatedStrategy(local_steps=STEPS, seed=SEED)
+    trainer = make_trainer(strategy, rounds, callbacks, **kw)
+    trainer.fit(module, datamodule=dm or tiny_datamodule(BATCH))
+    return trainer
+
+
+def test_fedem_with_one_component_equals_fedavg():
+    fedem = mixture(m=1)
+    _fit(fedem, [FedEM()])
+    fedavg = tiny_module(LR, seed=1)
+    _fit(fedavg, [])
+    assert max_abs_diff(params_of(fedem), params_of(fedavg)) < 1e-6
+
+
+def _reference_fedem(rounds: int, m: int = 2):
+    """Alg. 7 written out: E-step with θ^{k−1} and π^{k−1}, π update, J SGD steps on the
+    q-weighted loss, θ_m^k = Σ_t (n_t/n) θ_{m,t}^k."""
+    clients = tiny_clients()
+    components = mixture(m).network
+    theta = params_of(components)
+    counts = torch.tensor([len(c["train"][1]) for c in clients], dtype=torch.float64)
+    p = counts / counts.sum()
+    pis = {c: torch.full((m,), 1.0 / m) for c in range(len(clients))}
+    for r in range(rounds):
+        new_theta = [torch.zeros_like(t) for t in theta]
+        for c, data in enumerate(clients):
+            with torch.no_grad():
+                for q, t in zip(components.parameters(), theta):
+                    q.copy_(t)
+            x, y = data["train"]
+            with torch.no_grad():
+                losses = torch.stack(
+                    [F.cross_entropy(h(x), y, reduction="none") for h in components], 1
+                )
+            prior = pis[c]
+            q_all = prior * torch.exp(-losses)
+            q_all = q_all / q_all.sum(1, keepdim=True)
+            pis[c] = q_all.mean(0)
+            torch.manual_seed(derive_seed(SEED, "client", r, c))
+            loader = DataLoader(
+                TensorDataset(x, y, q_all), batch_size=BATCH, shuffle=True,
+                generator=generator(SEED, "data", r, c),
+            )  # fmt: skip
+            done = 0
+            while done < STEPS:
+                for xb, yb, qb in loader:
+                    loss_m = torch.stack(
+                        [F.cross_entropy(h(xb), yb, reduction="none") for h in components], 1
+                    )
+                    loss = (qb * loss_m).sum(1).mean()
+                    grads = torch.autograd.grad(loss, list(components.parameters()))
+                    with torch.no_grad():
+                        for prm, g in zip(components.parameters(), grads):
+                            prm -= LR * g
+                    done += 1
+                    if done == STEPS:
+                        break
+            for acc, prm in zip(new_theta, components.parameters()):
+                acc += float(p[c]) * prm.detach()
+        theta = new_theta
+    return theta, pis
+
+
+def test_fedem_through_the_trainer_equals_algorithm_7():
+    module = mixture(2)
+    trainer = _fit(module, [FedEM()], rounds=3)
+    theta, pis = _reference_fedem(3)
+    assert max_abs_diff(params_of(module.network), theta) < 1e-5
+    store = trainer.strategy.client_store
+    for c, pi in pis.items():
+        assert torch.allclose(store.get(c, STORE_KEY), pi, atol=1e-5)
+
+
+def test_fedem_state_survives_checkpoint_and_resume(tmp_path):
+    full = mixture(2)
+    full_trainer = _fit(full, [FedEM()], rounds=4)
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    _fit(mixture(2), [FedEM(), ckpt_cb], rounds=2, enable_checkpointing=True)
+    ckpt = tmp_path / "epoch=1.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert STORE_KEY in saved["callbacks"]["_RoundDriver"]["client_store"][0]
+    resumed = mixture(2, seed=99)
+    strategy = FederatedStrategy(local_steps=STEPS, seed=SEED)
+    trainer = make_trainer(strategy, 4, [FedEM()])
+    trainer.fit(resumed, datamodule=tiny_datamodule(BATCH), ckpt_path=str(ckpt), weights_only=True)
+    for a, b in zip(params_of(full), params_of(resumed)):
+        assert torch.equal(a, b)
+    for c in range(10):
+        assert torch.equal(
+            full_trainer.strategy.client_store.get(c, STORE_KEY),
+            trainer.strategy.client_store.get(c, STORE_KEY),
+        )
+
+
+def test_unseen_client_gets_one_e_step_from_uniform_and_is_reported_apart():
+    clients = tiny_clients()
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    dm.unseen_clients = [8, 9]
+    module = mixture(2)
+    callback = FedEM()
+    trainer = _fit(module, [callback], rounds=2, dm=dm)
+    assert all(trainer.strategy.client_store.get(c, STORE_KEY) is None for c in (8, 9))
+    results = trainer.test(module, datamodule=dm, verbose=False)[0]
+    assert "test_acc/unseen/weighted" in results and "test_acc/weighted" in results
+    # the plain epoch metric excludes the unseen clients
+    assert abs(results["test_acc"] - results["test_acc/weighted"]) < 1e-6
+
+    callback.on_client_evaluation_start(trainer, module, 9)
+    loader = DataLoader(TensorDataset(*clients[9]["train"]), batch_size=BATCH)
+    expected = update_mixture_weights(e_step(module, loader, torch.log(torch.full((2,), 0.5))))
+    assert torch.allclose(module.log_mixture_weights.exp(), expected, atol=1e-6)
+
+
+def test_metropolis_weights_are_symmetric_and_doubly_stochastic():
+    adjacency = erdos_renyi(12, 0.5, seed=3)
+    w = metropolis_weights(adjacency)
+    assert torch.allclose(w, w.T)
+    assert torch.allclose(w.sum(0), torch.ones(12, dtype=w.dtype))
+    assert bool((w >= 0).all()) and bool((w[~adjacency & ~torch.eye(12, dtype=bool)] == 0).all())
+
+
+def test_d_fedem_equals_local_steps_then_gossip():
+    """One D-FedEM round (Alg. 8) with a given W: FedEM's local step at lr·T·n_t/n from
+    the common initialization, then θ_t = Σ_s W_st θ_s."""
+    clients = tiny_clients(num_clients=3)
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    w = [[0.5, 0.25, 0.25], [0.25, 0.75, 0.0], [0.25, 0.0, 0.75]]
+    module = mixture(2)
+    trainer = _fit(module, [FedEM(), GossipAveraging(mixing_matrix=w)], rounds=1, dm=dm)
+    counts = [len(c["train"][1]) for c in clients]
+    # compare through the store against an explicit mix of independently trained halves
+    theta_half = []
+    for c in range(3):
+        alone = mixture(2)
+        ref = _one_client_fedem(alone, clients[c], c, LR * 3 * counts[c] / sum(counts))
+        theta_half.append(ref)
+    for t in range(3):
+        expected = sum(w[s][t] * theta_half[s] for s in range(3))
+        assert torch.allclose(
+            trainer.strategy.client_store.get(t, "gossip_model"), expected, atol=1e-5
+        )
+
+
+def _one_client_fedem(module, data, client, lr):
+    components = module.network
+    x, y = data["train"]
+    m = len(components)
+    with torch.no_grad():
+        losses = torch.stack([F.cross_entropy(h(x), y, reduction="none") for h in components], 1)
+    q_all = torch.softmax(torch.log(torch.full((m,), 1.0 / m)) - losses, 1)
+    torch.manual_seed(derive_seed(SEED, "client", 0, client))
+    loader = DataLoader(
+        TensorDataset(x, y, q_all), batch_size=BATCH, shuffle=True,
+        generator=generator(SEED, "data", 0, client),
+    )  # fmt: skip
+    done = 0
+    while done < STEPS:
+        for xb, yb, qb in loader:
+            loss_m = torch.stack(
+                [F.cross_entropy(h(xb), yb, reduction="none") for h in components], 1
+            )
+            grads = torch.autograd.grad((qb * loss_m).sum(1).mean(), list(components.parameters()))
+            with torch.no_grad():
+                for prm, g in zip(components.parameters(), grads):
+                    prm -= lr * g
+            done += 1
+            if done == STEPS:
+                break
+    return torch.cat([p.detach().reshape(-1) for p in components.parameters()])
