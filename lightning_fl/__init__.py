@@ -1,6 +1,7 @@
 """lightning_fl: federated learning as a PyTorch Lightning strategy plus callbacks."""
 
 from lightning_fl.client_store import ClientStore
+from lightning_fl.mixture import MixtureClassifier
 from lightning_fl.models import (
     MLP,
     BinaryClassifier,
@@ -14,7 +15,6 @@ from lightning_fl.models import (
     MnistCNN,
     MobileNetV2,
 )
-from lightning_fl.mixture import MixtureClassifier
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
