@@ -6,6 +6,7 @@ from lightning_fl.callbacks.baselines import Local, Pooled
 from lightning_fl.callbacks.fedem import FedEM
 from lightning_fl.callbacks.fedprox import FedProx
 from lightning_fl.callbacks.gossip import GossipAveraging
+from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FedYogi",
     "FederatedCallback",
     "GossipAveraging",
+    "KNNPer",
     "Local",
     "Pooled",
     "RoundState",

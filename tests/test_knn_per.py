@@ -1,0 +1,121 @@
+"""kNN-Per (§3.6): the FAISS datastore equals brute force, λ = 0 is the global model,
+λ = 1 is a brute-force kNN classifier, and the datastore update rules."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from lightning_fl import FederatedStrategy
+from lightning_fl.callbacks import KNNPer
+from lightning_fl.datastore import Datastore, knn_probabilities
+from tests.helpers import make_trainer, tiny_clients, tiny_datamodule, tiny_module
+
+
+def test_faiss_flat_and_ivf_equal_brute_force():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(300, 16, generator=g)
+    labels = torch.randint(0, 5, (300,), generator=g)
+    queries = torch.randn(40, 16, generator=g)
+    exact_d, exact_l = Datastore(backend="torch").build(keys, labels).search(queries, 7)
+    reference = torch.cdist(queries, keys).topk(7, largest=False)
+    assert torch.allclose(exact_d, reference.values)
+    for store in (
+        Datastore(backend="faiss").build(keys, labels),
+        Datastore(backend="faiss", index="ivf", nlist=4, nprobe=4).build(keys, labels),
+    ):
+        d, lab = store.search(queries, 7)
+        assert torch.allclose(d, exact_d, atol=1e-4)
+        assert torch.equal(lab, exact_l)
+
+
+def test_knn_probabilities_by_hand():
+    distances = torch.tensor([[0.0, 1.0, 2.0]])
+    labels = torch.tensor([[2, 0, 2]])
+    w = torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 2.0)
+    expected = torch.tensor([[w[1], 0.0, w[0] + w[2]]]) / w.sum()
+    assert torch.allclose(knn_probabilities(distances, labels, 3, scale=2.0), expected)
+
+
+def test_datastore_update_rules():
+    keys, labels = torch.arange(6.0)[:, None], torch.arange(6)
+    fifo = Datastore(backend="torch", capacity=4, update_rule="fifo").build(keys[:3], labels[:3])
+    fifo.update(keys[3:], labels[3:])
+    assert fifo.labels.tolist() == [2, 3, 4, 5]
+    grow = Datastore(backend="torch", capacity=4, update_rule="concatenate").build(
+        keys[:3], labels[:3]
+    )
+    grow.update(keys[3:], labels[3:])
+    assert grow.labels.tolist() == [0, 1, 2, 3, 4, 5]
+    fixed = Datastore(backend="torch", update_rule="fixed").build(keys[:3], labels[:3])
+    fixed.update(keys[3:], labels[3:])
+    assert fixed.labels.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="empty"):
+        Datastore().search(keys, 1)
+
+
+def _trained():
+    module = tiny_module(0.1)
+    trainer = make_trainer(FederatedStrategy(local_steps=5, seed=1), 3, [])
+    trainer.fit(module, datamodule=tiny_datamodule())
+    return module
+
+
+def _test(module, callbacks, tmp_path=None):
+    kw = {} if tmp_path is None else {"default_root_dir": str(tmp_path)}
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, callbacks, **kw)
+    results = trainer.test(module, datamodule=tiny_datamodule(), verbose=False)[0]
+    return results, dict(trainer.strategy.metric_capture.per_client["test_acc"])
+
+
+def test_lambda_zero_is_the_global_model():
+    module = _trained()
+    plain, plain_clients = _test(module, [])
+    knn, knn_clients = _test(module, [KNNPer(lambda_=0.0)])
+    assert abs(plain["test_loss"] - knn["test_loss"]) < 1e-5
+    assert plain_clients == knn_clients
+
+
+def test_lambda_one_is_a_brute_force_knn_classifier():
+    module = _trained()
+    k, scale = 3, 0.7
+    _, knn_clients = _test(module, [KNNPer(lambda_=1.0, k=k, scale=scale)])
+    net = module.network.net
+    embed = torch.nn.Sequential(*list(net)[:-1])  # the input of the last Linear
+    for c, data in enumerate(tiny_clients()):
+        with torch.no_grad():
+            keys, queries = embed(data["train"][0]), embed(data["test"][0])
+        d = torch.cdist(queries, keys)
+        kk = min(k, len(keys))
+        dist, idx = d.topk(kk, largest=False)
+        votes = torch.zeros(len(queries), 3)
+        votes.scatter_add_(1, data["train"][1][idx], torch.exp(-dist / scale))
+        accuracy = float((votes.argmax(1) == data["test"][1]).float().mean())
+        assert knn_clients[c][0] == pytest.approx(accuracy, abs=1e-6)
+
+
+def test_lambda_is_chosen_per_client_and_written(tmp_path):
+    module = _trained()
+    callback = KNNPer(k=3)
+    _test(module, [callback], tmp_path)
+    assert set(callback.lambdas) == set(range(10))
+    assert all(lam in callback.lambda_grid for lam in callback.lambdas.values())
+    rows = list(csv.DictReader(open(tmp_path / "knn_per_lambdas.csv")))
+    assert len(rows) == 10 and int(rows[0]["datastore_size"]) == 4
+
+
+def test_capacity_keeps_a_fraction_of_the_datastore():
+    module = _trained()
+    callback = KNNPer(k=3, capacity=0.5, lambda_=0.5)
+    _test(module, [callback])
+    sizes = [len(c["train"][1]) for c in tiny_clients()]
+    assert callback.datastore_sizes == {c: max(1, round(0.5 * n)) for c, n in enumerate(sizes)}
+
+
+def test_bad_knn_settings_are_refused():
+    with pytest.raises(ValueError, match="capacity"):
+        KNNPer(capacity=0.0)
+    with pytest.raises(ValueError, match="λ"):
+        KNNPer(lambda_=1.5)
