@@ -3,25 +3,33 @@
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.callbacks.baselines import Local, Pooled
+from lightning_fl.callbacks.clustered import ClusteredFL
 from lightning_fl.callbacks.fedem import FedEM
 from lightning_fl.callbacks.fedprox import FedProx
 from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
+from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 
 __all__ = [
     "Aggregator",
+    "APFL",
+    "ClusteredFL",
+    "Ditto",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
     "FedAvgM",
     "FedEM",
-    "FedProx",
-    "FedYogi",
     "FederatedCallback",
+    "FedProx",
+    "FedRep",
+    "FedYogi",
+    "FineTune",
     "GossipAveraging",
     "KNNPer",
     "Local",
+    "PFedMe",
     "Pooled",
     "RoundState",
     "SCAFFOLD",

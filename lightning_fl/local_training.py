@@ -128,3 +128,20 @@ class PersonalModels:
             return False
         model.load_(unflatten(flat, model.tensors))
         return True
+
+
+def grads_at(
+    module: pl.LightningModule, params: list[nn.Parameter], values: TensorList, batch: Any
+) -> TensorList:
+    """∇L(values; batch): the module's loss gradient with ``params`` temporarily set to
+    ``values`` (autograd on; the parameters are restored afterwards)."""
+    saved = [p.detach().clone() for p in params]
+    with torch.inference_mode(False), torch.enable_grad():
+        with torch.no_grad():
+            torch._foreach_copy_(params, values)
+        try:
+            grads = torch.autograd.grad(task_loss(module, batch), params, allow_unused=True)
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved)
+    return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]

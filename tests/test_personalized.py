@@ -1,0 +1,232 @@
+"""Personalization baselines against hand-written references on tiny cases: FedAvg+,
+Ditto, APFL, FedRep, pFedMe and Clustered FL."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fl import FederatedStrategy
+from lightning_fl.callbacks import APFL, ClusteredFL, Ditto, FedAvg, FedRep, FineTune, PFedMe
+from lightning_fl.callbacks.clustered import complete_linkage_bipartition
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.seeding import derive_seed, generator
+from tests.helpers import (
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
+
+LR, STEPS, SEED, BATCH = 0.1, 3, 4, 4
+
+
+def _one_client(index: int = 3) -> tuple[dict, InMemoryFederatedDataModule]:
+    data = tiny_clients()[index]
+    return data, InMemoryFederatedDataModule([data], batch_size=BATCH)
+
+
+def _fit(module, callbacks, dm, rounds=1, **kw):
+    trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), rounds, callbacks, **kw)
+    trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+def _loader(data, *parts, shuffle=True):
+    return DataLoader(
+        TensorDataset(*data), batch_size=BATCH, shuffle=shuffle, generator=generator(SEED, *parts)
+    )
+
+
+def _grads(net, params, x, y):
+    return torch.autograd.grad(F.cross_entropy(net(x), y), params)
+
+
+def _strategy_batches(data, round_idx=0, client=0):
+    """The batches of the strategy's local steps for one client (and its torch seed)."""
+    torch.manual_seed(derive_seed(SEED, "client", round_idx, client))
+    out = []
+    while len(out) < STEPS:
+        for b in _loader(data["train"], "data", round_idx, client):
+            out.append(b)
+            if len(out) == STEPS:
+                break
+    return out
+
+
+def test_finetune_evaluates_each_client_after_one_local_pass():
+    module = tiny_module(LR)
+    dm = tiny_datamodule(BATCH)
+    trainer = _fit(module, [FineTune(lr=0.05)], dm, rounds=2)
+    trainer.test(module, datamodule=dm, verbose=False)
+    per_client = trainer.strategy.metric_capture.per_client["test_acc"]
+    for c, data in enumerate(tiny_clients()):
+        net = tiny_module(LR).network
+        net.load_state_dict(module.network.state_dict())
+        for x, y in _loader(data["train"], "finetune", c):
+            grads = _grads(net, list(net.parameters()), x, y)
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads):
+                    p -= 0.05 * g
+        x, y = data["test"]
+        with torch.no_grad():
+            accuracy = float((net(x).argmax(1) == y).float().mean())
+        assert per_client[c][0] == pytest.approx(accuracy, abs=1e-6)
+    # the global model itself is untouched by fine-tuning
+    assert trainer.strategy.federated_tensors.params[0] is next(module.parameters())
+
+
+def test_ditto_personal_model_follows_its_proximal_update():
+    data, dm = _one_client()
+    module = tiny_module(LR)
+    w0 = params_of(module)
+    trainer = _fit(module, [Ditto(lam=0.5, personal_lr=0.05, personal_epochs=2)], dm)
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    with torch.no_grad():
+        for p, w in zip(params, w0):
+            p.copy_(w)
+    loader = _loader(data["train"], "ditto", 0, 0)
+    for _ in range(2):
+        for x, y in loader:
+            grads = _grads(net, params, x, y)
+            with torch.no_grad():
+                for p, g, w in zip(params, grads, w0):
+                    p -= 0.05 * (g + 0.5 * (p - w))
+    stored = trainer.strategy.client_store.get(0, Ditto.key)
+    assert torch.allclose(stored, torch.cat([p.detach().reshape(-1) for p in params]), atol=1e-6)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_apfl_local_model_and_alpha_follow_algorithm_1(adaptive):
+    data, dm = _one_client()
+    module = tiny_module(LR)
+    w = [t.clone() for t in params_of(module)]
+    trainer = _fit(
+        module, [APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=adaptive, alpha_lr=0.02)], dm
+    )
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    v, alpha = [t.clone() for t in w], 0.3
+    for x, y in _strategy_batches(data):
+        with torch.no_grad():
+            for p, a, b in zip(params, v, w):
+                p.copy_(alpha * a + (1 - alpha) * b)
+        g_mix = _grads(net, params, x, y)
+        with torch.no_grad():
+            for p, b in zip(params, w):
+                p.copy_(b)
+        g_w = _grads(net, params, x, y)
+        new_alpha = alpha
+        if adaptive:
+            slope = sum(float(((a - b) * g).sum()) for a, b, g in zip(v, w, g_mix))
+            new_alpha = min(1.0, max(0.0, alpha - 0.02 * slope))
+        v = [a - 0.07 * alpha * g for a, g in zip(v, g_mix)]
+        w = [b - LR * g for b, g in zip(w, g_w)]
+        alpha = new_alpha
+    store = trainer.strategy.client_store
+    assert torch.allclose(
+        store.get(0, APFL.v_key), torch.cat([t.reshape(-1) for t in v]), atol=1e-6
+    )
+    assert store.get(0, APFL.alpha_key) == pytest.approx(alpha, abs=1e-9)
+    assert max_abs_diff(params_of(module), w) < 1e-6
+
+
+def test_fedrep_trains_the_head_then_the_body_and_keeps_the_global_head():
+    data, dm = _one_client()
+    module = tiny_module(LR)
+    start = params_of(module)
+    trainer = _fit(module, [FedRep(head_epochs=2, head_lr=0.05)], dm)
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    head, body = params[2:], params[:2]  # MLP(6, (8,), 3): the last Linear is the head
+    with torch.no_grad():
+        for p, s in zip(params, start):
+            p.copy_(s)
+    loader = _loader(data["train"], "fedrep", 0, 0)
+    for _ in range(2):
+        for x, y in loader:
+            grads = _grads(net, head, x, y)
+            with torch.no_grad():
+                for p, g in zip(head, grads):
+                    p -= 0.05 * g
+    for x, y in _strategy_batches(data):
+        grads = _grads(net, body, x, y)
+        with torch.no_grad():
+            for p, g in zip(body, grads):
+                p -= LR * g
+    final = params_of(module)
+    assert max_abs_diff(final[:2], [p.detach() for p in body]) < 1e-6  # body aggregated
+    assert max_abs_diff(final[2:], start[2:]) == 0.0  # the global head never moves
+    stored = trainer.strategy.client_store.get(0, FedRep.key)
+    assert torch.allclose(stored, torch.cat([p.detach().reshape(-1) for p in head]), atol=1e-6)
+
+
+def test_pfedme_local_and_personal_models_follow_algorithm_1():
+    data, dm = _one_client()
+    module = tiny_module(LR)
+    w = [t.clone() for t in params_of(module)]
+    lam, eta_p, k = 2.0, 0.05, 2
+    trainer = _fit(module, [PFedMe(lam=lam, personal_lr=eta_p, inner_steps=k)], dm)
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    theta = None
+    for x, y in _strategy_batches(data):
+        theta = [t.clone() for t in w]
+        for _ in range(k):
+            with torch.no_grad():
+                for p, t in zip(params, theta):
+                    p.copy_(t)
+            grads = _grads(net, params, x, y)
+            theta = [t - eta_p * (g + lam * (t - b)) for t, g, b in zip(theta, grads, w)]
+        w = [b - LR * lam * (b - t) for b, t in zip(w, theta)]
+    assert max_abs_diff(params_of(module), w) < 1e-6
+    stored = trainer.strategy.client_store.get(0, PFedMe.key)
+    assert torch.allclose(stored, torch.cat([t.reshape(-1) for t in theta]), atol=1e-6)
+
+
+def test_pfedme_refuses_momentum():
+    module = tiny_module(LR)
+    module.hparams.momentum = 0.9
+    with pytest.raises(ValueError, match="plain SGD"):
+        _fit(module, [PFedMe()], tiny_datamodule(BATCH))
+
+
+def test_complete_linkage_bipartition_by_hand():
+    # two groups {0, 1, 2} and {3, 4}, with 2 far from everyone but its own group
+    s = torch.tensor(
+        [[1.0, 0.9, 0.5, -0.8, -0.9],
+         [0.9, 1.0, 0.6, -0.7, -0.8],
+         [0.5, 0.6, 1.0, -0.2, -0.3],
+         [-0.8, -0.7, -0.2, 1.0, 0.95],
+         [-0.9, -0.8, -0.3, 0.95, 1.0]]
+    )  # fmt: skip
+    assert sorted(map(sorted, complete_linkage_bipartition(s))) == [[0, 1, 2], [3, 4]]
+
+
+def test_clustered_fl_without_a_split_equals_fedavg():
+    clustered = tiny_module(LR)
+    _fit(clustered, [ClusteredFL(eps1=0.0)], tiny_datamodule(BATCH), rounds=3)
+    fedavg = tiny_module(LR)
+    _fit(fedavg, [FedAvg()], tiny_datamodule(BATCH), rounds=3)
+    assert max_abs_diff(params_of(clustered), params_of(fedavg)) < 1e-6
+
+
+def test_clustered_fl_separates_clients_with_conflicting_labels():
+    g = torch.Generator().manual_seed(0)
+    rule = torch.randn(6, 3, generator=g)
+    clients = []
+    for c in range(8):  # the same inputs and rule; the second group's labels are permuted
+        x = torch.randn(250, 6, generator=g)
+        y = (x @ rule).argmax(1)
+        y = (y + 1) % 3 if c >= 4 else y
+        clients.append({"train": (x[:200], y[:200]), "val": (x[200:], y[200:])})
+    dm = InMemoryFederatedDataModule(clients, batch_size=200)  # full-batch local steps
+    callback = ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=0)
+    module = tiny_module(LR)
+    _fit(module, [callback], dm, rounds=1)
+    assert sorted(map(sorted, callback.clusters)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
