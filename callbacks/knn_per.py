@@ -50,7 +50,8 @@ class KNNPer(FederatedCallback):
        skips the choice. Without validation data, ``default_lambda`` is used.
 
     Seen and unseen clients are treated alike: kNN-Per never trains. Every client's λ_t and
-    training-set size are written to ``<log_dir>/knn_per_lambdas.csv`` and λ's mean is
+    training-set size are written to ``<log_dir>/knn_per_lambdas.csv`` (and, after a test
+    with matplotlib installed, plotted against it in ``knn_per_lambdas.png``); λ's mean is
     logged as ``knn_per/lambda_mean``.
 
     The thesis' kernel is exp(−‖z−z'‖); the authors' code uses exp(−‖z−z'‖²/(p·scale));
@@ -232,8 +233,19 @@ class KNNPer(FederatedCallback):
             logger = trainer.loggers[0] if trainer.loggers else None
             log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
             os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, "knn_per_lambdas.csv"), "w", newline="") as handle:
+            path = os.path.join(log_dir, "knn_per_lambdas.csv")
+            with open(path, "w", newline="") as handle:
                 writer = csv.writer(handle)
                 writer.writerow(["client", "lambda", "datastore_size"])
                 for client, (lam, size) in sorted(rows.items()):
                     writer.writerow([client, lam, size])
+            if trainer.testing and _has_matplotlib():
+                from lightning_fl.plots import plot_lambda_vs_size
+
+                plot_lambda_vs_size(path, os.path.join(log_dir, "knn_per_lambdas.png"))
+
+
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None

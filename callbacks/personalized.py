@@ -20,6 +20,9 @@ from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.local_training import batches, client_loader, grads_at, sgd, training_mode
 from lightning_fl.tensors import TensorList, flatten, unflatten
 
+#: The round key of the data-order seeds of an unseen client's adaptation.
+UNSEEN_ROUND = -1
+
 
 def _params(module: nn.Module) -> list[nn.Parameter]:
     return list(module.parameters())
@@ -124,7 +127,7 @@ class Ditto(FederatedCallback):
         params = _params(pl_module)
         if _is_unseen(trainer, client):
             anchor = [p.detach().clone() for p in params]
-            self._train_personal(trainer, pl_module, client, anchor, anchor, "unseen")
+            self._train_personal(trainer, pl_module, client, anchor, anchor, UNSEEN_ROUND)
             return
         personal = _load_params(trainer.strategy.client_store, client, self.key, params)
         if personal is not None:
@@ -217,22 +220,21 @@ class APFL(_BatchHook):
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         params = _params(pl_module)
-        w = [p.detach().clone() for p in params]
         store = trainer.strategy.client_store
-        if _is_unseen(trainer, client):
-            self._v, self._a = [t.clone() for t in w], self.alpha
-            loader = client_loader(trainer, client, "train", ("apfl", "unseen", client))
-            if loader is not None:
-                with training_mode(pl_module):
-                    for _ in range(self.adapt_epochs):
-                        for batch in batches(loader, pl_module.device):
-                            self._step(pl_module, batch, w)
-            v, alpha = self._v, self._a
-        else:
-            v = _load_params(store, client, self.v_key, params)
-            alpha = float(store.get(client, self.alpha_key, self.alpha))
-            if v is None:
-                return
+        with training_mode(pl_module):  # normal (not inference) tensors, autograd on
+            w = [p.detach().clone() for p in params]
+            if _is_unseen(trainer, client):
+                self._v, self._a = [t.clone() for t in w], self.alpha
+                loader = client_loader(trainer, client, "train", ("apfl", UNSEEN_ROUND, client))
+                for _ in range(self.adapt_epochs if loader is not None else 0):
+                    for batch in batches(loader, pl_module.device):
+                        self._step(pl_module, batch, w)
+                v, alpha = self._v, self._a
+            else:
+                v = _load_params(store, client, self.v_key, params)
+                alpha = float(store.get(client, self.alpha_key, self.alpha))
+        if v is None:
+            return
         with torch.no_grad():
             torch._foreach_copy_(params, [alpha * vi + (1 - alpha) * wi for vi, wi in zip(v, w)])
 
@@ -267,6 +269,14 @@ class FedRep(FederatedCallback):
         if missing:
             raise ValueError(f"{type(module).__name__} has no module named {missing}: check head=.")
         return [p for n in names for p in modules[n].parameters()]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if len(self.head_parameters(pl_module)) == len(_params(pl_module)):
+            raise ValueError(
+                "FedRep needs a shared body, but the head holds every parameter of "
+                f"{type(pl_module).__name__} (a linear model?): use a network with a hidden "
+                "layer, or name a smaller head with head=[...]."
+            )
 
     def _head_mask(self, module: nn.Module) -> list[bool]:
         head = {id(p) for p in self.head_parameters(module)}
@@ -312,7 +322,7 @@ class FedRep(FederatedCallback):
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         if _is_unseen(trainer, client):
-            self._train_head(trainer, pl_module, client, "unseen")
+            self._train_head(trainer, pl_module, client, UNSEEN_ROUND)
         else:
             self._load_head(trainer.strategy.client_store, client, pl_module)
 
@@ -378,7 +388,7 @@ class PFedMe(_BatchHook):
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         params = _params(pl_module)
         if _is_unseen(trainer, client):
-            loader = client_loader(trainer, client, "train", ("pfedme", "unseen", client))
+            loader = client_loader(trainer, client, "train", ("pfedme", UNSEEN_ROUND, client))
             if loader is None:
                 return
             lr = (

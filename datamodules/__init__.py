@@ -27,8 +27,11 @@ from lightning_fl.datamodules.partition import (
     shard_partition,
     split_fractions,
 )
+from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "SyntheticMixtureDataModule",
+    "generate_mixture_tasks",
     "CifarDataModule",
     "DigitsDataModule",
     "FedHeartDiseaseDataModule",

@@ -51,6 +51,15 @@ class FederatedDataModule(pl.LightningDataModule):
     def num_clients(self) -> int:
         raise NotImplementedError
 
+    def hold_out(self, unseen_fraction: float) -> None:
+        """Make the last ``round(unseen_fraction · num_clients)`` clients unseen: they never
+        train, are left out of the pooled data, and are evaluated apart (FedEM Table 3.3 and
+        kNN-Per Table 3.6 hold out 20%)."""
+        if not 0 <= unseen_fraction < 1:
+            raise ValueError(f"unseen_fraction must be in [0, 1), got {unseen_fraction}.")
+        num_unseen = round(unseen_fraction * self.num_clients)
+        self.unseen_clients = list(range(self.num_clients - num_unseen, self.num_clients))
+
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
         raise NotImplementedError
 

@@ -261,6 +261,5 @@ class CifarDataModule(InMemoryFederatedDataModule):
             clients.append({"train": to_tensor(train, fit_idx), "val": to_tensor(train, val_idx),
                             "test": to_tensor(test, te)})  # fmt: skip
         super().__init__(clients, batch_size, eval_batch_size)
-        num_unseen = round(unseen_fraction * num_clients)
-        self.unseen_clients = list(range(num_clients - num_unseen, num_clients))
+        self.hold_out(unseen_fraction)
         self.save_hyperparameters()

@@ -41,6 +41,8 @@ class DigitsDataModule(InMemoryFederatedDataModule):
             (``shards_per_client`` label shards per client).
         split: fractions of each client's samples for train, val and test.
         image: yield 1×8×8 images instead of 64 features.
+        unseen_fraction: the last ``round(unseen_fraction · num_clients)`` clients are held
+            out of training and evaluated apart.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         min_size: int = 10,
         split: tuple[float, float, float] = (0.6, 0.2, 0.2),
         image: bool = False,
+        unseen_fraction: float = 0.0,
         seed: int = 0,
         batch_size: int = 16,
         eval_batch_size: int | None = 256,
@@ -79,4 +82,5 @@ class DigitsDataModule(InMemoryFederatedDataModule):
                 }
             )
         super().__init__(clients, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
         self.save_hyperparameters()

@@ -14,6 +14,7 @@ Round t (DESIGN.md, "One round is one Lightning epoch"):
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
@@ -578,6 +579,17 @@ class _RoundDriver(pl.Callback):
             log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
             path = os.path.join(log_dir, "client_metrics.csv")
             write_client_metrics_csv(path, stage, trainer.current_epoch, per_client)
+            if stage == "test" and importlib.util.find_spec("matplotlib") is not None:
+                from lightning_fl.plots import plot_client_distributions
+
+                for name, values in per_client.items():
+                    groups = {
+                        "seen": {c: v for c, (v, _) in values.items() if c not in unseen},
+                        "unseen": {c: v for c, (v, _) in values.items() if c in unseen},
+                    }
+                    groups = {k: g for k, g in groups.items() if g}
+                    target = os.path.join(log_dir, f"clients_{name}.png")
+                    plot_client_distributions(groups, target, metric=name)
         for logger in trainer.loggers if trainer.is_global_zero else []:
             if isinstance(logger, WandbLogger):
                 import wandb

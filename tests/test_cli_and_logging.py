@@ -32,6 +32,19 @@ def test_every_recipe_runs_shortened(recipe, tmp_path):
     assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
 
 
+PERSONALIZATION = sorted((ROOT / "recipes" / "personalization").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", PERSONALIZATION, ids=[r.stem for r in PERSONALIZATION])
+def test_every_personalization_recipe_runs_shortened(recipe, tmp_path):
+    extra = ["--data.init_args.num_tasks", "10"] if recipe.stem.startswith("synthetic") else []
+    cli = _fit(recipe, tmp_path, *extra, "--trainer.max_epochs", "1")
+    metrics = cli.trainer.callback_metrics
+    assert 0.0 <= float(metrics["test_acc/weighted"]) <= 1.0
+    assert 0.0 <= float(metrics["test_acc/unseen/weighted"]) <= 1.0
+    assert glob.glob(str(tmp_path / "**/clients_test_acc.png"), recursive=True)
+
+
 def test_quickstart_console_script_writes_per_client_metrics(tmp_path):
     exe = Path(sys.executable).with_name("lightning-fl")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_fl.cli"]

@@ -230,3 +230,11 @@ def test_clustered_fl_separates_clients_with_conflicting_labels():
     module = tiny_module(LR)
     _fit(module, [callback], dm, rounds=1)
     assert sorted(map(sorted, callback.clusters)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_fedrep_refuses_a_model_without_a_body():
+    from lightning_fl import Classifier
+
+    module = Classifier(torch.nn.Linear(6, 3), lr=LR)
+    with pytest.raises(ValueError, match="shared body"):
+        _fit(module, [FedRep()], tiny_datamodule(BATCH))

@@ -1,0 +1,76 @@
+"""Figures saved next to a run's CSV files (matplotlib, the ``plots`` extra).
+
+- per-client metric distributions, one run or several (FedAvg against personalized);
+- kNN-Per's λ_t against the local dataset size (Marfoq thesis Fig. 3.3/3.9).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping, Sequence
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - the plots extra is installed in CI
+        raise ImportError("Plots need matplotlib: pip install 'lightning-fl[plots]'.") from err
+    return plt
+
+
+def read_client_metrics(
+    path: str, metric: str = "test_acc", stage: str = "test", clients: Sequence[int] | None = None
+) -> dict[int, float]:
+    """The last round's value of ``metric`` per client from a ``client_metrics.csv``."""
+    rows = [r for r in csv.DictReader(open(path)) if r["metric"] == metric and r["stage"] == stage]
+    if not rows:
+        raise ValueError(f"{path} has no {stage!r} rows for metric {metric!r}.")
+    last = max(int(r["round"]) for r in rows)
+    values = {int(r["client"]): float(r["value"]) for r in rows if int(r["round"]) == last}
+    return values if clients is None else {c: v for c, v in values.items() if c in set(clients)}
+
+
+def plot_client_distributions(
+    runs: Mapping[str, Mapping[int, float]], path: str, metric: str = "test accuracy"
+) -> str:
+    """Per-client ``metric`` of several runs: a box plot with every client as a dot, and
+    the 10th percentile marked (the papers' bottom decile)."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4))
+    labels = list(runs)
+    data = [np.array(list(runs[name].values())) for name in labels]
+    ax.boxplot(data, showfliers=False)
+    for i, values in enumerate(data, start=1):
+        jitter = np.random.default_rng(i).uniform(-0.12, 0.12, len(values))
+        ax.scatter(i + jitter, values, s=10, alpha=0.6)
+        ax.hlines(np.quantile(values, 0.1), i - 0.3, i + 0.3, colors="red", linestyles="dashed")
+    ax.set_xticks(range(1, len(labels) + 1), labels, rotation=30, ha="right")
+    ax.set_ylabel(f"per-client {metric}")
+    ax.set_title("clients (dots), 10th percentile (red dashes)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_lambda_vs_size(lambdas_csv: str, path: str) -> str:
+    """kNN-Per's chosen λ_t against the client's datastore (local training set) size."""
+    rows = list(csv.DictReader(open(lambdas_csv)))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.scatter([int(r["datastore_size"]) for r in rows], [float(r["lambda"]) for r in rows], s=14)
+    ax.set_xscale("log")
+    ax.set_xlabel("local dataset size n_t")
+    ax.set_ylabel("chosen λ_t")
+    ax.set_ylim(-0.05, 1.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
