@@ -19,8 +19,8 @@ Responsibilities = Callable[[Tensor, Tensor], Tensor]
 
 def reset_parameters(module: nn.Module) -> None:
     """Draw fresh initial weights for every layer that knows how (``reset_parameters``)."""
-    for layer in module.modules():
-        if layer is not module and hasattr(layer, "reset_parameters"):
+    for layer in module.modules():  # includes ``module`` itself (a bare nn.Linear)
+        if hasattr(layer, "reset_parameters"):
             layer.reset_parameters()
 
 

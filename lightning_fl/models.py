@@ -199,6 +199,9 @@ class FederatedTask(LightningModule):
         optimizer: ``"sgd"`` or ``"adam"`` (client optimizer).
         lr, momentum, weight_decay: its settings (momentum is ignored by Adam).
         lr_decay: multiply the learning rate by this factor after every round (1 = constant).
+        lr_milestones: rounds after which the learning rate is multiplied by ``lr_gamma``
+            (the "multi_step" schedule of FedEM and kNN-Per: lr ÷10 at R/2 and 3R/4);
+            exclusive with ``lr_decay``.
     """
 
     def __init__(
@@ -209,10 +212,14 @@ class FederatedTask(LightningModule):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         lr_decay: float = 1.0,
+        lr_milestones: list[int] | None = None,
+        lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
         if optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}.")
+        if lr_milestones and lr_decay != 1.0:
+            raise ValueError("Give either lr_decay or lr_milestones, not both.")
         self.save_hyperparameters(ignore=["network"])
         self.network = network
 
@@ -264,9 +271,15 @@ class FederatedTask(LightningModule):
             optimizer = torch.optim.SGD(
                 self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
             )
-        if hp.lr_decay == 1.0:
+        milestones = hp.get("lr_milestones")
+        if milestones:
+            scheduler = torch.optim.lr_scheduler.MultiStepLR(
+                optimizer, milestones=list(milestones), gamma=hp.get("lr_gamma", 0.1)
+            )
+        elif hp.lr_decay == 1.0:
             return optimizer
-        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=hp.lr_decay)
+        else:
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=hp.lr_decay)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},

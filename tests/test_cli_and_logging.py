@@ -114,3 +114,21 @@ def test_paper_scale_recipes_parse(recipe, capsys):
         run(["fit", "--config", str(recipe), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path: lightning_fl.FederatedStrategy" in capsys.readouterr().out
+
+
+PAPER = sorted((ROOT / "recipes" / "paper").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", PAPER, ids=[r.stem for r in PAPER])
+def test_every_paper_recipe_parses(recipe, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path" in capsys.readouterr().out
+
+
+def test_fedem_synthetic_paper_recipe_runs_on_cpu(tmp_path):
+    recipe = ROOT / "recipes" / "paper" / "fedem_synthetic.yaml"
+    cli = _fit(recipe, tmp_path, "--data.init_args.num_tasks", "8", "--trainer.max_epochs", "1",
+               "--trainer.accelerator", "cpu")  # fmt: skip
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc/weighted"]) <= 1.0

@@ -231,3 +231,11 @@ def _one_client_fedem(module, data, client, lr):
             if done == STEPS:
                 break
     return torch.cat([p.detach().reshape(-1) for p in components.parameters()])
+
+
+def test_components_start_from_different_weights_even_for_a_bare_linear_layer():
+    """Identical components would stay identical under EM (q = π): symmetry must be broken."""
+    torch.manual_seed(0)
+    module = MixtureClassifier(torch.nn.Linear(5, 2), num_components=3)
+    weights = [component.weight for component in module.network]
+    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])

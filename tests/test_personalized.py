@@ -238,3 +238,13 @@ def test_fedrep_refuses_a_model_without_a_body():
     module = Classifier(torch.nn.Linear(6, 3), lr=LR)
     with pytest.raises(ValueError, match="shared body"):
         _fit(module, [FedRep()], tiny_datamodule(BATCH))
+
+
+def test_multi_step_learning_rate_divides_at_the_milestones():
+    from lightning_fl import MLP, Classifier
+
+    module = Classifier(MLP(6, (8,), 3), lr=0.1, lr_milestones=[1, 2], lr_gamma=0.1)
+    trainer = _fit(module, [], tiny_datamodule(BATCH), rounds=3)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="lr_decay or lr_milestones"):
+        Classifier(lr_decay=0.9, lr_milestones=[1])
