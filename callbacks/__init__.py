@@ -9,6 +9,7 @@ from lightning_fl.callbacks.fedprox import FedProx
 from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
+from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "APFL",
     "ClusteredFL",
     "Ditto",
+    "DPSGD",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",
@@ -29,8 +31,10 @@ __all__ = [
     "GossipAveraging",
     "KNNPer",
     "Local",
+    "MembershipInference",
     "PFedMe",
     "Pooled",
     "RoundState",
     "SCAFFOLD",
+    "ServerReference",
 ]

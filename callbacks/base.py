@@ -55,6 +55,11 @@ class RoundState:
 class FederatedCallback(pl.Callback):
     """Base class of the algorithms that plug into a round. Every hook is optional."""
 
+    #: An observer only measures the model in the client evaluation hooks (membership
+    #: inference): it runs first there, seeing the global model at the start and the
+    #: personalized one at the end, and does not make the strategy keep a global copy.
+    evaluation_observer: bool = False
+
     def on_round_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:

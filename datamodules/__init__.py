@@ -27,9 +27,27 @@ from lightning_fl.datamodules.partition import (
     shard_partition,
     split_fractions,
 )
+from lightning_fl.datamodules.privacy import (
+    DigitsReferenceDataModule,
+    Purchase100DataModule,
+    ReferenceDataModule,
+    Texas100DataModule,
+    load_purchase100,
+    load_texas100,
+)
+from lightning_fl.datamodules.reference import PairedLoader, WERMDataset, paired_loader
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "DigitsReferenceDataModule",
+    "PairedLoader",
+    "Purchase100DataModule",
+    "ReferenceDataModule",
+    "Texas100DataModule",
+    "WERMDataset",
+    "load_purchase100",
+    "load_texas100",
+    "paired_loader",
     "SyntheticMixtureDataModule",
     "generate_mixture_tasks",
     "CifarDataModule",

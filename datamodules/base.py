@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-Split = Literal["train", "val", "test"]
+Split = Literal["train", "val", "test", "reference"]
 
 
 class FederatedLoader:
@@ -79,7 +79,13 @@ class FederatedDataModule(pl.LightningDataModule):
     def client_dataloader(
         self, dataset: Dataset, split: Split, generator: torch.Generator | None = None
     ) -> DataLoader:
-        """The loader for one client's dataset; training loaders shuffle with ``generator``."""
+        """The loader for one client's dataset; training loaders shuffle with ``generator``.
+        Training data that carries reference data (:class:`WERMDataset`) gets a loader of
+        ``{"train", "reference"}`` batch pairs."""
+        from lightning_fl.datamodules.reference import WERMDataset, paired_loader
+
+        if split == "train" and isinstance(dataset, WERMDataset):
+            return paired_loader(dataset, self.batch_size, generator=generator)  # type: ignore[return-value]
         if split == "train":
             return DataLoader(
                 dataset, batch_size=self.batch_size, shuffle=True, generator=generator

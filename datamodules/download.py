@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 import urllib.request
+import warnings
 from pathlib import Path
 
 
@@ -36,16 +37,19 @@ def verify(path: str | os.PathLike, expected: str, algorithm: str = "sha256") ->
 
 
 def download(
-    url: str, destination: str | os.PathLike, expected: str, algorithm: str = "sha256"
+    url: str, destination: str | os.PathLike, expected: str | None, algorithm: str = "sha256"
 ) -> Path:
     """Download ``url`` to ``destination`` unless a verified copy is already there.
 
     The file is written to a temporary name and moved in place only after its checksum
-    matches, so a failed or corrupt download never replaces good data.
+    matches, so a failed or corrupt download never replaces good data. With
+    ``expected=None`` (a source that publishes no checksum) the file is kept and a warning
+    gives its digest, to pin it next time.
     """
     destination = Path(destination)
     if destination.exists():
-        verify(destination, expected, algorithm)
+        if expected is not None:
+            verify(destination, expected, algorithm)
         return destination
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=destination.parent, delete=False) as tmp:
@@ -58,10 +62,18 @@ def download(
                 f"Could not download {url} to {destination} ({err}). Download it by hand "
                 f"into {destination.parent}, or point the datamodule's root at a copy."
             ) from err
-    try:
-        verify(tmp.name, expected, algorithm)
-    except ChecksumError:
-        os.unlink(tmp.name)
-        raise
+    if expected is None:
+        warnings.warn(
+            f"{url} publishes no checksum; the downloaded file's {algorithm} is "
+            f"{file_digest(tmp.name, algorithm)}. Pass it as the datamodule's sha256 to "
+            "check future downloads.",
+            stacklevel=2,
+        )
+    else:
+        try:
+            verify(tmp.name, expected, algorithm)
+        except ChecksumError:
+            os.unlink(tmp.name)
+            raise
     os.replace(tmp.name, destination)
     return destination

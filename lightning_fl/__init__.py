@@ -24,6 +24,7 @@ from lightning_fl.samplers import (
     UniformSampler,
 )
 from lightning_fl.strategy import FederatedStrategy, NonFiniteUpdateError
+from lightning_fl.werm import WERMClassifier
 
 __version__ = "0.1.0"
 
@@ -49,4 +50,5 @@ __all__ = [
     "NonFiniteUpdateError",
     "Participation",
     "UniformSampler",
+    "WERMClassifier",
 ]

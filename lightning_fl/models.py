@@ -229,9 +229,13 @@ class FederatedTask(LightningModule):
     def loss_and_metrics(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
+    @staticmethod
+    def batch_size_of(batch) -> int:
+        return len(batch[-1])
+
     def _step(self, batch, stage: str) -> torch.Tensor:
         loss, metrics = self.loss_and_metrics(batch)
-        size = len(batch[-1])
+        size = self.batch_size_of(batch)
         self.log(
             f"{stage}_loss",
             loss,
@@ -291,6 +295,9 @@ class Classifier(FederatedTask):
 
     def __init__(self, network: nn.Module | None = None, lr: float = 0.05, **optim) -> None:
         super().__init__(network if network is not None else MLP(), lr=lr, **optim)
+
+    #: The per-batch loss of a logits batch (DP-SGD computes it sample by sample).
+    criterion = staticmethod(F.cross_entropy)
 
     def loss_and_metrics(self, batch):
         x, y = batch

@@ -445,10 +445,19 @@ class FederatedStrategy(DDPStrategy):
 
     def _call(self, hook: str, *args: Any) -> None:
         """Run ``hook`` on every federated callback, the aggregator first: it decides
-        which model a client starts from (a cluster's, a gossip neighbour's, its own)."""
+        which model a client starts from (a cluster's, a gossip neighbour's, its own).
+        Evaluation observers (membership inference) run before everyone in the client
+        evaluation hooks: at the start they see the global model, at the end the
+        personalized one."""
         trainer, module = self.lightning_module.trainer, self.lightning_module
-        callbacks = self.federated_callbacks
-        callbacks.sort(key=lambda cb: not isinstance(cb, Aggregator))  # stable
+        evaluation = hook.startswith("on_client_evaluation")
+
+        def order(cb: FederatedCallback) -> int:
+            if evaluation and cb.evaluation_observer:
+                return 0  # observers see the model before and after personalization
+            return 1 if isinstance(cb, Aggregator) else 2
+
+        callbacks = sorted(self.federated_callbacks, key=order)  # stable
         for cb in callbacks:
             getattr(cb, hook)(trainer, module, *args)
 
@@ -456,6 +465,7 @@ class FederatedStrategy(DDPStrategy):
     def begin_evaluation(self, schedule: ClientSchedule) -> None:
         personalizes = any(
             type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
+            and not cb.evaluation_observer
             for cb in self.federated_callbacks
         )
         self._eval = {

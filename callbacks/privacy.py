@@ -1,0 +1,352 @@
+"""Reference-data privacy: membership-inference evaluation of training and reference data,
+WERM with the reference data at the server, and DP-SGD as the comparison defense
+(Kaplan et al., PETS 2024; Marfoq thesis §1.6.1)."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.local_training import batches, client_loader, evaluation_mode, sgd
+from lightning_fl.membership import ATTACKS, membership_inference
+from lightning_fl.seeding import generator
+
+
+def predict_proba(module: pl.LightningModule, loader: DataLoader | None) -> tuple[Tensor, Tensor]:
+    """Softmax outputs and labels of every sample of ``loader`` (eval mode)."""
+    if loader is None:
+        return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
+    probs, labels = [], []
+    with evaluation_mode(module):
+        for x, y in batches(loader, module.device):
+            probs.append(torch.softmax(module(x).float(), dim=-1).cpu())
+            labels.append(y.cpu())
+    return torch.cat(probs), torch.cat(labels)
+
+
+class MembershipInference(FederatedCallback):
+    """Attacks every evaluated client's data and reports the privacy "triad" next to the
+    test accuracy the module logs:
+
+    - ``mia/train/<attack>``: members = the client's training data, non-members = its
+      held-out test data;
+    - ``mia/reference/<attack>``: members = its reference data (split ``"reference"``),
+      non-members = its held-out test data; with the reference data at the server
+      (``ReferenceDataModule(reference="server")``), the server's reference data against
+      the pooled test data, with the global model;
+    - ``.../best``: the strongest attack.
+
+    Attacks (:mod:`lightning_fl.membership`): Song & Mittal's correctness, confidence,
+    entropy and modified-entropy attacks with per-class thresholds, and Yeom et al.'s loss
+    threshold; thresholds are fitted on one half of a balanced member/non-member set and
+    scored on the other half. Values are averaged over clients (uniformly).
+
+    Under personalization the global model is attacked before the personalization
+    callbacks adapt a client (``mia/...``) and the personalized model after
+    (``mia_personal/...``). It runs at every validation (``"validate"``, i.e. every round
+    with validation) and test, and writes ``<log_dir>/membership_inference.csv``.
+    """
+
+    evaluation_observer = True
+
+    def __init__(
+        self,
+        attacks: tuple[str, ...] = ATTACKS,
+        stages: tuple[str, ...] = ("validate", "test"),
+        seed: int = 0,
+    ) -> None:
+        unknown = set(attacks) - set(ATTACKS)
+        if unknown:
+            raise ValueError(f"Unknown attacks {sorted(unknown)}; choose from {ATTACKS}.")
+        self.attacks, self.stages, self.seed = tuple(attacks), tuple(stages), seed
+        self.results: dict[tuple[str, str, int], dict[str, float]] = {}
+
+    def _active(self, trainer: pl.Trainer) -> bool:
+        stage = "test" if trainer.testing else "validate"
+        return stage in self.stages and not trainer.sanity_checking
+
+    def _attack(self, module, trainer, client: int, model: str) -> None:
+        nonmember = predict_proba(module, client_loader(trainer, client, "test"))
+        if len(nonmember[1]) < 2:
+            return
+        for target in ("train", "reference"):
+            member = predict_proba(module, client_loader(trainer, client, target))
+            if len(member[1]) < 2:
+                continue
+            result = membership_inference(*member, *nonmember, seed=self.seed, attacks=self.attacks)
+            self.results[(model, target, client)] = dict(result.accuracy, best=result.best)
+
+    def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
+        if self._active(trainer):
+            self._attack(pl_module, trainer, client, "mia")
+
+    def on_client_evaluation_end(self, trainer, pl_module, client: int) -> None:
+        if self._active(trainer) and trainer.strategy._eval.get("global") is not None:
+            self._attack(pl_module, trainer, client, "mia_personal")
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self.results.clear()
+
+    def on_test_epoch_start(self, trainer, pl_module) -> None:
+        self.results.clear()
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if self._active(trainer):
+            self._report(trainer, pl_module)
+
+    def on_test_epoch_end(self, trainer, pl_module) -> None:
+        if self._active(trainer):
+            self._report(trainer, pl_module)
+
+    def _server_attack(self, trainer, module) -> None:
+        dm = trainer.datamodule
+        if getattr(dm, "reference", None) != "server" or not trainer.is_global_zero:
+            return
+        member = predict_proba(
+            module, DataLoader(dm.server_reference(), batch_size=dm.eval_batch_size)
+        )
+        nonmember = predict_proba(
+            module, DataLoader(dm.server_nonmembers(), batch_size=dm.eval_batch_size)
+        )
+        result = membership_inference(*member, *nonmember, seed=self.seed, attacks=self.attacks)
+        self.results[("mia", "reference", -1)] = dict(result.accuracy, best=result.best)
+
+    def _report(self, trainer, pl_module) -> None:
+        trainer.strategy.end_client_evaluation()
+        self._server_attack(trainer, pl_module)
+        results = dict(self.results)
+        if dist.is_initialized() and trainer.world_size > 1:
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, results)
+            results = {k: v for part in parts for k, v in part.items()}
+        grouped: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
+        for (model, target, _client), values in results.items():
+            grouped[(model, target)].append(values)
+        for (model, target), rows in sorted(grouped.items()):
+            for attack in [*self.attacks, "best"]:
+                mean = sum(r[attack] for r in rows) / len(rows)
+                pl_module.log(f"{model}/{target}/{attack}", mean, sync_dist=True)
+        if results and trainer.is_global_zero:
+            logger = trainer.loggers[0] if trainer.loggers else None
+            log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
+            os.makedirs(log_dir, exist_ok=True)
+            path = os.path.join(log_dir, "membership_inference.csv")
+            new = not os.path.exists(path)
+            with open(path, "a", newline="") as handle:
+                writer = csv.writer(handle)
+                if new:
+                    writer.writerow(
+                        ["stage", "round", "model", "data", "client", *self.attacks, "best"]
+                    )
+                stage = "test" if trainer.testing else "val"
+                for (model, target, client), values in sorted(results.items()):
+                    writer.writerow(
+                        [stage, trainer.current_epoch, model, target, client]
+                        + [f"{values[a]:.6f}" for a in [*self.attacks, "best"]]
+                    )
+
+
+class ServerReference(FederatedCallback):
+    """WERM in FL with the reference data at the server: the server takes part in every
+    round as one more "client" holding the reference data, with aggregation weight w,
+    while the clients' weights are scaled by 1 − w. FedAvg then minimizes
+    (1 − w)·Σ_i p_i L_i(θ) + w·L_ref(θ), the WERM objective over the federation's training
+    data and the server's reference data.
+
+    The server's local work is plain SGD at the module's learning rate for the strategy's
+    ``local_steps`` (or one pass over the reference data with ``local_epochs``), from the
+    round's global model; its reference order is seeded from (seed, round). Needs
+    ``ReferenceDataModule(reference="server")`` or any datamodule with
+    ``server_reference()``.
+    """
+
+    def __init__(self, w: float = 0.5, batch_size: int | None = None) -> None:
+        if not 0.0 <= w <= 1.0:
+            raise ValueError(f"The WERM weight w must be in [0, 1], got {w}.")
+        self.w, self.batch_size = w, batch_size
+
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        if self.w == 0.0 or trainer.global_rank != 0:  # the server's term is added once
+            return
+        dm = trainer.datamodule
+        if not hasattr(dm, "server_reference"):
+            raise TypeError(
+                f"{type(dm).__name__} has no server_reference(): use reference='server'."
+            )
+        strategy = trainer.strategy
+        loader = DataLoader(
+            dm.server_reference(),
+            batch_size=self.batch_size or dm.batch_size,
+            shuffle=True,
+            generator=generator(strategy.seed, "server_reference", state.round_idx),
+        )
+        steps = strategy.local_steps
+        model = strategy.federated_tensors
+        params = list(pl_module.parameters())
+        if steps is None:
+            sgd(pl_module, params, loader, pl_module.hparams.lr, epochs=strategy.local_epochs)
+        else:
+            cycled = _Cycled(loader, steps)
+            sgd(pl_module, params, cycled, pl_module.hparams.lr, epochs=1)
+        server_update = model.minus(state.global_tensors)
+        torch._foreach_add_(state.update_sum, server_update, alpha=self.w)
+        model.load_(state.global_tensors)
+
+    def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
+        return torch._foreach_mul(update, 1.0 - self.w)
+
+
+class _Cycled:
+    """Exactly ``steps`` batches of ``loader``, reshuffling at every pass."""
+
+    def __init__(self, loader: DataLoader, steps: int) -> None:
+        self.loader, self.steps = loader, steps
+
+    def __iter__(self):
+        from lightning_fl.rounds import cycle_batches
+
+        return cycle_batches(self.loader, self.steps)
+
+
+class DPSGD(FederatedCallback):
+    """DP-SGD (Abadi et al., CCS 2016) for every client's local steps: per-sample gradients
+    clipped to norm C, Gaussian noise N(0, σ²C²) added to their sum, divided by the batch
+    size; the optimizer then steps with that gradient. Privacy is accounted with Opacus's
+    RDP accountant per client (ε at ``delta``; the largest over clients is logged as
+    ``dp/epsilon``), with sampling rate batch_size/n.
+
+    With WERM batches ({"train", "reference"}), the two datasets get their own noise:
+    g = (1 − w)·(Σ clip(g_i) + σ_train C ξ)/B + w·(Σ clip(g_j) + σ_ref C ξ')/B_ref, and
+    each has its own accountant (``dp/epsilon``, ``dp/epsilon_reference``).
+
+    Per-sample gradients use ``torch.func`` (``vmap`` of ``grad``) over the module's
+    ``criterion``; models with BatchNorm are refused (as in Opacus). Batches are shuffled
+    fixed-size batches, not Poisson samples: the reported ε is the usual approximation.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float = 1.0,
+        max_grad_norm: float = 1.0,
+        reference_noise_multiplier: float | None = None,
+        delta: float = 1e-5,
+    ) -> None:
+        if noise_multiplier < 0 or max_grad_norm <= 0:
+            raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0.")
+        self.sigma, self.clip, self.delta = noise_multiplier, max_grad_norm, delta
+        self.sigma_reference = (
+            noise_multiplier if reference_noise_multiplier is None else reference_noise_multiplier
+        )
+        self._batch: Any = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if not hasattr(pl_module, "criterion"):
+            raise TypeError(
+                "DPSGD needs a module with a criterion(logits, target), e.g. Classifier; "
+                f"got {type(pl_module).__name__}."
+            )
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
+            raise ValueError(
+                "DPSGD cannot clip per-sample gradients through BatchNorm: use GroupNorm."
+            )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._batch = batch
+
+    def _sources(self, module) -> list[tuple[str, Any, float, float]]:
+        """(name, batch, loss weight, noise multiplier) of each data source in the batch."""
+        if isinstance(self._batch, dict):
+            w = float(module.hparams.w)
+            reference = self._batch["reference"]
+            sources = [
+                ("train", self._batch["train"], 1.0 - w, self.sigma),
+                ("reference", reference, w, self.sigma_reference),
+            ]
+            return [s for s in sources if s[2] > 0.0]
+        return [("train", self._batch, 1.0, self.sigma)]
+
+    def per_sample_gradients(self, module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        params = {n: p.detach() for n, p in module.named_parameters()}
+        buffers = dict(module.named_buffers())
+
+        def loss_of_one(p, xi, yi):
+            out = torch.func.functional_call(module, (p, buffers), (xi.unsqueeze(0),))
+            return module.criterion(out, yi.unsqueeze(0))
+
+        return torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+
+    def private_gradient(self, module, x: Tensor, y: Tensor, sigma: float) -> dict[str, Tensor]:
+        """(Σ_i clip_C(g_i) + N(0, σ²C²)) / B."""
+        grads = self.per_sample_gradients(module, x, y)
+        norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in grads.values()))
+        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
+        out = {}
+        for name, g in grads.items():
+            summed = torch.einsum("i,i...->...", factor, g)
+            noise = torch.normal(0.0, sigma * self.clip, size=summed.shape, device=summed.device)
+            out[name] = (summed + noise) / len(x)
+        return out
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        strategy = trainer.strategy
+        if self._batch is None or len(self._batch) == 0 or strategy.current_client is None:
+            return  # an idle (padding) batch
+        client = strategy.current_round.schedule.clients[strategy.current_client[0]]
+        total: dict[str, Tensor] = {}
+        for name, (x, y), weight, sigma in self._sources(pl_module):
+            gradient = self.private_gradient(pl_module, x, y, sigma)
+            for key, value in gradient.items():
+                total[key] = total.get(key, 0.0) + weight * value
+            self._record(strategy, client, name, sigma, len(y))
+        for key, p in pl_module.named_parameters():
+            if key in total:
+                p.grad = total[key].to(p.dtype)
+
+    def _record(self, strategy, client: int, source: str, sigma: float, batch_size: int) -> None:
+        dm = strategy.lightning_module.trainer.datamodule
+        dataset = dm.client_dataset(client, "train")
+        n = (
+            len(dataset.reference if source == "reference" else dataset)
+            if source == "reference"
+            else len(dataset)
+        )
+        store = strategy.client_store
+        key = f"dp_{source}"
+        steps = store.get(client, f"{key}_steps", 0)
+        store.set(client, f"{key}_steps", steps + 1)
+        store.set(client, f"{key}_rate", min(1.0, batch_size / max(n, 1)))
+        store.set(client, f"{key}_sigma", float(sigma))
+
+    def epsilon(self, store, client: int, source: str = "train") -> float:
+        from opacus.accountants import RDPAccountant
+
+        steps = store.get(client, f"dp_{source}_steps", 0)
+        sigma = store.get(client, f"dp_{source}_sigma")
+        if not steps or sigma is None:
+            return 0.0
+        if sigma == 0:
+            return float("inf")
+        accountant = RDPAccountant()
+        rate = store.get(client, f"dp_{source}_rate")
+        accountant.history = [(sigma, rate, steps)]
+        return float(accountant.get_epsilon(self.delta))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        store = trainer.strategy.client_store
+        for source, name in (("train", "dp/epsilon"), ("reference", "dp/epsilon_reference")):
+            values = [self.epsilon(store, c, source) for c in store.clients()]
+            values = [v for v in values if v > 0]
+            if values:
+                pl_module.log(name, max(values), on_epoch=True)
+
+
+__all__ = ["DPSGD", "MembershipInference", "ServerReference"]

@@ -1,0 +1,268 @@
+"""Reference-data privacy: membership-inference attacks, WERM (client- and server-held
+reference data), DP-SGD, and the Purchase100/Texas100 file formats."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_fl import MLP, Classifier, FederatedStrategy, WERMClassifier
+from lightning_fl.callbacks import DPSGD, MembershipInference, ServerReference
+from lightning_fl.datamodules import (
+    ReferenceDataModule,
+    load_purchase100,
+    load_texas100,
+)
+from lightning_fl.membership import attack_signals, best_threshold, membership_inference
+from tests.helpers import make_trainer, max_abs_diff, params_of
+
+
+def _data(n=600, d=10, classes=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rule = torch.randn(d, classes, generator=g)
+    x = torch.randn(n, d, generator=g)
+    y = (x @ rule + 0.8 * torch.randn(n, classes, generator=g)).argmax(1)
+    return x.numpy(), y.numpy()
+
+
+def _dm(reference="client", num_clients=1, split=(0.4, 0.3, 0.0, 0.3), **kw):
+    x, y = _data(**kw)
+    return ReferenceDataModule(
+        x, y, num_clients=num_clients, split=split, reference=reference, batch_size=16
+    )
+
+
+# ------------------------------------------------------------------ attacks
+def test_modified_entropy_and_signals_by_hand():
+    probs = torch.tensor([[0.7, 0.2, 0.1]])
+    label = torch.tensor([0])
+    s = attack_signals(probs, label)
+    mentr = -(0.3) * math.log(0.7) - 0.2 * math.log(0.8) - 0.1 * math.log(0.9)
+    entropy = -(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1))
+    assert float(s["modified_entropy"]) == pytest.approx(-mentr)
+    assert float(s["entropy"]) == pytest.approx(-entropy)
+    assert float(s["confidence"]) == pytest.approx(0.7)
+    assert float(s["loss"]) == pytest.approx(math.log(0.7))
+    assert float(s["correctness"]) == 1.0
+
+
+def test_best_threshold_separates_separable_scores():
+    members = torch.tensor([0.9, 0.8, 0.7], dtype=torch.float64)
+    others = torch.tensor([0.1, 0.2, 0.75], dtype=torch.float64)
+    t = best_threshold(members, others)
+    # "member iff score >= 0.8" and ">= 0.7" both reach the best balanced accuracy, 5/6
+    assert t in (0.8, 0.7)
+    assert best_threshold(members, others - 1.0) == 0.7  # separable: every member above
+
+
+def test_attack_on_a_model_that_never_saw_the_data_is_chance():
+    torch.manual_seed(0)
+    net = MLP(10, (32,), 4)
+    x, y = _data(n=4000, seed=3)
+    with torch.no_grad():
+        probs = torch.softmax(net(torch.from_numpy(x)), 1)
+    labels = torch.from_numpy(y)
+    result = membership_inference(probs[:2000], labels[:2000], probs[2000:], labels[2000:])
+    for attack, accuracy in result.accuracy.items():
+        assert abs(accuracy - 0.5) < 0.05, (attack, accuracy)
+
+
+def test_attack_on_an_overfit_model_is_far_above_chance():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(400, 10, generator=g)
+    y = torch.randint(0, 4, (400,), generator=g)  # random labels: only memorization helps
+    net = MLP(10, (256,), 4)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(400):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x[:200]), y[:200]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        probs = torch.softmax(net(x), 1)
+    result = membership_inference(probs[:200], y[:200], probs[200:], y[200:])
+    assert result.accuracy["confidence"] > 0.8
+    assert result.accuracy["loss"] > 0.8
+    assert result.best > 0.8
+
+
+# ------------------------------------------------------------------ WERM
+def _fit(module, dm, callbacks=(), rounds=2, **kw):
+    trainer = make_trainer(FederatedStrategy(local_epochs=1, seed=3), rounds, list(callbacks), **kw)
+    trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+def test_werm_with_w_zero_equals_erm_on_the_training_data():
+    torch.manual_seed(0)
+    werm = WERMClassifier(MLP(10, (16,), 4), w=0.0, lr=0.1)
+    _fit(werm, _dm("client", num_clients=3))
+    torch.manual_seed(0)
+    erm = Classifier(MLP(10, (16,), 4), lr=0.1)
+    _fit(erm, _dm("none", num_clients=3))
+    assert max_abs_diff(params_of(werm), params_of(erm)) == 0.0
+
+
+def test_werm_with_w_one_trains_only_on_reference_data():
+    torch.manual_seed(0)
+    module = WERMClassifier(MLP(10, (16,), 4), w=1.0)
+    g = torch.Generator().manual_seed(0)
+    train = (torch.randn(5, 10, generator=g), torch.randint(0, 4, (5,), generator=g))
+    ref = (torch.randn(7, 10, generator=g), torch.randint(0, 4, (7,), generator=g))
+    loss, _ = module.loss_and_metrics({"train": train, "reference": ref})
+    grads = torch.autograd.grad(loss, list(module.parameters()))
+    expected = torch.autograd.grad(
+        F.cross_entropy(module(ref[0]), ref[1]), list(module.parameters())
+    )
+    for a, b in zip(grads, expected):
+        assert torch.equal(a, b)
+    # and w in between is the weighted sum of the two gradients
+    module.hparams.w = 0.3
+    loss, _ = module.loss_and_metrics({"train": train, "reference": ref})
+    mixed = torch.autograd.grad(loss, list(module.parameters()))
+    on_train = torch.autograd.grad(
+        F.cross_entropy(module(train[0]), train[1]), list(module.parameters())
+    )
+    for m, t, r in zip(mixed, on_train, expected):
+        assert torch.allclose(m, 0.7 * t + 0.3 * r, atol=1e-7)
+
+
+def test_werm_weight_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="w must be in"):
+        WERMClassifier(w=1.5)
+
+
+def test_server_reference_with_w_zero_is_fedavg_and_with_w_one_only_server_data():
+    torch.manual_seed(0)
+    plain = Classifier(MLP(10, (16,), 4), lr=0.1)
+    _fit(plain, _dm("server", num_clients=3))
+    torch.manual_seed(0)
+    zero = Classifier(MLP(10, (16,), 4), lr=0.1)
+    _fit(zero, _dm("server", num_clients=3), [ServerReference(w=0.0)])
+    assert max_abs_diff(params_of(plain), params_of(zero)) == 0.0
+
+    torch.manual_seed(0)
+    one = Classifier(MLP(10, (16,), 4), lr=0.1)
+    dm = _dm("server", num_clients=3)
+    _fit(one, dm, [ServerReference(w=1.0)], rounds=1)
+    # one pass of plain SGD over the server's reference data from the initial model
+    torch.manual_seed(0)
+    net = MLP(10, (16,), 4)
+    from torch.utils.data import DataLoader
+
+    from lightning_fl.seeding import generator
+
+    loader = DataLoader(
+        dm.server_reference(),
+        batch_size=16,
+        shuffle=True,
+        generator=generator(3, "server_reference", 0),
+    )
+    for x, y in loader:
+        grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
+        with torch.no_grad():
+            for p, gr in zip(net.parameters(), grads):
+                p -= 0.1 * gr
+    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
+
+
+# ------------------------------------------------------------------ evaluation callback
+def test_membership_inference_reports_the_triad(tmp_path):
+    torch.manual_seed(0)
+    module = WERMClassifier(MLP(10, (64,), 4), w=0.5, lr=0.2)
+    dm = _dm("client", num_clients=2)
+    trainer = _fit(module, dm, [MembershipInference()], rounds=3, default_root_dir=str(tmp_path))
+    results = trainer.test(module, datamodule=dm, verbose=False)[0]
+    for key in ("test_acc", "mia/train/best", "mia/reference/best", "mia/train/modified_entropy"):
+        assert key in results
+    assert 0.0 <= results["mia/train/best"] <= 1.0
+    assert (tmp_path / "membership_inference.csv").exists()
+
+
+def test_membership_inference_attacks_the_server_reference_data():
+    torch.manual_seed(0)
+    module = Classifier(MLP(10, (32,), 4), lr=0.1)
+    dm = _dm("server", num_clients=2)
+    trainer = _fit(module, dm, [ServerReference(w=0.5), MembershipInference(stages=("test",))])
+    results = trainer.test(module, datamodule=dm, verbose=False)[0]
+    assert "mia/reference/best" in results and "mia/train/best" in results
+
+
+# ------------------------------------------------------------------ DP-SGD
+def test_dp_sgd_gradient_is_clipped_per_sample_and_noised():
+    torch.manual_seed(0)
+    module = Classifier(MLP(10, (8,), 4))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 10, generator=g), torch.randint(0, 4, (6,), generator=g)
+    dp = DPSGD(noise_multiplier=0.0, max_grad_norm=0.5)
+    private = dp.private_gradient(module, x, y, sigma=0.0)
+    params = dict(module.named_parameters())
+    expected = {n: torch.zeros_like(p) for n, p in params.items()}
+    for i in range(6):
+        grads = torch.autograd.grad(
+            F.cross_entropy(module(x[i : i + 1]), y[i : i + 1]), list(params.values())
+        )
+        norm = torch.sqrt(sum(gr.pow(2).sum() for gr in grads))
+        factor = min(1.0, 0.5 / (float(norm) + 1e-6))
+        for (n, _), gr in zip(params.items(), grads):
+            expected[n] += factor * gr / 6
+    for n in params:
+        assert torch.allclose(private[n], expected[n], atol=1e-6)
+    torch.manual_seed(5)
+    noisy = dp.private_gradient(module, x, y, sigma=2.0)
+    torch.manual_seed(5)
+    noise = {n: torch.normal(0.0, 2.0 * 0.5, size=p.shape) for n, p in params.items()}
+    for n in params:
+        assert torch.allclose(noisy[n], expected[n] + noise[n] / 6, atol=1e-6)
+
+
+def test_dp_sgd_training_reports_epsilon_for_both_datasets():
+    from opacus.accountants import RDPAccountant
+
+    torch.manual_seed(0)
+    module = WERMClassifier(MLP(10, (16,), 4), w=0.5, lr=0.1)
+    dm = _dm("client", num_clients=1)
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0, reference_noise_multiplier=2.0)
+    trainer = _fit(module, dm, [dp], rounds=2)
+    store = trainer.strategy.client_store
+    steps = store.get(0, "dp_train_steps")
+    assert steps == 2 * math.ceil(240 / 16)
+    accountant = RDPAccountant()
+    accountant.history = [(1.1, 16 / 240, steps)]
+    assert dp.epsilon(store, 0, "train") == pytest.approx(accountant.get_epsilon(1e-5))
+    assert dp.epsilon(store, 0, "reference") < dp.epsilon(store, 0, "train")  # more noise
+    assert float(trainer.callback_metrics["dp/epsilon"]) == pytest.approx(dp.epsilon(store, 0))
+
+
+# ------------------------------------------------------------------ data files
+def test_purchase100_reads_the_published_format(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = [[int(rng.integers(1, 101))] + rng.integers(0, 2, 600).tolist() for _ in range(5)]
+    path = tmp_path / "dataset_purchase"
+    path.write_text("\n".join(",".join(map(str, r)) for r in rows) + "\n")
+    x, y = load_purchase100(path)
+    assert x.shape == (5, 600) and x.dtype == np.float32
+    assert y.tolist() == [r[0] - 1 for r in rows]
+    path.write_text("3,0,1\n")
+    with pytest.raises(ValueError, match="line 1: expected 601"):
+        load_purchase100(path)
+
+
+def test_texas100_reads_the_published_format(tmp_path):
+    folder = tmp_path / "texas" / "100"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    feats = rng.integers(0, 2, (4, 6169))
+    (folder / "feats").write_text("\n".join(",".join(map(str, r)) for r in feats) + "\n")
+    (folder / "labels").write_text("1\n100\n7\n42\n")
+    x, y = load_texas100(tmp_path)
+    assert x.shape == (4, 6169) and y.tolist() == [0, 99, 6, 41]
+    (folder / "labels").write_text("1\n2\n")
+    with pytest.raises(ValueError, match="2 labels for 4 rows"):
+        load_texas100(tmp_path)
+    with pytest.raises(FileNotFoundError, match="extract dataset_texas.tgz"):
+        load_texas100(tmp_path / "missing")
