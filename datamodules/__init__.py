@@ -31,7 +31,9 @@ from lightning_fl.datamodules.privacy import (
     DigitsReferenceDataModule,
     Purchase100DataModule,
     ReferenceDataModule,
+    SyntheticPurchaseDataModule,
     Texas100DataModule,
+    generate_purchase_like,
     load_purchase100,
     load_texas100,
 )
@@ -39,6 +41,8 @@ from lightning_fl.datamodules.reference import PairedLoader, WERMDataset, paired
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "SyntheticPurchaseDataModule",
+    "generate_purchase_like",
     "DigitsReferenceDataModule",
     "PairedLoader",
     "Purchase100DataModule",

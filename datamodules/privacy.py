@@ -215,5 +215,44 @@ class DigitsReferenceDataModule(ReferenceDataModule):
         super().__init__(features, labels, **kwargs)
 
 
+def generate_purchase_like(
+    num_samples: int = 6000,
+    num_features: int = 600,
+    num_classes: int = 100,
+    flip_probability: float = 0.4,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A Purchase100-like table: one random binary prototype per class (Purchase100's
+    classes are clusters of binary purchase vectors), every sample its class prototype
+    with each bit flipped with ``flip_probability``. Small and noisy enough that an MLP
+    memorizes its training data (membership inference well above chance)."""
+    if not 0.0 <= flip_probability <= 0.5:
+        raise ValueError(f"flip_probability must be in [0, 0.5], got {flip_probability}.")
+    rng = np.random.default_rng(seed)
+    prototypes = rng.integers(0, 2, size=(num_classes, num_features))
+    labels = rng.integers(0, num_classes, size=num_samples)
+    flips = rng.random((num_samples, num_features)) < flip_probability
+    features = np.where(flips, 1 - prototypes[labels], prototypes[labels])
+    return features.astype(np.float32), labels.astype(np.int64)
+
+
+class SyntheticPurchaseDataModule(ReferenceDataModule):
+    """The generated CPU variant of Purchase100 (:func:`generate_purchase_like`)."""
+
+    def __init__(
+        self,
+        num_samples: int = 6000,
+        num_features: int = 600,
+        num_classes: int = 100,
+        flip_probability: float = 0.4,
+        data_seed: int = 0,
+        **kwargs,
+    ) -> None:
+        features, labels = generate_purchase_like(
+            num_samples, num_features, num_classes, flip_probability, data_seed
+        )
+        super().__init__(features, labels, **kwargs)
+
+
 def _fetch(url: str, root: Path, sha256: str | None) -> Path:
     return download(url, root / url.rsplit("/", 1)[-1], sha256)

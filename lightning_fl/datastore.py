@@ -117,7 +117,13 @@ class Datastore:
     def _faiss_index(self):
         if self._index is not None:
             return self._index
-        import faiss
+        try:
+            import faiss
+        except ImportError as err:
+            raise ImportError(
+                "The FAISS backend needs faiss: pip install 'lightning-fl[faiss]' (faiss-cpu) or "
+                "faiss-gpu, or use backend='torch' (exact brute force)."
+            ) from err
 
         keys = np.ascontiguousarray(self.keys.numpy(), dtype=np.float32)
         d = keys.shape[1]

@@ -132,3 +132,41 @@ def test_fedem_synthetic_paper_recipe_runs_on_cpu(tmp_path):
     cli = _fit(recipe, tmp_path, "--data.init_args.num_tasks", "8", "--trainer.max_epochs", "1",
                "--trainer.accelerator", "cpu")  # fmt: skip
     assert 0.0 <= float(cli.trainer.callback_metrics["test_acc/weighted"]) <= 1.0
+
+
+PRIVACY = sorted((ROOT / "recipes" / "privacy").glob("tabular_*.yaml"))
+PRIVACY = [r for r in PRIVACY if not r.stem.endswith("sweep")]
+TINY_TABLE = ["--data.init_args.num_samples", "400", "--trainer.max_epochs", "1"]
+
+
+@pytest.mark.parametrize("recipe", PRIVACY, ids=[r.stem for r in PRIVACY])
+def test_every_privacy_recipe_runs_shortened(recipe, tmp_path):
+    cli = _fit(recipe, tmp_path, *TINY_TABLE)
+    metrics = cli.trainer.callback_metrics
+    for key in ("test_acc", "mia/train/best", "mia/reference/best"):
+        assert 0.0 <= float(metrics[key]) <= 1.0
+
+
+@pytest.mark.parametrize("name", ["purchase100_werm", "texas100_werm"])
+def test_download_privacy_recipes_parse(name, capsys):
+    with pytest.raises(SystemExit):
+        run(
+            [
+                "fit",
+                "--config",
+                str(ROOT / "recipes" / "privacy" / f"{name}.yaml"),
+                "--print_config",
+            ]
+        )
+    assert "class_path" in capsys.readouterr().out
+
+
+def test_werm_sweep_writes_the_tradeoff_plot(tmp_path):
+    from lightning_fl.sweep import load_sweep, run_sweep
+
+    spec = load_sweep(ROOT / "recipes" / "privacy" / "tabular_werm_sweep.yaml")
+    spec["values"] = [0.5, 1.0]
+    spec["output"] = str(tmp_path)
+    rows = run_sweep(spec, [*TINY_TABLE, "--trainer.enable_progress_bar", "false"])
+    assert [r["value"] for r in rows] == [0.5, 1.0]
+    assert (tmp_path / "tradeoff.png").exists() and (tmp_path / "sweep.csv").exists()
