@@ -17,13 +17,16 @@ QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
 SCAFFOLD = str(ROOT / "recipes" / "scaffold.yaml")
 
 
-def _cli(workdir: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _cli(
+    workdir: Path, *args: str, timeout: int = 240, test: bool = False
+) -> subprocess.CompletedProcess:
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "lightning_fl.cli", "fit", *args,
          "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(workdir),
-         "--trainer.logger.init_args.save_dir", str(workdir), "--test_after_fit", "false"],
+         "--trainer.logger.init_args.save_dir", str(workdir),
+         "--test_after_fit", str(test).lower()],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -84,3 +87,30 @@ def test_more_processes_than_clients_is_refused(tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "2 processes but only 1 clients" in result.stderr
+
+
+def test_fedem_and_knn_per_on_two_processes_equal_one_process(tmp_path):
+    """FedEM's π live on the owning rank; kNN-Per's λ_t are gathered from every rank."""
+    for recipe in ("digits_fedem", "digits_knn_per"):
+        config = str(ROOT / "recipes" / "personalization" / f"{recipe}.yaml")
+        for devices in ("1", "2"):
+            _ok(_cli(tmp_path / recipe / devices, "--config", config, "--trainer.max_epochs", "3",
+                     "--trainer.devices", devices, test=True))  # fmt: skip
+        one, two = _weights(tmp_path / recipe / "1"), _weights(tmp_path / recipe / "2")
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+        rows = {}
+        for d in ("1", "2"):
+            (path,) = glob.glob(
+                str(tmp_path / recipe / d / "**" / "client_metrics.csv"), recursive=True
+            )
+            rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
+        assert [r[:4] for r in rows["1"]] == [r[:4] for r in rows["2"]] and rows["1"]
+        for a, b in zip(rows["1"], rows["2"]):
+            assert abs(float(a[4]) - float(b[4])) < 1e-4, (a, b)
+    store = {}
+    for d in ("1", "2"):
+        (path,) = glob.glob(str(tmp_path / "digits_fedem" / d / "**" / "last.ckpt"), recursive=True)
+        store[d] = torch.load(path, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
+    assert sorted(store["1"]) == sorted(store["2"])
+    for c in store["1"]:
+        assert torch.allclose(store["1"][c]["fedem_pi"], store["2"][c]["fedem_pi"], atol=1e-5)
