@@ -55,12 +55,17 @@ def client_loader(
 
     With ``shuffle_seed`` (a tuple of seed parts) the loader is a training loader shuffled
     by a generator derived from the strategy's seed and those parts; without it, the
-    evaluation loader (fixed order).
+    evaluation loader (fixed order). Training data that carries WERM reference data gives
+    plain batches of the training data.
     """
+    from lightning_fl.datamodules.reference import WERMDataset
+
     dm = trainer.datamodule
     dataset = dm.client_dataset(client, split)
     if dataset is None or len(dataset) == 0:
         return None
+    if isinstance(dataset, WERMDataset):  # plain (x, y) batches of the training data
+        dataset = dataset.train
     if shuffle_seed is None:
         return dm.client_dataloader(dataset, "val")
     return dm.client_dataloader(dataset, "train", generator(trainer.strategy.seed, *shuffle_seed))

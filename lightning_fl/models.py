@@ -233,7 +233,17 @@ class FederatedTask(LightningModule):
     def batch_size_of(batch) -> int:
         return len(batch[-1])
 
+    #: True for modules that train on {"train", "reference"} batch pairs (WERM).
+    accepts_reference_batches = False
+
     def _step(self, batch, stage: str) -> torch.Tensor:
+        if isinstance(batch, dict) and not self.accepts_reference_batches:
+            raise TypeError(
+                f"{type(self).__name__} got a {{'train', 'reference'}} batch pair: the "
+                "datamodule pairs training data with reference data (reference='client'). "
+                "Train a lightning_fl.WERMClassifier, or set the datamodule's reference to "
+                "'none' or 'server'."
+            )
         loss, metrics = self.loss_and_metrics(batch)
         size = self.batch_size_of(batch)
         self.log(

@@ -30,6 +30,8 @@ class WERMClassifier(Classifier):
     :class:`~lightning_fl.callbacks.ServerReference` with a plain ``Classifier``.
     """
 
+    accepts_reference_batches = True
+
     def __init__(
         self, network: nn.Module | None = None, w: float = 0.5, lr: float = 0.05, **optim
     ) -> None:

@@ -266,3 +266,45 @@ def test_texas100_reads_the_published_format(tmp_path):
         load_texas100(tmp_path)
     with pytest.raises(FileNotFoundError, match="extract dataset_texas.tgz"):
         load_texas100(tmp_path / "missing")
+
+
+def test_membership_inference_attacks_global_and_personalized_models():
+    from lightning_fl.callbacks import FineTune
+
+    torch.manual_seed(0)
+    module = Classifier(MLP(10, (32,), 4), lr=0.1)
+    dm = _dm("none", num_clients=2)
+    trainer = _fit(module, dm, [FineTune(lr=0.5, epochs=3), MembershipInference(stages=("test",))])
+    results = trainer.test(module, datamodule=dm, verbose=False)[0]
+    assert "mia/train/best" in results and "mia_personal/train/best" in results
+    # fine-tuning on the training data makes the personalized model leak more
+    assert results["mia_personal/train/loss"] > results["mia/train/loss"]
+
+
+def test_werm_classifier_trains_in_a_plain_lightning_trainer():
+    import lightning.pytorch as pl
+    from torch.utils.data import TensorDataset
+
+    from lightning_fl.datamodules import WERMDataset, paired_loader
+
+    x, y = _data(n=120)
+    data = TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    train, reference = torch.utils.data.random_split(
+        data, [80, 40], torch.Generator().manual_seed(0)
+    )
+    loader = paired_loader(
+        WERMDataset(train, reference), batch_size=16, generator=torch.Generator().manual_seed(0)
+    )
+    module = WERMClassifier(MLP(10, (16,), 4), w=0.3)
+    trainer = pl.Trainer(
+        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+    assert trainer.global_step == 2 * 5
+    assert "train_reference_acc" in trainer.callback_metrics
+
+
+def test_a_plain_classifier_with_paired_batches_gets_a_clear_error():
+    with pytest.raises(TypeError, match="WERMClassifier"):
+        _fit(Classifier(MLP(10, (16,), 4)), _dm("client"))
