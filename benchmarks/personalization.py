@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import glob
-import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="digits", choices=["digits", "synthetic"])
     parser.add_argument("--methods", nargs="+", default=METHODS)
     args = parser.parse_args()
+    command = " ".join(sys.argv)
+    sys.argv = sys.argv[:1]  # the runs take their arguments from the recipes only
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows, distributions = [], {}
     work = Path(tempfile.mkdtemp(prefix="personalization-"))
@@ -67,7 +69,7 @@ def main() -> None:
         distributions, str(RESULTS / f"personalization_{args.dataset}_clients.png")
     )
     with open(RESULTS / f"personalization_{args.dataset}.md", "w") as handle:
-        handle.write(f"# Personalization on {args.dataset} (`{' '.join(os.sys.argv)}`)\n\n")
+        handle.write(f"# Personalization on {args.dataset} (`{command}`)\n\n")
         handle.write("Test accuracy of the seen clients (sample-weighted mean, 10th percentile) ")
         handle.write("and of the unseen (held-out) clients; wall time of fit + test.\n\n")
         handle.write(

@@ -7,6 +7,7 @@ from lightning_fl.datamodules.base import (
 )
 from lightning_fl.datamodules.cifar import CifarDataModule, load_pickle_batch
 from lightning_fl.datamodules.digits import DigitsDataModule, load_digits
+from lightning_fl.datamodules.emnist import EmnistDataModule, read_emnist, read_idx
 from lightning_fl.datamodules.flamby import (
     FedHeartDiseaseDataModule,
     FedTcgaBrcaDataModule,
@@ -41,6 +42,9 @@ from lightning_fl.datamodules.reference import PairedLoader, WERMDataset, paired
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "EmnistDataModule",
+    "read_emnist",
+    "read_idx",
     "SyntheticPurchaseDataModule",
     "generate_purchase_like",
     "DigitsReferenceDataModule",
