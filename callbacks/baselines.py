@@ -17,7 +17,9 @@ class Local(Aggregator):
 
     Every client keeps its model in the client store (one float32 vector of the model's
     size: 4·d bytes per client) and is evaluated on its own held-out data with it, so the
-    per-client metrics are the Local baseline. The global model never changes.
+    per-client metrics are the Local baseline. The global model never changes, so unseen
+    clients (which never train) are evaluated with the untrained initial model: their
+    ``*/unseen/*`` metrics are chance level, not a Local result.
     """
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
