@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import Aggregator, RoundState
-from lightning_fl.tensors import flatten, unflatten
+from lightning_fl.local_training import PersonalModels
 
 STORE_KEY = "local_model"
 
@@ -22,25 +20,20 @@ class Local(Aggregator):
     ``*/unseen/*`` metrics are chance level, not a Local result.
     """
 
+    models = PersonalModels(STORE_KEY)
+
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self._load(trainer, state.store.get(client, STORE_KEY))
+        self.models.load(state.store, client, trainer.strategy.federated_tensors)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        model = trainer.strategy.federated_tensors
-        state.store.set(client, STORE_KEY, flatten(model.clone()))
+        self.models.save(state.store, client, trainer.strategy.federated_tensors)
 
     def aggregate(self, trainer, pl_module, state: RoundState) -> None:
         """No communication: θ stays at its initial value."""
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
-        self._load(trainer, trainer.strategy.client_store.get(client, STORE_KEY))
-
-    @staticmethod
-    @torch.no_grad()
-    def _load(trainer, flat) -> None:
-        if flat is not None:
-            model = trainer.strategy.federated_tensors
-            model.load_(unflatten(flat, model.tensors))
+        strategy = trainer.strategy
+        self.models.load(strategy.client_store, client, strategy.federated_tensors)
 
 
 class Pooled(FedAvg):

@@ -247,8 +247,10 @@ class DPSGD(FederatedCallback):
             noise_multiplier if reference_noise_multiplier is None else reference_noise_multiplier
         )
         self._batch: Any = None
+        self._sizes: dict[tuple[int, str], int] = {}
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        self._sizes.clear()
         if not hasattr(pl_module, "criterion"):
             raise TypeError(
                 "DPSGD needs a module with a criterion(logits, target), e.g. Classifier; "

@@ -96,29 +96,10 @@ def _reference_fedem(rounds: int, m: int = 2):
                 losses = torch.stack(
                     [F.cross_entropy(h(x), y, reduction="none") for h in components], 1
                 )
-            prior = pis[c]
-            q_all = prior * torch.exp(-losses)
-            q_all = q_all / q_all.sum(1, keepdim=True)
+            joint = pis[c] * torch.exp(-losses)  # π_m exp(−ℓ_im)
+            q_all = joint / joint.sum(1, keepdim=True)
             pis[c] = q_all.mean(0)
-            torch.manual_seed(derive_seed(SEED, "client", r, c))
-            loader = DataLoader(
-                TensorDataset(x, y, q_all), batch_size=BATCH, shuffle=True,
-                generator=generator(SEED, "data", r, c),
-            )  # fmt: skip
-            done = 0
-            while done < STEPS:
-                for xb, yb, qb in loader:
-                    loss_m = torch.stack(
-                        [F.cross_entropy(h(xb), yb, reduction="none") for h in components], 1
-                    )
-                    loss = (qb * loss_m).sum(1).mean()
-                    grads = torch.autograd.grad(loss, list(components.parameters()))
-                    with torch.no_grad():
-                        for prm, g in zip(components.parameters(), grads):
-                            prm -= LR * g
-                    done += 1
-                    if done == STEPS:
-                        break
+            _local_steps(components, x, y, q_all, r, c, LR)
             for acc, prm in zip(new_theta, components.parameters()):
                 acc += float(p[c]) * prm.detach()
         theta = new_theta
@@ -205,17 +186,13 @@ def test_d_fedem_equals_local_steps_then_gossip():
         )
 
 
-def _one_client_fedem(module, data, client, lr):
-    components = module.network
-    x, y = data["train"]
-    m = len(components)
-    with torch.no_grad():
-        losses = torch.stack([F.cross_entropy(h(x), y, reduction="none") for h in components], 1)
-    q_all = torch.softmax(torch.log(torch.full((m,), 1.0 / m)) - losses, 1)
-    torch.manual_seed(derive_seed(SEED, "client", 0, client))
+def _local_steps(components, x, y, q_all, round_idx, client, lr):
+    """Alg. 7's LocalSolver: STEPS SGD steps on Σ_m q_im ℓ_im / |batch|, in the strategy's
+    data order and torch seed for (round, client)."""
+    torch.manual_seed(derive_seed(SEED, "client", round_idx, client))
     loader = DataLoader(
         TensorDataset(x, y, q_all), batch_size=BATCH, shuffle=True,
-        generator=generator(SEED, "data", 0, client),
+        generator=generator(SEED, "data", round_idx, client),
     )  # fmt: skip
     done = 0
     while done < STEPS:
@@ -230,12 +207,14 @@ def _one_client_fedem(module, data, client, lr):
             done += 1
             if done == STEPS:
                 break
+
+
+def _one_client_fedem(module, data, client, lr):
+    components = module.network
+    x, y = data["train"]
+    m = len(components)
+    with torch.no_grad():
+        losses = torch.stack([F.cross_entropy(h(x), y, reduction="none") for h in components], 1)
+    q_all = torch.softmax(torch.log(torch.full((m,), 1.0 / m)) - losses, 1)
+    _local_steps(components, x, y, q_all, 0, client, lr)
     return torch.cat([p.detach().reshape(-1) for p in components.parameters()])
-
-
-def test_components_start_from_different_weights_even_for_a_bare_linear_layer():
-    """Identical components would stay identical under EM (q = π): symmetry must be broken."""
-    torch.manual_seed(0)
-    module = MixtureClassifier(torch.nn.Linear(5, 2), num_components=3)
-    weights = [component.weight for component in module.network]
-    assert not torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
