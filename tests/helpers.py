@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -43,7 +46,10 @@ def tiny_module(lr: float = 0.1, seed: int = 1) -> Classifier:
 
 
 def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -> pl.Trainer:
+    """A quiet CPU Trainer; files it writes (per-client CSVs, plots) go to a temporary
+    folder unless ``default_root_dir`` is given."""
     options = dict(
+        default_root_dir=os.path.join(tempfile.gettempdir(), "lightning-fl-tests"),
         max_epochs=rounds,
         strategy=strategy,
         callbacks=list(callbacks),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -61,3 +62,60 @@ def test_resume_from_round_3_of_6_is_exact(tmp_path):
     assert trainer.current_epoch == 6
     for a, b in zip(params_of(full), params_of(resumed_module)):
         assert torch.equal(a, b)
+
+
+def _personalization_callbacks(name: str):
+    from lightning_fl.callbacks import (
+        APFL,
+        ClusteredFL,
+        Ditto,
+        FedEM,
+        FedRep,
+        GossipAveraging,
+        PFedMe,
+    )
+
+    return {
+        "ditto": lambda: [Ditto(lam=0.5, personal_lr=0.05)],
+        "apfl": lambda: [APFL(alpha=0.3, local_lr=0.05, adaptive_alpha=True)],
+        "fedrep": lambda: [FedRep(head_epochs=1, head_lr=0.05)],
+        "pfedme": lambda: [PFedMe(lam=2.0, personal_lr=0.05, inner_steps=2)],
+        "clustered": lambda: [ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=1)],
+        "d_fedem": lambda: [FedEM(), GossipAveraging(edge_probability=0.5, seed=1)],
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["ditto", "apfl", "fedrep", "pfedme", "clustered", "d_fedem"])
+def test_personalization_state_survives_resume(name, tmp_path):
+    from lightning_fl import MLP, MixtureClassifier
+
+    def module(seed=1):
+        torch.manual_seed(seed)
+        if name == "d_fedem":
+            return MixtureClassifier(MLP(6, (8,), 3), num_components=2, lr=0.1)
+        return tiny_module(0.1, seed=seed)
+
+    def strategy():
+        return FederatedStrategy(local_steps=3, seed=5)
+
+    full = module()
+    full_trainer = make_trainer(strategy(), 4, _personalization_callbacks(name))
+    full_trainer.fit(full, datamodule=tiny_datamodule())
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}"
+    )
+    make_trainer(
+        strategy(), 2, [*_personalization_callbacks(name), checkpoint], enable_checkpointing=True
+    ).fit(module(), datamodule=tiny_datamodule())
+    resumed = module(seed=123)
+    trainer = make_trainer(strategy(), 4, _personalization_callbacks(name))
+    trainer.fit(resumed, datamodule=tiny_datamodule(), ckpt_path=str(tmp_path / "epoch=1.ckpt"),
+                weights_only=True)  # fmt: skip
+    for a, b in zip(params_of(full), params_of(resumed)):
+        assert torch.equal(a, b)
+    store_full, store_resumed = full_trainer.strategy.client_store, trainer.strategy.client_store
+    assert store_full.clients() == store_resumed.clients()
+    for c in store_full.clients():
+        for key, value in store_full.state_dict()[c].items():
+            other = store_resumed.get(c, key)
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
