@@ -15,9 +15,7 @@ import torch
 
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
-    dirichlet_partition,
-    iid_partition,
-    shard_partition,
+    label_partition,
     split_fractions,
 )
 
@@ -60,14 +58,7 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         eval_batch_size: int | None = 256,
     ) -> None:
         x, y = load_digits()
-        if partition == "dirichlet":
-            parts = dirichlet_partition(y, num_clients, alpha, seed, min_size=min_size)
-        elif partition == "iid":
-            parts = iid_partition(y, num_clients, seed)
-        elif partition == "shards":
-            parts = shard_partition(y, num_clients, shards_per_client, seed)
-        else:
-            raise ValueError(f"Unknown partition {partition!r}; use dirichlet, iid or shards.")
+        parts = label_partition(y, partition, num_clients, seed, alpha, min_size, shards_per_client)
         features = torch.from_numpy(x)
         if image:
             features = features.view(-1, 1, 8, 8)

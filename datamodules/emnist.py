@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule
-from lightning_fl.datamodules.partition import dirichlet_partition, iid_partition, split_fractions
+from lightning_fl.datamodules.partition import label_partition, split_fractions
 
 EMNIST_URL = "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip"
 EMNIST_MD5 = "58c8d27c78d21e728a6bc7b3cc06412e"  # the value torchvision checks
@@ -107,12 +107,7 @@ class EmnistDataModule(InMemoryFederatedDataModule):
         rng = np.random.default_rng(seed)
         keep = np.sort(rng.permutation(len(labels))[: max(1, round(data_fraction * len(labels)))])
         images, labels = images[keep], labels[keep]
-        if partition == "dirichlet":
-            parts = dirichlet_partition(labels, num_clients, alpha, seed)
-        elif partition == "iid":
-            parts = iid_partition(labels, num_clients, seed)
-        else:
-            raise ValueError(f"partition must be 'dirichlet' or 'iid', got {partition!r}.")
+        parts = label_partition(labels, partition, num_clients, seed, alpha)
         x = torch.from_numpy(images.copy()).float().div_(255.0).unsqueeze(1)
         y = torch.from_numpy(labels)
         clients = []

@@ -90,6 +90,26 @@ def shard_partition(
     return [np.sort(np.concatenate([shards[s] for s in row])) for row in assignment]
 
 
+def label_partition(
+    labels,
+    partition: str,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.5,
+    min_size: int = 0,
+    shards_per_client: int = 2,
+) -> list[np.ndarray]:
+    """One of the label-based splits by name: ``"iid"``, ``"dirichlet"`` (``alpha``,
+    ``min_size``) or ``"shards"`` (``shards_per_client``)."""
+    if partition == "iid":
+        return iid_partition(labels, num_clients, seed)
+    if partition == "dirichlet":
+        return dirichlet_partition(labels, num_clients, alpha, seed, min_size=min_size)
+    if partition == "shards":
+        return shard_partition(labels, num_clients, shards_per_client, seed)
+    raise ValueError(f"Unknown partition {partition!r}; use dirichlet, iid or shards.")
+
+
 def split_fractions(
     indices: np.ndarray, fractions: tuple[float, ...], seed: int
 ) -> list[np.ndarray]:

@@ -18,7 +18,7 @@ from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 from lightning_fl.datamodules.base import FederatedDataModule, Split
 from lightning_fl.datamodules.digits import load_digits
 from lightning_fl.datamodules.download import download
-from lightning_fl.datamodules.partition import dirichlet_partition, iid_partition, split_fractions
+from lightning_fl.datamodules.partition import label_partition, split_fractions
 from lightning_fl.datamodules.reference import WERMDataset
 
 #: Shokri et al.'s published archives (privacytrustlab/datasets). No checksum is published:
@@ -123,12 +123,7 @@ class ReferenceDataModule(FederatedDataModule):
             raise ValueError(f"reference must be 'client', 'server' or 'none', got {reference!r}.")
         if len(split) != 4:
             raise ValueError(f"split gives (train, reference, val, test) fractions, got {split}.")
-        if partition == "iid":
-            parts = iid_partition(labels, num_clients, seed)
-        elif partition == "dirichlet":
-            parts = dirichlet_partition(labels, num_clients, alpha, seed)
-        else:
-            raise ValueError(f"partition must be 'iid' or 'dirichlet', got {partition!r}.")
+        parts = label_partition(labels, partition, num_clients, seed, alpha)
         x, y = torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels)
         self.reference = reference
         self._clients: list[dict[str, TensorDataset]] = []

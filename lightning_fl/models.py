@@ -313,7 +313,7 @@ class Classifier(FederatedTask):
         x, y = batch
         logits = self(x)
         acc = (logits.argmax(dim=-1) == y).float().mean()
-        return F.cross_entropy(logits, y), {"acc": acc}
+        return self.criterion(logits, y), {"acc": acc}
 
 
 class BinaryClassifier(FederatedTask):
