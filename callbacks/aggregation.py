@@ -89,7 +89,10 @@ class _AdaptiveServerOptimizer(_StatefulServerOptimizer):
         v_t = (rule of each method)
         θ^{t+1} = θ^t + η m_t / (√v_t + τ)
 
-    with m_{−1} = 0 and v_{−1} = τ² (the paper asks v_{−1} ≥ τ²); no bias correction.
+    with m_{−1} = 0 and no bias correction. Algorithm 2 initializes v_{−1} ≥ τ²; the
+    default is the smallest such value, v_{−1} = τ². ``initial_second_moment`` sets another
+    start: FLamby's FedOpt starts from v_{−1} = 0 (``initial_second_moment=0.0``, used by
+    the FLamby recipes).
     """
 
     _state_names = ("first_moment", "second_moment")
@@ -101,13 +104,22 @@ class _AdaptiveServerOptimizer(_StatefulServerOptimizer):
         beta2: float = 0.99,
         tau: float = 1e-3,
         weighting: Weighting = "samples",
+        initial_second_moment: float | None = None,
     ) -> None:
         super().__init__(weighting, server_lr)
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}.")
         if not tau > 0:
             raise ValueError(f"tau must be > 0, got {tau}.")
+        if initial_second_moment is not None and not initial_second_moment >= 0:
+            raise ValueError(
+                f"initial_second_moment must be >= 0 (or None for tau²), got "
+                f"{initial_second_moment}."
+            )
         self.beta1, self.beta2, self.tau = beta1, beta2, tau
+        self.initial_second_moment = (
+            tau**2 if initial_second_moment is None else float(initial_second_moment)
+        )
 
     def _update_second_moment(self, v: TensorList, delta_sq: TensorList) -> None:
         raise NotImplementedError
@@ -119,7 +131,7 @@ class _AdaptiveServerOptimizer(_StatefulServerOptimizer):
         delta = state.update_sum
         if self.first_moment is None:
             self.first_moment = zeros_like(delta)
-            self.second_moment = [torch.full_like(d, self.tau**2) for d in delta]
+            self.second_moment = [torch.full_like(d, self.initial_second_moment) for d in delta]
         torch._foreach_mul_(self.first_moment, self.beta1)
         torch._foreach_add_(self.first_moment, delta, alpha=1 - self.beta1)
         self._update_second_moment(self.second_moment, torch._foreach_mul(delta, delta))

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
+import torch
+
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import Aggregator, RoundState
 from lightning_fl.local_training import PersonalModels
@@ -34,6 +37,38 @@ class Local(Aggregator):
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         strategy = trainer.strategy
         self.models.load(strategy.client_store, client, strategy.federated_tensors)
+
+    @torch.no_grad()
+    def cross_evaluate(self, trainer: pl.Trainer, split: str = "test") -> dict[str, torch.Tensor]:
+        """Every client's model on every client's ``split`` data, FLamby's protocol for its
+        "Local i" baselines (du Terrail et al. 2022, §4): ``{metric: M}`` with ``M[i, j]``
+        the metric of client i's model on client j's whole ``split`` set (one batch, as
+        FLamby scores a C-index over a whole test set). FLamby reports row means,
+        ``M[i].mean()``; the usual Local number (each model on its own data) is the
+        diagonal. Rows of clients without a model are NaN. The global model is restored.
+        """
+        strategy = trainer.strategy
+        module, tensors = strategy.lightning_module, strategy.federated_tensors
+        dm = trainer.datamodule
+        clients = range(dm.num_clients)
+        data = {j: dm.client_dataset(j, split) for j in clients}
+        data = {j: d[:] for j, d in data.items() if d is not None and len(d) > 0}
+        saved = tensors.clone()
+        table: dict[str, torch.Tensor] = {}
+        try:
+            for i in clients:
+                if not self.models.load(strategy.client_store, i, tensors):
+                    continue
+                for j, batch in data.items():
+                    batch = strategy.batch_to_device(batch)
+                    loss, metrics = module.loss_and_metrics(batch)
+                    for name, value in {"loss": loss, **metrics}.items():
+                        n = dm.num_clients
+                        grid = table.setdefault(name, torch.full((n, n), float("nan")))
+                        grid[i, j] = float(value)
+        finally:
+            tensors.load_(saved)
+        return table
 
 
 class Pooled(FedAvg):

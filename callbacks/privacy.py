@@ -222,7 +222,8 @@ class DPSGD(FederatedCallback):
     clipped to norm C, Gaussian noise N(0, σ²C²) added to their sum, divided by the batch
     size; the optimizer then steps with that gradient. Privacy is accounted with Opacus's
     RDP accountant per client (ε at ``delta``; the largest over clients is logged as
-    ``dp/epsilon``), with sampling rate batch_size/n.
+    ``dp/epsilon``), with the nominal sampling rate B/n (B the largest batch seen, so a
+    last partial batch does not lower it).
 
     With WERM batches ({"train", "reference"}), the two datasets get their own noise:
     g = (1 − w)·(Σ clip(g_i) + σ_train C ξ)/B + w·(Σ clip(g_j) + σ_ref C ξ')/B_ref, and
@@ -314,19 +315,21 @@ class DPSGD(FederatedCallback):
                 p.grad = total[key].to(p.dtype)
 
     def _record(self, strategy, client: int, source: str, sigma: float, batch_size: int) -> None:
-        dm = strategy.lightning_module.trainer.datamodule
-        dataset = dm.client_dataset(client, "train")
-        n = (
-            len(dataset.reference if source == "reference" else dataset)
-            if source == "reference"
-            else len(dataset)
-        )
+        """Count one noisy step of ``source`` for ``client``. The sampling rate is the
+        nominal one, B/n with B the largest batch seen: a last, partial batch has a lower
+        rate, and accounting with it would under-report ε."""
+        dataset = strategy.lightning_module.trainer.datamodule.client_dataset(client, "train")
+        n = len(dataset.reference) if source == "reference" else len(dataset)
         store = strategy.client_store
         key = f"dp_{source}"
-        steps = store.get(client, f"{key}_steps", 0)
-        store.set(client, f"{key}_steps", steps + 1)
-        store.set(client, f"{key}_rate", min(1.0, batch_size / max(n, 1)))
-        store.set(client, f"{key}_sigma", float(sigma))
+        store.set(client, f"{key}_steps", store.get(client, f"{key}_steps", 0) + 1)
+        rate = min(1.0, batch_size / max(n, 1))
+        store.set(client, f"{key}_rate", max(rate, store.get(client, f"{key}_rate", 0.0)))
+        previous = store.get(client, f"{key}_sigma")
+        # the smallest noise seen: a changed multiplier never makes ε look smaller
+        store.set(
+            client, f"{key}_sigma", float(sigma if previous is None else min(previous, sigma))
+        )
 
     def epsilon(self, store, client: int, source: str = "train") -> float:
         from opacus.accountants import RDPAccountant

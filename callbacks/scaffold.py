@@ -9,6 +9,13 @@ The server updates the model with the aggregator (FedAvg: x ← x + η_g Σ ω_i
 uniform sampling and p_i = 1/N, ω_i = 1/|S| as in Alg. 1 line 16) and
     c ← c + (1/N) Σ_{i∈S} Δc_i                                  (line 17, |S|/N · mean)
 
+Line 17 keeps c = (1/N) Σ_i c_i, the uniform mean of all clients' controls
+(``control_weighting="uniform"``, the default). With sample-weighted aggregation the
+matching invariant is c = Σ_i p_i c_i, kept by c ← c + Σ_{i∈S} p_i Δc_i with the
+aggregator's target weights p_i (``control_weighting="target"``); with full participation
+p_i is exactly the model's weight ω_i, as in FLamby's Scaffold, which the FLamby recipes
+use.
+
 The correction (c − c_i) is added to the gradient before the optimizer step, so the rule
 is exact for plain SGD; K counts the optimizer steps taken and η_l is the learning rate of
 the first parameter group. Memory: each client that took part stores c_i as one float32
@@ -17,7 +24,7 @@ vector, 4·d bytes (d parameters) in the client store.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -30,7 +37,17 @@ STORE_KEY = "scaffold_c"
 
 
 class SCAFFOLD(FederatedCallback):
-    def __init__(self) -> None:
+    """Args:
+    control_weighting: ``"uniform"`` for the paper's c ← c + (1/N) Σ_{i∈S} Δc_i, or
+        ``"target"`` for c ← c + Σ_{i∈S} p_i Δc_i with the aggregator's weights p_i.
+    """
+
+    def __init__(self, control_weighting: Literal["uniform", "target"] = "uniform") -> None:
+        if control_weighting not in ("uniform", "target"):
+            raise ValueError(
+                f"control_weighting must be 'uniform' or 'target', got {control_weighting!r}."
+            )
+        self.control_weighting = control_weighting
         self.server_control: TensorList | None = None
         self._correction: TensorList | None = None
         self._client_control: TensorList | None = None
@@ -79,14 +96,18 @@ class SCAFFOLD(FederatedCallback):
         # Δc_i = c_i⁺ − c_i = −c + (x − y_i)/(K η_l) = −c − Δy_i/(K η_l)
         delta_c = torch._foreach_mul(update[: state.num_params], -1.0 / (self._steps * lr))
         torch._foreach_sub_(delta_c, self.server_control)
-        torch._foreach_add_(self._control_delta_sum, delta_c)
+        weight = float(state.target_weights[client]) if self.control_weighting == "target" else 1.0
+        torch._foreach_add_(self._control_delta_sum, delta_c, alpha=weight)
         new_control = torch._foreach_add(self._client_control, delta_c)
         state.store.set(client, STORE_KEY, flatten(new_control))
 
     @torch.no_grad()
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
-        num_clients = sum(1 for n in state.sample_counts if n > 0)
-        torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=1.0 / num_clients)
+        if self.control_weighting == "target":
+            scale = 1.0  # the p_i were applied per client
+        else:
+            scale = 1.0 / sum(1 for n in state.sample_counts if n > 0)
+        torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=scale)
         self._correction = None
 
     def state_dict(self) -> dict[str, Any]:

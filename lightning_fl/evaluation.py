@@ -4,13 +4,17 @@ The user's ``validation_step``/``test_step`` logs batch means with ``self.log``;
 accumulates Σ value·batch_size and Σ batch_size per metric. Reading those sums at every
 client boundary gives each client's own mean. The epoch value Lightning reports is then
 the sample-weighted mean over clients; this module adds the uniform mean and the bottom
-decile (the 10th-percentile client), as reported in the FedEM and kNN-Per papers.
+decile, as reported in the FedEM and kNN-Per papers. The bottom decile is always the worst
+clients: the 10th percentile (``/p10``) of a metric where higher is better (accuracy,
+C-index), the 90th percentile (``/p90``) of one where lower is better (a loss or an error,
+see :func:`lower_is_better`).
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -53,14 +57,25 @@ class ClientMetricCapture:
                 self._totals[key] = (total, count)
 
 
-def summarize(values: Mapping[int, tuple[float, float]]) -> dict[str, float]:
-    """Sample-weighted mean, uniform mean and 10th percentile over clients."""
+_LOWER_IS_BETTER = re.compile(r"(loss|error|err|nll|perplexity|mse|mae)$")
+
+
+def lower_is_better(name: str) -> bool:
+    """True for metrics whose smaller values are better: names ending in loss, error, err,
+    nll, perplexity, mse or mae (``test_loss``, ``val_error``)."""
+    return bool(_LOWER_IS_BETTER.search(name.rsplit("/", 1)[-1].lower()))
+
+
+def summarize(values: Mapping[int, tuple[float, float]], name: str = "") -> dict[str, float]:
+    """Sample-weighted mean, uniform mean and the bottom decile over clients: ``p10`` (the
+    10th percentile) when higher is better, ``p90`` when ``name`` is a loss or an error."""
     means = torch.tensor([v for v, _ in values.values()], dtype=torch.float64)
     counts = torch.tensor([n for _, n in values.values()], dtype=torch.float64)
+    worst = ("p90", 0.9) if lower_is_better(name) else ("p10", 0.1)
     return {
         "weighted": float((means * counts).sum() / counts.sum()),
         "uniform": float(means.mean()),
-        "p10": float(torch.quantile(means, 0.1)),
+        worst[0]: float(torch.quantile(means, worst[1])),
     }
 
 

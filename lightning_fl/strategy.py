@@ -579,7 +579,7 @@ class _RoundDriver(pl.Callback):
             for prefix, group in groups.items():
                 if not group:
                     continue
-                summary = summarize(group)
+                summary = summarize(group, name)
                 for key, value in summary.items():
                     # the same on every rank: syncing only averages equal values
                     pl_module.log(f"{prefix}/{key}", value, sync_dist=True)

@@ -109,16 +109,21 @@ def test_fedprox_equals_proximal_loss_by_autograd():
     assert max_abs_diff(ours, ref) <= 1e-6
 
 
-def test_fedadam_equals_reddi_algorithm_2():
-    eta, b1, b2, tau, sampler = 0.05, 0.9, 0.99, 1e-3, UniformSampler(3)
-    ours = run_strategy(sampler, [FedAdam(server_lr=eta, beta1=b1, beta2=b2, tau=tau)])
+@pytest.mark.parametrize("v0", [None, 0.0])
+def test_fedadam_equals_reddi_algorithm_2(v0):
+    """v_{−1} = τ² (Alg. 2's smallest start) by default, 0 as in FLamby's FedOpt (τ large
+    enough that the two starts give different models)."""
+    eta, b1, b2, tau, sampler = 0.05, 0.9, 0.99, 0.05, UniformSampler(3)
+    adam_cb = FedAdam(server_lr=eta, beta1=b1, beta2=b2, tau=tau, initial_second_moment=v0)
+    ours = run_strategy(sampler, [adam_cb])
     m, v = {}, {}
+    start = tau**2 if v0 is None else v0
 
     def adam(theta, delta, r):
         out = []
         for i, (t, d) in enumerate(zip(theta, delta)):
             m[i] = b1 * m.get(i, torch.zeros_like(d)) + (1 - b1) * d
-            v[i] = b2 * v.get(i, torch.full_like(d, tau**2)) + (1 - b2) * d * d
+            v[i] = b2 * v.get(i, torch.full_like(d, start)) + (1 - b2) * d * d
             out.append(t + eta * m[i] / (v[i].sqrt() + tau))
         return out
 
@@ -155,9 +160,16 @@ def test_other_server_optimizers_follow_their_equations(name):
     assert max_abs_diff(ours, reference(sampler, step)) <= 1e-6
 
 
-def test_scaffold_equals_karimireddy_algorithm_1_option_2():
+@pytest.mark.parametrize(
+    ("weighting", "control_weighting"), [("uniform", "uniform"), ("samples", "target")]
+)
+def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_weighting):
+    """Alg. 1 with option II; "target" replaces line 17's 1/N by the clients' p_i (unequal
+    sample counts here), keeping c = Σ p_i c_i."""
     sampler = UniformSampler(3)
-    ours = run_strategy(sampler, [SCAFFOLD(), FedAvg(weighting="uniform")])
+    ours = run_strategy(
+        sampler, [SCAFFOLD(control_weighting=control_weighting), FedAvg(weighting=weighting)]
+    )
 
     clients = tiny_clients()
     n = len(clients)
@@ -165,12 +177,13 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2():
     x = params_of(net)
     c = [torch.zeros_like(t) for t in x]
     c_i = {i: [torch.zeros_like(t) for t in x] for i in range(n)}
-    p = torch.full((n,), 1 / n, dtype=torch.float64)
+    p = sample_weights(clients, weighting)
+    assert weighting == "uniform" or len(set(p.tolist())) > 1  # the two rules differ
     for r in range(ROUNDS):
         part = sampler.sample(r, SEED, p)
         dy = [torch.zeros_like(t) for t in x]
         dc = [torch.zeros_like(t) for t in x]
-        for i in part.clients:
+        for i, w in zip(part.clients, part.weights):
             with torch.no_grad():
                 for q, t in zip(net.parameters(), x):
                     q.copy_(t)
@@ -179,12 +192,13 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2():
             y = params_of(net)
             new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
             for a, yy, xx in zip(dy, y, x):
-                a += (yy - xx) / len(part.clients)
+                a += w * (yy - xx)
+            c_weight = 1 / n if control_weighting == "uniform" else float(p[i])
             for b, nc, oc in zip(dc, new_ci, c_i[i]):
-                b += (nc - oc) / len(part.clients)
+                b += c_weight * (nc - oc)
             c_i[i] = new_ci
         x = [xx + d for xx, d in zip(x, dy)]  # η_g = 1
-        c = [cc + len(part.clients) / n * d for cc, d in zip(c, dc)]
+        c = [cc + d for cc, d in zip(c, dc)]
     assert max_abs_diff(ours, x) <= 1e-6
 
 

@@ -238,6 +238,28 @@ def test_dp_sgd_training_reports_epsilon_for_both_datasets():
     assert float(trainer.callback_metrics["dp/epsilon"]) == pytest.approx(dp.epsilon(store, 0))
 
 
+def test_dp_sgd_accounts_with_the_nominal_batch_size_when_batches_do_not_divide_n():
+    """240 training samples in batches of 64: the last batch has 48. The accountant must
+    see the rate 64/240 of the full batches, not 48/240 (which under-reports ε)."""
+    from opacus.accountants import RDPAccountant
+
+    torch.manual_seed(0)
+    x, y = _data()
+    dm = ReferenceDataModule(
+        x, y, num_clients=1, split=(0.4, 0.3, 0.0, 0.3), reference="client", batch_size=64
+    )
+    module = WERMClassifier(MLP(10, (16,), 4), w=0.5, lr=0.1)
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0)
+    trainer = _fit(module, dm, [dp], rounds=2)
+    store = trainer.strategy.client_store
+    steps = store.get(0, "dp_train_steps")
+    assert steps == 2 * math.ceil(240 / 64)
+    for source, n in (("train", 240), ("reference", 180)):
+        accountant = RDPAccountant()
+        accountant.history = [(1.1, 64 / n, store.get(0, f"dp_{source}_steps"))]
+        assert dp.epsilon(store, 0, source) == pytest.approx(accountant.get_epsilon(1e-5))
+
+
 # ------------------------------------------------------------------ data files
 def test_purchase100_reads_the_published_format(tmp_path):
     rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ import torch
 
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import FedAvg, Local, Pooled
-from lightning_fl.evaluation import summarize
+from lightning_fl.evaluation import lower_is_better, summarize
 from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
 
 
@@ -59,6 +59,7 @@ def test_validation_reports_weighted_uniform_and_bottom_decile():
     assert abs(float(metrics["val_acc"]) - float((accs * sizes).sum() / sizes.sum())) < 1e-6
     assert abs(float(metrics["val_acc/uniform"]) - float(accs.mean())) < 1e-6
     assert abs(float(metrics["val_acc/p10"]) - float(torch.quantile(accs, 0.1))) < 1e-6
+    assert "val_loss/p90" in metrics and "val_loss/p10" not in metrics
 
 
 def test_summarize_by_hand():
@@ -67,6 +68,15 @@ def test_summarize_by_hand():
     assert abs(s["weighted"] - (1 + 0 + 2) / 8) < 1e-12
     assert abs(s["uniform"] - 0.5) < 1e-12
     assert abs(s["p10"] - 0.1) < 1e-12  # linear interpolation between 0.0 and 0.5
+
+
+def test_bottom_decile_is_the_worst_clients_for_losses_too():
+    values = {0: (1.0, 1.0), 1: (0.0, 3.0), 2: (0.5, 4.0)}
+    loss = summarize(values, "test_loss")
+    assert "p10" not in loss and abs(loss["p90"] - 0.9) < 1e-12  # the highest losses
+    assert "p90" not in summarize(values, "test_acc")
+    assert lower_is_better("val_loss") and lower_is_better("train_error")
+    assert not lower_is_better("test_acc") and not lower_is_better("test_cindex")
 
 
 def test_local_evaluates_each_client_with_its_own_model():
@@ -94,3 +104,25 @@ def test_pooled_trains_one_client_on_the_union():
     assert schedule.clients == (-1,) and schedule.num_batches == (5,)
     total = sum(len(c["train"][1]) for c in tiny_clients())
     assert len(strategy.current_round.loaders[0].dataset) == total
+
+
+def test_local_cross_evaluate_scores_every_model_on_every_client():
+    """FLamby's Local i: model i on client j's whole test set; the diagonal is the usual
+    Local number."""
+    module = tiny_module()
+    strategy = FederatedStrategy(local_steps=3)
+    local = Local()
+    trainer = make_trainer(strategy, 2, [local], limit_val_batches=None)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    initial = params_of(module)
+    grid = local.cross_evaluate(trainer, "val")["acc"]
+    clients = tiny_clients()
+    assert grid.shape == (len(clients), len(clients))
+    for i in range(len(clients)):
+        net = tiny_module().network
+        torch.nn.utils.vector_to_parameters(
+            strategy.client_store.get(i, "local_model"), net.parameters()
+        )
+        accs, _ = _per_client_accuracy(net, clients)
+        assert torch.allclose(grid[i].double(), accs, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(initial, params_of(module)))  # restored
