@@ -26,22 +26,41 @@ def _fit(recipe: Path, tmp_path: Path, *extra: str):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_every_recipe_runs_shortened(recipe, tmp_path):
+def test_every_recipe_learns_in_two_rounds(recipe, tmp_path):
+    """Two rounds of every core recipe lift digits' test accuracy well above chance (0.1;
+    the slowest, FedAdagrad, reaches 0.32), and the plain test_acc is the sample-weighted
+    mean over clients."""
     cli = _fit(recipe, tmp_path, "--trainer.limit_test_batches", "2")
+    metrics = cli.trainer.callback_metrics
     assert cli.trainer.current_epoch == 2
-    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+    assert float(metrics["test_acc"]) > 0.25
+    assert float(metrics["test_acc"]) == pytest.approx(float(metrics["test_acc/weighted"]))
 
 
 PERSONALIZATION = sorted((ROOT / "recipes" / "personalization").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", PERSONALIZATION, ids=[r.stem for r in PERSONALIZATION])
-def test_every_personalization_recipe_runs_shortened(recipe, tmp_path):
+def test_every_personalization_recipe_reports_seen_and_unseen_clients(recipe, tmp_path):
+    """One round of each recipe: the seen and the unseen clients' summaries are the
+    sample-weighted means of their rows in client_metrics.csv, and the plot is saved."""
     extra = ["--data.init_args.num_tasks", "10"] if recipe.stem.startswith("synthetic") else []
     cli = _fit(recipe, tmp_path, *extra, "--trainer.max_epochs", "1")
     metrics = cli.trainer.callback_metrics
-    assert 0.0 <= float(metrics["test_acc/weighted"]) <= 1.0
-    assert 0.0 <= float(metrics["test_acc/unseen/weighted"]) <= 1.0
+    unseen = set(cli.datamodule.unseen_clients)
+    assert unseen and len(unseen) < cli.datamodule.num_clients
+    (clients_csv,) = glob.glob(str(tmp_path / "**/client_metrics.csv"), recursive=True)
+    rows = [
+        r for r in csv.DictReader(open(clients_csv))
+        if r["stage"] == "test" and r["metric"] == "test_acc"
+    ]  # fmt: skip
+    assert {int(r["client"]) for r in rows} == set(range(cli.datamodule.num_clients))
+    for key, group in (("test_acc/weighted", False), ("test_acc/unseen/weighted", True)):
+        part = [r for r in rows if (int(r["client"]) in unseen) == group]
+        total = sum(float(r["num_samples"]) for r in part)
+        mean = sum(float(r["value"]) * float(r["num_samples"]) for r in part) / total
+        assert float(metrics[key]) == pytest.approx(mean, abs=1e-5)
+    assert float(metrics["test_acc"]) == pytest.approx(float(metrics["test_acc/weighted"]))
     assert glob.glob(str(tmp_path / "**/clients_test_acc.png"), recursive=True)
 
 
@@ -93,7 +112,6 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
 
 PAPER = ROOT / "recipes" / "paper"
 SMALL = sorted(PAPER.glob("*_small.yaml"))
-FULL = sorted(set(PAPER.glob("*.yaml")) - set(SMALL))
 
 
 @pytest.mark.parametrize("recipe", SMALL, ids=[r.stem for r in SMALL])
@@ -108,23 +126,14 @@ def test_paper_small_variants_run_on_generated_data(recipe, tmp_path):
     assert any((tmp_path / "data").rglob("*"))  # the generated files in the real format
 
 
-@pytest.mark.parametrize("recipe", FULL, ids=[r.stem for r in FULL])
-def test_paper_scale_recipes_parse(recipe, capsys):
+@pytest.mark.parametrize("recipe", sorted(PAPER.glob("*.yaml")), ids=lambda r: r.stem)
+def test_every_paper_recipe_parses(recipe, capsys):
+    """Every class and argument of the recipe resolves (jsonargparse checks init_args
+    against the signatures) and --print_config exits with status 0."""
     with pytest.raises(SystemExit) as exit_info:
         run(["fit", "--config", str(recipe), "--print_config"])
     assert exit_info.value.code == 0
     assert "class_path: lightning_fl.FederatedStrategy" in capsys.readouterr().out
-
-
-PAPER = sorted((ROOT / "recipes" / "paper").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("recipe", PAPER, ids=[r.stem for r in PAPER])
-def test_every_paper_recipe_parses(recipe, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        run(["fit", "--config", str(recipe), "--print_config"])
-    assert exit_info.value.code in (0, None)
-    assert "class_path" in capsys.readouterr().out
 
 
 def test_fedem_synthetic_paper_recipe_runs_on_cpu(tmp_path):
@@ -149,7 +158,7 @@ def test_every_privacy_recipe_runs_shortened(recipe, tmp_path):
 
 @pytest.mark.parametrize("name", ["purchase100_werm", "texas100_werm"])
 def test_download_privacy_recipes_parse(name, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         run(
             [
                 "fit",
@@ -158,7 +167,8 @@ def test_download_privacy_recipes_parse(name, capsys):
                 "--print_config",
             ]
         )
-    assert "class_path" in capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "class_path: lightning_fl.FederatedStrategy" in capsys.readouterr().out
 
 
 def test_werm_sweep_writes_the_tradeoff_plot(tmp_path):

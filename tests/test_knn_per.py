@@ -106,6 +106,35 @@ def test_lambda_is_chosen_per_client_and_written(tmp_path):
     assert len(rows) == 10 and int(rows[0]["datastore_size"]) == 4
 
 
+def test_lambda_is_the_first_best_on_the_client_validation_data():
+    """λ_t = the first grid value with the best validation accuracy of
+    λ·p_kNN + (1 − λ)·softmax(h(x)) (eq. 3.33), recomputed by brute force."""
+    module = _trained()
+    k, scale = 3, 0.7
+    callback = KNNPer(k=k, scale=scale)
+    _test(module, [callback])
+    net = module.network.net
+    embed = torch.nn.Sequential(*list(net)[:-1])
+    chosen_differs_from_last_best = False
+    for c, data in enumerate(tiny_clients()):
+        with torch.no_grad():
+            keys, (x, y) = embed(data["train"][0]), data["val"]
+            queries, model_probs = embed(x), torch.softmax(module.network(x), dim=1)
+        dist, idx = torch.cdist(queries, keys).topk(min(k, len(keys)), largest=False)
+        votes = torch.zeros(len(queries), 3)
+        votes.scatter_add_(1, data["train"][1][idx], torch.exp(-dist / scale))
+        knn = votes / votes.sum(1, keepdim=True)
+        accs = [
+            float(((lam * knn + (1 - lam) * model_probs).argmax(1) == y).float().mean())
+            for lam in callback.lambda_grid
+        ]
+        best = callback.lambda_grid[accs.index(max(accs))]
+        last_best = callback.lambda_grid[len(accs) - 1 - accs[::-1].index(max(accs))]
+        chosen_differs_from_last_best |= best != last_best
+        assert callback.lambdas[c] == best, (c, accs)
+    assert chosen_differs_from_last_best  # the tie rule is exercised
+
+
 def test_capacity_keeps_a_fraction_of_the_datastore():
     module = _trained()
     callback = KNNPer(k=3, capacity=0.5, lambda_=0.5)

@@ -183,6 +183,47 @@ def test_membership_inference_reports_the_triad(tmp_path):
     assert (tmp_path / "membership_inference.csv").exists()
 
 
+@pytest.mark.parametrize("w", [0.0, 1.0])
+def test_mia_train_and_reference_attack_their_own_data(w):
+    """Random labels, so only memorization helps the attacks. WERM with w = 0 trains on
+    the training data alone, w = 1 on the reference data alone: the attack on the data the
+    model saw succeeds, the attack on the data it never saw is near chance."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(600, 10)).astype("float32"), rng.integers(0, 4, 600)
+    torch.manual_seed(0)
+    dm = ReferenceDataModule(
+        x, y, num_clients=1, split=(0.4, 0.3, 0.0, 0.3), reference="client", batch_size=32
+    )
+    module = WERMClassifier(MLP(10, (128,), 4), w=w, lr=0.01, optimizer="adam")
+    strategy = FederatedStrategy(local_epochs=1, seed=3, keep_optimizer_state=True)
+    trainer = make_trainer(strategy, 25, [MembershipInference(stages=("test",))])
+    trainer.fit(module, datamodule=dm)
+    results = trainer.test(module, datamodule=dm, verbose=False)[0]
+    seen, unseen = ("train", "reference") if w == 0.0 else ("reference", "train")
+    assert results[f"mia/{seen}/loss"] > 0.75
+    assert abs(results[f"mia/{unseen}/loss"] - 0.5) < 0.1
+
+
+def test_song_mittal_thresholds_are_per_class():
+    """Members are more confident than non-members within each class, but class 1's
+    members are less confident than class 0's non-members: only class-dependent
+    thresholds separate them perfectly."""
+    n = 80
+    labels = torch.tensor([0, 1] * (n // 2))
+    member_conf = torch.where(labels == 0, 0.9, 0.5)
+    nonmember_conf = torch.where(labels == 0, 0.8, 0.4)
+
+    def probs(conf):  # two classes: the true one gets conf
+        onehot = F.one_hot(labels, 2).float()
+        return onehot * conf[:, None] + (1 - onehot) * (1 - conf[:, None])
+
+    m, nm = probs(member_conf), probs(nonmember_conf)
+    per_class = membership_inference(m, labels, nm, labels, attacks=("confidence",))
+    single = membership_inference(m, labels, nm, labels, attacks=("confidence",), per_class=False)
+    assert per_class.accuracy["confidence"] == 1.0
+    assert single.accuracy["confidence"] <= 0.8
+
+
 def test_membership_inference_attacks_the_server_reference_data():
     torch.manual_seed(0)
     module = Classifier(MLP(10, (32,), 4), lr=0.1)
