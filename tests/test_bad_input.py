@@ -11,7 +11,15 @@ import torch
 from lightning_fl import FederatedStrategy, NonFiniteUpdateError, UniformSampler
 from lightning_fl.callbacks import FedAdam, FedAvg
 from lightning_fl.datamodules import InMemoryFederatedDataModule, dirichlet_partition
-from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
+from tests.helpers import (
+    local_sgd,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
 
 
 def test_more_clients_per_round_than_clients():
@@ -68,17 +76,30 @@ def test_nan_update_is_dropped_and_training_goes_on():
 
 
 def test_nan_update_equals_round_without_that_client_weight():
-    """A dropped update contributes nothing; the others keep their weights ω_i."""
-    clean = tiny_module()
-    make_trainer(FederatedStrategy(local_steps=2), 1, [FedAvg()]).fit(
-        clean, datamodule=tiny_datamodule()
-    )
+    """A dropped update contributes nothing; the others keep their weights ω_i = n_i/n
+    (not renormalized): θ¹ = θ⁰ + Σ_{i≠3} ω_i Δ_i, computed by hand."""
     poisoned = tiny_module()
-    strategy = FederatedStrategy(local_steps=2)
+    strategy = FederatedStrategy(local_steps=2, seed=0)
     with pytest.warns(UserWarning, match="NaN or Inf"):
         make_trainer(strategy, 1, [FedAvg()]).fit(poisoned, datamodule=_poisoned_datamodule())
     assert strategy.current_round.state.accepted == [c for c in range(10) if c != 3]
-    assert any(not torch.equal(a, b) for a, b in zip(params_of(clean), params_of(poisoned)))
+
+    clients = tiny_clients()
+    counts = torch.tensor([len(c["train"][1]) for c in clients], dtype=torch.float64)
+    weights = counts / counts.sum()
+    net = tiny_module().network
+    theta = params_of(net)
+    expected = [t.clone() for t in theta]
+    for c in range(10):
+        if c == 3:
+            continue
+        with torch.no_grad():
+            for q, t in zip(net.parameters(), theta):
+                q.copy_(t)
+        local_sgd(net, clients[c]["train"], 2, 0.1, 4, 0, 0, c)
+        for e, q, t in zip(expected, net.parameters(), theta):
+            e += float(weights[c]) * (q.detach() - t)
+    assert max_abs_diff(params_of(poisoned), expected) <= 1e-6
 
 
 def test_consecutive_bad_rounds_stop_training():

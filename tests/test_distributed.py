@@ -55,9 +55,23 @@ def test_two_processes_equal_one_process(tmp_path):
         assert float(a[4]) == pytest.approx(float(b[4]), rel=1e-4, abs=1e-6)
 
 
-def test_two_process_resume_is_exact(tmp_path):
+def test_scaffold_on_two_processes_equals_one_and_resumes_exactly(tmp_path):
+    """SCAFFOLD's c_i live on the owning rank and Σ Δc_i rides the round's all-reduce: the
+    model and the server control equal the 1-process run; resuming is exact."""
     common = ["--config", SCAFFOLD, "--trainer.devices", "2", "--trainer.limit_val_batches", "0"]
     _ok(_cli(tmp_path / "full", *common, "--trainer.max_epochs", "4"))
+    single = [*common[:3], "1", *common[4:]]
+    _ok(_cli(tmp_path / "single", *single, "--trainer.max_epochs", "4"))
+    one, two = _weights(tmp_path / "single"), _weights(tmp_path / "full")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    controls = []
+    for d in ("single", "full"):
+        (path,) = glob.glob(str(tmp_path / d / "**" / "last.ckpt"), recursive=True)
+        callbacks = torch.load(path, weights_only=True)["callbacks"]
+        (key,) = [k for k in callbacks if k.startswith("SCAFFOLD")]
+        controls.append(callbacks[key]["server_control"])
+    assert max(float((a - b).abs().max()) for a, b in zip(*controls)) <= 1e-5
+    assert max(float(c.abs().max()) for c in controls[0]) > 0  # the controls did move
     _ok(_cli(tmp_path / "first", *common, "--trainer.max_epochs", "2"))
     (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "last.ckpt"), recursive=True)
     saved = torch.load(ckpt, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]

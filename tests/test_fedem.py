@@ -68,7 +68,10 @@ def _fit(module, callbacks, rounds=3, dm=None, **kw):
     return trainer
 
 
-def test_fedem_with_one_component_equals_fedavg():
+def test_one_component_mixture_trains_like_fedavg():
+    """Plumbing only (with M = 1, q ≡ 1 and π ≡ 1): the q-weighted loss, the frozen copy
+    and the aggregation of a one-component mixture reduce to FedAvg. FedEM itself is
+    checked against Alg. 7 below."""
     fedem = mixture(m=1)
     _fit(fedem, [FedEM()])
     fedavg = tiny_module(LR, seed=1)
@@ -151,9 +154,15 @@ def test_unseen_client_gets_one_e_step_from_uniform_and_is_reported_apart():
     assert abs(results["test_acc"] - results["test_acc/weighted"]) < 1e-6
 
     callback.on_client_evaluation_start(trainer, module, 9)
-    loader = DataLoader(TensorDataset(*clients[9]["train"]), batch_size=BATCH)
-    expected = update_mixture_weights(e_step(module, loader, torch.log(torch.full((2,), 0.5))))
-    assert torch.allclose(module.log_mixture_weights.exp(), expected, atol=1e-6)
+    # by hand: q_im ∝ (1/2)·exp(−ℓ(h_m(x_i), y_i)) with the global components, π = mean q
+    x, y = clients[9]["train"]
+    with torch.no_grad():
+        losses = torch.stack(
+            [F.cross_entropy(h(x), y, reduction="none") for h in module.network], 1
+        )
+    joint = 0.5 * torch.exp(-losses.double())
+    expected = (joint / joint.sum(1, keepdim=True)).mean(0)
+    assert torch.allclose(module.log_mixture_weights.exp().double(), expected, atol=1e-6)
 
 
 def test_metropolis_weights_are_symmetric_and_doubly_stochastic():
