@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.datastore import Backend, Datastore, knn_probabilities
 from lightning_fl.local_training import batches, client_loader, evaluation_mode
+from lightning_fl.outputs import run_dir
 from lightning_fl.seeding import generator
 
 LAMBDA_GRID = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -230,8 +231,7 @@ class KNNPer(FederatedCallback):
         mean = sum(lam for lam, _ in rows.values()) / len(rows)
         pl_module.log("knn_per/lambda_mean", mean, sync_dist=True)
         if trainer.is_global_zero:
-            logger = trainer.loggers[0] if trainer.loggers else None
-            log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
+            log_dir = run_dir(trainer)
             os.makedirs(log_dir, exist_ok=True)
             path = os.path.join(log_dir, "knn_per_lambdas.csv")
             with open(path, "w", newline="") as handle:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.local_training import batches, client_loader, evaluation_mode, sgd
 from lightning_fl.membership import ATTACKS, membership_inference
+from lightning_fl.outputs import run_dir
 from lightning_fl.seeding import generator
 
 
@@ -136,8 +137,7 @@ class MembershipInference(FederatedCallback):
                 mean = sum(r[attack] for r in rows) / len(rows)
                 pl_module.log(f"{model}/{target}/{attack}", mean, sync_dist=True)
         if results and trainer.is_global_zero:
-            logger = trainer.loggers[0] if trainer.loggers else None
-            log_dir = getattr(logger, "log_dir", None) or trainer.default_root_dir
+            log_dir = run_dir(trainer)
             os.makedirs(log_dir, exist_ok=True)
             path = os.path.join(log_dir, "membership_inference.csv")
             new = not os.path.exists(path)

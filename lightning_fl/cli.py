@@ -1,43 +1,160 @@
 """``lightning-fl``: LightningCLI with fit, validate and test, reading YAML recipes.
 
-lightning-fl fit --config recipes/quickstart.yaml
+    lightning-fl fit --config recipes/quickstart.yaml
+
+What it adds to LightningCLI:
+
+- ``fit`` tests the final global model (``--test_after_fit false`` skips it);
+- everything a run writes (config.yaml, per-client CSVs, plots, checkpoints) goes to the
+  run's own folder (:func:`lightning_fl.outputs.run_dir`), named on the last line;
+- an error ends with one short line naming the problem (``--traceback`` shows the trace);
+- a quiet console: no Lightning tips or known-harmless warnings, and no progress bar when
+  the output is not a terminal (``--trainer.enable_progress_bar true`` brings it back).
+
+``predict`` is not offered: FL evaluation is per client (``validate``, ``test``).
 """
 
 from __future__ import annotations
 
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+import logging
+import os
+import sys
+import warnings
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+from lightning_fl.outputs import run_dir
+
+#: Warnings that every run would print and no user can act on.
+QUIET_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning on torch >= 2.10
+    r".*does not have many workers.*",  # in-memory client data needs no loader workers
+    r".*The number of training batches .* is smaller than the logging interval.*",
+)
+
+
+class RunFolderSaveConfig(SaveConfigCallback):
+    """Saves config.yaml into the run's folder, beside its metrics and checkpoints."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "save_to_log_dir": False})
+
+    def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        folder = run_dir(trainer)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, self.config_filename)
+        self.parser.save(self.config, path, skip_none=False, overwrite=True, multifile=False)
 
 
 class FederatedCLI(LightningCLI):
     """LightningCLI whose ``fit`` also tests the final global model when asked to."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        commands = LightningCLI.subcommands()
+        commands.pop("predict", None)
+        return commands
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument(
             "--test_after_fit", type=bool, default=True, help="Run trainer.test after fit."
         )
+        parser.set_defaults({"trainer.enable_progress_bar": sys.stderr.isatty()})
 
     def after_fit(self) -> None:
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule)
+        self._say_where_outputs_went()
+
+    def after_validate(self) -> None:
+        self._say_where_outputs_went()
+
+    def after_test(self) -> None:
+        self._say_where_outputs_went()
+
+    def _say_where_outputs_went(self) -> None:
+        if self.trainer.is_global_zero:
+            print(f"Outputs: {os.path.abspath(run_dir(self.trainer))}", flush=True)
 
 
-def run(args: list[str] | None = None) -> FederatedCLI:
-    """Parse ``args`` (default: the command line), run the subcommand, return the CLI."""
+def run(args: list[str] | None = None, exit_on_error: bool = True) -> FederatedCLI:
+    """Parse ``args`` (default: the command line), run the subcommand, return the CLI.
+    With ``exit_on_error=False`` a bad argument raises instead of printing the usage."""
+    parser_kwargs = {} if exit_on_error else {"exit_on_error": False}
+    for command in FederatedCLI.subcommands() if not exit_on_error else ():
+        parser_kwargs[command] = {"exit_on_error": False}
     return FederatedCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=RunFolderSaveConfig,
         save_config_kwargs={"overwrite": True},
         args=args,
         auto_configure_optimizers=False,
+        parser_kwargs=parser_kwargs,
     )
 
 
-def main() -> None:
+def short_message(error: BaseException) -> str:
+    """One line naming the problem. jsonargparse wraps a bad value, a bad option or an error
+    raised by a class's ``__init__`` with every union member it tried and a dump of the
+    arguments; this keeps the key and the informative reason."""
+    text = str(error).strip()
+    if "Errors:" not in text:
+        first = text.splitlines()[0] if text else ""
+        cause = error.__cause__ or error.__context__
+        if not first and cause is not None:
+            return short_message(cause)
+        return f"{type(error).__name__}: {first}" if first else type(error).__name__
+    lines = text.splitlines()
+    key = lines[0].split('"')[1] if lines[0].startswith("Parser key") else ""
+    items: list[list[str]] = []
+    for line in lines[lines.index(next(x for x in lines if x.strip() == "Errors:")) + 1 :]:
+        stripped = line.strip()
+        if stripped.startswith("- "):
+            items.append([stripped[2:]])
+        elif line.startswith("      ") and items:
+            items[-1].append(stripped)
+        else:
+            break
+    informative = [item for item in items if not item[0].startswith("Expected a")]
+    if informative:
+        reason = informative[-1][-1]
+    else:
+        expected = " or ".join(item[0].split("'")[1] for item in items if "'" in item[0])
+        given = next((x.split(":", 1)[1].strip() for x in lines if "Given value:" in x), "?")
+        reason = f"expected {expected}, got {given!r}"
+    return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def quiet_console() -> None:
+    """Lightning's tips and every-run warnings off; the library's own warnings stay."""
+    for name in (
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.rank_zero",
+        "lightning.fabric.utilities.seed",
+    ):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def main(argv: list[str] | None = None) -> None:
     """The ``lightning-fl`` console script."""
-    run()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    show_trace = "--traceback" in argv or bool(os.environ.get("LIGHTNING_FL_TRACEBACK"))
+    sys.argv = [sys.argv[0], *(a for a in argv if a != "--traceback")]
+    quiet_console()
+    try:
+        run(exit_on_error=show_trace)
+    except Exception as error:  # noqa: BLE001 - every failure ends with one short line
+        if show_trace:
+            raise
+        print("lightning-fl: the run stopped (add --traceback for the full trace).", file=sys.stderr)
+        print(f"error: {short_message(error)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 class FederatedProgressBar(TQDMProgressBar):
     """``Round r/R`` as the description, ``client i/m`` and ``step k/K`` in the postfix.
 
-    FederatedStrategy puts it in place of Lightning's default bar.
+    Rounds are numbered from 0 like Lightning's epochs, and shown as Lightning's Rich bar
+    shows epochs: ``Round 3/39`` is round 3 (the fourth) of rounds 0..39. ``fl/round``,
+    the ``round`` column of client_metrics.csv, warnings and checkpoint names
+    (``epoch=3``) use the same number. Clients and local steps count from 1 (``client
+    2/10`` is the second of ten). FederatedStrategy puts it in place of Lightning's bar.
     """
 
     def on_train_batch_start(
@@ -20,8 +24,8 @@ class FederatedProgressBar(TQDMProgressBar):
         # The round is planned when its batches are first drawn, so its size is known here.
         if batch_idx == 0 and trainer.strategy.current_round is not None:
             self.train_progress_bar.reset(total=trainer.strategy.current_round.schedule.total)
-            total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else "?"
-            self.train_progress_bar.set_description(f"Round {trainer.current_epoch + 1}/{total}")
+            last = trainer.max_epochs - 1 if trainer.max_epochs and trainer.max_epochs > 0 else "?"
+            self.train_progress_bar.set_description(f"Round {trainer.current_epoch}/{last}")
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)

@@ -1,15 +1,15 @@
 """Run one recipe over a grid of one setting and plot the results: the utility / privacy
 trade-off curves of WERM (Kaplan et al., PETS 2024) over its weight w.
 
-    lightning-fl-sweep --config recipes/privacy/digits_werm_sweep.yaml
+    lightning-fl-sweep --config recipes/privacy/tabular_werm_sweep.yaml
 
 A sweep file names the base recipe, the setting and its values, and the metrics to plot::
 
-    base: recipes/privacy/digits_werm.yaml
+    base: recipes/privacy/tabular_werm.yaml
     parameter: model.init_args.w
     values: [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
     metrics: [test_acc, mia/train/best, mia/reference/best]
-    output: outputs/privacy/digits_werm_sweep
+    output: outputs/privacy/tabular_werm_sweep
 
 It writes ``sweep.csv`` (one row per value) and ``tradeoff.png`` in ``output``.
 """

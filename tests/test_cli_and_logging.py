@@ -85,6 +85,46 @@ def test_quickstart_console_script_writes_per_client_metrics(tmp_path):
     assert glob.glob(str(tmp_path / "**/last.ckpt"), recursive=True)
 
 
+def _console(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("lightning-fl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "lightning_fl.cli"]
+    return subprocess.run([*cmd, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.strategy.init_args.local_steps", "0"], "local_steps must be >= 1, got 0."),
+        (["--trainer.max_epochs", "abc"], "trainer.max_epochs: expected int or NoneType"),
+        (["--trainer.strategy.init_args.lcal_steps", "3"], "Option 'lcal_steps' is not accepted"),
+    ],
+)
+def test_cli_errors_end_with_one_short_line(tmp_path, args, message):
+    quickstart = str(ROOT / "recipes/quickstart.yaml")
+    result = _console(tmp_path, "fit", "--config", quickstart, *args)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1]
+    assert len(lines) <= 3, result.stderr  # no traceback, no usage, no Namespace dump
+    traced = _console(tmp_path, "fit", "--config", quickstart, *args, "--traceback")
+    assert "Traceback" in traced.stderr or "usage:" in traced.stderr
+
+
+def test_cli_offers_fit_validate_test_but_not_predict(tmp_path):
+    result = _console(tmp_path, "predict", "--config", str(ROOT / "recipes/quickstart.yaml"))
+    assert result.returncode != 0 and "invalid choice: 'predict'" in result.stderr
+
+
+def test_quickstart_recipe_tip_runs(tmp_path):
+    """The quickstart header's command for the Local baseline works as written."""
+    tip = [
+        ln for ln in (ROOT / "recipes/quickstart.yaml").read_text().splitlines() if "fit --" in ln
+    ]
+    assert tip[-1] == "#   lightning-fl fit --config recipes/local.yaml"
+    cli = _fit(ROOT / "recipes/local.yaml", tmp_path, "--trainer.max_epochs", "1")
+    assert cli.trainer.current_epoch == 1
+
+
 def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -108,6 +148,12 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     for key in (b"val_acc/uniform", b"val_acc/clients", b"fl/participants", b"test_acc"):
         assert key in payload
     assert cli.trainer.current_epoch == 2
+    # everything the run writes is in its own folder, beside its checkpoints
+    (checkpoint,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    folder = Path(checkpoint).parent.parent
+    assert folder.name == cli.trainer.logger.version
+    for name in ("client_metrics.csv", "clients_test_acc.png"):
+        assert (folder / name).exists(), sorted(p.name for p in folder.iterdir())
 
 
 PAPER = ROOT / "recipes" / "paper"

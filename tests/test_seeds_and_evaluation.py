@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lightning_fl import FederatedStrategy, UniformSampler
@@ -126,3 +127,24 @@ def test_local_cross_evaluate_scores_every_model_on_every_client():
         accs, _ = _per_client_accuracy(net, clients)
         assert torch.allclose(grid[i].double(), accs, atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(initial, params_of(module)))  # restored
+
+
+def test_cpu_threads_one_for_small_models_unless_the_user_chose(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for setting, expected in (("auto", 1), (2, 2)):
+            torch.set_num_threads(3)
+            strategy = FederatedStrategy(local_steps=1, num_threads=setting)
+            make_trainer(strategy, 1).fit(tiny_module(), datamodule=tiny_datamodule())
+            assert torch.get_num_threads() == expected
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own choice is kept
+        torch.set_num_threads(3)
+        make_trainer(FederatedStrategy(local_steps=1), 1).fit(
+            tiny_module(), datamodule=tiny_datamodule()
+        )
+        assert torch.get_num_threads() == 3
+        with pytest.raises(ValueError, match="num_threads"):
+            FederatedStrategy(num_threads=0)
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,29 @@
+"""Where a run's files go: one folder per run, which the console names at the end."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+
+
+def run_dir(trainer: pl.Trainer) -> str:
+    """The folder of this run's files (per-client CSVs, plots, config.yaml).
+
+    The first logger's ``log_dir`` when it has one (CSVLogger, TensorBoardLogger:
+    ``save_dir/name/version_N``), else ``save_dir/name/version`` as Lightning's
+    ModelCheckpoint builds it for the logger (WandbLogger: ``save_dir/project/run_id``), so
+    a run's files sit beside its checkpoints and the next run does not overwrite them.
+    Without a logger: ``default_root_dir``. Call it on rank 0 only: it may start the
+    logger's experiment.
+    """
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if logger is None:
+        return trainer.default_root_dir
+    log_dir = getattr(logger, "log_dir", None)
+    if log_dir:
+        return log_dir
+    save_dir = logger.save_dir or trainer.default_root_dir
+    version = logger.version
+    version = version if isinstance(version, str) else f"version_{version}"
+    return os.path.join(save_dir, str(logger.name), version)
