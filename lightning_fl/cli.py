@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:  # noqa: BLE001 - every failure ends with one short line
         if show_trace:
             raise
-        print("lightning-fl: the run stopped (add --traceback for the full trace).", file=sys.stderr)
+        print("lightning-fl: the run stopped (--traceback shows where).", file=sys.stderr)
         print(f"error: {short_message(error)}", file=sys.stderr)
         sys.exit(1)
 
