@@ -300,7 +300,8 @@ class NaturalSplitDataModule(_TabularCenters):
         feature_columns: the feature columns (default: all others).
         test_fraction: per-center random test fraction (seeded, stratified when the target
             is one column of labels).
-        normalize: standardize features with each center's training statistics.
+        normalize: standardize features with each center's training statistics (mean and
+            unbiased std, as FLamby); a center needs at least 2 training rows for that.
     """
 
     def __init__(
@@ -341,6 +342,12 @@ class NaturalSplitDataModule(_TabularCenters):
                 else None
             )
             train_idx, test_idx = train_test_indices(stratify, len(rows), 1 - test_fraction, seed)
+            if normalize and len(train_idx) < 2:
+                raise ValueError(
+                    f"{source}: center {name!r} has {len(train_idx)} training row(s); "
+                    "per-center normalization needs at least 2 to estimate a std. Add rows, "
+                    "merge the center with another, or set normalize=False."
+                )
             center = {}
             for split, idx in (("train", train_idx), ("test", test_idx)):
                 xs = _normalize(x[idx], x[train_idx]) if normalize else x[idx]

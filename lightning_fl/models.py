@@ -100,7 +100,12 @@ class CifarCNN(nn.Module):
 class CharLSTM(nn.Module):
     """Next-character model for LEAF Shakespeare (FedEM §3.5.6; Fraboni Ch. 2 uses 100
     hidden units): Embedding(V, embed)-LSTM(layers × hidden)-Linear(hidden, V) on the last
-    step."""
+    step.
+
+    ``final_state`` (an identity, for hooks) sees the concatenated final hidden and cell
+    states of every layer, 2·layers·hidden values per sequence (1024 for 2 × 256): the
+    representation kNN-Per uses for Shakespeare (Marfoq thesis §3.6.4;
+    ``KNNPer(representation_layer="network.final_state")`` in a Classifier)."""
 
     def __init__(
         self, vocab_size: int = 80, embed_dim: int = 8, hidden: int = 256, layers: int = 2
@@ -109,9 +114,12 @@ class CharLSTM(nn.Module):
         self.embedding = nn.Embedding(vocab_size, embed_dim)
         self.lstm = nn.LSTM(embed_dim, hidden, num_layers=layers, batch_first=True)
         self.head = nn.Linear(hidden, vocab_size)
+        self.final_state = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(self.embedding(x))
+        out, (h_n, c_n) = self.lstm(self.embedding(x))
+        states = torch.cat([h_n, c_n], 0).transpose(0, 1)  # (batch, 2·layers, hidden)
+        self.final_state(states.reshape(len(x), -1))
         return self.head(out[:, -1])
 
 

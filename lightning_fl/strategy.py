@@ -35,6 +35,7 @@ from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.client_store import ClientStore
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
+from lightning_fl.divergence import DivergenceMonitor
 from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
 from lightning_fl.outputs import run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
@@ -52,6 +53,11 @@ SMALL_MODEL_PARAMETERS = 1_000_000
 
 class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive rounds had NaN or Inf client updates."""
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file could not be read (truncated, not a checkpoint, or refused by
+    ``weights_only`` loading)."""
 
 
 @dataclass
@@ -149,6 +155,7 @@ class FederatedStrategy(DDPStrategy):
         self.current_client: tuple[int, int] | None = None  # (position, local step)
         self.consecutive_bad_rounds = 0
         self.metric_capture = ClientMetricCapture()
+        self.divergence = DivergenceMonitor()
         self._federated_tensors: FederatedTensors | None = None
         self._eval: dict[str, Any] = {}
         self._warned_empty = False
@@ -525,6 +532,20 @@ class FederatedStrategy(DDPStrategy):
         self._eval["open"] = None
 
     # ------------------------------------------------------------------ checkpoint state
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        """Lightning's loading, with errors that name the file."""
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointReadError(
+                f"{checkpoint_path}: cannot be read as a checkpoint ({first}). It may be "
+                "truncated (an interrupted save or copy) or not a Lightning checkpoint: "
+                "resume from another one, e.g. the previous round's."
+            ) from err
+
     def federated_state_dict(self) -> dict[str, Any]:
         store = self.client_store.state_dict()
         if dist.is_initialized() and self.world_size > 1:  # every rank's clients, in one file
@@ -564,15 +585,23 @@ class _RoundDriver(pl.Callback):
     after their last optimizer step, logs round summaries and carries the federated state
     in checkpoints."""
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.divergence.reset()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         strategy: FederatedStrategy = trainer.strategy
         schedule = strategy.current_round.schedule
         pos, step = schedule.locate(batch_idx)
+        padding = strategy._is_padding(pos)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not padding and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            strategy.divergence.observe(loss)
         if step == schedule.num_batches[pos] - 1:
-            if not strategy._is_padding(pos):
+            if not padding:
                 strategy.finish_client(pos)
             if pos == len(schedule.clients) - 1:
                 strategy.end_round()
+                strategy.divergence.end_round(strategy.current_round.state.round_idx)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state = trainer.strategy.current_round.state

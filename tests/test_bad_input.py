@@ -168,3 +168,20 @@ def test_manual_optimization_is_supported_and_matches_automatic():
     make_trainer(strategy, 2, [FedAvg()]).fit(manual, datamodule=tiny_datamodule())
     assert all(torch.equal(a, b) for a, b in zip(params_of(auto), params_of(manual)))
     assert any(not torch.equal(a, b) for a, b in zip(params_of(auto), params_of(tiny_module())))
+
+
+def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
+    import warnings
+
+    from lightning_fl.divergence import DivergenceWarning
+
+    with pytest.warns(DivergenceWarning, match="diverging. Lower the learning rate") as record:
+        make_trainer(FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10), 3).fit(
+            tiny_module(lr=1e6), datamodule=tiny_datamodule()
+        )
+    assert sum(issubclass(w.category, DivergenceWarning) for w in record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        make_trainer(FederatedStrategy(local_steps=3), 3).fit(
+            tiny_module(), datamodule=tiny_datamodule()
+        )

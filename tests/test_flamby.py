@@ -160,6 +160,16 @@ def test_natural_split_from_a_table_and_from_a_folder(tmp_path):
         NaturalSplitDataModule(str(tmp_path / "all.csv"), ["target"], center_column="hospital")
 
 
+def test_natural_split_refuses_to_normalize_a_center_with_one_training_row(tmp_path):
+    rows = ["site,f1,f2,label", "a,1,2,0", "a,2,3,1", "a,3,1,0", "a,0,1,1", "b,5,5,1", "b,4,4,0"]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    args = (str(tmp_path / "t.csv"), ["label"])
+    with pytest.raises(ValueError, match="center 'b' has 1 training row.*normalize=False"):
+        NaturalSplitDataModule(*args, center_column="site", test_fraction=0.5)
+    dm = NaturalSplitDataModule(*args, center_column="site", test_fraction=0.5, normalize=False)
+    assert torch.isfinite(dm.client_dataset(1, "train")[:][0]).all()
+
+
 FLAMBY_RECIPES = sorted((ROOT / "recipes" / "flamby").glob("*.yaml"))
 
 

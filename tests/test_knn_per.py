@@ -148,3 +148,22 @@ def test_bad_knn_settings_are_refused():
         KNNPer(capacity=0.0)
     with pytest.raises(ValueError, match="λ"):
         KNNPer(lambda_=1.5)
+
+
+def test_shakespeare_representation_is_hidden_and_cell_states_concatenated():
+    """kNN-Per's Shakespeare representation (thesis §3.6.4): the final (h, c) of both LSTM
+    layers, 2·2·hidden values, as the paper recipe asks."""
+    from lightning_fl import CharLSTM, Classifier
+
+    torch.manual_seed(0)
+    module = Classifier(CharLSTM(vocab_size=10, embed_dim=4, hidden=8, layers=2))
+    callback = KNNPer(representation_layer="network.final_state")
+    handle = callback._capture(module)
+    x = torch.randint(0, 10, (5, 7))
+    with torch.no_grad():
+        module(x)
+        _, (h, c) = module.network.lstm(module.network.embedding(x))
+    handle.remove()
+    expected = torch.cat([h[0], h[1], c[0], c[1]], dim=1)
+    assert callback._captured.shape == (5, 32)
+    assert torch.equal(callback._captured, expected)

@@ -119,3 +119,18 @@ def test_personalization_state_survives_resume(name, tmp_path):
         for key, value in store_full.state_dict()[c].items():
             other = store_resumed.get(c, key)
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_a_truncated_checkpoint_error_names_the_file(tmp_path):
+    from lightning_fl.strategy import CheckpointReadError
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, filename="{epoch}")
+    make_trainer(FederatedStrategy(local_steps=2), 1, [checkpoint], enable_checkpointing=True).fit(
+        tiny_module(), datamodule=tiny_datamodule()
+    )
+    path = tmp_path / "epoch=0.ckpt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    trainer = make_trainer(FederatedStrategy(local_steps=2), 2)
+    with pytest.raises(CheckpointReadError, match=r"epoch=0\.ckpt: cannot be read.*truncated"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(), ckpt_path=str(path))
