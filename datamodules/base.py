@@ -12,6 +12,49 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 Split = Literal["train", "val", "test", "reference"]
 
 
+class TensorBatchLoader:
+    """Batches of a :class:`TensorDataset` cut by indexing its tensors: no per-sample
+    ``__getitem__`` and collation. The batches, their order and the use of ``generator``
+    are exactly those of ``DataLoader(dataset, batch_size, shuffle, generator=generator)``
+    (list batches; per pass, one int64 drawn for the workers' base seed, then the
+    sampler's ``randperm(n)`` and the trailing empty ``randperm``), so a run gives the same
+    numbers with either. Batches are copies, never views of the dataset.
+    """
+
+    def __init__(
+        self,
+        dataset: TensorDataset,
+        batch_size: int,
+        shuffle: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.generator = shuffle, generator
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self):
+        tensors, n, size = self.dataset.tensors, len(self.dataset), self.batch_size
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # base seed
+        if not self.shuffle:
+            for start in range(0, n, size):
+                yield [t[start : start + size].clone() for t in tensors]
+            return
+        generator = self.generator
+        if generator is None:  # as RandomSampler: a generator seeded from the global RNG
+            generator = torch.Generator()
+            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            index = order[start : start + size]
+            if start + size >= n:
+                torch.randperm(n, generator=generator)  # the sampler's trailing draw
+            yield [t[index] for t in tensors]
+
+
 class FederatedLoader:
     """What ``train/val/test_dataloader`` return: a handle that FederatedStrategy expands
     into one round's client-by-client batches. Iterating it without the strategy is an error.
@@ -86,11 +129,11 @@ class FederatedDataModule(pl.LightningDataModule):
 
         if split == "train" and isinstance(dataset, WERMDataset):
             return paired_loader(dataset, self.batch_size, generator=generator)  # type: ignore[return-value]
-        if split == "train":
-            return DataLoader(
-                dataset, batch_size=self.batch_size, shuffle=True, generator=generator
-            )
-        return DataLoader(dataset, batch_size=self.eval_batch_size, shuffle=False)
+        shuffle = split == "train"
+        batch_size = self.batch_size if shuffle else self.eval_batch_size
+        if type(dataset) is TensorDataset:  # in memory: batch by indexing the tensors
+            return TensorBatchLoader(dataset, batch_size, shuffle, generator)  # type: ignore[return-value]
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
     def train_dataloader(self) -> FederatedLoader:
         return FederatedLoader(self, "train")

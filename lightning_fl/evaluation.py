@@ -24,21 +24,43 @@ import torch
 class ClientMetricCapture:
     """Collects ``{metric: {client: (mean, num_samples)}}`` for one evaluation epoch.
 
-    Only tensor metrics logged with ``on_epoch=True`` and the default mean reduction are
-    split per client (a torchmetrics ``Metric`` object cannot be split this way).
+    Two sources: metrics a module logs with ``self.log`` (only tensor metrics logged with
+    ``on_epoch=True`` and the default mean reduction are split per client; a torchmetrics
+    ``Metric`` object cannot be split this way), read from Lightning's running sums at each
+    client boundary; and the per-client sums a :class:`~lightning_fl.FederatedTask` keeps
+    on the device instead of logging every batch (``module_sums``), whose seen-client
+    totals are in :attr:`epoch_sums` for the strategy to log once per epoch.
     """
 
     def __init__(self) -> None:
         self.per_client: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
         self._totals: dict[str, tuple[float, float]] = {}
+        self.epoch_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reset(self) -> None:
         self.per_client.clear()
         self._totals.clear()
+        self.epoch_sums.clear()
 
-    def close_client(self, results: Mapping, client: int, exclude: bool = False) -> None:
+    def close_client(
+        self,
+        results: Mapping,
+        client: int,
+        exclude: bool = False,
+        module_sums: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         """Record ``client``'s means; with ``exclude``, also take its batches back out of
-        Lightning's epoch sums (unseen clients must not move the seen clients' mean)."""
+        the epoch sums (unseen clients must not move the seen clients' mean)."""
+        for key, (total, count) in (module_sums or {}).items():
+            if float(count) > 0:
+                self.per_client[key][client] = (float(total / count), float(count))
+            if not exclude:
+                previous = self.epoch_sums.get(key)
+                self.epoch_sums[key] = (
+                    (total, count)
+                    if previous is None
+                    else (previous[0] + total, previous[1] + count)
+                )
         for key, metric in results.items():
             meta = getattr(metric, "meta", None)
             if meta is None or not (metric.is_tensor and meta.on_epoch and meta.is_mean_reduction):

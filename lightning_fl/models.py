@@ -254,27 +254,68 @@ class FederatedTask(LightningModule):
             )
         loss, metrics = self.loss_and_metrics(batch)
         size = self.batch_size_of(batch)
-        self.log(
-            f"{stage}_loss",
-            loss,
-            on_step=stage == "train",
-            on_epoch=True,
-            batch_size=size,
-            sync_dist=stage != "train",
-        )
+        if stage == "train":
+            self._log_training_step(loss, metrics, size)
+            return loss
+        if getattr(self.trainer.strategy, "collects_evaluation_sums", False):
+            self._add_evaluation_sums(stage, loss, metrics, size)
+            return loss
+        self.log(f"{stage}_loss", loss, on_epoch=True, batch_size=size, sync_dist=True)
         for name, value in metrics.items():
             # Evaluation means are synced over ranks at epoch end (sum and count), so the
-            # logged value is the sample-weighted mean over all clients; training metrics
-            # are not synced (that would cost a collective per step).
+            # logged value is the sample-weighted mean over all clients.
             self.log(
-                f"{stage}_{name}",
-                value,
-                on_epoch=True,
-                batch_size=size,
-                prog_bar=stage != "train",
-                sync_dist=stage != "train",
-            )
+                f"{stage}_{name}", value, on_epoch=True, batch_size=size, prog_bar=True,
+                sync_dist=True,
+            )  # fmt: skip
         return loss
+
+    def _log_training_step(self, loss: torch.Tensor, metrics: dict, size: int) -> None:
+        """Training metrics without Lightning's per-call cost of ``self.log`` (it moves its
+        stored results at every call): the batch-size-weighted sums are kept on the device
+        and logged once per round (:meth:`on_train_epoch_end`), and the step values only
+        at the steps the loggers write (``log_every_n_steps``). Keys and values are those
+        of ``self.log(name, value, on_step=True, on_epoch=True)``: ``train_<m>_step``,
+        ``train_<m>_epoch`` (and ``train_<m>`` in ``callback_metrics``) for the loss and
+        every metric. Not synced over ranks (a collective per step), as before. A subclass
+        that overrides ``on_train_epoch_end`` calls super().
+        """
+        for name, value in (("loss", loss), *metrics.items()):
+            _accumulate(self._training_sums, name, value, size)
+        trainer = self.trainer
+        if trainer._logger_connector.should_update_logs or trainer.fast_dev_run:
+            for name, value in (("loss", loss), *metrics.items()):
+                self.log(f"train_{name}_step", value, on_step=True, on_epoch=False, batch_size=size)
+
+    def _add_evaluation_sums(self, stage: str, loss: torch.Tensor, metrics: dict, size: int):
+        """Under FederatedStrategy, evaluation metrics are summed per client on the device
+        (Σ value·B, Σ B, as Lightning's mean reduction does) instead of one ``self.log``
+        per batch; the strategy takes each client's sums at its boundary
+        (:meth:`pop_evaluation_sums`) and logs the epoch values once, with the same keys
+        (``val_loss``, ``val_<metric>``, ...) and, to float round-off, the same values."""
+        for name, value in (("loss", loss), *metrics.items()):
+            _accumulate(self._evaluation_sums, f"{stage}_{name}", value, size)
+
+    def pop_evaluation_sums(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The open client's evaluation sums ``{key: (Σ value·B, Σ B)}``, then cleared."""
+        sums = dict(self._evaluation_sums)
+        self._evaluation_sums.clear()
+        return sums
+
+    @property
+    def _training_sums(self) -> dict:
+        return self.__dict__.setdefault("_training_sums_store", {})
+
+    @property
+    def _evaluation_sums(self) -> dict:
+        return self.__dict__.setdefault("_evaluation_sums_store", {})
+
+    def on_train_epoch_end(self) -> None:
+        for name, (total, count) in self._training_sums.items():
+            mean = total / count
+            self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1)
+            self.log(f"train_{name}", mean, on_epoch=True, batch_size=1, logger=False)
+        self._training_sums.clear()
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -306,6 +347,18 @@ class FederatedTask(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
         }
+
+
+def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:
+    """sums[key] += (value·size, size) as Lightning's mean reduction accumulates: a float32
+    (or float64) total and an integer count, on the value's device."""
+    value = value.detach()
+    if value.dtype not in (torch.float32, torch.float64):
+        value = value.to(torch.get_default_dtype())
+    if key not in sums:
+        sums[key] = (torch.tensor(0.0, device=value.device), torch.tensor(0, device=value.device))
+    total, count = sums[key]
+    sums[key] = (total + value * size, count + size)
 
 
 class Classifier(FederatedTask):

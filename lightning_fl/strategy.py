@@ -40,7 +40,7 @@ from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client
 from lightning_fl.outputs import run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
 from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
-from lightning_fl.seeding import derive_seed, generator
+from lightning_fl.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.tensors import FederatedTensors, all_finite, flatten, unflatten, zeros_like
 
 #: Client id of the single virtual client of the pooled (centralized) baseline.
@@ -99,6 +99,9 @@ class FederatedStrategy(DDPStrategy):
     """
 
     strategy_name = "federated"
+    #: FederatedTask modules sum evaluation metrics per client instead of logging every
+    #: batch; the strategy takes the sums at client boundaries and logs once per epoch.
+    collects_evaluation_sums = True
 
     def __init__(
         self,
@@ -406,7 +409,7 @@ class FederatedStrategy(DDPStrategy):
         state = self.current_round.state
         client = self.current_round.schedule.clients[pos]
         self.federated_tensors.load_(state.global_tensors)
-        torch.manual_seed(derive_seed(self.seed, "client", state.round_idx, client))
+        seed_global_rng(derive_seed(self.seed, "client", state.round_idx, client), self.root_device)
         trainer = self.lightning_module.trainer
         for i, optimizer in enumerate(trainer.optimizers):
             optimizer.state.clear()
@@ -525,7 +528,9 @@ class FederatedStrategy(DDPStrategy):
             return
         trainer = self.lightning_module.trainer
         unseen = client in set(self._datamodule().unseen_clients)
-        self.metric_capture.close_client(trainer._results, client, exclude=unseen)
+        module = self.lightning_module
+        sums = module.pop_evaluation_sums() if hasattr(module, "pop_evaluation_sums") else None
+        self.metric_capture.close_client(trainer._results, client, exclude=unseen, module_sums=sums)
         self._call("on_client_evaluation_end", client)
         if self._eval["global"] is not None:
             self.federated_tensors.load_(self._eval["global"])
@@ -620,6 +625,7 @@ class _RoundDriver(pl.Callback):
         strategy.end_client_evaluation()
         if trainer.sanity_checking:
             return
+        self._log_epoch_sums(trainer, pl_module)
         per_client = {k: dict(v) for k, v in strategy.metric_capture.per_client.items() if v}
         if dist.is_initialized() and trainer.world_size > 1:
             parts: list[Any] = [None] * trainer.world_size
@@ -668,6 +674,29 @@ class _RoundDriver(pl.Callback):
                     }
                     | {"trainer/global_step": trainer.global_step},
                 )
+
+    @staticmethod
+    def _log_epoch_sums(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the seen clients' sample-weighted means of the metrics a FederatedTask
+        summed per client: ``self.log(key, mean, batch_size=n, sync_dist=True)``, so that
+        Lightning's sync over ranks gives Σ mean_r·n_r / Σ n_r. Every rank logs the same
+        keys (a collective), a rank without data with n = 0."""
+        totals = trainer.strategy.metric_capture.epoch_sums
+        counts = {key: float(count) for key, (_, count) in totals.items()}
+        if dist.is_initialized() and trainer.world_size > 1:
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, counts)
+            counts = {}
+            for part in parts:
+                for key, n in part.items():
+                    counts[key] = counts.get(key, 0.0) + n
+        for key in sorted(k for k, n in counts.items() if n > 0):
+            total, count = totals.get(key, (torch.tensor(0.0), torch.tensor(0)))
+            mean = total / count if float(count) > 0 else torch.zeros_like(total)
+            pl_module.log(
+                key, mean.to(pl_module.device), batch_size=int(count), sync_dist=True,
+                prog_bar=True,
+            )  # fmt: skip
 
     def __init__(self, strategy: FederatedStrategy) -> None:
         self.strategy = strategy

@@ -238,3 +238,40 @@ def test_werm_sweep_writes_the_tradeoff_plot(tmp_path):
     rows = run_sweep(spec, [*TINY_TABLE, "--trainer.enable_progress_bar", "false"])
     assert [r["value"] for r in rows] == [0.5, 1.0]
     assert (tmp_path / "tradeoff.png").exists() and (tmp_path / "sweep.csv").exists()
+
+
+def test_training_metrics_equal_logging_every_step(tmp_path):
+    """The Classifier sums its training metrics on the device and logs them once per round
+    (and the step values only at logging steps): the logger and callback_metrics hold
+    the same keys and values as with self.log(..., on_step=True, on_epoch=True) at every
+    step."""
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_fl import FederatedStrategy
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    class EveryStep(type(tiny_module())):
+        def _log_training_step(self, loss, metrics, size):
+            for name, value in (("loss", loss), *metrics.items()):
+                self.log(f"train_{name}", value, on_step=True, on_epoch=True, batch_size=size)
+
+        def on_train_epoch_end(self):
+            pass
+
+    results = []
+    for cls in (type(tiny_module()), EveryStep):
+        torch.manual_seed(1)
+        module = cls(network=tiny_module().network, lr=0.1)
+        folder = tmp_path / cls.__name__
+        logger = pl.loggers.CSVLogger(folder, name="run")
+        trainer = make_trainer(
+            FederatedStrategy(local_steps=4, seed=0), 3, logger=logger, log_every_n_steps=3
+        )
+        trainer.fit(module, datamodule=tiny_datamodule())
+        rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+        callback = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        results.append((rows, callback))
+    assert results[0][0] == results[1][0]
+    assert results[0][1] == results[1][1]
+    assert any(r.get("train_acc_step") for r in results[0][0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_fl.datamodules import (
     DigitsDataModule,
@@ -80,3 +81,33 @@ def test_mobilenet_v2_matches_the_published_architecture():
 
     assert sum(p.numel() for p in MobileNetV2(1000).parameters()) == 3_504_872
     assert MobileNetV2(100)(torch.zeros(2, 3, 32, 32)).shape == (2, 100)
+
+
+@pytest.mark.parametrize("n", [12, 13])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_tensor_batches_equal_a_dataloader_pass_for_pass(n, shuffle, seeded):
+    """Same batches, same order, same use of the generator and of the global RNG."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_fl.datamodules.base import TensorBatchLoader
+
+    dataset = TensorDataset(torch.randn(n, 3), torch.arange(n))
+
+    def passes(make):
+        torch.manual_seed(7)
+        generator = torch.Generator().manual_seed(3) if seeded else None
+        loader = make(generator)
+        out = [[[t.clone() for t in b] for b in loader] for _ in range(3)]
+        return out, torch.rand(1), None if generator is None else generator.get_state()
+
+    ours = passes(lambda g: TensorBatchLoader(dataset, 4, shuffle, g))
+    theirs = passes(lambda g: DataLoader(dataset, batch_size=4, shuffle=shuffle, generator=g))
+    assert len(TensorBatchLoader(dataset, 4)) == len(DataLoader(dataset, batch_size=4))
+    for our_pass, their_pass in zip(ours[0], theirs[0]):
+        assert len(our_pass) == len(their_pass)
+        for a, b in zip(our_pass, their_pass):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(ours[1], theirs[1])  # the global RNG advanced alike
+    if seeded:
+        assert torch.equal(ours[2], theirs[2])
