@@ -4,7 +4,9 @@ binary classification tasks (Assumptions 8–10), generated here from a seed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -24,6 +26,9 @@ class MixtureTasks:
     mixture_weights: np.ndarray  # π*_t, [T, M]
 
 
+Generator = Literal["corrected", "authors"]
+
+
 def generate_mixture_tasks(
     num_tasks: int = 300,
     num_components: int = 3,
@@ -32,32 +37,129 @@ def generate_mixture_tasks(
     noise_level: float = 0.1,
     num_test: int = 5000,
     seed: int = 12345,
+    generator: Generator = "corrected",
+    num_test_per_task: int | None = None,
 ) -> MixtureTasks:
-    """θ*_m ~ U([−1, 1]^d); π*_t ~ Dir(α·1_M); n_t = min(⌊LogNormal(4, 2)⌋ + 50, 1000)
-    training samples; x ~ U([−1, 1]^d); each sample's component z ~ π*_t;
-    y = 1{sigmoid(xᵀθ*_z + ε) ≥ 1/2}, ε ~ N(0, noise_level²).
+    """FedEM's synthetic mixture (thesis §3.5.6): θ*_m ~ U([−1, 1]^d); π*_t ~ Dir(α·1_M);
+    n_t = min(⌊LogNormal(4, 2)⌋ + 50, 1000) training samples; x ~ U([−1, 1]^d); each
+    sample's component z ~ π*_t; y = round(sigmoid(xᵀθ*_z + ε)), ε ~ N(0, noise_level²).
+    Task t's features and labels hold its n_t training samples, then its test samples.
 
-    ``num_test`` test samples are shared among the tasks in proportion to n_t (the
-    authors' ``--n_test 5000``; how their script splits it per task is not stated in the
-    thesis, marked [UNSURE] in the notes)."""
+    Two generators:
+
+    - ``"corrected"`` (default): the model above, drawn with ``np.random.default_rng`` in
+      the order θ, π, n.
+    - ``"authors"``: the authors' ``data/synthetic/generate_data.py`` exactly, as the
+      published Table 2 used it: the legacy ``np.random.seed(seed)`` stream in their
+      order (n, then π task by task, then θ; then per task its training set, then its
+      test set, each a multinomial count of samples per component, uniform x, normal
+      noise per component, and a final shuffle). Their loop never advances the row
+      index of a component's samples, so each component relabels the first rows (the
+      last component wins) and the rows past the largest count keep label 0: about 25%
+      of training rows are forced to 0 (37.3% positives instead of ~50%).
+
+    Test sets: ``num_test_per_task`` samples for every task (the authors' protocol, 5,000;
+    the default of the ``"authors"`` generator), or else ``num_test`` samples shared among
+    the tasks in proportion to n_t.
+    """
     if num_tasks < 1 or num_components < 1 or dimension < 1:
         raise ValueError("num_tasks, num_components and dimension must be >= 1.")
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}.")
+    if generator not in ("corrected", "authors"):
+        raise ValueError(f"generator must be 'corrected' or 'authors', got {generator!r}.")
+    tasks = list(
+        iter_mixture_tasks(
+            num_tasks, num_components, dimension, alpha, noise_level, num_test, seed,
+            generator, num_test_per_task,
+        )
+    )  # fmt: skip
+    features = [x for x, _, _ in tasks]
+    labels = [y for _, y, _ in tasks]
+    sizes = [n for _, _, n in tasks]
+    components, weights = _mixture_parameters(
+        num_tasks, num_components, dimension, alpha, seed, generator
+    )[:2]
+    return MixtureTasks(features, labels, sizes, components, weights)
+
+
+def _mixture_parameters(
+    num_tasks: int, num_components: int, dimension: int, alpha: float, seed: int, generator: str
+):
+    """(θ*, π*, n, rng) drawn in the chosen generator's order."""
+    concentration = alpha * np.ones(num_components)
+    if generator == "authors":
+        rng = np.random.RandomState(seed)
+        sizes = np.minimum(rng.lognormal(4, 2, num_tasks).astype(int) + 50, 1000)
+        weights = np.stack([rng.dirichlet(concentration) for _ in range(num_tasks)])
+        components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
+        return components, weights, sizes, rng
     rng = np.random.default_rng(seed)
     components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
-    weights = rng.dirichlet(alpha * np.ones(num_components), size=num_tasks)
-    train_sizes = np.minimum(rng.lognormal(4.0, 2.0, size=num_tasks).astype(int) + 50, 1000)
-    test_sizes = np.maximum(1, np.round(num_test * train_sizes / train_sizes.sum())).astype(int)
-    features, labels = [], []
+    weights = rng.dirichlet(concentration, size=num_tasks)
+    sizes = np.minimum(rng.lognormal(4.0, 2.0, size=num_tasks).astype(int) + 50, 1000)
+    return components, weights, sizes, rng
+
+
+def iter_mixture_tasks(
+    num_tasks: int = 300,
+    num_components: int = 3,
+    dimension: int = 150,
+    alpha: float = 0.4,
+    noise_level: float = 0.1,
+    num_test: int = 5000,
+    seed: int = 12345,
+    generator: Generator = "corrected",
+    num_test_per_task: int | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """The tasks of :func:`generate_mixture_tasks` one at a time: (features float32,
+    labels int64, n_t). The first k tasks do not depend on how many are taken."""
+    components, weights, sizes, rng = _mixture_parameters(
+        num_tasks, num_components, dimension, alpha, seed, generator
+    )
+    if generator == "authors":
+        per_task = 5000 if num_test_per_task is None else num_test_per_task
+        for t in range(num_tasks):
+            parts = [
+                _authors_draw(rng, n, weights[t], components, noise_level)
+                for n in (int(sizes[t]), per_task)
+            ]
+            x = np.concatenate([p[0] for p in parts]).astype(np.float32)
+            y = np.concatenate([p[1] for p in parts]).astype(np.int64)
+            yield x, y, int(sizes[t])
+        return
+    if num_test_per_task is not None:
+        test_sizes = np.full(num_tasks, num_test_per_task)
+    else:
+        test_sizes = np.maximum(1, np.round(num_test * sizes / sizes.sum())).astype(int)
     for t in range(num_tasks):
-        n = int(train_sizes[t] + test_sizes[t])
+        n = int(sizes[t] + test_sizes[t])
         x = rng.uniform(-1.0, 1.0, size=(n, dimension))
         z = rng.choice(num_components, size=n, p=weights[t])
         logits = np.einsum("nd,nd->n", x, components[z]) + noise_level * rng.standard_normal(n)
-        features.append(x.astype(np.float32))
-        labels.append((logits >= 0).astype(np.int64))  # sigmoid(·) ≥ 1/2
-    return MixtureTasks(features, labels, train_sizes.tolist(), components, weights)
+        yield x.astype(np.float32), (logits >= 0).astype(np.int64), int(sizes[t])  # σ ≥ 1/2
+
+
+def _authors_draw(
+    rng: np.random.RandomState,
+    n: int,
+    weights: np.ndarray,
+    components: np.ndarray,
+    noise_level: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One call of the authors' ``generate_data``: their draws, in their order, including
+    the component loop that relabels rows from index 0 each time (see
+    :func:`generate_mixture_tasks`) and sklearn's ``shuffle`` (a permutation drawn from the
+    same stream)."""
+    counts = rng.multinomial(n, weights)
+    x = rng.uniform(-1.0, 1.0, size=(n, components.shape[1]))
+    y = np.zeros(n)
+    for m, count in enumerate(counts):
+        noise = rng.normal(size=count, scale=noise_level)
+        y[:count] = np.round(1.0 / (1.0 + np.exp(-(x[:count] @ components[m] + noise))))
+    order = np.arange(n)
+    rng.shuffle(order)
+    return x[order], y[order]
 
 
 class SyntheticMixtureDataModule(InMemoryFederatedDataModule):
@@ -67,6 +169,11 @@ class SyntheticMixtureDataModule(InMemoryFederatedDataModule):
     and validation by ``val_fraction``; its test samples come from the same mixture.
 
     Args:
+        generator: ``"corrected"`` or ``"authors"`` (the authors' data exactly, as Table 2
+            of the paper used it; see :func:`generate_mixture_tasks`).
+        num_test: test samples shared among the clients in proportion to their size,
+            unless ``num_test_per_task`` gives every client its own (the paper: 5,000,
+            the ``"authors"`` default).
         unseen_fraction: the last clients held out as unseen (the paper's unseen-clients
             version uses 20%).
     """
@@ -84,10 +191,13 @@ class SyntheticMixtureDataModule(InMemoryFederatedDataModule):
         seed: int = 12345,
         batch_size: int = 128,
         eval_batch_size: int | None = 1024,
+        generator: Generator = "corrected",
+        num_test_per_task: int | None = None,
     ) -> None:
         tasks = generate_mixture_tasks(
-            num_tasks, num_components, dimension, alpha, noise_level, num_test, seed
-        )
+            num_tasks, num_components, dimension, alpha, noise_level, num_test, seed,
+            generator, num_test_per_task,
+        )  # fmt: skip
         clients = []
         fractions = (1 - val_fraction, val_fraction)
         for t, (x, y) in enumerate(zip(tasks.features, tasks.labels)):

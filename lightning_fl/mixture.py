@@ -40,6 +40,11 @@ class MixtureClassifier(FederatedTask):
 
     π_t is a plain attribute (``log_mixture_weights``), not a parameter or buffer: it is
     client state kept in the client store, never averaged.
+
+    Binary tasks with one logit: a network with one output z is a Bernoulli model
+    p(y = 1 | x) = sigmoid(z), as the authors' synthetic experiments use (BCE loss, a
+    mixture of sigmoids). It is handled as the two-logit form [0, z], for which
+    softmax([0, z]) = (1 − sigmoid(z), sigmoid(z)) and the cross-entropy is BCE on z.
     """
 
     def __init__(
@@ -63,9 +68,13 @@ class MixtureClassifier(FederatedTask):
         return len(self.network)
 
     def component_logits(self, x: Tensor, components: nn.ModuleList | None = None) -> Tensor:
-        """[batch, M, classes], from this module's components or from ``components``."""
+        """[batch, M, classes], from this module's components or from ``components``; a
+        one-logit binary component z gives the logits [0, z]."""
         components = self.network if components is None else components
-        return torch.stack([component(x) for component in components], dim=1)
+        logits = torch.stack([component(x) for component in components], dim=1)
+        if logits.shape[-1] == 1:
+            logits = torch.cat([torch.zeros_like(logits), logits], dim=-1)
+        return logits
 
     @staticmethod
     def _losses(log_probs: Tensor, y: Tensor) -> Tensor:
