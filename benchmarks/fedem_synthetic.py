@@ -24,6 +24,19 @@ from lightning_fl.cli import run
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = {"local": (65.7, 58.4), "fedavg": (68.2, 58.9), "fedem": (74.7, 66.7)}
+NOTES = """
+Notes:
+- The authors' own code, run on the same data with the same settings, gives FedEM 76.07,
+  FedAvg 69.34 and Local 66.09 (as measured and reported in the issue that asked for
+  this benchmark, issue 17); the published table is about 1.3 points below that code
+  for FedEM and FedAvg alike.
+- Bottom decile: ours is the 10th percentile of the 300 clients' accuracies on their own
+  5,000 test samples. The paper does not say how its bottom decile was computed; its
+  FedAvg figure (58.9) is 5.7 points below ours, its FedEM (66.7) and Local (58.4) figures
+  within 2 points.
+- The 'corrected' generator labels every sample by its own component (no forced zeros):
+  a different, easier task whose numbers are not comparable with the paper's.
+"""
 
 
 def main() -> None:
@@ -67,7 +80,7 @@ def main() -> None:
         "and the bottom decile (10th-percentile client).\n\n"
     )
     out = ROOT / "benchmarks" / "results" / f"fedem_synthetic_{args.generator}.md"
-    out.write_text(header + "\n".join(lines) + "\n")
+    out.write_text(header + "\n".join(lines) + "\n" + NOTES)
     print(f"wrote {out}")
 
 
