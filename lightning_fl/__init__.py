@@ -18,9 +18,11 @@ from lightning_fl.models import (
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
+    ClusteredSampler,
     FullParticipation,
     MDSampler,
     Participation,
+    SampleSizeClusteredSampler,
     UniformSampler,
 )
 from lightning_fl.strategy import FederatedStrategy, NonFiniteUpdateError
@@ -38,6 +40,7 @@ __all__ = [
     "FemnistCNN",
     "Classifier",
     "ClientSampler",
+    "ClusteredSampler",
     "ClientStore",
     "DigitsCNN",
     "FederatedProgressBar",
@@ -49,6 +52,7 @@ __all__ = [
     "MobileNetV2",
     "NonFiniteUpdateError",
     "Participation",
+    "SampleSizeClusteredSampler",
     "UniformSampler",
     "WERMClassifier",
 ]

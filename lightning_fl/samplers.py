@@ -11,8 +11,10 @@ its arguments, so resumed runs and all ranks draw the same participants.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -114,6 +116,97 @@ class MDSampler(_FixedSizeSampler):
         m = self.clients_per_round
         draws = torch.multinomial(p, m, replacement=True, generator=gen).tolist()
         return {i: count / m for i, count in Counter(draws).items()}
+
+
+class ClusteredSampler(_FixedSizeSampler):
+    """Clustered sampling (Fraboni et al., ICML 2021; Fraboni thesis Ch. 3, §3.3): one
+    client from each of m distributions W_k with P(l_k = i) = r_ki, aggregated as MD,
+    ω_i = (number of draws of i)/m. It is unbiased when every row of r sums to 1 (eq. 3.7)
+    and every column to m·p_i (eq. 3.8), and then Var[ω_i] = Σ_k r_ki(1 − r_ki)/m² is at
+    most MD's p_i(1 − p_i)/m. Subclasses build r.
+    """
+
+    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+        """r: [m, n], float64."""
+        raise NotImplementedError
+
+    def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
+        m = self.clients_per_round
+        r = self.distributions(p)
+        draws = [int(torch.multinomial(r[k], 1, generator=gen)) for k in range(m)]
+        return {i: count / m for i, count in Counter(draws).items()}
+
+
+class SampleSizeClusteredSampler(ClusteredSampler):
+    """Clustered sampling by sample size (thesis Alg. 2, ICML Alg. 1).
+
+    Client i owns m·p_i of the m distributions' total mass. Clients are taken by
+    decreasing p_i and their mass is poured into the distributions in turn, each of
+    capacity 1, a client spilling into the next distribution when one is full. The masses
+    are integers, as in the thesis (m·n_i sample units in distributions of capacity
+    Σ n_i): p is read back as exact fractions n_i/N when it is one (sample counts give
+    that), so the rows sum to 1 and the columns to m·p_i exactly. Other p are scaled to
+    m·10¹⁰ units as in the authors' code, rounded by largest remainders so that they sum
+    exactly (the authors truncate, which can leave 10⁻¹⁰ of a client in the next
+    distribution). r is computed once and again only when p changes.
+    A client is drawn at most ⌊m·p_i⌋ + 2 times; with equal p_i and m dividing the number
+    of clients, the distributions are disjoint and this is uniform sampling without
+    replacement.
+    """
+
+    UNITS = 10**10
+
+    def __init__(self, clients_per_round: int, renormalize: bool = False) -> None:
+        super().__init__(clients_per_round, renormalize)
+        self._cache: tuple[tuple[float, ...], torch.Tensor] | None = None
+
+    def check(self, num_eligible: int) -> None:
+        if self.clients_per_round > num_eligible:
+            raise ValueError(
+                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
+                f"have training data; set clients_per_round <= {num_eligible}."
+            )
+
+    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+        key = tuple(p.tolist())
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        m, n = self.clients_per_round, len(p)
+        self.check(int((p > 0).sum()))
+        units, capacity = _integer_masses(p, m, self.UNITS)
+        order = sorted(range(n), key=lambda i: (-units[i], i))
+        filled = [[0] * n for _ in range(m)]
+        k, level = 0, 0
+        for i in order:
+            left = units[i]
+            while left > 0 and k < m:
+                put = min(capacity - level, left)
+                filled[k][i] += put
+                level, left = level + put, left - put
+                if level == capacity:
+                    k, level = k + 1, 0
+        r = torch.tensor(filled, dtype=torch.float64)
+        r = r / r.sum(dim=1, keepdim=True)
+        self._cache = (key, r)
+        return r
+
+
+def _integer_masses(p: torch.Tensor, m: int, units: int) -> tuple[list[int], int]:
+    """Integer masses m·p_i and the capacity of one distribution: exact when p holds
+    fractions n_i/N (denominators up to 10⁹), else ``units`` per distribution with the
+    masses rounded by largest remainders to sum to m·units exactly."""
+    fractions = [Fraction(float(w)).limit_denominator(10**9) for w in p]
+    if sum(fractions) == 1:
+        capacity = math.lcm(*(f.denominator for f in fractions))
+        if capacity <= 10**15:
+            return [int(f * m * capacity) for f in fractions], capacity
+    total = m * units
+    shares = [float(w) / float(p.sum()) * total for w in p]
+    masses = [int(x) for x in shares]
+    by_remainder = sorted(range(len(p)), key=lambda i: (-(shares[i] - masses[i]), i))
+    for i in by_remainder[: total - sum(masses)]:
+        masses[i] += 1
+    return masses, units
 
 
 def _check_target_weights(p: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fl import FullParticipation, MDSampler, UniformSampler
+from lightning_fl import FullParticipation, MDSampler, SampleSizeClusteredSampler, UniformSampler
 
 P = torch.tensor(
     [0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64
@@ -69,3 +69,59 @@ def test_more_clients_per_round_than_clients_is_a_clear_error():
 def test_target_weights_are_checked():
     with pytest.raises(ValueError, match="sum to 1"):
         UniformSampler(1).sample(0, 0, torch.tensor([0.5, 0.2]))
+
+
+# ------------------------------------------------------------------ clustered sampling
+@pytest.mark.parametrize("m", [3, 4, 7])
+def test_sample_size_clusters_satisfy_eqs_3_7_and_3_8(m):
+    """Rows are distributions (3.7) and column i holds m·p_i (3.8), on random sizes."""
+    g = torch.Generator().manual_seed(m)
+    counts = torch.randint(1, 500, (23,), generator=g).double()
+    p = counts / counts.sum()
+    r = SampleSizeClusteredSampler(m).distributions(p)
+    assert r.shape == (m, 23) and (r >= 0).all()
+    assert torch.allclose(r.sum(1), torch.ones(m, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(r.sum(0), m * p, atol=1e-9)
+
+
+def test_sample_size_clustered_weights_are_unbiased_with_less_variance_than_md():
+    """E[ω_i] = p_i (Prop. 3.1), Var[ω_i] = Σ_k r_ki(1 − r_ki)/m² ≤ p_i(1 − p_i)/m, and a
+    client is drawn at most ⌊m p_i⌋ + 2 times."""
+    m = 4
+    sampler = SampleSizeClusteredSampler(m)
+    omega = torch.zeros(DRAWS, len(P), dtype=torch.float64)
+    for r in range(DRAWS):
+        part = sampler.sample(r, 0, P)
+        omega[r, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    mean, std_err = omega.mean(0), omega.std(0) / DRAWS**0.5
+    assert ((mean - P).abs() <= 3 * std_err + 1e-12).all(), (mean, P)
+    dist = sampler.distributions(P)
+    expected_var = (dist * (1 - dist)).sum(0) / m**2
+    assert torch.allclose(omega.var(0), expected_var, rtol=0.1, atol=1e-5)
+    assert (expected_var <= P * (1 - P) / m + 1e-12).all()
+    assert (expected_var < P * (1 - P) / m).any()  # strictly better somewhere
+    assert ((omega * m).round().max(0).values <= torch.floor(m * P) + 2).all()
+
+
+def test_balanced_clients_give_uniform_sampling_without_replacement():
+    n, m = 12, 4
+    sampler = SampleSizeClusteredSampler(m)
+    p = torch.full((n,), 1 / n, dtype=torch.float64)
+    r = sampler.distributions(p)
+    assert ((r > 0).sum(0) == 1).all()  # every client in exactly one distribution
+    for t in range(50):
+        part = sampler.sample(t, 0, p)
+        assert len(part.clients) == m and set(part.weights) == {1 / m}
+
+
+def test_sample_size_clusters_by_hand_and_for_arbitrary_floats():
+    """p = (0.4, 0.35, 0.25), m = 2: masses 0.8, 0.7, 0.5 poured in decreasing order into
+    two distributions of capacity 1 (thesis Alg. 2)."""
+    r = SampleSizeClusteredSampler(2).distributions(torch.tensor([0.4, 0.35, 0.25]).double())
+    assert torch.allclose(r, torch.tensor([[0.8, 0.2, 0.0], [0.0, 0.5, 0.5]]).double())
+    torch.manual_seed(0)
+    p = torch.distributions.Dirichlet(torch.ones(17)).sample((1,))[0].double()
+    p = p / p.sum()  # not fractions with small denominators: the 10¹⁰-unit path
+    r = SampleSizeClusteredSampler(5).distributions(p)
+    assert torch.allclose(r.sum(1), torch.ones(5, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(r.sum(0), 5 * p, atol=1e-9)
