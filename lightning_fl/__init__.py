@@ -23,6 +23,7 @@ from lightning_fl.samplers import (
     MDSampler,
     Participation,
     SampleSizeClusteredSampler,
+    SimilarityClusteredSampler,
     UniformSampler,
 )
 from lightning_fl.strategy import FederatedStrategy, NonFiniteUpdateError
@@ -53,6 +54,7 @@ __all__ = [
     "NonFiniteUpdateError",
     "Participation",
     "SampleSizeClusteredSampler",
+    "SimilarityClusteredSampler",
     "UniformSampler",
     "WERMClassifier",
 ]

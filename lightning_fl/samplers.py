@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,6 +60,14 @@ class ClientSampler:
 
     def check(self, num_eligible: int) -> None:
         """Raise a clear error when this sampler cannot work with ``num_eligible`` clients."""
+
+    #: True for samplers that must see the round's client updates (:meth:`observe`).
+    needs_updates = False
+
+    def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
+        """The narrow input of samplers with ``needs_updates``: after each round, the
+        participants' flattened updates θ_i^{t+1} − θ^t (one row per client, the rows of
+        every rank gathered by the round's all-reduce)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -189,6 +197,140 @@ class SampleSizeClusteredSampler(ClusteredSampler):
         r = r / r.sum(dim=1, keepdim=True)
         self._cache = (key, r)
         return r
+
+
+class SimilarityClusteredSampler(ClusteredSampler):
+    """Clustered sampling by model similarity (Fraboni et al., ICML 2021, Alg. 2; thesis
+    Alg. 3), recomputed every round from every client's representative gradient
+    G_i = θ_i^{t+1} − θ^t of its last participation (0 before its first):
+
+    1. ρ_ij = s(G_i, G_j), with s ``"arccos"`` (arccos of the cosine, 0 when a norm is 0),
+       ``"L2"`` (Σ(G_i − G_j)², no square root) or ``"L1"`` (Σ|G_i − G_j|), as in the
+       authors' code;
+    2. Ward hierarchical clustering (SciPy); by default on the condensed distance matrix
+       ρ, so that ρ is read as distances. ``authors_linkage=True`` calls
+       ``linkage(ρ, "ward")`` on the n×n matrix itself, as the authors' code does (SciPy
+       then reads its rows as observation vectors);
+    3. the tree is cut into the maximal groups of weight Σ p_i ≤ 1/m (the merge heights
+       replaced by the groups' weights, then ``fcluster(t=1/m)``);
+    4. the m heaviest groups each open a distribution with mass m·p_i per client; the
+       other groups, lightest first and their clients in a random order seeded from
+       (seed, round), are poured into the distributions, lightest first, each filled to 1
+       before the next (a client may be split between two).
+
+    Clients with m·p_i ≥ 1 first get ⌊m·p_i⌋ distributions of their own. Rows sum to 1
+    and columns to m·p_i (eqs. 3.7–3.8). The G_i are the sampler's state (``n × d``
+    float32, in checkpoints); each round's participants' updates reach every rank through
+    the round's all-reduce, so several processes draw the same clients.
+    """
+
+    needs_updates = True
+
+    def __init__(
+        self,
+        clients_per_round: int,
+        similarity: Literal["arccos", "L2", "L1"] = "arccos",
+        authors_linkage: bool = False,
+        renormalize: bool = False,
+    ) -> None:
+        super().__init__(clients_per_round, renormalize)
+        if similarity not in ("arccos", "L2", "L1"):
+            raise ValueError(f"similarity must be 'arccos', 'L2' or 'L1', got {similarity!r}.")
+        self.similarity, self.authors_linkage = similarity, authors_linkage
+        self.gradients: torch.Tensor | None = None
+        self._generator: torch.Generator | None = None
+
+    def check(self, num_eligible: int) -> None:
+        SampleSizeClusteredSampler.check(self, num_eligible)  # type: ignore[arg-type]
+
+    def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
+        if self.gradients is None or self.gradients.shape != (num_clients, updates.shape[1]):
+            self.gradients = torch.zeros(num_clients, updates.shape[1])
+        self.gradients[list(clients)] = updates.detach().float().cpu()
+
+    def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
+        self._generator = gen
+        return super()._draw(p, gen)
+
+    def similarity_matrix(self) -> torch.Tensor:
+        g = self.gradients.double()
+        if self.similarity == "arccos":
+            norms = g.norm(dim=1)
+            cosine = (g @ g.T) / (norms[:, None] * norms[None, :]).clamp_min(1e-300)
+            rho = torch.arccos(cosine.clamp(-1.0, 1.0))
+            rho[(norms[:, None] == 0) | (norms[None, :] == 0)] = 0.0
+        elif self.similarity == "L2":
+            rho = torch.cdist(g, g).pow(2)
+        else:
+            rho = torch.cdist(g, g, p=1)
+        rho.fill_diagonal_(0.0)
+        return rho
+
+    def groups(self, p: torch.Tensor) -> list[list[int]]:
+        """The maximal subtrees of the Ward tree with weight ≤ 1/m (step 3)."""
+        from scipy.cluster.hierarchy import fcluster, linkage
+        from scipy.spatial.distance import squareform
+
+        eligible = torch.nonzero(p > 0).flatten().tolist()
+        if len(eligible) == 1:
+            return [eligible]
+        rho = self.similarity_matrix()[eligible][:, eligible].numpy()
+        rho = (rho + rho.T) / 2
+        tree = linkage(rho if self.authors_linkage else squareform(rho, checks=False), "ward")
+        weights = [float(p[i]) for i in eligible]
+        for row in tree:  # merge heights -> the weight of the merged group
+            weights.append(weights[int(row[0])] + weights[int(row[1])])
+            row[2] = weights[-1]
+        labels = fcluster(tree, t=1.0 / self.clients_per_round + 1e-12, criterion="distance")
+        found: dict[int, list[int]] = {}
+        for client, label in zip(eligible, labels):
+            found.setdefault(int(label), []).append(client)
+        return list(found.values())
+
+    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+        m, n = self.clients_per_round, len(p)
+        self.check(int((p > 0).sum()))
+        if self.gradients is None:
+            self.gradients = torch.zeros(n, 1)
+        mass = (m * p).tolist()
+        rows: list[list[float]] = []
+        for i in range(n):  # clients heavier than one distribution get their own
+            while mass[i] >= 1.0 - 1e-12 and len(rows) < m:
+                rows.append([1.0 if j == i else 0.0 for j in range(n)])
+                mass[i] = max(0.0, mass[i] - 1.0)
+        rest = torch.tensor(mass, dtype=torch.float64) / m
+        groups = self.groups(rest) if float(rest.sum()) > 0 else []
+        groups.sort(key=lambda g: -sum(mass[i] for i in g))
+        free = m - len(rows)
+        kept, leftover = groups[:free], groups[free:]
+        bins = [[0.0] * n for _ in kept]
+        for b, group in zip(bins, kept):
+            for i in group:
+                b[i] = mass[i]
+        leftover.sort(key=lambda g: sum(mass[i] for i in g))
+        gen = self._generator or torch.Generator().manual_seed(0)
+        order = [b for b in sorted(range(len(bins)), key=lambda b: sum(bins[b]))]
+        position = 0
+        for group in leftover:
+            for j in torch.randperm(len(group), generator=gen).tolist():
+                left = mass[group[j]]
+                while left > 1e-15 and position < len(order):
+                    b = bins[order[position]]
+                    put = min(1.0 - sum(b), left)
+                    b[group[j]] += put
+                    left -= put
+                    if sum(b) >= 1.0 - 1e-12:
+                        position += 1
+                if left > 1e-15:  # rounding: the last distribution takes the crumbs
+                    bins[order[-1]][group[j]] += left
+        r = torch.tensor(rows + bins, dtype=torch.float64)
+        return r / r.sum(dim=1, keepdim=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gradients": self.gradients}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gradients = state.get("gradients")
 
 
 def _integer_masses(p: torch.Tensor, m: int, units: int) -> tuple[list[int], int]:

@@ -47,6 +47,8 @@ from lightning_fl.tensors import FederatedTensors, all_finite, flatten, unflatte
 POOLED_CLIENT = -1
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
+#: The round sum that carries the participants' updates to a sampler that needs them.
+SAMPLER_UPDATES = "sampler_updates"
 #: Below this many parameters, ``num_threads="auto"`` uses one CPU thread per process.
 SMALL_MODEL_PARAMETERS = 1_000_000
 
@@ -390,6 +392,10 @@ class FederatedStrategy(DDPStrategy):
             sample_counts=counts,
             target_weights=p,
         )
+        if self.sampler.needs_updates:  # rows of every rank, summed by the round's all-reduce
+            size = sum(t.numel() for t in global_tensors)
+            rows = torch.zeros(len(participation.clients), size, device=self.root_device)
+            state.extra_sums[SAMPLER_UPDATES] = [rows]
         schedule = ClientSchedule(tuple(local_clients), tuple(local_batches))
         self.current_round = RoundPlan(schedule, loaders, state)
         self._call("on_round_start", state)
@@ -442,6 +448,9 @@ class FederatedStrategy(DDPStrategy):
             return
         torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
         state.accepted.append(client)
+        if SAMPLER_UPDATES in state.extra_sums:
+            row = state.participation.clients.index(client)
+            state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
         if self.keep_optimizer_state:
             for i, optimizer in enumerate(trainer.optimizers):
                 self.client_store.set(
@@ -463,6 +472,11 @@ class FederatedStrategy(DDPStrategy):
             )
         self.aggregator.aggregate(self.lightning_module.trainer, self.lightning_module, state)
         self.federated_tensors.load_(state.global_tensors)
+        if SAMPLER_UPDATES in state.extra_sums:
+            rows = state.extra_sums[SAMPLER_UPDATES][0]
+            sent = [i for i in range(len(rows)) if bool(rows[i].any())]  # not dropped
+            clients = tuple(state.participation.clients[i] for i in sent)
+            self.sampler.observe(clients, rows[sent], state.num_clients)
         self._call("on_round_end", state)
         return state
 

@@ -40,9 +40,15 @@ def _ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_two_processes_equal_one_process(tmp_path):
+SIMILARITY = str(ROOT / "recipes" / "clustered_sampling_similarity.yaml")
+
+
+@pytest.mark.parametrize("recipe", [QUICKSTART, SIMILARITY], ids=["quickstart", "similarity"])
+def test_two_processes_equal_one_process(tmp_path, recipe):
+    """The similarity sampler's G_i reach both ranks through the round's all-reduce, so both
+    draw the same clients."""
     for devices in ("1", "2"):
-        _ok(_cli(tmp_path / devices, "--config", QUICKSTART, "--trainer.max_epochs", "5",
+        _ok(_cli(tmp_path / devices, "--config", recipe, "--trainer.max_epochs", "5",
                  "--trainer.devices", devices))  # fmt: skip
     one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5

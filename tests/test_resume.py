@@ -134,3 +134,30 @@ def test_a_truncated_checkpoint_error_names_the_file(tmp_path):
     trainer = make_trainer(FederatedStrategy(local_steps=2), 2)
     with pytest.raises(CheckpointReadError, match=r"epoch=0\.ckpt: cannot be read.*truncated"):
         trainer.fit(tiny_module(), datamodule=tiny_datamodule(), ckpt_path=str(path))
+
+
+def test_resume_with_the_similarity_sampler_is_exact(tmp_path):
+    """The representative gradients G_i are sampler state: in the checkpoint, and the
+    resumed run draws the same clients."""
+    from lightning_fl import SimilarityClusteredSampler
+
+    def strategy():
+        return FederatedStrategy(sampler=SimilarityClusteredSampler(3), local_steps=3, seed=2)
+
+    full, full_strategy = tiny_module(0.1), strategy()
+    make_trainer(full_strategy, 4).fit(full, datamodule=tiny_datamodule())
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}"
+    )
+    make_trainer(strategy(), 2, [checkpoint], enable_checkpointing=True).fit(
+        tiny_module(0.1), datamodule=tiny_datamodule()
+    )
+    saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=True)
+    assert saved["callbacks"]["_RoundDriver"]["sampler"]["gradients"].any()
+    resumed, resumed_strategy = tiny_module(0.1, seed=9), strategy()
+    make_trainer(resumed_strategy, 4).fit(
+        resumed, datamodule=tiny_datamodule(), ckpt_path=str(tmp_path / "epoch=1.ckpt"),
+        weights_only=True,
+    )  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(params_of(full), params_of(resumed)))
+    assert torch.equal(full_strategy.sampler.gradients, resumed_strategy.sampler.gradients)

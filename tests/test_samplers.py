@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fl import FullParticipation, MDSampler, SampleSizeClusteredSampler, UniformSampler
+from lightning_fl import (
+    FederatedStrategy,
+    FullParticipation,
+    MDSampler,
+    SampleSizeClusteredSampler,
+    SimilarityClusteredSampler,
+    UniformSampler,
+)
+from lightning_fl.callbacks import FedAvg
+from tests.helpers import make_trainer, params_of, tiny_datamodule, tiny_module
 
 P = torch.tensor(
     [0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64
@@ -125,3 +134,64 @@ def test_sample_size_clusters_by_hand_and_for_arbitrary_floats():
     r = SampleSizeClusteredSampler(5).distributions(p)
     assert torch.allclose(r.sum(1), torch.ones(5, dtype=torch.float64), atol=1e-12)
     assert torch.allclose(r.sum(0), 5 * p, atol=1e-9)
+
+
+def _groups_of_gradients(n: int, groups: int, d: int = 6, seed: int = 0) -> torch.Tensor:
+    """Client i's representative gradient points along axis i mod ``groups``."""
+    g = torch.Generator().manual_seed(seed)
+    gradients = 0.01 * torch.randn(n, d, generator=g)
+    gradients[torch.arange(n), torch.arange(n) % groups] += 1.0
+    return gradients
+
+
+@pytest.mark.parametrize("similarity", ["arccos", "L2", "L1"])
+@pytest.mark.parametrize("authors_linkage", [False, True])
+def test_similarity_clusters_satisfy_eqs_3_7_and_3_8(similarity, authors_linkage):
+    g = torch.Generator().manual_seed(1)
+    counts = torch.randint(1, 100, (30,), generator=g).double()
+    counts[0] = 900  # a client with m·p_i > 1 gets a distribution of its own
+    p = counts / counts.sum()
+    sampler = SimilarityClusteredSampler(5, similarity=similarity, authors_linkage=authors_linkage)
+    sampler.observe(tuple(range(30)), torch.randn(30, 8, generator=g), 30)
+    r = sampler.distributions(p)
+    assert r.shape == (5, 30) and (r >= 0).all()
+    assert torch.allclose(r.sum(1), torch.ones(5, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(r.sum(0), 5 * p, atol=1e-12)
+    assert (r[:, 0] == 1.0).sum() == int(5 * p[0])
+
+
+def test_similarity_sampling_draws_one_client_of_each_group_and_is_unbiased():
+    """Four groups of similar updates and m = 4: every distribution holds one group, so
+    each round has one client of each (the thesis' "oracle" sampling), and E[ω_i] = p_i."""
+    n, m = 20, 4
+    sampler = SimilarityClusteredSampler(m)
+    sampler.observe(tuple(range(n)), _groups_of_gradients(n, m), n)
+    p = torch.full((n,), 1 / n, dtype=torch.float64)
+    r = sampler.distributions(p)
+    for row in r:
+        assert len({i % m for i in torch.nonzero(row).flatten().tolist()}) == 1
+    omega = torch.zeros(4000, n, dtype=torch.float64)
+    for t in range(4000):
+        part = sampler.sample(t, 0, p)
+        assert sorted(c % m for c in part.clients) == list(range(m))
+        omega[t, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    std_err = omega.std(0) / 4000**0.5  # 4 standard errors: 20 clients checked at once
+    assert ((omega.mean(0) - p).abs() <= 4 * std_err + 1e-12).all()
+
+
+def test_similarity_sampler_sees_the_updates_the_server_aggregated():
+    """After one FedAvg round with full participation, Σ ω_i G_i = θ¹ − θ⁰, and the G_i
+    are the sampler's checkpointed state."""
+    module = tiny_module()
+    before = params_of(module)
+    sampler = SimilarityClusteredSampler(10)
+    strategy = FederatedStrategy(sampler=sampler, local_steps=3, seed=0)
+    make_trainer(strategy, 1, [FedAvg()]).fit(module, datamodule=tiny_datamodule())
+    part = strategy.current_round.state.participation
+    assert sampler.gradients.shape[0] == 10
+    summed = sum(w * sampler.gradients[c].double() for c, w in zip(part.clients, part.weights))
+    change = torch.cat([(a - b).flatten() for a, b in zip(params_of(module), before)])
+    assert torch.allclose(summed.float(), change, atol=1e-5)
+    assert torch.equal(sampler.state_dict()["gradients"], sampler.gradients)
+    unseen = set(range(10)) - set(part.clients)
+    assert all(not sampler.gradients[c].any() for c in unseen)
