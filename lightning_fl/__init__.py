@@ -19,6 +19,7 @@ from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
     ClusteredSampler,
+    FixedClustersSampler,
     FullParticipation,
     MDSampler,
     Participation,
@@ -42,6 +43,7 @@ __all__ = [
     "Classifier",
     "ClientSampler",
     "ClusteredSampler",
+    "FixedClustersSampler",
     "ClientStore",
     "DigitsCNN",
     "FederatedProgressBar",

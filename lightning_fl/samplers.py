@@ -199,6 +199,34 @@ class SampleSizeClusteredSampler(ClusteredSampler):
         return r
 
 
+class FixedClustersSampler(ClusteredSampler):
+    """One client from each of m given clusters, with probability ∝ p_i within its
+    cluster: r_ki = p_i / P_k for i in cluster k (P_k its total weight). The oracle of the
+    clustered-sampling experiments (thesis §3.4: one client per digit). Unbiased (eq. 3.8)
+    exactly when every cluster carries weight P_k = 1/m, which is checked.
+    """
+
+    def __init__(self, clusters: list[list[int]], renormalize: bool = False) -> None:
+        super().__init__(len(clusters), renormalize)
+        if any(not c for c in clusters) or len({i for c in clusters for i in c}) != sum(
+            len(c) for c in clusters
+        ):
+            raise ValueError("clusters must be non-empty and disjoint lists of client ids.")
+        self.clusters = [list(c) for c in clusters]
+
+    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+        m = len(self.clusters)
+        r = torch.zeros(m, len(p), dtype=torch.float64)
+        for k, cluster in enumerate(self.clusters):
+            r[k, cluster] = p[cluster] / p[cluster].sum()
+        if not torch.allclose(r.sum(0), m * p, atol=1e-9):
+            raise ValueError(
+                "FixedClustersSampler is unbiased only when every cluster carries weight "
+                "1/m of p; regroup the clients or use SampleSizeClusteredSampler."
+            )
+        return r
+
+
 class SimilarityClusteredSampler(ClusteredSampler):
     """Clustered sampling by model similarity (Fraboni et al., ICML 2021, Alg. 2; thesis
     Alg. 3), recomputed every round from every client's representative gradient
