@@ -7,6 +7,7 @@ import torch
 
 from lightning_fl import (
     FederatedStrategy,
+    FixedClustersSampler,
     FullParticipation,
     MDSampler,
     SampleSizeClusteredSampler,
@@ -195,3 +196,14 @@ def test_similarity_sampler_sees_the_updates_the_server_aggregated():
     assert torch.equal(sampler.state_dict()["gradients"], sampler.gradients)
     unseen = set(range(10)) - set(part.clients)
     assert all(not sampler.gradients[c].any() for c in unseen)
+
+
+def test_fixed_clusters_draw_one_client_of_each_and_refuse_unequal_weights():
+    p = torch.full((6,), 1 / 6, dtype=torch.float64)
+    sampler = FixedClustersSampler([[0, 3], [1, 4], [2, 5]])
+    for t in range(20):
+        assert sorted(c % 3 for c in sampler.sample(t, 0, p).clients) == [0, 1, 2]
+    with pytest.raises(ValueError, match="weight 1/m"):
+        FixedClustersSampler([[0], [1, 2, 3, 4, 5]]).distributions(p)
+    with pytest.raises(ValueError, match="disjoint"):
+        FixedClustersSampler([[0, 1], [1, 2]])
