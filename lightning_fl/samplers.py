@@ -138,6 +138,13 @@ class ClusteredSampler(_FixedSizeSampler):
         """r: [m, n], float64."""
         raise NotImplementedError
 
+    def check(self, num_eligible: int) -> None:
+        if self.clients_per_round > num_eligible:
+            raise ValueError(
+                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
+                f"have training data; set clients_per_round <= {num_eligible}."
+            )
+
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         m = self.clients_per_round
         r = self.distributions(p)
@@ -167,13 +174,6 @@ class SampleSizeClusteredSampler(ClusteredSampler):
     def __init__(self, clients_per_round: int, renormalize: bool = False) -> None:
         super().__init__(clients_per_round, renormalize)
         self._cache: tuple[tuple[float, ...], torch.Tensor] | None = None
-
-    def check(self, num_eligible: int) -> None:
-        if self.clients_per_round > num_eligible:
-            raise ValueError(
-                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
-                f"have training data; set clients_per_round <= {num_eligible}."
-            )
 
     def distributions(self, p: torch.Tensor) -> torch.Tensor:
         key = tuple(p.tolist())
@@ -267,9 +267,6 @@ class SimilarityClusteredSampler(ClusteredSampler):
         self.similarity, self.authors_linkage = similarity, authors_linkage
         self.gradients: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
-
-    def check(self, num_eligible: int) -> None:
-        SampleSizeClusteredSampler.check(self, num_eligible)  # type: ignore[arg-type]
 
     def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
         if self.gradients is None or self.gradients.shape != (num_clients, updates.shape[1]):
