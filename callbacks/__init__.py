@@ -10,6 +10,7 @@ from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
+from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "PFedMe",
     "Pooled",
     "RoundState",
+    "SAFARI",
     "SCAFFOLD",
     "ServerReference",
 ]

@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.client_store import ClientStore
-from lightning_fl.samplers import Participation
+from lightning_fl.samplers import ClientSampler, Participation
 from lightning_fl.tensors import TensorList
 
 if TYPE_CHECKING:
@@ -109,6 +109,11 @@ class FederatedCallback(pl.Callback):
 
 Weighting = Literal["samples", "uniform"]
 
+#: Client id of the single virtual client of the pooled (centralized) baseline.
+POOLED_CLIENT = -1
+#: Client id of the server when it trains on its own data (SAFARI's server rounds).
+SERVER_CLIENT = -3
+
 
 class Aggregator(FederatedCallback):
     """The one callback that turns the weighted update sum into the new global model.
@@ -126,6 +131,15 @@ class Aggregator(FederatedCallback):
         if weighting not in ("samples", "uniform"):
             raise ValueError(f"weighting must be 'samples' or 'uniform', got {weighting!r}.")
         self.weighting = weighting
+
+    def participation(
+        self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
+    ) -> Participation:
+        """Who trains in ``round_idx``: the sampler's draw, or the one pooled client of
+        the centralized baseline. A pure function of (seed, round) for exact resumes."""
+        if self.pools_clients:
+            return Participation((POOLED_CLIENT,), (1.0,))
+        return sampler.sample(round_idx, seed, p)
 
     def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
         counts = torch.tensor(sample_counts, dtype=torch.float64)

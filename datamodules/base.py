@@ -114,6 +114,10 @@ class FederatedDataModule(pl.LightningDataModule):
         unseen = set(self.unseen_clients)
         return [c for c in range(self.num_clients) if c not in unseen]
 
+    def server_dataset(self) -> Dataset | None:
+        """The server's own training data (SAFARI's auxiliary set), if it has any."""
+        return None
+
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         """The union of the seen clients' data (the centralized baseline)."""
         parts = [self.client_dataset(c, split) for c in self.seen_clients()]
@@ -153,9 +157,14 @@ class InMemoryFederatedDataModule(FederatedDataModule):
         clients: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
         batch_size: int = 32,
         eval_batch_size: int | None = None,
+        server: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(batch_size, eval_batch_size)
         self._clients = list(clients)
+        self._server = server
+
+    def server_dataset(self) -> Dataset | None:
+        return None if self._server is None else TensorDataset(*self._server)
 
     @property
     def num_clients(self) -> int:

@@ -41,6 +41,10 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         image: yield 1×8×8 images instead of 64 features.
         unseen_fraction: the last ``round(unseen_fraction · num_clients)`` clients are held
             out of training and evaluated apart.
+        server_samples: samples drawn at random (seeded) from all the digits, before the
+            split among clients, as the server's own training data (``server_dataset``,
+            SAFARI's auxiliary set: i.i.d. from the global distribution, disjoint from the
+            clients' data).
     """
 
     def __init__(
@@ -56,8 +60,21 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         seed: int = 0,
         batch_size: int = 16,
         eval_batch_size: int | None = 256,
+        server_samples: int = 0,
     ) -> None:
         x, y = load_digits()
+        if not 0 <= server_samples < len(y):
+            raise ValueError(
+                f"server_samples must be in [0, {len(y)}), got {server_samples}: the digits "
+                f"hold {len(y)} samples."
+            )
+        order = np.random.default_rng([seed, 17]).permutation(len(y))
+        held, kept = order[:server_samples], np.sort(order[server_samples:])
+        server = None
+        if server_samples:
+            server_x = torch.from_numpy(x[held])
+            server = (server_x.view(-1, 1, 8, 8) if image else server_x, torch.from_numpy(y[held]))
+        x, y = x[kept], y[kept]
         parts = label_partition(y, partition, num_clients, seed, alpha, min_size, shards_per_client)
         features = torch.from_numpy(x)
         if image:
@@ -72,6 +89,6 @@ class DigitsDataModule(InMemoryFederatedDataModule):
                     for name, p in zip(("train", "val", "test"), pieces)
                 }
             )
-        super().__init__(clients, batch_size, eval_batch_size)
+        super().__init__(clients, batch_size, eval_batch_size, server=server)
         self.hold_out(unseen_fraction)
         self.save_hyperparameters()

@@ -19,6 +19,7 @@ from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
     ClientSampler,
     ClusteredSampler,
+    ExcludedClients,
     FixedClustersSampler,
     FullParticipation,
     MDSampler,
@@ -43,6 +44,7 @@ __all__ = [
     "Classifier",
     "ClientSampler",
     "ClusteredSampler",
+    "ExcludedClients",
     "FixedClustersSampler",
     "ClientStore",
     "DigitsCNN",

@@ -126,6 +126,52 @@ class MDSampler(_FixedSizeSampler):
         return {i: count / m for i, count in Counter(draws).items()}
 
 
+class ExcludedClients(ClientSampler):
+    """Incomplete participation (SAFARI's setting, seed paper 004 §5): ``excluded``
+    clients never take part, and ``sampler`` chooses among the others with the target
+    weights renormalized over them. ``excluded`` is a list of client ids, or a number s of
+    clients drawn once from the run's seed.
+    """
+
+    def __init__(self, sampler: ClientSampler, excluded: int | list[int] = 0) -> None:
+        super().__init__(sampler.renormalize)
+        if isinstance(excluded, int) and excluded < 0:
+            raise ValueError(f"excluded must be >= 0, got {excluded}.")
+        self.sampler, self.excluded = sampler, excluded
+        self.needs_updates = sampler.needs_updates
+
+    def excluded_clients(self, num_clients: int, seed: int) -> list[int]:
+        if not isinstance(self.excluded, int):
+            return sorted(self.excluded)
+        if self.excluded >= num_clients:
+            raise ValueError(
+                f"excluded={self.excluded} clients but only {num_clients} exist; at least one "
+                "must take part: lower excluded."
+            )
+        order = torch.randperm(num_clients, generator=generator(seed, "excluded"))
+        return sorted(order[: self.excluded].tolist())
+
+    def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
+        p = _check_target_weights(p).clone()
+        p[self.excluded_clients(len(p), seed)] = 0.0
+        if float(p.sum()) == 0:
+            raise ValueError("Every client with training data is excluded: lower excluded.")
+        return self.sampler.sample(round_idx, seed, p / p.sum())
+
+    def check(self, num_eligible: int) -> None:
+        count = self.excluded if isinstance(self.excluded, int) else len(self.excluded)
+        self.sampler.check(num_eligible - count)
+
+    def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
+        self.sampler.observe(clients, updates, num_clients)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
 class ClusteredSampler(_FixedSizeSampler):
     """Clustered sampling (Fraboni et al., ICML 2021; Fraboni thesis Ch. 3, §3.3): one
     client from each of m distributions W_k with P(l_k = i) = r_ki, aggregated as MD,

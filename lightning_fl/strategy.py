@@ -32,19 +32,23 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from lightning_fl.callbacks.aggregation import FedAvg
-from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
+from lightning_fl.callbacks.base import (
+    POOLED_CLIENT,
+    SERVER_CLIENT,
+    Aggregator,
+    FederatedCallback,
+    RoundState,
+)
 from lightning_fl.client_store import ClientStore
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
 from lightning_fl.divergence import DivergenceMonitor
 from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
 from lightning_fl.outputs import run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
-from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
+from lightning_fl.samplers import ClientSampler, FullParticipation
 from lightning_fl.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.tensors import FederatedTensors, all_finite, flatten, unflatten, zeros_like
 
-#: Client id of the single virtual client of the pooled (centralized) baseline.
-POOLED_CLIENT = -1
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
 #: The round sum that carries the participants' updates to a sampler that needs them.
@@ -352,13 +356,15 @@ class FederatedStrategy(DDPStrategy):
             )
         aggregator = self.aggregator
         p = aggregator.target_weights(counts)
-        if aggregator.pools_clients:
-            participation = Participation((POOLED_CLIENT,), (1.0,))
-        else:
-            participation = self.sampler.sample(round_idx, self.seed, p)
+        participation = aggregator.participation(round_idx, self.seed, p, self.sampler)
 
         def make_loader(c: int) -> DataLoader:
-            ds = dm.pooled_dataset("train") if c == POOLED_CLIENT else dm.client_dataset(c, "train")
+            if c == POOLED_CLIENT:
+                ds = dm.pooled_dataset("train")
+            elif c == SERVER_CLIENT:
+                ds = dm.server_dataset()
+            else:
+                ds = dm.client_dataset(c, "train")
             return dm.client_dataloader(ds, "train", generator(self.seed, "data", round_idx, c))
 
         # Only this rank's participants need loaders, unless local_epochs makes the other
@@ -367,7 +373,11 @@ class FederatedStrategy(DDPStrategy):
         needed = mine if self.local_steps is not None else range(len(participation.clients))
         built = {i: make_loader(participation.clients[i]) for i in needed}
         batches = [
-            self.local_steps if self.local_steps is not None else self._num_batches(built[i])
+            1  # the server's round is one SGD step (SAFARI, Alg. 1 line 10)
+            if participation.clients[i] == SERVER_CLIENT
+            else self.local_steps
+            if self.local_steps is not None
+            else self._num_batches(built[i])
             for i in range(len(participation.clients))
         ]
         per_rank = [0] * self.world_size

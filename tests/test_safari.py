@@ -1,0 +1,107 @@
+"""SAFARI (seed paper 004, Alg. 1) and incomplete participation: q = 1 is FedAvg, q = 0 is
+SGD on the server's data, round types follow Bernoulli(q) drawn from (seed, round), and
+excluded clients never train."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fl import ExcludedClients, FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import SAFARI, FedAvg
+from lightning_fl.callbacks.base import SERVER_CLIENT
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.seeding import generator
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_module
+
+LR, ROUNDS, SEED = 0.1, 6, 4
+
+
+def _server_data():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(30, 6, generator=g)
+    return x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+
+
+def _dm():
+    return InMemoryFederatedDataModule(tiny_clients(), batch_size=4, server=_server_data())
+
+
+def _fit(callbacks, sampler=None):
+    module = tiny_module(LR)
+    strategy = FederatedStrategy(sampler=sampler or UniformSampler(3), local_steps=2, seed=SEED)
+    trainer = make_trainer(strategy, ROUNDS, callbacks)
+    participants = []
+    trainer.callbacks.append(_Recorder(participants))
+    trainer.fit(module, datamodule=_dm())
+    return params_of(module), participants
+
+
+class _Recorder(pl.Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.out.append(trainer.strategy.current_round.state.participation.clients)
+
+
+def test_q_one_is_fedavg():
+    safari, _ = _fit([SAFARI(q=1.0)])
+    fedavg, _ = _fit([FedAvg(weighting="uniform")])
+    assert max_abs_diff(safari, fedavg) == 0.0
+
+
+def test_q_zero_is_sgd_on_the_server_data():
+    """One SGD step per round on a server minibatch (batches shuffled from
+    (seed, round, server)), at the server learning rate."""
+    ours, rounds = _fit([SAFARI(q=0.0, server_lr=0.05)])
+    assert rounds == [(SERVER_CLIENT,)] * ROUNDS
+    net = tiny_module(LR).network
+    x, y = _server_data()
+    for r in range(ROUNDS):
+        loader = DataLoader(
+            TensorDataset(x, y), batch_size=4, shuffle=True,
+            generator=generator(SEED, "data", r, SERVER_CLIENT),
+        )  # fmt: skip
+        bx, by = next(iter(loader))
+        net.zero_grad()
+        torch.nn.functional.cross_entropy(net(bx), by).backward()
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.05 * p.grad
+    assert max_abs_diff(ours, params_of(net)) <= 1e-6
+
+
+def test_round_types_follow_bernoulli_q_from_seed_and_round():
+    safari = SAFARI(q=0.5)
+    _, rounds = _fit([safari])
+    expected = [safari.is_server_round(r, SEED) for r in range(ROUNDS)]
+    assert [c == (SERVER_CLIENT,) for c in rounds] == expected
+    assert any(expected) and not all(expected)
+    draws = [SAFARI(q=0.7).is_server_round(r, 0) for r in range(4000)]
+    assert abs(sum(draws) / 4000 - 0.3) < 0.03
+
+
+def test_excluded_clients_never_train_and_the_rest_share_the_weights():
+    sampler = ExcludedClients(UniformSampler(3), excluded=4)
+    excluded = set(sampler.excluded_clients(10, SEED))
+    assert len(excluded) == 4
+    _, rounds = _fit([FedAvg(weighting="uniform")], sampler)
+    assert all(not excluded & set(c) for c in rounds)
+    p = torch.full((10,), 0.1, dtype=torch.float64)
+    part = sampler.sample(0, SEED, p)
+    assert part.weights == pytest.approx((1 / 3,) * 3)  # (n'/m)·p'_i, n' = 6 clients left
+
+
+def test_bad_safari_settings_are_refused():
+    with pytest.raises(ValueError, match="q must be in"):
+        SAFARI(q=1.5)
+    with pytest.raises(ValueError, match="excluded=10 clients but only 10"):
+        ExcludedClients(UniformSampler(2), excluded=10).sample(0, 0, torch.full((10,), 0.1))
+    module = tiny_module(LR)
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [SAFARI(q=0.5)])
+    no_server = InMemoryFederatedDataModule(tiny_clients(), batch_size=4)
+    with pytest.raises(ValueError, match="needs server data"):
+        trainer.fit(module, datamodule=no_server)
