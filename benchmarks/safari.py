@@ -1,0 +1,96 @@
+"""SAFARI against FedAvg under incomplete participation (seed paper 004, Table 1) on the
+embedded digits.
+
+    python benchmarks/safari.py [--seeds 0 1 2] [--q 0.9]
+
+recipes/safari.yaml's setting (10 clients holding p classes each, s = 4 never take part,
+5 of the other 6 per round, multinomial logistic regression, SGD lr 0.1, batch 64, one
+local epoch, 150 rounds) for server sets of 50, 100, 500 and 1000 digits and p ∈ {10, 5, 2,
+1}: the test accuracy of SAFARI minus that of FedAvg (the same run with q = 1), in points,
+mean over seeds, beside the paper's MNIST Table 1. Then SAFARI's accuracy against q for
+p = 1 and 1000 server digits. Writes benchmarks/results/safari.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lightning_fl.cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES, CLASSES = [50, 100, 500, 1000], [10, 5, 2, 1]
+PAPER = {  # Table 1, MNIST, s = 4: SAFARI − FedAvg in points, "-" = no difference
+    50: ["-", "-", "4.15", "12.75"],
+    100: ["-", "-", "6.55", "22.19"],
+    500: ["-", "-", "10.29", "29.12"],
+    1000: ["-", "-", "10.88", "31.42"],
+}
+
+
+def accuracy(server: int, classes: int, q: float, seed: int) -> float:
+    with tempfile.TemporaryDirectory() as workdir:
+        cli = run(
+            ["fit", "--config", str(ROOT / "recipes" / "safari.yaml"),
+             "--seed_everything", str(seed), "--trainer.strategy.init_args.seed", str(seed),
+             "--data.init_args.seed", str(seed), "--data.init_args.server_samples", str(server),
+             "--data.init_args.shards_per_client", str(classes),
+             "--trainer.callbacks.init_args.q", str(q), "--trainer.limit_val_batches", "0",
+             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+             "--trainer.default_root_dir", workdir,
+             "--trainer.logger.init_args.save_dir", workdir]
+        )  # fmt: skip
+    return 100 * float(cli.trainer.callback_metrics["test_acc"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--q", type=float, default=0.9)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = [
+        f"SAFARI (q = {args.q}) minus FedAvg, test accuracy in points, digits, s = 4, mean over "
+        f"seeds {args.seeds}; `python benchmarks/safari.py`. Paper (MNIST) in brackets; "
+        "p = classes per client (shards of one class each).",
+        "",
+        "| server digits | " + " | ".join(f"p = {p}" for p in CLASSES) + " |",
+        "|---|" + "---|" * len(CLASSES),
+    ]
+    fedavg_row = []
+    for size in SIZES:
+        cells = []
+        for j, classes in enumerate(CLASSES):
+            diffs, base = [], []
+            for seed in args.seeds:
+                fedavg = accuracy(size, classes, 1.0, seed)
+                diffs.append(accuracy(size, classes, args.q, seed) - fedavg)
+                base.append(fedavg)
+            cells.append(f"{statistics.mean(diffs):+.2f} ({PAPER[size][j]})")
+            if size == SIZES[-1]:
+                fedavg_row.append(f"{statistics.mean(base):.2f}")
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        "FedAvg's own accuracy with 1000 server digits held out: "
+        + ", ".join(f"p = {p}: {a}" for p, a in zip(CLASSES, fedavg_row)),
+        "",
+    ]
+    lines += ["SAFARI against q (p = 1, 1000 server digits, mean over seeds):", "",
+              "| q | test accuracy |", "|---|---|"]  # fmt: skip
+    for q in [1.0, 0.95, 0.9, 0.75, 0.5, 0.0]:
+        mean = statistics.mean(accuracy(1000, 1, q, seed) for seed in args.seeds)
+        lines.append(f"| {q} | {mean:.2f} |")
+        print(lines[-1], flush=True)
+    out = ROOT / "benchmarks" / "results" / "safari.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
