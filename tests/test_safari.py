@@ -105,3 +105,15 @@ def test_bad_safari_settings_are_refused():
     no_server = InMemoryFederatedDataModule(tiny_clients(), batch_size=4)
     with pytest.raises(ValueError, match="needs server data"):
         trainer.fit(module, datamodule=no_server)
+
+
+def test_digits_server_samples_are_held_out_before_the_split():
+    from lightning_fl.datamodules import DigitsDataModule
+
+    dm = DigitsDataModule(num_clients=10, partition="iid", server_samples=100, seed=0)
+    assert len(dm.server_dataset()) == 100
+    clients = sum(sum(dm.sample_counts(s)) for s in ("train", "val", "test"))
+    assert clients == 1797 - 100
+    assert DigitsDataModule(num_clients=10, partition="iid", seed=0).server_dataset() is None
+    with pytest.raises(ValueError, match="server_samples must be in"):
+        DigitsDataModule(server_samples=5000)
