@@ -8,7 +8,7 @@ recipes/safari.yaml's setting (10 clients holding p classes each, s = 4 never ta
 local epoch, 150 rounds) for server sets of 50, 100, 500 and 1000 digits and p ∈ {10, 5, 2,
 1}: the test accuracy of SAFARI minus that of FedAvg (the same run with q = 1), in points,
 mean over seeds, beside the paper's MNIST Table 1. Then SAFARI's accuracy against q for
-p = 1 and 1000 server digits. Writes benchmarks/results/safari.md.
+p = 1 and 1000 server digits. Writes benchmarks/results/safari_q<q>.md.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
         mean = statistics.mean(accuracy(1000, 1, q, seed) for seed in args.seeds)
         lines.append(f"| {q} | {mean:.2f} |")
         print(lines[-1], flush=True)
-    out = ROOT / "benchmarks" / "results" / "safari.md"
+    out = ROOT / "benchmarks" / "results" / f"safari_q{args.q}.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
