@@ -14,6 +14,7 @@ Round t (DESIGN.md, "One round is one Lightning epoch"):
 from __future__ import annotations
 
 import copy
+import csv
 import importlib.util
 import os
 import warnings
@@ -637,6 +638,8 @@ class _RoundDriver(pl.Callback):
         pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
         pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
         pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
+        if trainer.is_global_zero and trainer.loggers:
+            _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, pl_module, "val")
@@ -730,6 +733,22 @@ class _RoundDriver(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.strategy.load_federated_state_dict(state_dict)
+
+
+def _append_participation(path: str, state: RoundState) -> None:
+    """One row per participant of the round: round, client, aggregation weight ω_i, and
+    whether its update was dropped (NaN/Inf; with several processes, the drops rank 0 saw:
+    every rank's are counted in ``fl/dropped_updates``). Client −1 is the pooled
+    baseline's virtual client, −3 the server (SAFARI's server rounds)."""
+    new_file = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", newline="") as handle:
+        writer = csv.writer(handle)
+        if new_file:
+            writer.writerow(["round", "client", "weight", "dropped"])
+        for client, weight in zip(state.participation.clients, state.participation.weights):
+            dropped = int(client in state.dropped)
+            writer.writerow([state.round_idx, client, f"{weight:.10g}", dropped])
 
 
 def _to_cpu(value: Any) -> Any:

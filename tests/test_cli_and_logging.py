@@ -83,6 +83,10 @@ def test_quickstart_console_script_writes_per_client_metrics(tmp_path):
     assert {r["round"] for r in val_rows} == {"0", "1"}
     assert len({r["client"] for r in val_rows}) == 20
     assert glob.glob(str(tmp_path / "**/last.ckpt"), recursive=True)
+    (participation_csv,) = glob.glob(str(tmp_path / "**/participation.csv"), recursive=True)
+    rows = list(csv.DictReader(open(participation_csv)))
+    assert [r["round"] for r in rows] == ["0"] * 10 + ["1"] * 10  # 10 of 20 clients a round
+    assert len({r["client"] for r in rows if r["round"] == "0"}) == 10
 
 
 def _console(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
