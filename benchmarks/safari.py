@@ -1,7 +1,7 @@
 """SAFARI against FedAvg under incomplete participation (seed paper 004, Table 1) on the
 embedded digits.
 
-    python benchmarks/safari.py [--seeds 0 1 2] [--q 0.9]
+    python benchmarks/safari.py [--seeds 0 1 2] [--q 0.5]
 
 recipes/safari.yaml's setting (10 clients holding p classes each, s = 4 never take part,
 5 of the other 6 per round, multinomial logistic regression, SGD lr 0.1, batch 64, one
@@ -50,7 +50,7 @@ def accuracy(server: int, classes: int, q: float, seed: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--q", type=float, default=0.9)
+    parser.add_argument("--q", type=float, default=0.5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [
