@@ -99,9 +99,11 @@ class FederatedStrategy(DDPStrategy):
         num_threads: CPU threads per process for torch's intra-op parallelism. ``"auto"``
             (default): leave ``OMP_NUM_THREADS`` alone when it is set; otherwise one
             thread for models under 1M parameters (FL's small models run many tiny ops,
-            where threads cost more than they give: the quickstart takes 15 s with one
-            thread and 41 s with two on 2 cores), and the cores divided among this
-            machine's processes for larger ones. An int sets it; ``None`` leaves torch's
+            which gain nothing from more threads, and waiting threads stall when another
+            process holds a core: the quickstart takes 10.7 s with one or two threads on
+            an idle 2-core machine, but 15 s with one and 41 s with two while the other
+            core is busy), and the cores divided among this machine's processes for
+            larger ones. An int sets it; ``None`` leaves torch's
             setting untouched. Only applied on the CPU.
     """
 
