@@ -3,9 +3,9 @@ embedded digits.
 
     python benchmarks/safari.py [--seeds 0 1 2] [--q 0.5]
 
-recipes/safari.yaml's setting (10 clients holding p classes each, s = 4 never take part,
-5 of the other 6 per round, multinomial logistic regression, SGD lr 0.1, batch 64, one
-local epoch, 150 rounds) for server sets of 50, 100, 500 and 1000 digits and p ∈ {10, 5, 2,
+recipes/participation/safari.yaml's setting (10 clients holding p classes each, s = 4
+never take part, 5 of the other 6 per round, multinomial logistic regression, SGD
+lr 0.1, batch 64, one local epoch, 150 rounds) for server sets of 50, 100, 500 and 1000 digits and p ∈ {10, 5, 2,
 1}: the test accuracy of SAFARI minus that of FedAvg (the same run with q = 1), in points,
 mean over seeds, beside the paper's MNIST Table 1. Then SAFARI's accuracy against q for
 p = 1 and 1000 server digits. Writes benchmarks/results/safari_q<q>.md.
@@ -35,7 +35,7 @@ PAPER = {  # Table 1, MNIST, s = 4: SAFARI − FedAvg in points, "-" = no differ
 def accuracy(server: int, classes: int, q: float, seed: int) -> float:
     with tempfile.TemporaryDirectory() as workdir:
         cli = run(
-            ["fit", "--config", str(ROOT / "recipes" / "safari.yaml"),
+            ["fit", "--config", str(ROOT / "recipes" / "participation" / "safari.yaml"),
              "--seed_everything", str(seed), "--trainer.strategy.init_args.seed", str(seed),
              "--data.init_args.seed", str(seed), "--data.init_args.server_samples", str(server),
              "--data.init_args.shards_per_client", str(classes),
