@@ -8,7 +8,8 @@ never take part, 5 of the other 6 per round, multinomial logistic regression, SG
 lr 0.1, batch 64, one local epoch, 150 rounds) for server sets of 50, 100, 500 and 1000
 digits and p ∈ {10, 5, 2, 1}: the test accuracy of SAFARI minus that of FedAvg (the same
 run with q = 1), in points, mean over seeds, beside the paper's MNIST Table 1. Then
-SAFARI's accuracy against q for p = 1 and 1000 server digits. Writes benchmarks/results/safari_q<q>.md.
+SAFARI's accuracy against q for p = 1 and 1000 server digits. Writes
+benchmarks/results/safari_q<q>.md.
 """
 
 from __future__ import annotations
