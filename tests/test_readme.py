@@ -45,3 +45,27 @@ def test_readme_snippet_runs(index, tmp_path, monkeypatch):
         assert out["results"] == again["results"] and out["results"][0][0]["test_acc"] > 0.1
     if index == 2:
         assert out["namespace"]["datamodule"].num_clients == 8
+
+
+def test_the_systems_table_names_tests_and_recipes_that_exist():
+    """Every `tests/...::name` and every recipe in the README's systems table exists."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Implemented systems") : text.index("## Data")]
+    current_file = None
+    checked = 0
+    for cell in re.findall(r"`([^`]+)`", table):
+        if cell.startswith("tests/"):
+            path, _, name = cell.partition("::")
+            current_file = ROOT / path
+            assert current_file.exists(), cell
+        elif cell.startswith("::") and current_file is not None:
+            name = cell[2:]
+        else:
+            if cell.endswith(".yaml") and "*" not in cell and "{" not in cell:
+                assert (ROOT / "recipes" / cell).exists(), cell
+                checked += 1
+            continue
+        if name:
+            assert f"def {name}(" in current_file.read_text(), cell
+            checked += 1
+    assert checked > 20
