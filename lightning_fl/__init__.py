@@ -1,5 +1,6 @@
 """lightning_fl: federated learning as a PyTorch Lightning strategy plus callbacks."""
 
+from lightning_fl.availability import AlwaysAvailable, MarkovAvailability
 from lightning_fl.client_store import ClientStore
 from lightning_fl.mixture import MixtureClassifier
 from lightning_fl.models import (
@@ -17,6 +18,7 @@ from lightning_fl.models import (
 )
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
+    AvailableClients,
     ClientSampler,
     ClusteredSampler,
     ExcludedClients,
@@ -34,6 +36,9 @@ from lightning_fl.werm import WERMClassifier
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlwaysAvailable",
+    "AvailableClients",
+    "MarkovAvailability",
     "MLP",
     "BinaryClassifier",
     "CharLSTM",

@@ -172,6 +172,57 @@ class ExcludedClients(ClientSampler):
         self.sampler.load_state_dict(state)
 
 
+class AvailableClients(ClientSampler):
+    """Every available client takes part (CA-Fed's setting, Marfoq thesis §2.2, eq. 2.16):
+    the server update is Σ_{k∈A_t} q_k Δ_k, with A_t from ``availability``
+    (:mod:`lightning_fl.availability`) and one of two selectors:
+
+    - ``"unbiased"``: q_k = α_k / π_k, so that E[1{k ∈ A_t}] q_k = α_k under the chain's
+      stationary law and the biased objective (2.17) is the target Σ α_k F_k;
+    - ``"more_available"``: only clients with π_k ≥ ``min_availability`` (Guideline A),
+      q_k = α_k / (π_k Σ_{j kept} α_j): unbiased for the kept clients' objective.
+
+    α is the aggregator's target weights p. The weights are not normalized per round (the
+    server learning rate η̄ of eq. 2.16 is the aggregator's ``server_lr``). A round with no
+    available client trains nobody and leaves the model unchanged (``fl/participants`` 0).
+    """
+
+    def __init__(
+        self,
+        availability: Any,
+        selector: Literal["unbiased", "more_available"] = "unbiased",
+        min_availability: float = 0.5,
+    ) -> None:
+        super().__init__(renormalize=False)
+        if selector not in ("unbiased", "more_available"):
+            raise ValueError(f"selector must be 'unbiased' or 'more_available', got {selector!r}.")
+        self.availability, self.selector = availability, selector
+        self.min_availability = min_availability
+
+    def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
+        p = _check_target_weights(p)
+        n = len(p)
+        available = self.availability.available(round_idx, seed, n) & (p > 0)
+        pi = self.availability.stationary(n)
+        q = p / pi
+        if self.selector == "more_available":
+            kept = pi >= self.min_availability
+            if not bool((kept & (p > 0)).any()):
+                raise ValueError(
+                    f"No client has π_k >= min_availability={self.min_availability}: lower it."
+                )
+            q = torch.where(kept, q / p[kept].sum(), torch.zeros_like(q))
+            available &= kept
+        clients = torch.nonzero(available).flatten().tolist()
+        return Participation(tuple(clients), tuple(float(q[c]) for c in clients))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.availability.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.availability.load_state_dict(state)
+
+
 class ClusteredSampler(_FixedSizeSampler):
     """Clustered sampling (Fraboni et al., ICML 2021; Fraboni thesis Ch. 3, §3.3): one
     client from each of m distributions W_k with P(l_k = i) = r_ki, aggregated as MD,

@@ -1,0 +1,111 @@
+"""Client availability (Rodio et al., INFOCOM 2023; Marfoq thesis §2.2): the set A_t of
+clients that can take part in round t is exogenous, and samplers choose only among it.
+
+An availability model is a plain seeded object: ``available(round_idx, seed, n)`` is a
+function of (seed, round) and of the chain's past, which it advances one round at a
+time from its saved state, so resumed runs and every rank see the same sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lightning_fl.seeding import generator
+
+
+class AlwaysAvailable:
+    """Every client, every round (π_k = 1): the behaviour without an availability model."""
+
+    def available(self, round_idx: int, seed: int, num_clients: int) -> torch.Tensor:
+        return torch.ones(num_clients, dtype=torch.bool)
+
+    def stationary(self, num_clients: int) -> torch.Tensor:
+        return torch.ones(num_clients, dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class MarkovAvailability:
+    """Two-state Markov chains (inactive 0, active 1), one per client or one per cluster of
+    clients (spatial correlation), with stationary activity π and second eigenvalue λ
+    (thesis eqs. D.226–D.228):
+
+        P = [[1 − (1−λ)π,      (1−λ)π     ],
+             [(1−λ)(1−π),  λ + (1−λ)π     ]],
+
+    so P(active → active) − P(inactive → active) = λ, the lag-1 autocorrelation of the
+    activity. A chain starts from its stationary law at round 0 and takes one step per
+    round with draws seeded from (seed, round).
+
+    Args:
+        pi: π_k per chain (or one value for all), in (0, 1).
+        lam: λ_k per chain (or one value), in (−1, 1) and such that P is a probability
+            matrix.
+        clusters: the chain of each client (default: one chain per client).
+    """
+
+    def __init__(
+        self,
+        pi: float | Sequence[float],
+        lam: float | Sequence[float] = 0.0,
+        clusters: Sequence[int] | None = None,
+    ) -> None:
+        self.pi = torch.as_tensor(pi, dtype=torch.float64).flatten()
+        self.lam = torch.as_tensor(lam, dtype=torch.float64).flatten()
+        if ((self.pi <= 0) | (self.pi >= 1)).any():
+            raise ValueError(f"Every π_k must be in (0, 1), got {self.pi.tolist()}.")
+        up, down = (1 - self.lam) * self.pi, (1 - self.lam) * (1 - self.pi)  # 0→1, 1→0
+        if ((up < 0) | (up > 1) | (down < 0) | (down > 1)).any():
+            raise ValueError(
+                "λ_k must keep P a probability matrix: (1−λ)π and (1−λ)(1−π) ∈ [0, 1]."
+            )
+        self.clusters = None if clusters is None else torch.as_tensor(clusters, dtype=torch.long)
+        self._round: int | None = None
+        self._state: torch.Tensor | None = None
+
+    def _chains(self, num_clients: int) -> int:
+        return num_clients if self.clusters is None else int(self.clusters.max()) + 1
+
+    def _per_chain(self, values: torch.Tensor, chains: int) -> torch.Tensor:
+        if len(values) == 1:
+            return values.expand(chains)
+        if len(values) != chains:
+            raise ValueError(f"Got {len(values)} values for {chains} availability chains.")
+        return values
+
+    def stationary(self, num_clients: int) -> torch.Tensor:
+        """π_k of every client."""
+        pi = self._per_chain(self.pi, self._chains(num_clients))
+        return pi if self.clusters is None else pi[self.clusters]
+
+    def available(self, round_idx: int, seed: int, num_clients: int) -> torch.Tensor:
+        chains = self._chains(num_clients)
+        pi = self._per_chain(self.pi, chains)
+        lam = self._per_chain(self.lam, chains)
+        if self._state is None or self._round is None or self._round > round_idx:
+            draw = torch.rand(
+                chains, generator=generator(seed, "availability", 0), dtype=torch.float64
+            )
+            self._round, self._state = 0, draw < pi
+        while self._round < round_idx:
+            self._round += 1
+            draw = torch.rand(
+                chains, generator=generator(seed, "availability", self._round), dtype=torch.float64
+            )
+            p_active = torch.where(self._state, lam + (1 - lam) * pi, (1 - lam) * pi)
+            self._state = draw < p_active
+        state = self._state
+        return state if self.clusters is None else state[self.clusters]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self._round, "state": self._state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._round, self._state = state.get("round"), state.get("state")
