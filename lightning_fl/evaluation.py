@@ -28,19 +28,21 @@ class ClientMetricCapture:
     ``on_epoch=True`` and the default mean reduction are split per client; a torchmetrics
     ``Metric`` object cannot be split this way), read from Lightning's running sums at each
     client boundary; and the per-client sums a :class:`~lightning_fl.FederatedTask` keeps
-    on the device instead of logging every batch (``module_sums``), whose seen-client
-    totals are in :attr:`epoch_sums` for the strategy to log once per epoch.
+    on the device instead of logging every batch (``module_sums``, their names in
+    :attr:`summed_names`), whose epoch value the strategy logs once, as the seen clients'
+    sample-weighted mean.
     """
 
     def __init__(self) -> None:
         self.per_client: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
         self._totals: dict[str, tuple[float, float]] = {}
-        self.epoch_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Names of the metrics that came as module sums (logged once per epoch).
+        self.summed_names: set[str] = set()
 
     def reset(self) -> None:
         self.per_client.clear()
         self._totals.clear()
-        self.epoch_sums.clear()
+        self.summed_names.clear()
 
     def close_client(
         self,
@@ -50,17 +52,11 @@ class ClientMetricCapture:
         module_sums: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Record ``client``'s means; with ``exclude``, also take its batches back out of
-        the epoch sums (unseen clients must not move the seen clients' mean)."""
+        Lightning's epoch sums (unseen clients must not move the seen clients' mean)."""
         for key, (total, count) in (module_sums or {}).items():
+            self.summed_names.add(key)
             if float(count) > 0:
                 self.per_client[key][client] = (float(total / count), float(count))
-            if not exclude:
-                previous = self.epoch_sums.get(key)
-                self.epoch_sums[key] = (
-                    (total, count)
-                    if previous is None
-                    else (previous[0] + total, previous[1] + count)
-                )
         for key, metric in results.items():
             meta = getattr(metric, "meta", None)
             if meta is None or not (metric.is_tensor and meta.on_epoch and meta.is_mean_reduction):

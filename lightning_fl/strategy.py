@@ -654,13 +654,15 @@ class _RoundDriver(pl.Callback):
         strategy.end_client_evaluation()
         if trainer.sanity_checking:
             return
-        self._log_epoch_sums(trainer, pl_module)
-        per_client = {k: dict(v) for k, v in strategy.metric_capture.per_client.items() if v}
+        capture = strategy.metric_capture
+        per_client = {k: dict(v) for k, v in capture.per_client.items() if v}
+        summed = set(capture.summed_names)
         if dist.is_initialized() and trainer.world_size > 1:
             parts: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(parts, per_client)
+            dist.all_gather_object(parts, (per_client, summed))
             per_client = {}
-            for part in parts:
+            for part, names in parts:
+                summed |= names
                 for name, values in part.items():
                     per_client.setdefault(name, {}).update(values)
         unseen = set(trainer.datamodule.unseen_clients)
@@ -676,6 +678,11 @@ class _RoundDriver(pl.Callback):
                 for key, value in summary.items():
                     # the same on every rank: syncing only averages equal values
                     pl_module.log(f"{prefix}/{key}", value, sync_dist=True)
+                if name in summed and prefix == name:
+                    # a FederatedTask's metric, summed per client instead of logged every
+                    # batch: its epoch value is the seen clients' sample-weighted mean, from
+                    # every rank's clients (no count averaging over ranks)
+                    pl_module.log(name, summary["weighted"], sync_dist=True, prog_bar=True)
         if per_client and trainer.is_global_zero:
             # no trainer.log_dir here: it is a collective, and only rank 0 writes
             log_dir = run_dir(trainer)
@@ -703,29 +710,6 @@ class _RoundDriver(pl.Callback):
                     }
                     | {"trainer/global_step": trainer.global_step},
                 )
-
-    @staticmethod
-    def _log_epoch_sums(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log the seen clients' sample-weighted means of the metrics a FederatedTask
-        summed per client: ``self.log(key, mean, batch_size=n, sync_dist=True)``, so that
-        Lightning's sync over ranks gives Σ mean_r·n_r / Σ n_r. Every rank logs the same
-        keys (a collective), a rank without data with n = 0."""
-        totals = trainer.strategy.metric_capture.epoch_sums
-        counts = {key: float(count) for key, (_, count) in totals.items()}
-        if dist.is_initialized() and trainer.world_size > 1:
-            parts: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(parts, counts)
-            counts = {}
-            for part in parts:
-                for key, n in part.items():
-                    counts[key] = counts.get(key, 0.0) + n
-        for key in sorted(k for k, n in counts.items() if n > 0):
-            total, count = totals.get(key, (torch.tensor(0.0), torch.tensor(0)))
-            mean = total / count if float(count) > 0 else torch.zeros_like(total)
-            pl_module.log(
-                key, mean.to(pl_module.device), batch_size=int(count), sync_dist=True,
-                prog_bar=True,
-            )  # fmt: skip
 
     def __init__(self, strategy: FederatedStrategy) -> None:
         self.strategy = strategy

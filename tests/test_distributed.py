@@ -3,6 +3,7 @@ exactly, and a crashed rank ends the run with a clear error instead of a hang.""
 
 from __future__ import annotations
 
+import csv
 import glob
 import os
 import subprocess
@@ -52,6 +53,11 @@ def test_two_processes_equal_one_process(tmp_path, recipe):
                  "--trainer.devices", devices))  # fmt: skip
     one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    plain = {}  # the plain val_acc is the gathered weighted mean, not a count-averaged sync
+    for d in ("1", "2"):
+        (path,) = glob.glob(str(tmp_path / d / "**" / "metrics.csv"), recursive=True)
+        plain[d] = [float(r["val_acc"]) for r in csv.DictReader(open(path)) if r.get("val_acc")]
+    assert plain["1"] and plain["1"] == pytest.approx(plain["2"], abs=1e-6)
     rows = {}
     for d in ("1", "2"):
         (path,) = glob.glob(str(tmp_path / d / "**" / "client_metrics.csv"), recursive=True)
