@@ -52,7 +52,9 @@ class Local(Aggregator):
         dm = trainer.datamodule
         clients = range(dm.num_clients)
         data = {j: dm.client_dataset(j, split) for j in clients}
-        data = {j: d[:] for j, d in data.items() if d is not None and len(d) > 0}
+        data = {
+            j: strategy.batch_to_device(d[:]) for j, d in data.items() if d is not None and len(d)
+        }
         saved = tensors.clone()
         table: dict[str, torch.Tensor] = {}
         try:
@@ -60,7 +62,6 @@ class Local(Aggregator):
                 if not self.models.load(strategy.client_store, i, tensors):
                     continue
                 for j, batch in data.items():
-                    batch = strategy.batch_to_device(batch)
                     loss, metrics = module.loss_and_metrics(batch)
                     for name, value in {"loss": loss, **metrics}.items():
                         n = dm.num_clients

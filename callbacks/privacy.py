@@ -318,8 +318,13 @@ class DPSGD(FederatedCallback):
         """Count one noisy step of ``source`` for ``client``. The sampling rate is the
         nominal one, B/n with B the largest batch seen: a last, partial batch has a lower
         rate, and accounting with it would under-report ε."""
-        dataset = strategy.lightning_module.trainer.datamodule.client_dataset(client, "train")
-        n = len(dataset.reference) if source == "reference" else len(dataset)
+        n = self._sizes.get((client, source))
+        if n is None:  # once per fit and client, not per step
+            dm = strategy.lightning_module.trainer.datamodule
+            dataset = dm.client_dataset(client, "train")
+            n = self._sizes[(client, source)] = (
+                len(dataset.reference) if source == "reference" else len(dataset)
+            )
         store = strategy.client_store
         key = f"dp_{source}"
         store.set(client, f"{key}_steps", store.get(client, f"{key}_steps", 0) + 1)

@@ -4,8 +4,6 @@ client participation", Algorithm 1)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 
@@ -41,7 +39,6 @@ class SAFARI(Aggregator):
         if server_lr is not None and not server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {server_lr}.")
         self.q, self.server_lr = q, server_lr
-        self._server_round = False
 
     def is_server_round(self, round_idx: int, seed: int) -> bool:
         draw = torch.rand(1, generator=generator(seed, "safari", round_idx), dtype=torch.float64)
@@ -50,8 +47,7 @@ class SAFARI(Aggregator):
     def participation(
         self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
     ) -> Participation:
-        self._server_round = self.is_server_round(round_idx, seed)
-        if self._server_round:
+        if self.is_server_round(round_idx, seed):
             return Participation((SERVER_CLIENT,), (1.0,))
         return sampler.sample(round_idx, seed, p)
 
@@ -75,10 +71,8 @@ class SAFARI(Aggregator):
         torch._foreach_add_(state.global_tensors, state.update_sum, alpha=scale)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pl_module.log("safari/server_round", float(self._server_round), on_epoch=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+        clients = trainer.strategy.current_round.state.participation.clients
+        pl_module.log("safari/server_round", float(clients == (SERVER_CLIENT,)), on_epoch=True)
 
 
 __all__ = ["SAFARI"]

@@ -62,43 +62,17 @@ def generate_mixture_tasks(
     the default of the ``"authors"`` generator), or else ``num_test`` samples shared among
     the tasks in proportion to n_t.
     """
-    if num_tasks < 1 or num_components < 1 or dimension < 1:
-        raise ValueError("num_tasks, num_components and dimension must be >= 1.")
-    if alpha <= 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}.")
-    if generator not in ("corrected", "authors"):
-        raise ValueError(f"generator must be 'corrected' or 'authors', got {generator!r}.")
+    components, weights, sizes, rng = _mixture_parameters(
+        num_tasks, num_components, dimension, alpha, seed, generator
+    )
     tasks = list(
-        iter_mixture_tasks(
-            num_tasks, num_components, dimension, alpha, noise_level, num_test, seed,
-            generator, num_test_per_task,
+        _draw_tasks(
+            components, weights, sizes, rng, generator, noise_level, num_test, num_test_per_task
         )
-    )  # fmt: skip
+    )
     features = [x for x, _, _ in tasks]
     labels = [y for _, y, _ in tasks]
-    sizes = [n for _, _, n in tasks]
-    components, weights = _mixture_parameters(
-        num_tasks, num_components, dimension, alpha, seed, generator
-    )[:2]
-    return MixtureTasks(features, labels, sizes, components, weights)
-
-
-def _mixture_parameters(
-    num_tasks: int, num_components: int, dimension: int, alpha: float, seed: int, generator: str
-):
-    """(θ*, π*, n, rng) drawn in the chosen generator's order."""
-    concentration = alpha * np.ones(num_components)
-    if generator == "authors":
-        rng = np.random.RandomState(seed)
-        sizes = np.minimum(rng.lognormal(4, 2, num_tasks).astype(int) + 50, 1000)
-        weights = np.stack([rng.dirichlet(concentration) for _ in range(num_tasks)])
-        components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
-        return components, weights, sizes, rng
-    rng = np.random.default_rng(seed)
-    components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
-    weights = rng.dirichlet(concentration, size=num_tasks)
-    sizes = np.minimum(rng.lognormal(4.0, 2.0, size=num_tasks).astype(int) + 50, 1000)
-    return components, weights, sizes, rng
+    return MixtureTasks(features, labels, [n for _, _, n in tasks], components, weights)
 
 
 def iter_mixture_tasks(
@@ -117,6 +91,47 @@ def iter_mixture_tasks(
     components, weights, sizes, rng = _mixture_parameters(
         num_tasks, num_components, dimension, alpha, seed, generator
     )
+    yield from _draw_tasks(
+        components, weights, sizes, rng, generator, noise_level, num_test, num_test_per_task
+    )
+
+
+def _mixture_parameters(
+    num_tasks: int, num_components: int, dimension: int, alpha: float, seed: int, generator: str
+):
+    """(θ*, π*, n, rng) drawn in the chosen generator's order."""
+    if num_tasks < 1 or num_components < 1 or dimension < 1:
+        raise ValueError("num_tasks, num_components and dimension must be >= 1.")
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}.")
+    if generator not in ("corrected", "authors"):
+        raise ValueError(f"generator must be 'corrected' or 'authors', got {generator!r}.")
+    concentration = alpha * np.ones(num_components)
+    if generator == "authors":
+        rng = np.random.RandomState(seed)
+        sizes = np.minimum(rng.lognormal(4, 2, num_tasks).astype(int) + 50, 1000)
+        weights = np.stack([rng.dirichlet(concentration) for _ in range(num_tasks)])
+        components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
+        return components, weights, sizes, rng
+    rng = np.random.default_rng(seed)
+    components = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
+    weights = rng.dirichlet(concentration, size=num_tasks)
+    sizes = np.minimum(rng.lognormal(4.0, 2.0, size=num_tasks).astype(int) + 50, 1000)
+    return components, weights, sizes, rng
+
+
+def _draw_tasks(
+    components: np.ndarray,
+    weights: np.ndarray,
+    sizes: np.ndarray,
+    rng,
+    generator: str,
+    noise_level: float,
+    num_test: int,
+    num_test_per_task: int | None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Every task's training then test samples, drawn from ``rng`` after the parameters."""
+    num_tasks, (num_components, dimension) = len(sizes), components.shape
     if generator == "authors":
         per_task = 5000 if num_test_per_task is None else num_test_per_task
         for t in range(num_tasks):

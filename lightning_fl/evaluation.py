@@ -12,13 +12,13 @@ see :func:`lower_is_better`).
 
 from __future__ import annotations
 
-import csv
-import os
 import re
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
+
+from lightning_fl.outputs import append_csv
 
 
 class ClientMetricCapture:
@@ -104,12 +104,9 @@ def write_client_metrics_csv(
     per_client: Mapping[str, Mapping[int, tuple[float, float]]],
 ) -> None:
     """Append one row per (metric, client) to ``path`` (header written once)."""
-    new_file = not os.path.exists(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a", newline="") as handle:
-        writer = csv.writer(handle)
-        if new_file:
-            writer.writerow(["stage", "round", "metric", "client", "value", "num_samples"])
-        for name, values in per_client.items():
-            for client, (value, count) in sorted(values.items()):
-                writer.writerow([stage, round_idx, name, client, f"{value:.8g}", int(count)])
+    rows = (
+        [stage, round_idx, name, client, f"{value:.8g}", int(count)]
+        for name, values in per_client.items()
+        for client, (value, count) in sorted(values.items())
+    )
+    append_csv(path, ["stage", "round", "metric", "client", "value", "num_samples"], rows)

@@ -230,6 +230,9 @@ class FederatedTask(LightningModule):
             raise ValueError("Give either lr_decay or lr_milestones, not both.")
         self.save_hyperparameters(ignore=["network"])
         self.network = network
+        # Σ value·B and Σ B per metric, on the device (see _log_training_step)
+        self._training_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._evaluation_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
@@ -301,14 +304,6 @@ class FederatedTask(LightningModule):
         sums = dict(self._evaluation_sums)
         self._evaluation_sums.clear()
         return sums
-
-    @property
-    def _training_sums(self) -> dict:
-        return self.__dict__.setdefault("_training_sums_store", {})
-
-    @property
-    def _evaluation_sums(self) -> dict:
-        return self.__dict__.setdefault("_evaluation_sums_store", {})
 
     def on_train_epoch_end(self) -> None:
         for name, (total, count) in self._training_sums.items():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import os
+from collections.abc import Iterable, Sequence
 
 import lightning.pytorch as pl
 
@@ -27,3 +29,15 @@ def run_dir(trainer: pl.Trainer) -> str:
     version = logger.version
     version = version if isinstance(version, str) else f"version_{version}"
     return os.path.join(save_dir, str(logger.name), version)
+
+
+def append_csv(path: str, header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """Append ``rows`` to the CSV file ``path``, writing ``header`` first when the file is
+    new (its folder is created)."""
+    new_file = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", newline="") as handle:
+        writer = csv.writer(handle)
+        if new_file:
+            writer.writerow(header)
+        writer.writerows(rows)

@@ -90,6 +90,13 @@ class _FixedSizeSampler(ClientSampler):
             raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}.")
         self.clients_per_round = clients_per_round
 
+    def check(self, num_eligible: int) -> None:
+        if self.clients_per_round > num_eligible:
+            raise ValueError(
+                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
+                f"have training data; set clients_per_round <= {num_eligible}."
+            )
+
 
 class UniformSampler(_FixedSizeSampler):
     """m clients uniformly without replacement; ω_i = (n/m)·p_i for each sampled i.
@@ -97,13 +104,6 @@ class UniformSampler(_FixedSizeSampler):
     Tab. 2.1, "Uniform": E[ω_i] = (m/n)(n/m)p_i = p_i. n counts the clients with
     p_i > 0. The weights sum to 1 only when p_i = 1/n.
     """
-
-    def check(self, num_eligible: int) -> None:
-        if self.clients_per_round > num_eligible:
-            raise ValueError(
-                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
-                f"have training data; set clients_per_round <= {num_eligible}."
-            )
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         eligible = torch.nonzero(p > 0).flatten()
@@ -119,6 +119,9 @@ class MDSampler(_FixedSizeSampler):
     Tab. 2.1, "MD" (multinomial distribution, with replacement). A client drawn twice
     trains once and counts twice. The weights always sum to 1.
     """
+
+    def check(self, num_eligible: int) -> None:
+        """Draws with replacement: any m works."""
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         m = self.clients_per_round
@@ -231,20 +234,14 @@ class ClusteredSampler(_FixedSizeSampler):
     most MD's p_i(1 − p_i)/m. Subclasses build r.
     """
 
-    def distributions(self, p: torch.Tensor) -> torch.Tensor:
-        """r: [m, n], float64."""
+    def distributions(self, p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        """r: [m, n], float64; ``gen`` is the round's generator, for samplers whose r has
+        a random part."""
         raise NotImplementedError
-
-    def check(self, num_eligible: int) -> None:
-        if self.clients_per_round > num_eligible:
-            raise ValueError(
-                f"clients_per_round={self.clients_per_round} but only {num_eligible} clients "
-                f"have training data; set clients_per_round <= {num_eligible}."
-            )
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         m = self.clients_per_round
-        r = self.distributions(p)
+        r = self.distributions(p, gen)
         draws = [int(torch.multinomial(r[k], 1, generator=gen)) for k in range(m)]
         return {i: count / m for i, count in Counter(draws).items()}
 
@@ -272,7 +269,7 @@ class SampleSizeClusteredSampler(ClusteredSampler):
         super().__init__(clients_per_round, renormalize)
         self._cache: tuple[tuple[float, ...], torch.Tensor] | None = None
 
-    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+    def distributions(self, p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         key = tuple(p.tolist())
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
@@ -311,7 +308,7 @@ class FixedClustersSampler(ClusteredSampler):
             raise ValueError("clusters must be non-empty and disjoint lists of client ids.")
         self.clusters = [list(c) for c in clusters]
 
-    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+    def distributions(self, p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         m = len(self.clusters)
         r = torch.zeros(m, len(p), dtype=torch.float64)
         for k, cluster in enumerate(self.clusters):
@@ -363,16 +360,11 @@ class SimilarityClusteredSampler(ClusteredSampler):
             raise ValueError(f"similarity must be 'arccos', 'L2' or 'L1', got {similarity!r}.")
         self.similarity, self.authors_linkage = similarity, authors_linkage
         self.gradients: torch.Tensor | None = None
-        self._generator: torch.Generator | None = None
 
     def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
         if self.gradients is None or self.gradients.shape != (num_clients, updates.shape[1]):
             self.gradients = torch.zeros(num_clients, updates.shape[1])
         self.gradients[list(clients)] = updates.detach().float().cpu()
-
-    def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
-        self._generator = gen
-        return super()._draw(p, gen)
 
     def similarity_matrix(self) -> torch.Tensor:
         g = self.gradients.double()
@@ -409,7 +401,7 @@ class SimilarityClusteredSampler(ClusteredSampler):
             found.setdefault(int(label), []).append(client)
         return list(found.values())
 
-    def distributions(self, p: torch.Tensor) -> torch.Tensor:
+    def distributions(self, p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         m, n = self.clients_per_round, len(p)
         self.check(int((p > 0).sum()))
         if self.gradients is None:
@@ -430,8 +422,8 @@ class SimilarityClusteredSampler(ClusteredSampler):
             for i in group:
                 b[i] = mass[i]
         leftover.sort(key=lambda g: sum(mass[i] for i in g))
-        gen = self._generator or torch.Generator().manual_seed(0)
-        order = [b for b in sorted(range(len(bins)), key=lambda b: sum(bins[b]))]
+        gen = gen or torch.Generator().manual_seed(0)
+        order = sorted(range(len(bins)), key=lambda b: sum(bins[b]))
         position = 0
         for group in leftover:
             for j in torch.randperm(len(group), generator=gen).tolist():

@@ -14,7 +14,6 @@ Round t (DESIGN.md, "One round is one Lightning epoch"):
 from __future__ import annotations
 
 import copy
-import csv
 import importlib.util
 import os
 import warnings
@@ -44,7 +43,7 @@ from lightning_fl.client_store import ClientStore
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
 from lightning_fl.divergence import DivergenceMonitor
 from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
-from lightning_fl.outputs import run_dir
+from lightning_fl.outputs import append_csv, run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
 from lightning_fl.samplers import ClientSampler, FullParticipation
 from lightning_fl.seeding import derive_seed, generator, seed_global_rng
@@ -375,14 +374,15 @@ class FederatedStrategy(DDPStrategy):
         mine = [i for i, c in enumerate(participation.clients) if self.owner(c) == self.global_rank]
         needed = mine if self.local_steps is not None else range(len(participation.clients))
         built = {i: make_loader(participation.clients[i]) for i in needed}
-        batches = [
-            1  # the server's round is one SGD step (SAFARI, Alg. 1 line 10)
-            if participation.clients[i] == SERVER_CLIENT
-            else self.local_steps
-            if self.local_steps is not None
-            else self._num_batches(built[i])
-            for i in range(len(participation.clients))
-        ]
+
+        def num_batches(i: int) -> int:
+            if participation.clients[i] == SERVER_CLIENT:
+                return 1  # the server's round is one SGD step (SAFARI, Alg. 1 line 10)
+            if self.local_steps is not None:
+                return self.local_steps
+            return self._num_batches(built[i])
+
+        batches = [num_batches(i) for i in range(len(participation.clients))]
         per_rank = [0] * self.world_size
         for c, n in zip(participation.clients, batches):
             per_rank[self.owner(c)] += n
@@ -487,7 +487,7 @@ class FederatedStrategy(DDPStrategy):
         self.federated_tensors.load_(state.global_tensors)
         if SAMPLER_UPDATES in state.extra_sums:
             rows = state.extra_sums[SAMPLER_UPDATES][0]
-            sent = [i for i in range(len(rows)) if bool(rows[i].any())]  # not dropped
+            sent = torch.nonzero(rows.any(dim=1)).flatten().tolist()  # not dropped
             clients = tuple(state.participation.clients[i] for i in sent)
             self.sampler.observe(clients, rows[sent], state.num_clients)
         self._call("on_round_end", state)
@@ -726,15 +726,12 @@ def _append_participation(path: str, state: RoundState) -> None:
     whether its update was dropped (NaN/Inf; with several processes, the drops rank 0 saw:
     every rank's are counted in ``fl/dropped_updates``). Client −1 is the pooled
     baseline's virtual client, −3 the server (SAFARI's server rounds)."""
-    new_file = not os.path.exists(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "a", newline="") as handle:
-        writer = csv.writer(handle)
-        if new_file:
-            writer.writerow(["round", "client", "weight", "dropped"])
-        for client, weight in zip(state.participation.clients, state.participation.weights):
-            dropped = int(client in state.dropped)
-            writer.writerow([state.round_idx, client, f"{weight:.10g}", dropped])
+    participation = zip(state.participation.clients, state.participation.weights)
+    rows = (
+        [state.round_idx, client, f"{weight:.10g}", int(client in state.dropped)]
+        for client, weight in participation
+    )
+    append_csv(path, ["round", "client", "weight", "dropped"], rows)
 
 
 def _to_cpu(value: Any) -> Any:

@@ -122,3 +122,12 @@ class CrashOnRank(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.global_rank == self.rank and trainer.current_epoch == self.round_idx:
             raise RuntimeError(f"injected failure on rank {self.rank}")
+
+
+def weights_over_rounds(sampler, p: torch.Tensor, rounds: int, seed: int = 0) -> torch.Tensor:
+    """ω_i(S_t) of ``sampler`` for rounds 0..rounds−1: [rounds, n], 0 for absent clients."""
+    omega = torch.zeros(rounds, len(p), dtype=torch.float64)
+    for t in range(rounds):
+        part = sampler.sample(t, seed, p)
+        omega[t, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    return omega

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from lightning_fl import AvailableClients, FederatedStrategy, MarkovAvailability
-from tests.helpers import make_trainer, params_of, tiny_datamodule, tiny_module
+from tests.helpers import (
+    make_trainer,
+    params_of,
+    tiny_datamodule,
+    tiny_module,
+    weights_over_rounds,
+)
 
 
 def _trace(model, rounds, n, seed=0):
@@ -37,10 +43,7 @@ def test_unbiased_selector_weights_average_to_alpha():
     alpha = torch.tensor([0.3, 0.1, 0.2, 0.1, 0.2, 0.1], dtype=torch.float64)
     sampler = AvailableClients(MarkovAvailability(pi, [0.8, 0.0, 0.8, 0.0, 0.3, 0.5]))
     rounds = 20_000
-    omega = torch.zeros(rounds, 6, dtype=torch.float64)
-    for t in range(rounds):
-        part = sampler.sample(t, 3, alpha)
-        omega[t, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    omega = weights_over_rounds(sampler, alpha, rounds, seed=3)
     assert torch.allclose(omega.mean(0), alpha, rtol=0.1)
 
 

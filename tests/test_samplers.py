@@ -15,7 +15,13 @@ from lightning_fl import (
     UniformSampler,
 )
 from lightning_fl.callbacks import FedAvg
-from tests.helpers import make_trainer, params_of, tiny_datamodule, tiny_module
+from tests.helpers import (
+    make_trainer,
+    params_of,
+    tiny_datamodule,
+    tiny_module,
+    weights_over_rounds,
+)
 
 P = torch.tensor(
     [0.30, 0.20, 0.15, 0.10, 0.08, 0.07, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64
@@ -26,10 +32,7 @@ DRAWS = 20_000
 @pytest.mark.parametrize("sampler", [UniformSampler(4), MDSampler(4)], ids=["uniform", "md"])
 def test_weights_are_unbiased_within_three_standard_errors(sampler):
     """Fraboni et al. Def. 2.1; the variances of Tab. 2.1 are checked too."""
-    omega = torch.zeros(DRAWS, len(P), dtype=torch.float64)
-    for r in range(DRAWS):
-        part = sampler.sample(r, 0, P)
-        omega[r, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    omega = weights_over_rounds(sampler, P, DRAWS)
     mean, std_err = omega.mean(0), omega.std(0) / DRAWS**0.5
     assert ((mean - P).abs() <= 3 * std_err + 1e-12).all(), (mean, P)
     n, m = len(P), 4
@@ -99,10 +102,7 @@ def test_sample_size_clustered_weights_are_unbiased_with_less_variance_than_md()
     client is drawn at most ⌊m p_i⌋ + 2 times."""
     m = 4
     sampler = SampleSizeClusteredSampler(m)
-    omega = torch.zeros(DRAWS, len(P), dtype=torch.float64)
-    for r in range(DRAWS):
-        part = sampler.sample(r, 0, P)
-        omega[r, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
+    omega = weights_over_rounds(sampler, P, DRAWS)
     mean, std_err = omega.mean(0), omega.std(0) / DRAWS**0.5
     assert ((mean - P).abs() <= 3 * std_err + 1e-12).all(), (mean, P)
     dist = sampler.distributions(P)
