@@ -4,6 +4,7 @@ gossip step)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Literal
 
@@ -14,6 +15,7 @@ from lightning_fl.callbacks.base import Aggregator, RoundState
 from lightning_fl.local_training import PersonalModels
 from lightning_fl.seeding import generator
 from lightning_fl.tensors import flatten, unflatten
+from lightning_fl.topology import MaxPlusClock, SiloTopology
 
 STORE_KEY = "gossip_model"
 
@@ -59,9 +61,9 @@ def metropolis_weights(adjacency: Tensor) -> Tensor:
 
 class GossipAveraging(Aggregator):
     """Replaces the server: after local training, client t's model becomes
-    θ_t^k = Σ_s W_st θ_s^{k−½} (Alg. 8's consensus step), with W symmetric and doubly
-    stochastic. With :class:`~lightning_fl.callbacks.FedEM` and a MixtureClassifier this is
-    D-FedEM.
+    θ_t^k = Σ_s W_st θ_s^{k−½}, the consensus step of DPASGD (Marfoq thesis §2.1 eq. 2.2)
+    and of D-FedEM (§3.5 Alg. 8, with :class:`~lightning_fl.callbacks.FedEM` and a
+    MixtureClassifier).
 
     Every client with training data takes part in every round (use the default full
     participation) and keeps its own model in the client store (4·d bytes per client).
@@ -70,15 +72,27 @@ class GossipAveraging(Aggregator):
 
     Args:
         graph: ``"erdos_renyi"`` (the D-FedEM experiment of App. E.9, p = 0.5) or
-            ``"complete"``.
+            ``"complete"`` (uniform weights 1/N: FedAvg with full participation).
         edge_probability: p of the Erdős–Rényi graph.
-        mixing_matrix: an explicit W (a nested list), which overrides ``graph``.
+        mixing_matrix: an explicit doubly stochastic W (a nested list), W[s][t] the weight
+            client t gives client s; overrides ``graph``.
+        topology: a :class:`~lightning_fl.topology.SiloTopology`: W is the local-degree
+            matrix of its overlay (eqs. 2.12–2.13; STAR averages at its orchestrator), and
+            every round's simulated wall-clock time (eq. 2.4) is logged as ``fl/time``.
+            Overrides ``graph`` and ``mixing_matrix``.
         step_scale: ``"samples"`` scales client t's learning rate by T·n_t/n, Alg. 8's
-            local step (n_t/n)·η with the paper's η written as lr·T; ``"none"`` keeps it.
+            local step (n_t/n)·η with the paper's η written as lr·T; ``"none"`` keeps it
+            (DPASGD).
         seed: the graph's seed.
 
-    The paper builds W with the fast-mixing Markov chain rule [BDX03], an SDP; this uses
-    Metropolis–Hastings weights, which satisfy the same Assumption 15 on a connected graph.
+    Several processes: every rank trains its own clients; their models travel in the
+    round's one all-reduce as an N×d matrix (each rank fills its clients' rows), so every
+    rank mixes the same models and keeps the results of the clients it owns. That buffer
+    costs 4·N·d bytes per rank, fine for cross-silo N.
+
+    For the Erdős–Rényi graph the paper builds W with the fast-mixing Markov chain rule
+    [BDX03], an SDP; this uses Metropolis–Hastings weights, which satisfy the same
+    Assumption 15 on a connected graph.
     """
 
     def __init__(
@@ -86,6 +100,7 @@ class GossipAveraging(Aggregator):
         graph: Literal["erdos_renyi", "complete"] = "erdos_renyi",
         edge_probability: float = 0.5,
         mixing_matrix: list[list[float]] | None = None,
+        topology: SiloTopology | None = None,
         step_scale: Literal["samples", "none"] = "samples",
         seed: int = 0,
     ) -> None:
@@ -96,91 +111,132 @@ class GossipAveraging(Aggregator):
             raise ValueError(f"step_scale must be 'samples' or 'none', got {step_scale!r}.")
         self.graph, self.edge_probability, self.seed = graph, edge_probability, seed
         self.step_scale = step_scale
+        self.topology = topology
         self._given = None if mixing_matrix is None else torch.tensor(mixing_matrix).double()
         self.models = PersonalModels(STORE_KEY)
-        self._half_step: dict[int, Tensor] = {}
-        self._base_lrs: list[list[float]] = []
+        self._lr_scale = 1.0
+        self._hooked: weakref.WeakSet = weakref.WeakSet()
         self.mixing: Tensor | None = None
         self.nodes: list[int] = []
+        self.clock: MaxPlusClock | None = None
+        self._clock_state: dict | None = None
 
-    def _build(self, state: RoundState) -> None:
-        self.nodes = [c for c, n in enumerate(state.sample_counts) if n > 0]
+    def on_fit_start(self, trainer, pl_module) -> None:
+        counts = trainer.strategy.training_counts
+        nodes = [c for c, n in enumerate(counts) if n > 0]
+        if self.mixing is None:
+            self.nodes = nodes
+            self.mixing = self._mixing_matrix(trainer)
+        if self.topology is not None and self.clock is None:
+            _, self.clock = self._topology(trainer)
+            if self._clock_state is not None:
+                self.clock.load_state_dict(self._clock_state)
+        self._hook_optimizers(trainer)
+
+    def _mixing_matrix(self, trainer) -> Tensor:
+        n = len(self.nodes)
+        if self.topology is not None:
+            overlay, _ = self._topology(trainer)
+            return torch.from_numpy(overlay.mixing_matrix())
         if self._given is not None:
             w = self._given
-            if w.shape != (len(self.nodes), len(self.nodes)):
+            if w.shape != (n, n):
                 raise ValueError(
-                    f"mixing_matrix is {tuple(w.shape)} but {len(self.nodes)} clients have "
+                    f"mixing_matrix is {tuple(w.shape)} but {n} clients have "
                     "training data: give one row and column per such client."
                 )
-            ones = torch.ones(len(w), dtype=w.dtype)
+            ones = torch.ones(n, dtype=w.dtype)
             if not (torch.allclose(w.sum(0), ones) and torch.allclose(w.sum(1), ones)):
                 raise ValueError(
                     "mixing_matrix must be doubly stochastic (rows and columns sum to 1)."
                 )
-            self.mixing = w.double()
-        elif self.graph == "complete":
-            n = len(self.nodes)
-            self.mixing = torch.full((n, n), 1.0 / n, dtype=torch.float64)
-        else:
-            adjacency = erdos_renyi(len(self.nodes), self.edge_probability, self.seed)
-            self.mixing = metropolis_weights(adjacency)
+            return w.double()
+        if self.graph == "complete":
+            return torch.full((n, n), 1.0 / n, dtype=torch.float64)
+        return metropolis_weights(erdos_renyi(n, self.edge_probability, self.seed))
+
+    def _topology(self, trainer):
+        bits = 32.0 * sum(p.numel() for p in trainer.strategy.federated_tensors.params)
+        return self.topology.build(len(self.nodes), bits, trainer.strategy.local_steps)
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if trainer.world_size > 1:
-            raise ValueError(
-                "GossipAveraging keeps every client's model on one process: run it with devices=1."
-            )
-        if self.mixing is None:
-            self._build(state)
         if sorted(state.participation.clients) != self.nodes:
             raise ValueError(
                 "GossipAveraging needs every client with training data in every round: use "
                 "the default FullParticipation sampler."
             )
-        self._half_step.clear()
-        self._base_lrs = [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers]
+        # every client's half-step model, filled by the rank that trains it (its own model
+        # stays if its update is dropped) and summed over ranks by the round's all-reduce
+        global_flat = flatten(state.global_tensors)
+        rows = torch.zeros(len(self.nodes), global_flat.numel(), dtype=global_flat.dtype)
+        for row, client in enumerate(self.nodes):
+            if trainer.strategy.owner(client) == trainer.global_rank:
+                own = state.store.get(client, STORE_KEY)
+                rows[row] = global_flat if own is None else own
+        state.extra_sums[STORE_KEY] = [rows.to(global_flat.device)]
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, trainer.strategy.federated_tensors)
-        scale = 1.0
+        self._lr_scale = 1.0
         if self.step_scale == "samples":
             counts = state.sample_counts
-            scale = len(self.nodes) * counts[client] / sum(counts)
-        for optimizer, lrs in zip(trainer.optimizers, self._base_lrs):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr * scale
+            self._lr_scale = len(self.nodes) * counts[client] / sum(counts)
+
+    def _hook_optimizers(self, trainer) -> None:
+        """Scale the learning rate only inside each optimizer step (torch step pre- and
+        post-hooks), so that LR schedulers, which Lightning steps before the round's last
+        batch ends, never see the scaled value."""
+        for optimizer in trainer.optimizers:
+            if optimizer in self._hooked:
+                continue
+            self._hooked.add(optimizer)
+            saved: list[float] = []
+
+            def scale(opt, args, kwargs, saved=saved) -> None:
+                saved[:] = [g["lr"] for g in opt.param_groups]
+                for group in opt.param_groups:
+                    group["lr"] *= self._lr_scale
+
+            def restore(opt, args, kwargs, saved=saved) -> None:
+                for group, lr in zip(opt.param_groups, saved):
+                    group["lr"] = lr
+
+            optimizer.register_step_pre_hook(scale)
+            optimizer.register_step_post_hook(restore)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        self._half_step[client] = flatten(trainer.strategy.federated_tensors.clone())
+        row = self.nodes.index(client)
+        model = trainer.strategy.federated_tensors.tensors
+        state.extra_sums[STORE_KEY][0][row] = flatten([t.detach() for t in model])
 
     def aggregate(self, trainer, pl_module, state: RoundState) -> None:
-        for optimizer, lrs in zip(trainer.optimizers, self._base_lrs):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
-        global_flat = flatten(state.global_tensors)
-        # a dropped (NaN) update leaves that client's model where it was
-        half = torch.stack([
-            self._half_step.get(c, self._own_model(state, c, global_flat)) for c in self.nodes
-        ]).double()  # fmt: skip
-        mixed = (self.mixing.T.to(half) @ half).to(global_flat.dtype)  # row t: Σ_s W_st θ_s
+        self._lr_scale = 1.0
+        half = state.extra_sums[STORE_KEY][0].double()
+        mixed = (self.mixing.T.to(half) @ half).to(state.global_tensors[0].dtype)
+        for row, client in enumerate(self.nodes):  # row t: Σ_s W_st θ_s
+            if trainer.strategy.owner(client) == trainer.global_rank:
+                state.store.set(client, STORE_KEY, mixed[row].clone())
         counts = torch.tensor([state.sample_counts[c] for c in self.nodes], dtype=torch.float64)
-        for row, client in enumerate(self.nodes):
-            state.store.set(client, STORE_KEY, mixed[row].clone())
-        average = (counts / counts.sum()) @ mixed.double()
+        average = (counts / counts.sum()).to(half) @ mixed.to(half)
         torch._foreach_copy_(
-            state.global_tensors, unflatten(average.to(global_flat.dtype), state.global_tensors)
+            state.global_tensors, unflatten(average.to(mixed.dtype), state.global_tensors)
         )
-        self._half_step.clear()
+        if self.clock is not None:
+            self.clock.advance()
 
-    def _own_model(self, state: RoundState, client: int, global_flat: Tensor) -> Tensor:
-        own = state.store.get(client, STORE_KEY)
-        return global_flat if own is None else own
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self.clock is not None:
+            pl_module.log("fl/time", self.clock.now, on_epoch=True)
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         self.models.load(trainer.strategy.client_store, client, trainer.strategy.federated_tensors)
 
     def state_dict(self) -> dict:
-        return {"mixing": self.mixing, "nodes": self.nodes}
+        clock = None if self.clock is None else self.clock.state_dict()
+        return {"mixing": self.mixing, "nodes": self.nodes, "clock": clock}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.mixing, self.nodes = state_dict["mixing"], list(state_dict["nodes"])
+        self._clock_state = state_dict.get("clock")
+        if self.clock is not None and self._clock_state is not None:
+            self.clock.load_state_dict(self._clock_state)

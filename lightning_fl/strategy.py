@@ -330,6 +330,11 @@ class FederatedStrategy(DDPStrategy):
     def _datamodule(self) -> FederatedDataModule:
         return self.lightning_module.trainer.datamodule
 
+    @property
+    def training_counts(self) -> list[int]:
+        """Training samples per client in this fit (unseen clients count 0)."""
+        return list(self._train_counts)
+
     def _training_counts(self) -> list[int]:
         """Training samples per client; unseen (held-out) clients count 0."""
         dm = self._datamodule()

@@ -566,3 +566,101 @@ def build_overlay(name: str, network: SiloNetwork, model: DelayModel) -> Overlay
     if name not in OVERLAYS:
         raise TopologyError(f"overlay must be one of {', '.join(OVERLAYS)}, got {name!r}.")
     return OVERLAYS[name](network, model)
+
+
+class MaxPlusClock:
+    """Simulated wall-clock time of decentralized rounds over an overlay: the max-plus
+    recurrence of eq. 2.4 advanced one round at a time (two steps for STAR). ``now`` is
+    the time at which the last silo finishes the current round, logged as ``fl/time``.
+    Its state (one float per silo) is saved in checkpoints."""
+
+    def __init__(self, delays: np.ndarray, steps_per_round: int = 1) -> None:
+        self.delays = np.asarray(delays, dtype=float)
+        self.steps_per_round = steps_per_round
+        self.times = np.zeros(len(self.delays))
+
+    @property
+    def now(self) -> float:
+        return float(self.times.max())
+
+    def advance(self) -> float:
+        """End one round; returns the new ``now`` (ms)."""
+        self.times = simulate(self.delays, self.steps_per_round, self.times)[-1]
+        return self.now
+
+    def state_dict(self) -> dict:
+        return {"times": [float(t) for t in self.times]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.times = np.asarray(state["times"], dtype=float)
+
+
+#: Time of one local step on an NVIDIA P100 (ms), thesis Table 2.4.
+COMPUTE_MS = {
+    "shakespeare": 389.6,
+    "femnist": 4.6,
+    "sent140": 9.8,
+    "sub_inaturalist": 25.4,
+    "inaturalist": 946.7,
+}
+
+
+class SiloTopology:
+    """A decentralized deployment: the silos of ``network`` joined by the overlay
+    ``overlay`` (``"star"``, ``"mst"``, ``"delta_mbst"`` or ``"ring"``), and the clock of
+    its rounds. :class:`~lightning_fl.callbacks.GossipAveraging` mixes over it (DPASGD,
+    eq. 2.2) and logs each round's simulated time as ``fl/time``.
+
+    Args:
+        network: one of :data:`NETWORKS` or a GML path; client i is its i-th silo.
+        overlay: the overlay to build (Table 2.1).
+        compute_ms: T_c, the time of one local step in ms (one value or one per silo;
+            Table 2.4 values in :data:`COMPUTE_MS`).
+        access_bps: each silo's access link (up and down), bit/s.
+        core_bps: the core links' capacity, bit/s (``None``: the GML ``capacity``).
+        model_size_bits: M; by default 32 bits per parameter of the trained model.
+        local_steps: s; by default the strategy's ``local_steps``.
+    """
+
+    def __init__(
+        self,
+        network: str = "gaia",
+        overlay: str = "ring",
+        compute_ms: float | list[float] = COMPUTE_MS["femnist"],
+        access_bps: float | list[float] = 1e10,
+        core_bps: float | None = 1e9,
+        model_size_bits: float | None = None,
+        local_steps: int | None = None,
+    ) -> None:
+        if overlay not in OVERLAYS:
+            raise TopologyError(f"overlay must be one of {', '.join(OVERLAYS)}, got {overlay!r}.")
+        values = [compute_ms] if np.isscalar(compute_ms) else list(compute_ms)
+        _per_silo(values, len(values), "compute_ms")
+        self.network_name, self.overlay_name = network, overlay
+        self.compute_ms, self.model_size_bits, self.local_steps = (
+            compute_ms,
+            model_size_bits,
+            local_steps,
+        )
+        self.network = SiloNetwork.from_underlay(network, access_bps=access_bps, core_bps=core_bps)
+
+    def build(
+        self, num_silos: int, model_size_bits: float, local_steps: int | None
+    ) -> tuple[Overlay, MaxPlusClock]:
+        """The overlay and a fresh clock for ``num_silos`` clients."""
+        if num_silos != self.network.num_silos:
+            raise TopologyError(
+                f"Network {self.network_name!r} has {self.network.num_silos} silos but "
+                f"{num_silos} clients have training data: use {self.network.num_silos} clients "
+                "(e.g. num_clients in the datamodule)."
+            )
+        steps = self.local_steps or local_steps
+        if steps is None:
+            raise TopologyError(
+                "SiloTopology needs the local steps s per round: set local_steps on the "
+                "strategy or on the topology."
+            )
+        model = DelayModel(self.model_size_bits or model_size_bits, self.compute_ms, steps)
+        overlay = build_overlay(self.overlay_name, self.network, model)
+        clock = MaxPlusClock(overlay.delays(self.network, model), overlay.steps_per_round)
+        return overlay, clock
