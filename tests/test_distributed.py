@@ -140,3 +140,25 @@ def test_fedem_and_knn_per_on_two_processes_equal_one_process(tmp_path):
     assert sorted(store["1"]) == sorted(store["2"])
     for c in store["1"]:
         assert torch.allclose(store["1"][c]["fedem_pi"], store["2"][c]["fedem_pi"], atol=1e-5)
+
+
+def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(tmp_path):
+    """The silo models travel in the round's all-reduce; each rank keeps its own silos'."""
+    config = str(ROOT / "recipes" / "topology" / "digits_gaia_ring.yaml")
+    for devices in ("1", "2"):
+        _ok(_cli(tmp_path / devices, "--config", config, "--trainer.max_epochs", "3",
+                 "--trainer.devices", devices))  # fmt: skip
+    one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    saved = {}
+    for d in ("1", "2"):
+        (path,) = glob.glob(str(tmp_path / d / "**" / "last.ckpt"), recursive=True)
+        saved[d] = torch.load(path, weights_only=True)["callbacks"]
+    stores = {d: saved[d]["_RoundDriver"]["client_store"] for d in saved}
+    assert sorted(stores["1"]) == sorted(stores["2"]) == list(range(11))
+    for c in stores["1"]:
+        a, b = stores["1"][c]["gossip_model"], stores["2"][c]["gossip_model"]
+        assert torch.allclose(a, b, atol=1e-5)
+    (clock_one,) = [v["clock"] for k, v in saved["1"].items() if "GossipAveraging" in k]
+    (clock_two,) = [v["clock"] for k, v in saved["2"].items() if "GossipAveraging" in k]
+    assert clock_one == clock_two and max(clock_one["times"]) > 0
