@@ -1,6 +1,7 @@
 """Algorithms that plug into a federated round (installed as ``lightning_fl.callbacks``)."""
 
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
+from lightning_fl.callbacks.asynchronous import AsynchronousFL
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.callbacks.baselines import Local, Pooled
 from lightning_fl.callbacks.clustered import ClusteredFL
@@ -16,6 +17,7 @@ from lightning_fl.callbacks.scaffold import SCAFFOLD
 __all__ = [
     "Aggregator",
     "APFL",
+    "AsynchronousFL",
     "ClusteredFL",
     "Ditto",
     "DPSGD",

@@ -126,6 +126,9 @@ class Aggregator(FederatedCallback):
 
     #: True for the centralized baseline: the strategy trains one client holding all data.
     pools_clients: bool = False
+    #: True if a round without participants is still aggregated (an asynchronous server
+    #: whose clock moves); otherwise such a round is skipped (no server step).
+    aggregates_empty_rounds: bool = False
 
     def __init__(self, weighting: Weighting = "samples") -> None:
         if weighting not in ("samples", "uniform"):

@@ -1,5 +1,12 @@
 """lightning_fl: federated learning as a PyTorch Lightning strategy plus callbacks."""
 
+from lightning_fl.asynchrony import (
+    AsyncSchedule,
+    ClientTimes,
+    FedBuffSchedule,
+    FedFixSchedule,
+    SyncSchedule,
+)
 from lightning_fl.availability import AlwaysAvailable, MarkovAvailability
 from lightning_fl.client_store import ClientStore
 from lightning_fl.mixture import MixtureClassifier
@@ -36,6 +43,11 @@ from lightning_fl.werm import WERMClassifier
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSchedule",
+    "ClientTimes",
+    "FedBuffSchedule",
+    "FedFixSchedule",
+    "SyncSchedule",
     "AlwaysAvailable",
     "AvailableClients",
     "MarkovAvailability",

@@ -417,6 +417,8 @@ class FederatedStrategy(DDPStrategy):
         schedule = ClientSchedule(tuple(local_clients), tuple(local_batches))
         self.current_round = RoundPlan(schedule, loaders, state)
         self._call("on_round_start", state)
+        if not participation.clients and aggregator.aggregates_empty_rounds:
+            self.end_round()  # nothing to train: the aggregation still happens (its clock)
         return self.current_round
 
     def _num_batches(self, loader: DataLoader) -> int:

@@ -1,0 +1,176 @@
+"""Asynchronous FL with stale client updates (Fraboni, Vidal, Kameni, Lorenzi, JMLR 2023;
+Fraboni thesis ch. 4, Alg. 4), on the simulated clock of :mod:`lightning_fl.asynchrony`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_fl.asynchrony import Aggregation, Schedule
+from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
+from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
+from lightning_fl.tensors import TensorList, flatten, unflatten
+
+
+class AsynchronousFL(Aggregator):
+    """The server of Alg. 4: aggregation n (one Lightning epoch) happens at the time its
+    ``schedule`` gives, with the updates of the clients that have returned since, each
+    computed from the global model θ^{ρ_i(n)} that client last received:
+
+        θ^{n+1} = θ^n + η_g Σ_{i∈S_n} d_i Δ_i(ρ_i(n)),   Δ_i(ρ) = θ_i^{ρ,K} − θ^ρ.
+
+    Training is lazy, as in the authors' simulator: a client's K local steps are computed
+    when its update is aggregated, from the stale model it started from, so the whole run
+    stays in the sequential round loop. Only the model versions that some in-flight client
+    still needs are kept (at most one per client: M·d·4 bytes in the worst case, typically
+    a few versions); they are saved in checkpoints with the schedule.
+
+    Args:
+        schedule: :class:`~lightning_fl.asynchrony.SyncSchedule`, ``AsyncSchedule``,
+            ``FedFixSchedule`` or ``FedBuffSchedule``, with its client times.
+        weights: ``"time_based"`` (the scheme's unbiased d_i: p_i for sync, eq. 4.36 for
+            async, eq. 4.40 for FedFix, p_i / participation frequency for FedBuff) or
+            ``"identical"`` (the same d_i for all: 1 for async, 1/c for FedBuff, 1/M for
+            sync and FedFix).
+        server_lr: η_g.
+        time_budget: stop once the next aggregation would end after this simulated time
+            (also ``max_epochs`` aggregations at most).
+        weighting: the target weights p_i of the federated problem Σ p_i L_i.
+
+    Every round logs ``fl/time`` (t^{n+1}) and ``fl/staleness`` (mean n − ρ_i(n) of the
+    aggregated updates). Clients are the datamodule's clients with training data, in
+    order; use the default FullParticipation sampler (the schedule decides who returns).
+    """
+
+    aggregates_empty_rounds = True  # FedFix windows with no return still advance the clock
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        weights: Literal["time_based", "identical"] = "time_based",
+        server_lr: float = 1.0,
+        time_budget: float | None = None,
+        weighting: Weighting = "samples",
+    ) -> None:
+        super().__init__(weighting)
+        if weights not in ("time_based", "identical"):
+            raise ValueError(f"weights must be 'time_based' or 'identical', got {weights!r}.")
+        if not server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {server_lr}.")
+        if time_budget is not None and not time_budget > 0:
+            raise ValueError(f"time_budget must be > 0 time units, got {time_budget}.")
+        self.schedule, self.weights, self.server_lr = schedule, weights, server_lr
+        self.time_budget = time_budget
+        self.clients: list[int] = []
+        self.d = np.zeros(0)
+        self.models: dict[int, Tensor] = {}
+        self._event: Aggregation | None = None
+        self._start_model: Tensor | None = None
+        self._loaded = False
+
+    # ---- set-up ----------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        if type(strategy.sampler) is not FullParticipation:
+            raise ValueError(
+                f"AsynchronousFL chooses who returns from the simulated clock; the strategy's "
+                f"{type(strategy.sampler).__name__} would conflict: drop the sampler (the "
+                "default FullParticipation)."
+            )
+        counts = strategy.training_counts
+        self.clients = [c for c, n in enumerate(counts) if n > 0]
+        if not self._loaded:
+            self.schedule.reset(len(self.clients), strategy.seed)
+            self.models = {0: flatten([t.detach() for t in strategy.federated_tensors.tensors])}
+        p = self.target_weights(counts).numpy()[self.clients]
+        p = p / p.sum()
+        if self.weights == "time_based":
+            self.d = self.schedule.time_based_weights(p)
+        else:
+            self.d = self.schedule.identical_weights()
+        if self.time_budget is not None and self.schedule.round == 0:
+            first = self.schedule.plan().time
+            if first > self.time_budget:
+                raise ValueError(
+                    f"time_budget = {self.time_budget} allows no aggregation: the first one "
+                    f"ends at t = {first:g}; raise time_budget."
+                )
+
+    def participation(
+        self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
+    ) -> Participation:
+        if round_idx != self.schedule.round:
+            raise RuntimeError(
+                f"Round {round_idx} but the asynchronous schedule is at aggregation "
+                f"{self.schedule.round}: resume from a checkpoint that holds its state."
+            )
+        self._event = self.schedule.plan()
+        clients = tuple(self.clients[i] for i in self._event.clients)
+        return Participation(clients, tuple(float(self.d[i]) for i in self._event.clients))
+
+    def _version(self, client: int, state: RoundState) -> int:
+        position = self._event.clients.index(self.clients.index(client))
+        return self._event.versions[position]
+
+    # ---- one aggregation ---------------------------------------------------------------
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        self._start_model = flatten(state.global_tensors)
+
+    @torch.no_grad()
+    def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        version = self._version(client, state)
+        if version != state.round_idx:  # train from the stale θ^ρ the client received
+            model = trainer.strategy.federated_tensors
+            model.load_(unflatten(self.models[version].to(self._start_model), model.tensors))
+
+    @torch.no_grad()
+    def transform_update(
+        self, trainer, pl_module, client: int, update: TensorList, state: RoundState
+    ) -> TensorList:
+        """θ_i − θ^n (the strategy's update) + (θ^n − θ^ρ) = Δ_i(ρ), the client's own."""
+        version = self._version(client, state)
+        if version == state.round_idx:
+            return update
+        drift = self._start_model - self.models[version].to(self._start_model)
+        return torch._foreach_add(update, unflatten(drift, update))
+
+    @torch.no_grad()
+    def aggregate(self, trainer, pl_module, state: RoundState) -> None:
+        torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)
+        n = state.round_idx
+        self.schedule.commit(self._event)
+        known = {**self.models, n: self._start_model, n + 1: flatten(state.global_tensors)}
+        self.models = {v: known[v].clone() for v in sorted(self.schedule.needed_versions())}
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._event is None:
+            return
+        event = self._event
+        staleness = [self.schedule.round - 1 - v for v in event.versions]
+        pl_module.log("fl/time", float(self.schedule.now), on_epoch=True)
+        pl_module.log(
+            "fl/staleness", float(np.mean(staleness)) if staleness else 0.0, on_epoch=True
+        )
+        if self.time_budget is not None and self.schedule.plan().time > self.time_budget:
+            trainer.should_stop = True
+
+    def surrogate_weights(self) -> np.ndarray:
+        """The stationary weights q_i ∝ (participation frequency)·d_i of the problem the
+        scheme actually optimizes (thesis eq. 4.10); = p with TIME-BASED weights."""
+        q = self.schedule.participation_frequency() * self.d
+        return q / q.sum()
+
+    # ---- checkpoint ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "schedule": self.schedule.state_dict(),
+            "models": {int(v): m for v, m in self.models.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.schedule.load_state_dict(state_dict["schedule"])
+        self.models = {int(v): m for v, m in state_dict["models"].items()}
+        self._loaded = True

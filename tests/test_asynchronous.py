@@ -1,0 +1,234 @@
+"""Asynchronous FL (Fraboni et al. JMLR 2023; thesis ch. 4): the schemes' limits, event
+counts, staleness against a hand-written event loop, unbiased TIME-BASED weights, resume."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import (
+    AsyncSchedule,
+    ClientTimes,
+    FedBuffSchedule,
+    FederatedStrategy,
+    FedFixSchedule,
+    SyncSchedule,
+    UniformSampler,
+)
+from lightning_fl.asynchrony import async_aggregations
+from lightning_fl.callbacks import AsynchronousFL, FedAvg
+from tests.helpers import (
+    local_sgd,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
+
+F0, F80 = ClientTimes(0.0), ClientTimes(80.0)
+LR, STEPS, SEED = 0.1, 3, 4
+
+
+def _fit(callbacks, rounds, num_clients=6, batch_size=4, strategy=None, **kw):
+    module = tiny_module(LR)
+    trainer = make_trainer(
+        strategy or FederatedStrategy(local_steps=STEPS, seed=SEED), rounds, callbacks, **kw
+    )
+    trainer.fit(module, datamodule=tiny_datamodule(batch_size, num_clients=num_clients))
+    return module, trainer
+
+
+# ---- the limits the thesis states ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [SyncSchedule(F0), FedFixSchedule(1.0, F0), FedFixSchedule(1.7, F0), FedBuffSchedule(6, F0),
+     FedBuffSchedule(6, F0, restart="on_send"), SyncSchedule(F80), FedFixSchedule(1.0, F80)],
+    ids=["sync", "fedfix-1", "fedfix-1.7", "fedbuff-M", "fedbuff-M-on-send", "sync-F80",
+         "fedfix-1-F80"],
+)  # fmt: skip
+def test_schemes_that_reduce_to_synchronous_fedavg_equal_it_exactly(schedule):
+    """FedFix with Δt ≥ max τ, FedBuff with c = M under F0, and sync under any times: every
+    client from the current model with d_i = p_i, exactly FedAvg with full participation."""
+    fedavg, _ = _fit([FedAvg()], 4)
+    ours, trainer = _fit([AsynchronousFL(schedule)], 4)
+    assert max_abs_diff(params_of(fedavg), params_of(ours)) == 0.0
+    assert trainer.callback_metrics["fl/staleness"].item() == 0.0
+
+
+def test_fedfix_half_period_under_f0_is_fedavg_with_server_lr_2_every_other_aggregation():
+    """Thesis §4.4: Δt = 0.5 under F0 gives d_i = 2 p_i, every other aggregation empty.
+    Full-batch local steps make the data order irrelevant (round indices differ)."""
+    fedavg, _ = _fit([FedAvg(server_lr=2.0)], 2, batch_size=64)
+    fedfix, trainer = _fit([AsynchronousFL(FedFixSchedule(0.5, F0))], 4, batch_size=64)
+    assert max_abs_diff(params_of(fedavg), params_of(fedfix)) < 1e-6
+    assert trainer.callback_metrics["fl/time"].item() == pytest.approx(2.0)
+    schedule = FedFixSchedule(0.5, F0)
+    schedule.reset(6, 0)
+    sizes = []
+    for _ in range(6):
+        event = schedule.plan()
+        sizes.append(len(event.clients))
+        schedule.commit(event)
+    assert sizes == [0, 6, 0, 6, 0, 6]
+
+
+# ---- event counts ----------------------------------------------------------------------
+
+
+def test_event_counts_for_20_clients_under_f80_in_5000_time_units():
+    for schedule, expected in ((SyncSchedule(F80), 5000), (FedFixSchedule(0.5, F80), 10000)):
+        schedule.reset(20, 0)
+        assert schedule.count_until(5000)[0] == expected
+    schedule = AsyncSchedule(F80)
+    schedule.reset(20, 0)
+    count, per_client = schedule.count_until(5000)
+    assert count == async_aggregations(20, F80, 5000) == 206530
+    assert per_client[-1] / per_client[0] == pytest.approx(5.0)  # fastest sends 5× more
+
+
+def test_fx_times_are_the_authors_evenly_spaced_times():
+    assert ClientTimes(80).means(5).tolist() == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
+    assert ClientTimes(0).means(3).tolist() == [1.0, 1.0, 1.0]
+    draws = [ClientTimes(50, distribution="exponential").draw(1, k, 0, np.array([1.0, 0.5]))
+             for k in range(20000)]  # fmt: skip
+    assert np.mean(draws) == pytest.approx(0.5, rel=0.03)
+
+
+# ---- staleness against a hand-written event loop ----------------------------------------
+
+
+def _hand_written_async(clients, rounds, weights_of, times, lr_g=1.0):
+    """Async FedAvg by hand: each aggregation takes the earliest return (lowest index on
+    ties); that client's K steps start from the model it last received."""
+    torch.manual_seed(1)  # tiny_module's initialization
+    start = tiny_module(LR)
+    theta = [p.detach().clone() for p in start.network.parameters()]
+    history = {0: [t.clone() for t in theta]}
+    ready = list(times)
+    received = [0] * len(clients)
+    for n in range(rounds):
+        i = min(range(len(clients)), key=lambda k: (ready[k], k))
+        net = copy.deepcopy(start.network)
+        with torch.no_grad():
+            for p, v in zip(net.parameters(), history[received[i]]):
+                p.copy_(v)
+        local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, n, i)
+        delta = [p.detach() - v for p, v in zip(net.parameters(), history[received[i]])]
+        theta = [t + lr_g * weights_of[i] * d for t, d in zip(theta, delta)]
+        history[n + 1] = [t.clone() for t in theta]
+        ready[i] += times[i]
+        received[i] = n + 1
+    return theta
+
+
+@pytest.mark.parametrize("weights", ["time_based", "identical"])
+def test_async_updates_come_from_the_stale_model_each_client_received(weights):
+    rounds, m = 9, 4
+    times = ClientTimes(80).means(m)
+    clients = tiny_clients(num_clients=m)
+    counts = np.array([len(c["train"][1]) for c in clients], dtype=float)
+    p = counts / counts.sum()
+    d = np.sum(1 / times) * times * p if weights == "time_based" else np.ones(m)
+    expected = _hand_written_async(clients, rounds, d, times, lr_g=0.5)
+    callback = AsynchronousFL(AsyncSchedule(F80), weights, server_lr=0.5)
+    ours, _ = _fit([callback], rounds, num_clients=m)
+    assert max_abs_diff(expected, params_of(ours)) < 1e-6
+    assert len(callback.models) <= m  # only the versions in flight are kept
+
+
+# ---- unbiasedness (Thm 4.3) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [AsyncSchedule(F80), FedFixSchedule(0.3, F80), FedBuffSchedule(3, F80),
+     FedBuffSchedule(3, ClientTimes(60), restart="on_send"), SyncSchedule(F80)],
+    ids=["async", "fedfix", "fedbuff", "fedbuff-on-send", "sync"],
+)  # fmt: skip
+def test_time_based_weights_average_to_p_over_a_window(schedule):
+    """(1/W) Σ_n ω_i(n) → p_i over the window, where ω_i(n) = 1(i ∈ S_n) d_i."""
+    m = 7
+    schedule.reset(m, 0)
+    p = np.arange(1, m + 1, dtype=float)
+    p /= p.sum()
+    d = schedule.time_based_weights(p)
+    total, n = np.zeros(m), 10_000
+    for _ in range(n):
+        event = schedule.plan()
+        total[list(event.clients)] += d[list(event.clients)]
+        schedule.commit(event)
+    assert total / n == pytest.approx(p, abs=2e-3)
+    identical = schedule.identical_weights()
+    assert identical.min() == identical.max()
+
+
+# ---- resume, several schemes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: AsyncSchedule(F80),
+             lambda: FedBuffSchedule(3, ClientTimes(70, distribution="exponential"), "on_send")],
+    ids=["async", "fedbuff-exponential-on-send"],
+)  # fmt: skip
+def test_resume_with_clients_in_flight_is_exact(make, tmp_path):
+    full, full_trainer = _fit([AsynchronousFL(make())], 10)
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    _fit([AsynchronousFL(make()), checkpoint], 4, enable_checkpointing=True)
+    saved = torch.load(tmp_path / "epoch=3.ckpt", weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if "AsynchronousFL" in k]
+    assert len(set(state["schedule"]["version"])) > 1  # clients in flight on several versions
+    module = tiny_module(LR, seed=99)
+    trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 10,
+                           [AsynchronousFL(make())])  # fmt: skip
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=6),
+                ckpt_path=str(tmp_path / "epoch=3.ckpt"), weights_only=True)  # fmt: skip
+    assert max_abs_diff(params_of(full), params_of(module)) == 0.0
+    assert trainer.callback_metrics["fl/time"] == full_trainer.callback_metrics["fl/time"]
+
+
+def test_time_budget_stops_training():
+    _, trainer = _fit([AsynchronousFL(SyncSchedule(F80), time_budget=3.5)], 50)
+    assert trainer.current_epoch == 3
+    assert trainer.callback_metrics["fl/time"].item() == 3.0
+
+
+def test_surrogate_weights_follow_update_frequency_with_identical_weights():
+    """IDENTICAL async optimizes Σ q_i L_i with q_i ∝ 1/τ_i (thesis eq. 4.10)."""
+    callback = AsynchronousFL(AsyncSchedule(F80), "identical")
+    _fit([callback], 1, num_clients=5)
+    q = callback.surrogate_weights()
+    inverse = 1 / ClientTimes(80).means(5)
+    assert q == pytest.approx(inverse / inverse.sum(), abs=1e-3)
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def test_bad_asynchronous_settings_get_clear_errors():
+    with pytest.raises(ValueError, match=r"period Δt must be > 0"):
+        FedFixSchedule(0.0)
+    with pytest.raises(ValueError, match=r"heterogeneity X must be in \[0, 100\)"):
+        ClientTimes(100)
+    with pytest.raises(ValueError, match=r"heterogeneity X must be in \[0, 100\)"):
+        ClientTimes(-5)
+    with pytest.raises(ValueError, match="times must be positive"):
+        ClientTimes(times=[1.0, 0.0])
+    with pytest.raises(ValueError, match="time_budget must be > 0"):
+        AsynchronousFL(SyncSchedule(), time_budget=0)
+    with pytest.raises(ValueError, match=r"buffer_size c = 9 but only 6 clients"):
+        _fit([AsynchronousFL(FedBuffSchedule(9))], 1)
+    with pytest.raises(ValueError, match="allows no aggregation: the first one ends at t = 1"):
+        _fit([AsynchronousFL(SyncSchedule(F80), time_budget=0.5)], 3)
+    with pytest.raises(ValueError, match="times has 2 values but there are 6 clients"):
+        _fit([AsynchronousFL(SyncSchedule(ClientTimes(times=[1.0, 2.0])))], 1)
+    strategy = FederatedStrategy(local_steps=1, sampler=UniformSampler(2))
+    with pytest.raises(ValueError, match="UniformSampler would conflict"):
+        _fit([AsynchronousFL(AsyncSchedule())], 1, strategy=strategy)
