@@ -9,6 +9,7 @@ from lightning_fl.callbacks.fedem import FedEM
 from lightning_fl.callbacks.fedprox import FedProx
 from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
+from lightning_fl.callbacks.objective import FederatedObjective
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
@@ -26,6 +27,7 @@ __all__ = [
     "FedAvg",
     "FedAvgM",
     "FedEM",
+    "FederatedObjective",
     "FederatedCallback",
     "FedProx",
     "FedRep",

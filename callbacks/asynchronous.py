@@ -3,6 +3,7 @@ Fraboni thesis ch. 4, Alg. 4), on the simulated clock of :mod:`lightning_fl.asyn
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import numpy as np
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from lightning_fl.asynchrony import Aggregation, Schedule
 from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
+from lightning_fl.outputs import append_csv, run_dir
 from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
 from lightning_fl.tensors import TensorList, flatten, unflatten
 
@@ -70,6 +72,7 @@ class AsynchronousFL(Aggregator):
         self._event: Aggregation | None = None
         self._start_model: Tensor | None = None
         self._loaded = False
+        self._surrogate: np.ndarray | None = None
 
     # ---- set-up ----------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -87,6 +90,7 @@ class AsynchronousFL(Aggregator):
             self.models = {0: flatten([t.detach() for t in strategy.federated_tensors.tensors])}
         p = self.target_weights(counts).numpy()[self.clients]
         p = p / p.sum()
+        self._surrogate = None
         if self.weights == "time_based":
             self.d = self.schedule.time_based_weights(p)
         else:
@@ -157,11 +161,23 @@ class AsynchronousFL(Aggregator):
         if self.time_budget is not None and self.schedule.plan().time > self.time_budget:
             trainer.should_stop = True
 
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero and trainer.loggers:
+            path = os.path.join(run_dir(trainer), "updates_per_client.csv")
+            rows = zip(self.clients, self.updates_per_client().tolist())
+            append_csv(path, ("client", "updates"), rows)
+
+    def updates_per_client(self) -> np.ndarray:
+        """How many updates each client has sent so far (clients with training data)."""
+        return self.schedule.starts.copy()
+
     def surrogate_weights(self) -> np.ndarray:
         """The stationary weights q_i ∝ (participation frequency)·d_i of the problem the
         scheme actually optimizes (thesis eq. 4.10); = p with TIME-BASED weights."""
-        q = self.schedule.participation_frequency() * self.d
-        return q / q.sum()
+        if self._surrogate is None:  # a dry run of the schedule, once per fit
+            q = self.schedule.participation_frequency() * self.d
+            self._surrogate = q / q.sum()
+        return self._surrogate
 
     # ---- checkpoint ------------------------------------------------------------------
     def state_dict(self) -> dict:

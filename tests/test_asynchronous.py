@@ -232,3 +232,25 @@ def test_bad_asynchronous_settings_get_clear_errors():
     strategy = FederatedStrategy(local_steps=1, sampler=UniformSampler(2))
     with pytest.raises(ValueError, match="UniformSampler would conflict"):
         _fit([AsynchronousFL(AsyncSchedule())], 1, strategy=strategy)
+
+
+def test_federated_objective_logs_the_p_weighted_client_losses():
+    import torch.nn.functional as F
+
+    from lightning_fl.callbacks import FederatedObjective
+
+    callback = AsynchronousFL(AsyncSchedule(F80), "identical")
+    module, trainer = _fit([callback, FederatedObjective()], 3, num_clients=5)
+    clients = tiny_clients(num_clients=5)
+    with torch.no_grad():
+        losses = torch.tensor([float(F.cross_entropy(module(c["train"][0]), c["train"][1]))
+                               for c in clients], dtype=torch.float64)  # fmt: skip
+    counts = torch.tensor([len(c["train"][1]) for c in clients], dtype=torch.float64)
+    p = counts / counts.sum()
+    metrics = trainer.callback_metrics
+    assert metrics["fl/federated_loss"].item() == pytest.approx(float(p @ losses), rel=1e-5)
+    spread = float(p @ (losses - p @ losses) ** 2) ** 0.5
+    assert metrics["fl/client_loss_std"].item() == pytest.approx(spread, rel=1e-4)
+    q = torch.as_tensor(callback.surrogate_weights())
+    assert metrics["fl/surrogate_loss"].item() == pytest.approx(float(q @ losses), rel=1e-5)
+    assert callback.updates_per_client().sum() == 3  # one update per async aggregation
