@@ -92,6 +92,8 @@ class LeafDataModule(FederatedDataModule):
         image_root: CelebA's ``img_align_celeba`` folder (images are read with Pillow and
             resized to 84×84 RGB, as LEAF's model does).
         max_words: Sent140 sequence length (LEAF: 25); the vocabulary is the training words.
+        max_users: keep only the first ``max_users`` users (in file order, after the other
+            filters), as the asynchronous-FL experiments take "the first M users".
     """
 
     def __init__(
@@ -105,10 +107,13 @@ class LeafDataModule(FederatedDataModule):
         seed: int = 0,
         image_root: str | None = None,
         max_words: int = 25,
+        max_users: int | None = None,
         batch_size: int = 32,
         eval_batch_size: int | None = 256,
     ) -> None:
         super().__init__(batch_size, eval_batch_size)
+        if max_users is not None and max_users < 1:
+            raise ValueError(f"max_users must be >= 1, got {max_users}.")
         if not 0 < user_fraction <= 1:
             raise ValueError(f"user_fraction must be in (0, 1], got {user_fraction}.")
         self.root, self.dataset, self.image_root = Path(root), dataset, image_root
@@ -121,6 +126,7 @@ class LeafDataModule(FederatedDataModule):
             users = [users[i] for i in sorted(rng.choice(len(users), keep, replace=False))]
         if not users:
             raise ValueError(f"{self.root}: no user has >= {min_samples} training samples.")
+        users = users[:max_users]
         self.users = users
         self._raw: list[dict[str, dict[str, list]]] = []
         for i, user in enumerate(users):

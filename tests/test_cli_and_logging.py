@@ -279,3 +279,31 @@ def test_training_metrics_equal_logging_every_step(tmp_path):
     assert results[0][0] == results[1][0]
     assert results[0][1] == results[1][1]
     assert any(r.get("train_acc_step") for r in results[0][0])
+
+
+ASYNCHRONOUS = ROOT / "recipes" / "asynchronous"
+TOPOLOGY = sorted((ROOT / "recipes" / "topology").glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted(ASYNCHRONOUS.glob("digits_*.yaml")) + TOPOLOGY, ids=lambda r: r.stem
+)
+def test_simulated_time_recipes_run_and_log_fl_time(recipe, tmp_path):
+    cli = _fit(recipe, tmp_path, "--trainer.max_epochs", "3", "--trainer.limit_test_batches", "2")
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+    (metrics_csv,) = glob.glob(str(tmp_path / "**/metrics.csv"), recursive=True)
+    rows = list(csv.DictReader(open(metrics_csv)))
+    times = [float(r["fl/time"]) for r in rows if r.get("fl/time")]
+    assert len(times) == 3 and times == sorted(times) and times[0] > 0  # one per round
+    if recipe.parent == ASYNCHRONOUS:
+        assert any(float(r["fl/federated_loss"]) > 0 for r in rows if r.get("fl/federated_loss"))
+        (updates,) = glob.glob(str(tmp_path / "**/updates_per_client.csv"), recursive=True)
+        assert open(updates).readline().strip() == "client,updates"
+
+
+@pytest.mark.parametrize("name", ["cifar10_fedfix", "shakespeare_fedfix"])
+def test_asynchronous_paper_recipes_parse(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(ASYNCHRONOUS / f"{name}.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "lightning_fl.FedFixSchedule" in capsys.readouterr().out

@@ -162,3 +162,15 @@ def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(tmp_path):
     (clock_one,) = [v["clock"] for k, v in saved["1"].items() if "GossipAveraging" in k]
     (clock_two,) = [v["clock"] for k, v in saved["2"].items() if "GossipAveraging" in k]
     assert clock_one == clock_two and max(clock_one["times"]) > 0
+
+
+def test_asynchronous_schemes_on_two_processes_equal_one_process(tmp_path):
+    """Every rank holds the same schedule and model versions; stale clients train on their
+    owner's rank."""
+    for scheme in ("fedfix", "async"):
+        config = str(ROOT / "recipes" / "asynchronous" / f"digits_{scheme}.yaml")
+        for devices in ("1", "2"):
+            _ok(_cli(tmp_path / scheme / devices, "--config", config, "--trainer.max_epochs",
+                     "6", "--trainer.devices", devices))  # fmt: skip
+        one, two = _weights(tmp_path / scheme / "1"), _weights(tmp_path / scheme / "2")
+        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5

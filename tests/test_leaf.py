@@ -157,3 +157,14 @@ def test_generated_femnist_stand_in_carries_a_learnable_signal(tmp_path):
         optimizer.step()
     accuracy = float((linear(xt.flatten(1)).argmax(1) == yt).float().mean())
     assert accuracy > 0.5
+
+
+def test_max_users_keeps_the_first_users_in_file_order(tmp_path):
+    from lightning_fl.datamodules.leaf import write_synthetic_leaf
+
+    write_synthetic_leaf(str(tmp_path), "femnist", 6, 12, 0)
+    every = LeafDataModule(str(tmp_path), "femnist")
+    first = LeafDataModule(str(tmp_path), "femnist", max_users=4)
+    assert first.users == every.users[:4] and first.num_clients == 4
+    with pytest.raises(ValueError, match="max_users must be >= 1"):
+        LeafDataModule(str(tmp_path), "femnist", max_users=0)

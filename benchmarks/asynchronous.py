@@ -1,0 +1,198 @@
+"""Asynchronous FL (Fraboni et al. JMLR 2023; thesis ch. 4) on the embedded digits, against
+simulated time.
+
+    python benchmarks/asynchronous.py [--seeds 0] [--part convex schemes]
+
+1. **Convex tasks** (thesis Fig. 4.2): recipes/asynchronous/digits_convex_*.yaml, M = 10,
+   F80, K = 1, logistic regression, iid and Dirichlet(0.1); asynchronous FedAvg with
+   IDENTICAL against TIME-BASED weights at the same local learning rate (the one tuned for
+   IDENTICAL, as in the thesis). Final federated loss Σ p_i L_i, client-loss spread and
+   surrogate loss Σ q_i L_i.
+2. **Scheme comparison** (thesis Fig. 4.3): recipes/asynchronous/digits_{sync,async,fedfix,
+   fedbuff}.yaml, M ∈ {20, 50}, F0 and F80, K = 10, η_g = 1, FedFix(0.5), FedBuff(10); each
+   scheme at its best local learning rate of a grid (final federated loss), as the thesis
+   tunes them. Final federated loss and test accuracy at the time budget, aggregations
+   run, and the loss curves against simulated time.
+
+The thesis publishes curves, not tables: the claims checked are its orderings. Writes
+benchmarks/results/asynchronous.md and asynchronous_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from lightning_fl.cli import run
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes" / "asynchronous"
+RESULTS = ROOT / "benchmarks" / "results"
+LR_GRID = [0.002, 0.005, 0.01, 0.02, 0.05]
+
+
+def fit(recipe: str, seed: int, edit) -> dict:
+    """Run ``recipe`` with ``edit(config)`` applied; return its metrics over time."""
+    config = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())
+    config["seed_everything"] = seed
+    config["trainer"]["strategy"]["init_args"]["seed"] = seed
+    config["data"]["init_args"]["seed"] = seed
+    callbacks = config["trainer"]["callbacks"]
+    config["trainer"]["callbacks"] = [c for c in callbacks if "Checkpoint" not in c["class_path"]]
+    edit(config)
+    with tempfile.TemporaryDirectory() as workdir:
+        path = Path(workdir) / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = run(["fit", "--config", str(path), "--trainer.enable_progress_bar", "false",
+                   "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", workdir,
+                   "--trainer.logger.init_args.save_dir", workdir])  # fmt: skip
+        (metrics,) = glob.glob(f"{workdir}/**/metrics.csv", recursive=True)
+        rows = list(csv.DictReader(open(metrics)))
+    aggregator = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AsynchronousFL")
+    curve = [(float(r["fl/time"]), float(r["fl/federated_loss"])) for r in rows
+             if r.get("fl/federated_loss") and r.get("fl/time")]  # fmt: skip
+    last = {k: float(v) for r in rows for k, v in r.items() if v}
+    return {
+        "curve": curve,
+        "federated": last.get("fl/federated_loss", float("nan")),
+        "spread": last.get("fl/client_loss_std", float("nan")),
+        "surrogate": last.get("fl/surrogate_loss", float("nan")),
+        "test_acc": float(cli.trainer.callback_metrics.get("test_acc", float("nan"))),
+        "aggregations": cli.trainer.current_epoch,
+        "updates": aggregator.updates_per_client().tolist(),
+    }
+
+
+def _set(config, *, lr=None, partition=None, clients=None, heterogeneity=None, evaluate=None):
+    if lr is not None:
+        config["model"]["init_args"]["lr"] = lr
+    if partition is not None:
+        config["data"]["init_args"]["partition"] = partition
+    if clients is not None:
+        config["data"]["init_args"]["num_clients"] = clients
+    if heterogeneity is not None:
+        schedule = config["trainer"]["callbacks"][0]["init_args"]["schedule"]["init_args"]
+        schedule["times"]["init_args"]["heterogeneity"] = heterogeneity
+    if evaluate is not None:  # evaluation every `evaluate` aggregations
+        config["trainer"]["check_val_every_n_epoch"] = evaluate
+        config["trainer"]["callbacks"][1]["init_args"]["every_n_rounds"] = evaluate
+
+
+def convex(seeds: list[int]) -> list[str]:
+    lines = ["## Convex tasks (thesis Fig. 4.2): asynchronous FedAvg, M = 10, F80, K = 1", "",
+             "Logistic regression on digits, budget 100 time units (≈ 2,100 aggregations). "
+             f"Local lr tuned for IDENTICAL over {LR_GRID} (final federated loss, first seed) "
+             f"and used for both; mean over seeds {seeds}.", "",
+             "| split | lr | weights | federated loss | client-loss std | surrogate loss | "
+             "test acc | updates fastest/slowest |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for partition in ("iid", "dirichlet"):
+
+        def edit(config, lr, p=partition):
+            _set(config, lr=lr, partition=p, evaluate=50)
+
+        def tuned(lr):
+            return fit("digits_convex_identical", seeds[0], lambda c: edit(c, lr))["federated"]
+
+        best = min(LR_GRID, key=tuned)
+        for weights in ("identical", "time_based"):
+            runs = [fit(f"digits_convex_{weights}", s, lambda c, lr=best: edit(c, lr))
+                    for s in seeds]  # fmt: skip
+            mean = {k: statistics.mean(r[k] for r in runs)
+                    for k in ("federated", "spread", "surrogate", "test_acc")}  # fmt: skip
+            updates = runs[0]["updates"]
+            name = "iid" if partition == "iid" else "Dirichlet(0.1)"
+            lines.append(
+                f"| {name} | {best} | {weights.upper().replace('_', '-')} | "
+                f"{mean['federated']:.4f} | {mean['spread']:.4f} | {mean['surrogate']:.4f} | "
+                f"{mean['test_acc']:.3f} | {max(updates)}/{min(updates)} |"
+            )
+    return lines + [""]
+
+
+SCHEMES = ("sync", "async", "fedfix", "fedbuff")
+LABELS = {"sync": "sync FedAvg", "async": "async FedAvg", "fedfix": "FedFix-0.5",
+          "fedbuff": "FedBuff-10"}  # fmt: skip
+
+
+def schemes(seeds: list[int], sizes: list[int]) -> list[str]:
+    lines = ["## Scheme comparison (thesis Fig. 4.3): K = 10, η_g = 1, budget 40 time units", "",
+             f"Each scheme at its best local lr of {LR_GRID} (final federated loss, first seed), "
+             f"then mean over seeds {seeds}. Digits, Dirichlet(0.1), MLP 64.", "",
+             "| M | times | scheme | best lr | federated loss | test acc | aggregations |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    curves = {}
+    for clients in sizes:
+        for x in (0, 80):
+            for scheme in SCHEMES:
+                evaluate = 1 if scheme == "sync" else (2 if scheme == "fedfix" else 20)
+
+                def edit(c, lr, m=clients, h=x, e=evaluate):
+                    _set(c, lr=lr, clients=m, heterogeneity=h, evaluate=e)
+
+                trials = {lr: fit(f"digits_{scheme}", seeds[0], lambda c, lr=lr: edit(c, lr))
+                          for lr in LR_GRID}  # fmt: skip
+                best = min(LR_GRID, key=lambda lr: trials[lr]["federated"])
+                runs = [trials[best]] + [
+                    fit(f"digits_{scheme}", s, lambda c, lr=best: edit(c, lr)) for s in seeds[1:]
+                ]
+                curves[(clients, x, scheme)] = runs[0]["curve"]
+                federated = statistics.mean(r["federated"] for r in runs)
+                accuracy = statistics.mean(r["test_acc"] for r in runs)
+                lines.append(f"| {clients} | F{x} | {LABELS[scheme]} | {best} | {federated:.4f} "
+                             f"| {accuracy:.3f} | {runs[0]['aggregations']} |")  # fmt: skip
+    _plot(curves)
+    return lines + ["", "![federated loss against simulated time](asynchronous_schemes.png)", ""]
+
+
+def _plot(curves: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    panels = sorted({(m, x) for m, x, _ in curves})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), sharey=True)
+    for ax, (clients, x) in zip(axes, panels):
+        for scheme in SCHEMES:
+            curve = curves.get((clients, x, scheme), [])
+            ax.plot([t for t, _ in curve], [v for _, v in curve], label=LABELS[scheme])
+        ax.set_title(f"M = {clients}, F{x}")
+        ax.set_xlabel("simulated time")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("federated training loss")
+    axes[0].set_yscale("log")
+    axes[-1].legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "asynchronous_schemes.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--part", nargs="+", default=["convex", "schemes"])
+    parser.add_argument("--clients", type=int, nargs="+", default=[20], help="M (thesis: 20 50)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lines = ["# Asynchronous FL on digits against simulated time", "",
+             "`python benchmarks/asynchronous.py`; one CPU thread.", ""]  # fmt: skip
+    if "convex" in args.part:
+        lines += convex(args.seeds)
+    if "schemes" in args.part:
+        lines += schemes(args.seeds, args.clients)
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "asynchronous.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
