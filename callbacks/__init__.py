@@ -7,6 +7,7 @@ from lightning_fl.callbacks.baselines import Local, Pooled
 from lightning_fl.callbacks.clustered import ClusteredFL
 from lightning_fl.callbacks.fedem import FedEM
 from lightning_fl.callbacks.fedprox import FedProx
+from lightning_fl.callbacks.free_riders import FreeRiderDetector, FreeRiders
 from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.objective import FederatedObjective
@@ -32,6 +33,8 @@ __all__ = [
     "FedProx",
     "FedRep",
     "FedYogi",
+    "FreeRiderDetector",
+    "FreeRiders",
     "FineTune",
     "GossipAveraging",
     "KNNPer",

@@ -1,0 +1,133 @@
+"""Free-rider attacks (Fraboni et al. AISTATS 2021; thesis ch. 6, Alg. 8) and detection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import FedAvg, FedProx, FreeRiderDetector, FreeRiders
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_datamodule
+from tests.helpers import tiny_module as _tiny_module
+
+ROUNDS = 3
+
+
+def _fit(callbacks, rounds=ROUNDS, lr=0.1, num_clients=5, **kw):
+    module = _tiny_module(lr)
+    trainer = make_trainer(FederatedStrategy(local_steps=3, seed=2), rounds, callbacks, **kw)
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=num_clients))
+    return module, trainer
+
+
+def _fair_total(num_clients=5):
+    return sum(len(c["train"][1]) for c in tiny_clients(num_clients=num_clients))
+
+
+@pytest.mark.parametrize("riders", [1, 5, 45])
+def test_plain_free_riders_scale_the_fair_updates_by_their_share(riders):
+    """Plain free-riders send Δ = 0 with weight M_k/N, so FedAvg becomes
+    θ ← θ + Σ_j (M_j/N) Δ_j: FedAvg with η_g = N_fair/N, exactly."""
+    fair = _fair_total()
+    declared = round(fair / 5)
+    n = fair + riders * declared
+    reference, _ = _fit([FedAvg(server_lr=fair / n)])
+    attack = FreeRiders(riders, "plain")
+    attacked, _ = _fit([FedAvg(), attack])
+    assert max_abs_diff(params_of(reference), params_of(attacked)) < 1e-7
+    assert attack.free_rider_share == pytest.approx(riders * declared / n)
+    assert all(float(u.abs().max()) == 0.0 for u in attack.updates.values())
+
+
+def test_disguised_free_riders_add_noise_of_the_prescribed_scale():
+    """With lr = 0 the fair clients send Δ = 0, so θ^{t+1} − θ^t = Σ_k (M_k/N) φ(t) ε_k: its
+    entries have std (M/N)·φ(t)·√K, with φ(0) = 10⁻³ and φ(t) = coef·σ·t^{−γ} afterwards."""
+    riders, coef, gamma = 4, 3.0, 0.5
+    attack = FreeRiders(riders, "disguised", declared_samples=1000, coef=coef, gamma=gamma)
+    module = _tiny_module(0.0)
+    torch.manual_seed(0)
+    module.network = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(6, 3000))
+    module.network.append(torch.nn.Linear(3000, 3))
+    history = []
+
+    from lightning.pytorch import Callback
+
+    class Record(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            history.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=1, seed=2), 3, [FedAvg(), attack, Record()]
+    )
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=5))
+    history.append(torch.cat([p.detach().flatten() for p in module.parameters()]))
+    share = 1000 / (_fair_total() + riders * 1000)
+    steps = [history[k + 1] - history[k] for k in range(3)]
+    assert float(steps[0].std()) == pytest.approx(share * 1e-3 * riders**0.5, rel=0.03)
+    sigma = float(steps[0].pow(2).mean().sqrt())  # the thesis's fitted zero-mean std
+    assert attack.sigma == pytest.approx(sigma, rel=1e-5)
+    for t in (1, 2):
+        expected = share * coef * sigma * t ** (-gamma) * riders**0.5
+        assert float(steps[t].std()) == pytest.approx(expected, rel=0.03)
+
+
+def test_sigma_can_be_read_as_the_authors_mean_absolute_increment():
+    attack = FreeRiders(2, "disguised", sigma_estimate="mean_abs")
+    module, _ = _fit([FedAvg(), attack], rounds=2)
+    assert attack.sigma is not None and attack.sigma > 0
+    # the mean |Δ| of a Gaussian is sqrt(2/π) of its std: different from the "std" estimate
+    other = FreeRiders(2, "disguised", sigma_estimate="std")
+    _fit([FedAvg(), other], rounds=2)
+    assert attack.sigma != pytest.approx(other.sigma, rel=1e-3)
+
+
+def test_free_riders_work_with_fedprox():
+    _, trainer = _fit([FedAvg(), FedProx(mu=1.0), FreeRiders(5, "disguised")])
+    assert trainer.current_epoch == ROUNDS
+
+
+def test_detector_flags_plain_free_riders_without_false_alarms():
+    detector = FreeRiderDetector()
+    _, trainer = _fit([FedAvg(), FreeRiders(3, "plain"), detector])
+    assert sorted(detector.flagged) == [5, 6, 7]
+    assert trainer.callback_metrics["free_riders/detection_rate"].item() == 1.0
+    assert trainer.callback_metrics["free_riders/false_alarm_rate"].item() == 0.0
+
+
+def test_detector_catches_disguised_free_riders_on_shared_descent_directions():
+    detector = FreeRiderDetector()
+    _, trainer = _fit([FedAvg(), FreeRiders(2, "disguised"), detector], rounds=4)
+    assert trainer.callback_metrics["free_riders/detection_rate"].item() == 1.0
+    assert trainer.callback_metrics["free_riders/false_alarm_rate"].item() == 0.0
+
+
+def test_resume_keeps_sigma_and_is_exact(tmp_path):
+    def attack():
+        return FreeRiders(3, "disguised", coef=3.0)
+
+    full, _ = _fit([FedAvg(), attack()], rounds=4)
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    _fit([FedAvg(), attack(), checkpoint], rounds=2, enable_checkpointing=True)
+    module = _tiny_module(0.1, seed=7)
+    resumed = attack()
+    trainer = make_trainer(FederatedStrategy(local_steps=3, seed=2), 4, [FedAvg(), resumed])
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=5),
+                ckpt_path=str(tmp_path / "epoch=1.ckpt"), weights_only=True)  # fmt: skip
+    assert max_abs_diff(params_of(full), params_of(module)) == 0.0
+
+
+def test_bad_free_rider_settings_are_refused():
+    with pytest.raises(ValueError, match="declared_samples must be >= 0"):
+        FreeRiders(2, declared_samples=-5)
+    with pytest.raises(ValueError, match="num_free_riders must be >= 0"):
+        FreeRiders(-1)
+    with pytest.raises(ValueError, match="mode must be 'plain' or 'disguised'"):
+        FreeRiders(1, "sneaky")
+    with pytest.raises(ValueError, match="declared_samples = 0 gives the free-riders no weight"):
+        _fit([FedAvg(), FreeRiders(2, declared_samples=0)], rounds=1)
+    module = _tiny_module(0.1)
+    trainer = make_trainer(FederatedStrategy(sampler=UniformSampler(2), local_steps=1), 1,
+                           [FedAvg(), FreeRiders(1)])  # fmt: skip
+    with pytest.raises(ValueError, match="full participation: drop the strategy's UniformSampler"):
+        trainer.fit(module, datamodule=tiny_datamodule(num_clients=5))
