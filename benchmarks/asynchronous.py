@@ -21,16 +21,11 @@ benchmarks/results/asynchronous.md and asynchronous_*.png.
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
 import statistics
-import tempfile
 from pathlib import Path
 
 import torch
-import yaml
-
-from lightning_fl.cli import run
+from recipe_runs import callback_of, run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "asynchronous"
@@ -40,22 +35,8 @@ LR_GRID = [0.002, 0.005, 0.01, 0.02, 0.05]
 
 def fit(recipe: str, seed: int, edit) -> dict:
     """Run ``recipe`` with ``edit(config)`` applied; return its metrics over time."""
-    config = yaml.safe_load((RECIPES / f"{recipe}.yaml").read_text())
-    config["seed_everything"] = seed
-    config["trainer"]["strategy"]["init_args"]["seed"] = seed
-    config["data"]["init_args"]["seed"] = seed
-    callbacks = config["trainer"]["callbacks"]
-    config["trainer"]["callbacks"] = [c for c in callbacks if "Checkpoint" not in c["class_path"]]
-    edit(config)
-    with tempfile.TemporaryDirectory() as workdir:
-        path = Path(workdir) / "config.yaml"
-        path.write_text(yaml.safe_dump(config))
-        cli = run(["fit", "--config", str(path), "--trainer.enable_progress_bar", "false",
-                   "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", workdir,
-                   "--trainer.logger.init_args.save_dir", workdir])  # fmt: skip
-        (metrics,) = glob.glob(f"{workdir}/**/metrics.csv", recursive=True)
-        rows = list(csv.DictReader(open(metrics)))
-    aggregator = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "AsynchronousFL")
+    cli, rows = run_recipe(RECIPES / f"{recipe}.yaml", edit, seed)
+    aggregator = callback_of(cli, "AsynchronousFL")
     curve = [(float(r["fl/time"]), float(r["fl/federated_loss"])) for r in rows
              if r.get("fl/federated_loss") and r.get("fl/time")]  # fmt: skip
     last = {k: float(v) for r in rows for k, v in r.items() if v}

@@ -1,0 +1,41 @@
+"""Run a recipe with edits from a benchmark, in-process, and read back its metrics."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from lightning_fl.cli import run
+
+
+def run_recipe(recipe: Path, edit: Callable[[dict], None], seed: int | None = None):
+    """Fit ``recipe`` (without checkpoints) after ``edit(config)``; with ``seed``, every
+    seed of the recipe (run, strategy, data) is set to it. Returns the LightningCLI and
+    the rows of its metrics.csv."""
+    config = yaml.safe_load(Path(recipe).read_text())
+    if seed is not None:
+        config["seed_everything"] = seed
+        config["trainer"]["strategy"]["init_args"]["seed"] = seed
+        config["data"]["init_args"]["seed"] = seed
+    callbacks = config["trainer"]["callbacks"]
+    config["trainer"]["callbacks"] = [c for c in callbacks if "Checkpoint" not in c["class_path"]]
+    edit(config)
+    with tempfile.TemporaryDirectory() as workdir:
+        path = Path(workdir) / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli = run(["fit", "--config", str(path), "--trainer.enable_progress_bar", "false",
+                   "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", workdir,
+                   "--trainer.logger.init_args.save_dir", workdir])  # fmt: skip
+        (metrics,) = glob.glob(f"{workdir}/**/metrics.csv", recursive=True)
+        rows = list(csv.DictReader(open(metrics)))
+    return cli, rows
+
+
+def callback_of(cli, name: str):
+    """The trainer's callback of class ``name``."""
+    return next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == name)
