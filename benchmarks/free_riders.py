@@ -118,8 +118,8 @@ def _plot(curves: dict) -> None:
         for riders in (1, 5, 45):
             for label in ("plain", "disguised 1σ"):
                 (run,) = curves[(split, False, riders, label)]
-                ax.plot([k for k, _ in run["curve"]], [v for _, v in run["curve"]],
-                        ls="-" if label == "plain" else "--", label=f"{riders} {label}")  # fmt: skip
+                style = dict(ls="-" if label == "plain" else "--", label=f"{riders} {label}")
+                ax.plot([k for k, _ in run["curve"]], [v for _, v in run["curve"]], **style)
         ax.set_title(f"FedAvg, {split}")
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
