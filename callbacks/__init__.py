@@ -15,6 +15,7 @@ from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, P
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
+from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
 
 __all__ = [
     "Aggregator",
@@ -46,4 +47,6 @@ __all__ = [
     "SAFARI",
     "SCAFFOLD",
     "ServerReference",
+    "StopAtTarget",
+    "Unlearning",
 ]

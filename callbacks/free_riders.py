@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.samplers import FullParticipation
 from lightning_fl.seeding import generator
-from lightning_fl.tensors import TensorList, flatten
+from lightning_fl.tensors import add_flat_, flatten
 
 #: The disguised free-rider's noise scale in round 0, before any global increment exists
 #: (the authors' code).
@@ -137,20 +137,13 @@ class FreeRiders(FederatedCallback):
                 ).to(state.global_tensors[0].dtype)
             self.updates[rider] = update
             if trainer.global_rank == 0:  # added once: the round's all-reduce sums the ranks
-                _add_flat(state.update_sum, weight * update)
+                add_flat_(state.update_sum, weight * update)
 
     def state_dict(self) -> dict:
         return {"sigma": self.sigma, "first_global": self.first_global}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.sigma, self.first_global = state_dict["sigma"], state_dict["first_global"]
-
-
-def _add_flat(tensors: TensorList, flat: torch.Tensor) -> None:
-    offset = 0
-    for t in tensors:
-        t.add_(flat[offset : offset + t.numel()].view_as(t).to(t))
-        offset += t.numel()
 
 
 class FreeRiderDetector(FederatedCallback):

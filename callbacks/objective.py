@@ -7,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_fl.callbacks.base import FederatedCallback
-from lightning_fl.local_training import task_loss
 
 
 class FederatedObjective(FederatedCallback):
@@ -29,28 +28,11 @@ class FederatedObjective(FederatedCallback):
             raise ValueError(f"every_n_rounds must be >= 1, got {every_n_rounds}.")
         self.every_n_rounds = every_n_rounds
 
-    @torch.no_grad()
     def client_losses(self, trainer, pl_module) -> torch.Tensor:
         """L_i(θ) for every client (0 for clients without training data)."""
-        strategy, dm = trainer.strategy, trainer.datamodule
-        counts = strategy.training_counts
-        losses = torch.zeros(len(counts), dtype=torch.float64, device=strategy.root_device)
-        was_training = pl_module.training
-        pl_module.eval()
-        for client, n in enumerate(counts):
-            if n == 0 or strategy.owner(client) != trainer.global_rank:
-                continue
-            loader = dm.client_dataloader(dm.client_dataset(client, "train"), "val")
-            total = 0.0
-            for batch in loader:
-                batch = strategy.batch_to_device(batch)
-                size = len(batch[-1]) if isinstance(batch, (list, tuple)) else n
-                total += float(task_loss(pl_module, batch)) * size
-            losses[client] = total / n
-        pl_module.train(was_training)
-        if dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(losses)
-        return losses.cpu()
+        counts = trainer.strategy.training_counts
+        clients = [c for c, n in enumerate(counts) if n > 0]
+        return client_training_metrics(trainer, pl_module, clients)[0]
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         last = trainer.current_epoch + 1 >= trainer.max_epochs
@@ -67,3 +49,35 @@ class FederatedObjective(FederatedCallback):
             q = torch.zeros_like(p)
             q[aggregator.clients] = torch.as_tensor(aggregator.surrogate_weights())
             pl_module.log("fl/surrogate_loss", float(q @ losses), on_epoch=True)
+
+
+@torch.no_grad()
+def client_training_metrics(
+    trainer, pl_module, clients: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's mean loss and accuracy (its ``acc`` metric, NaN without one) on each
+    of ``clients``' training data; vectors over all clients, 0 elsewhere. Each rank
+    evaluates the clients it owns; the results are summed over ranks."""
+    strategy, dm = trainer.strategy, trainer.datamodule
+    n_all = dm.num_clients
+    sums = torch.zeros(2, n_all, dtype=torch.float64, device=strategy.root_device)
+    was_training = pl_module.training
+    pl_module.eval()
+    for client in clients:
+        if strategy.owner(client) != trainer.global_rank:
+            continue
+        dataset = dm.client_dataset(client, "train")
+        seen = 0
+        for batch in dm.client_dataloader(dataset, "val"):
+            batch = strategy.batch_to_device(batch)
+            loss, metrics = pl_module.loss_and_metrics(batch)
+            size = pl_module.batch_size_of(batch)
+            accuracy = metrics.get("acc", torch.tensor(float("nan")))
+            sums[0, client] += float(loss) * size
+            sums[1, client] += float(accuracy) * size
+            seen += size
+        sums[:, client] /= max(seen, 1)
+    pl_module.train(was_training)
+    if dist.is_initialized() and trainer.world_size > 1:
+        dist.all_reduce(sums)
+    return sums[0].cpu(), sums[1].cpu()

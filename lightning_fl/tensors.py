@@ -57,6 +57,14 @@ def unflatten(flat: Tensor, like: TensorList) -> TensorList:
     return out
 
 
+def add_flat_(tensors: TensorList, flat: Tensor) -> None:
+    """tensors += unflatten(flat), in place."""
+    offset = 0
+    for t in tensors:
+        t.add_(flat[offset : offset + t.numel()].view_as(t).to(t))
+        offset += t.numel()
+
+
 def all_finite(tensors: TensorList) -> bool:
     """One reduction over all tensors: False if any entry is NaN or ±Inf."""
     if not tensors:

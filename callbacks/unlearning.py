@@ -1,0 +1,394 @@
+"""Federated unlearning: SIFU (IFU for a single request) and the baselines of its paper
+(Fraboni et al., AISTATS 2024; Fraboni thesis ch. 5), and a reusable target-based stop."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.callbacks.objective import client_training_metrics
+from lightning_fl.samplers import ClientSampler, Participation
+from lightning_fl.seeding import generator
+from lightning_fl.tensors import TensorList, add_flat_, flatten, unflatten
+from lightning_fl.unlearning import (
+    BranchHistory,
+    ModelVersions,
+    check_privacy,
+    noise_for_sensitivity,
+    sensitivity_threshold,
+)
+
+Method = Literal["sifu", "scratch", "fine_tuning", "last", "dp", "fedaccum"]
+
+
+class StopAtTarget(pl.Callback):
+    """Stop training once ``monitor`` reaches ``target`` (≥ for ``mode="max"``), after at
+    least ``min_rounds`` rounds and at most ``max_rounds`` (the stopping rule of the
+    unlearning experiments, thesis §5.5: target accuracy, 50 to 10,000 rounds).
+    :meth:`reached` is the test, for callbacks that chain phases on it."""
+
+    def __init__(
+        self,
+        monitor: str,
+        target: float,
+        min_rounds: int = 0,
+        max_rounds: int | None = None,
+        mode: Literal["max", "min"] = "max",
+    ) -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
+        if min_rounds < 0 or (max_rounds is not None and max_rounds < max(min_rounds, 1)):
+            raise ValueError(
+                f"Need 0 <= min_rounds <= max_rounds, got {min_rounds} and {max_rounds}."
+            )
+        self.monitor, self.target, self.mode = monitor, target, mode
+        self.min_rounds, self.max_rounds = min_rounds, max_rounds
+
+    def reached(self, value: float | None, rounds: int) -> bool:
+        """True when ``rounds`` rounds with a last value ``value`` end the phase."""
+        if self.max_rounds is not None and rounds >= self.max_rounds:
+            return True
+        if value is None or rounds < self.min_rounds:
+            return False
+        return value >= self.target if self.mode == "max" else value <= self.target
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if self.reached(None if value is None else float(value), trainer.current_epoch + 1):
+            trainer.should_stop = True
+
+
+class _RequestAwareSampler(ClientSampler):
+    """The strategy's sampler, asked only among the clients not yet removed, after the
+    unlearning callback has applied the requests due this round."""
+
+    def __init__(self, sampler: ClientSampler, unlearning: Unlearning) -> None:
+        super().__init__(sampler.renormalize)
+        self.sampler, self.unlearning = sampler, unlearning
+        self.needs_updates = sampler.needs_updates
+
+    def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
+        self.unlearning.apply_due_requests(round_idx)
+        p = p.clone()
+        p[sorted(self.unlearning.removed)] = 0.0
+        return self.sampler.sample(round_idx, seed, p / p.sum())
+
+    def check(self, num_eligible: int) -> None:
+        self.sampler.check(num_eligible)
+
+    def observe(self, clients, updates, num_clients) -> None:
+        self.sampler.observe(clients, updates, num_clients)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class Unlearning(FederatedCallback):
+    """Unlearning requests during FedAvg training, by SIFU (Alg. 7; IFU, Alg. 6, is its
+    single-request case) or a baseline.
+
+    During training, for every participating client i (Alg. 6, App. D.2.5):
+
+        Ψ_r(n+1, i) = decay·Ψ_r(n, i) + η_g (p_i/(1 − p_i)) ‖θ_i^{n+1} − θ^{n+1}‖₂,
+
+    with p_i uniform over the remaining clients (the authors' code) and 0 added for the
+    others. A request W_r (at a round of ``requests``, or :meth:`request` between fits)
+    removes W_r for good: its clients are never sampled again, so their training data is
+    never read again. The model then restarts from
+
+    - ``"sifu"``: θ_ζ^T + N(0, σ² I), with (ζ_r, T_r) from the branch history (eqs.
+      5.17–5.19) and Ψ* = εσ/sqrt(2 ln(1.25/δ)) (eq. 5.13);
+    - ``"scratch"``: the initial model θ_0^0 (the gold standard, no guarantee needed);
+    - ``"fine_tuning"``: the current model (no forgetting mechanism);
+    - ``"last"``: the current model + N(0, σ_L² I), σ_L from the branch's largest Ψ
+      (Thm 5.2);
+    - ``"dp"``: the current model, which DP training kept private: every update is clipped
+      to norm ``clip`` and the global model gets N(0, ((2C/M)·sqrt(2 ln(1.25/δ))/ε)² I)
+      after every aggregation (the authors' DP baseline);
+    - ``"fedaccum"``: a shadow model that every round re-aggregates the received local
+      models without the clients of each future removal set (the authors' code; needs
+      ``requests`` known in advance and one process).
+
+    Args:
+        method: see above.
+        epsilon, delta, sigma: ε, δ and the SIFU noise σ (Tab. D.1: 10, 0.01, 0.05).
+        requests: ``{round: [clients]}`` removed at the start of that round, or, with
+            ``on_target``, a list of client sets removed one after another each time
+            training reaches the target.
+        on_target: a :class:`StopAtTarget` on ``unlearning/remaining_train_acc``: train to
+            the target, then apply the next request, retrain to the target, …, and stop
+            after the last one (the thesis's protocol). The rounds of each phase are in
+            :attr:`phase_rounds`.
+        decay: (1 − η_l λ)^K for an L2 weight λ (Cor. 5.1); 1 without.
+        clip: C of the DP baseline.
+        evaluate_every: rounds between evaluations of the remaining clients.
+        evaluate_forgotten: also measure the accuracy on the removed clients' training
+            data (an experimenter's metric: a real server no longer holds that data, and
+            without it the removed clients' data is never read again).
+        seed: seed of the noise draws.
+
+    Logs ``unlearning/remaining_train_acc`` (p-weighted accuracy on the remaining clients'
+    training data), ``unlearning/forgotten_acc`` (on the removed clients' training data;
+    lower is better, SCRATCH is the reference), ``unlearning/branch``.
+    """
+
+    def __init__(
+        self,
+        method: Method = "sifu",
+        epsilon: float = 10.0,
+        delta: float = 0.01,
+        sigma: float = 0.05,
+        requests: dict[int, list[int]] | list[list[int]] | None = None,
+        on_target: StopAtTarget | None = None,
+        decay: float = 1.0,
+        clip: float = 0.5,
+        evaluate_every: int = 1,
+        evaluate_forgotten: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if method not in ("sifu", "scratch", "fine_tuning", "last", "dp", "fedaccum"):
+            raise ValueError(
+                "method must be one of sifu, scratch, fine_tuning, last, dp, fedaccum; "
+                f"got {method!r}."
+            )
+        check_privacy(epsilon, delta, sigma)
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}.")
+        if on_target is None and isinstance(requests, list):
+            raise ValueError("A list of requests needs on_target; give {round: clients} else.")
+        if on_target is not None and isinstance(requests, dict):
+            raise ValueError("With on_target, give requests as a list of client sets.")
+        if not clip > 0:
+            raise ValueError(f"clip must be > 0, got {clip}.")
+        self.method, self.epsilon, self.delta, self.sigma = method, epsilon, delta, sigma
+        self.threshold = sensitivity_threshold(epsilon, delta, sigma)
+        self.scheduled = {int(k): list(v) for k, v in (requests or {}).items()} if isinstance(
+            requests, dict
+        ) or requests is None else {}  # fmt: skip
+        self.queue: list[list[int]] = list(requests) if isinstance(requests, list) else []
+        self.on_target, self.decay, self.clip = on_target, decay, clip
+        self.evaluate_every, self.seed = evaluate_every, seed
+        self.evaluate_forgotten = evaluate_forgotten
+        self.removed: list[int] = []
+        self.pending: list[list[int]] = []
+        self.history: BranchHistory | None = None
+        self.versions = ModelVersions()
+        self.initial: torch.Tensor | None = None
+        self.shadows: dict[tuple[int, ...], torch.Tensor] = {}
+        self.phase_rounds: list[int] = []
+        self.done_requests: list[dict] = []
+        self._phase_start = 0
+        self._deltas: dict[int, torch.Tensor] = {}
+        self._start: torch.Tensor | None = None
+        self._trainer: pl.Trainer | None = None
+
+    # ---- requests ----------------------------------------------------------------------
+    def request(self, clients: list[int]) -> None:
+        """Forget ``clients`` at the start of the next round (e.g. between two fits)."""
+        self.pending.append(list(clients))
+
+    def _validate(self, clients: list[int], num_clients: int) -> None:
+        unknown = [c for c in clients if not 0 <= c < num_clients]
+        if unknown:
+            raise ValueError(
+                f"Unlearning request names clients {unknown} that do not exist "
+                f"(0..{num_clients - 1})."
+            )
+        again = sorted(set(clients) & set(self.removed))
+        if again:
+            raise ValueError(f"Clients {again} were already removed: drop them from the request.")
+        counts = self._trainer.strategy.training_counts
+        gone = set(self.removed) | set(clients)
+        left = [c for c, n in enumerate(counts) if n > 0 and c not in gone]
+        if not left:
+            raise ValueError("The request would remove every client: keep at least one.")
+
+    def apply_due_requests(self, round_idx: int) -> None:
+        due = self.pending + ([self.scheduled[round_idx]] if round_idx in self.scheduled else [])
+        self.pending = []
+        for clients in due:
+            self._forget(sorted(set(clients)), round_idx)
+
+    @torch.no_grad()
+    def _forget(self, clients: list[int], round_idx: int) -> None:
+        strategy = self._trainer.strategy
+        self._validate(clients, self._trainer.datamodule.num_clients)
+        model = strategy.federated_tensors
+        current = flatten([t.detach() for t in model.tensors])
+        zeta, t = self.history.fork_point(clients)
+        if self.method == "sifu":
+            t, start = self.versions.restart_model(self.history, zeta, t, clients)
+            start = start + self._noise(self.sigma, round_idx, current)
+        elif self.method == "scratch":
+            start = self.initial.clone()
+        elif self.method == "last":
+            std = noise_for_sensitivity(self.history.max_sensitivity(), self.epsilon, self.delta)
+            start = current + self._noise(std, round_idx, current)
+        elif self.method == "fedaccum":
+            key = tuple(sorted(set(self.removed) | set(clients)))
+            if key not in self.shadows:
+                raise ValueError(
+                    f"FEDACCUM has no shadow model without {list(key)}: it needs every "
+                    "request in `requests` before training."
+                )
+            start = self.shadows.pop(key)
+        else:  # fine_tuning, dp: keep training the current model
+            start = current
+        self.removed = sorted(set(self.removed) | set(clients))
+        self.history.fork(clients)
+        self.versions.keep((self.history.branch, 0), start.clone())
+        self.versions.prune(self.history, self._remaining())
+        model.load_(unflatten(start.to(current), model.tensors))
+        self.done_requests.append({"round": round_idx, "clients": clients, "branch": zeta,
+                                   "restart_round": t})  # fmt: skip
+
+    def _noise(self, std: float, round_idx: int, like: torch.Tensor) -> torch.Tensor:
+        g = generator(self.seed, "unlearning", round_idx, len(self.done_requests))
+        return (std * torch.randn(like.numel(), generator=g, dtype=torch.float64)).to(like)
+
+    def _remaining(self) -> list[int]:
+        counts = self._trainer.strategy.training_counts
+        removed = set(self.removed)
+        return [c for c, n in enumerate(counts) if n > 0 and c not in removed]
+
+    # ---- set-up ------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._trainer = trainer
+        strategy = trainer.strategy
+        if not isinstance(strategy.sampler, _RequestAwareSampler):
+            strategy.sampler = _RequestAwareSampler(strategy.sampler, self)
+        if self.method == "fedaccum" and trainer.world_size > 1:
+            raise ValueError("FEDACCUM re-aggregates every client's model: use devices=1.")
+        model = flatten([t.detach() for t in strategy.federated_tensors.tensors])
+        if self.history is None:
+            self.history = BranchHistory(trainer.datamodule.num_clients, self.threshold)
+            self.initial = model.clone()
+            self.versions.keep((0, 0), model.clone())
+            if self.method == "fedaccum":
+                self.shadows = {key: model.clone() for key in self._removal_sets()}
+
+    def _removal_sets(self) -> list[tuple[int, ...]]:
+        """The cumulative removal sets F_r of the known requests, in order."""
+        sets, removed = [], set(self.removed)
+        ordered = [self.scheduled[k] for k in sorted(self.scheduled)] + self.queue
+        for clients in ordered:
+            removed |= set(clients)
+            sets.append(tuple(sorted(removed)))
+        return sets
+
+    # ---- every round -------------------------------------------------------------------
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        self._start = flatten(state.global_tensors).clone()
+        self._deltas = {}
+        if self.method == "dp" and trainer.global_rank == 0:
+            m = max(len(self._remaining()), 1)
+            std = (2 * self.clip / m) * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+            noise = self._noise(std, state.round_idx, self._start)
+            lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
+            add_flat_(state.update_sum, noise / lr)  # θ^{n+1} gets N(0, std²) once
+
+    @torch.no_grad()
+    def transform_update(self, trainer, pl_module, client, update: TensorList, state):
+        if self.method != "dp":
+            return update
+        norm = math.sqrt(sum(float(u.pow(2).sum()) for u in update))
+        return update if norm <= self.clip else [u * (self.clip / norm) for u in update]
+
+    def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
+        self._deltas[client] = flatten([u.detach() for u in update])
+
+    @torch.no_grad()
+    def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
+        new = flatten(state.global_tensors)
+        remaining = self._remaining()
+        p = 1.0 / max(len(remaining), 1)
+        server_lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
+        scale = server_lr * p / (1 - p) if p < 1 else 0.0
+        increments = torch.zeros(self.history.num_clients, dtype=torch.float64)
+        for client, delta in self._deltas.items():
+            increments[client] = scale * float((self._start + delta - new).norm())
+        if dist.is_initialized() and trainer.world_size > 1:
+            increments = increments.to(new.device)
+            dist.all_reduce(increments)
+        self.history.record(increments.cpu().numpy(), self.decay)
+        branch = self.history.branch
+        self.versions.keep((branch, self.history.rounds(branch)), new.clone())
+        self.versions.prune(self.history, remaining)
+        if self.method == "fedaccum":
+            self._update_shadows(state)
+
+    def _update_shadows(self, state: RoundState) -> None:
+        """Each shadow: the weighted average of this round's local models θ^n + Δ_i of the
+        participants outside its removal set (renormalized), applied to the shadow."""
+        for key, shadow in self.shadows.items():
+            kept = [c for c in self._deltas if c not in key]
+            if not kept:
+                continue
+            weights = torch.tensor([state.weight_of(c) for c in kept], dtype=torch.float64)
+            weights = weights / weights.sum()
+            step = sum(float(w) * self._deltas[c] for w, c in zip(weights, kept))
+            self.shadows[key] = shadow + step
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        epoch = trainer.current_epoch
+        if (epoch + 1) % self.evaluate_every and self.on_target is None:
+            return
+        remaining = self._remaining()
+        forgotten = self.removed if self.evaluate_forgotten else []
+        _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
+        counts = torch.tensor(trainer.strategy.training_counts, dtype=torch.float64)
+        value = float(_weighted(accuracy, counts, remaining))
+        pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)
+        pl_module.log("unlearning/branch", float(self.history.branch), on_epoch=True)
+        if forgotten:
+            value_forgotten = float(_weighted(accuracy, counts, forgotten))
+            pl_module.log("unlearning/forgotten_acc", value_forgotten, on_epoch=True)
+        phase = epoch + 1 - self._phase_start
+        if self.on_target is not None and self.on_target.reached(value, phase):
+            self.phase_rounds.append(phase)
+            self._phase_start = epoch + 1
+            if self.queue:
+                self.pending.append(self.queue.pop(0))
+            else:
+                trainer.should_stop = True
+
+    # ---- checkpoint --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "removed": self.removed, "pending": self.pending, "queue": self.queue,
+            "history": None if self.history is None else self.history.state_dict(),
+            "versions": {f"{s},{n}": m for (s, n), m in self.versions.models.items()},
+            "initial": self.initial,
+            "shadows": {",".join(map(str, k)): v for k, v in self.shadows.items()},
+            "phase_rounds": self.phase_rounds, "phase_start": self._phase_start,
+            "done_requests": self.done_requests,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.removed, self.queue = list(state["removed"]), [list(q) for q in state["queue"]]
+        self.pending = [list(p) for p in state["pending"]] + self.pending
+        if state["history"] is not None:
+            self.history = BranchHistory(1, self.threshold)
+            self.history.load_state_dict(state["history"])
+        self.versions.models = {
+            tuple(int(x) for x in k.split(",")): v for k, v in state["versions"].items()
+        }
+        self.initial = state["initial"]
+        self.shadows = {
+            tuple(int(x) for x in k.split(",") if x): v for k, v in state["shadows"].items()
+        }
+        self.phase_rounds, self._phase_start = list(state["phase_rounds"]), state["phase_start"]
+        self.done_requests = list(state["done_requests"])
+
+
+def _weighted(values: torch.Tensor, counts: torch.Tensor, clients: list[int]) -> float:
+    weights = counts[clients]
+    return float((values[clients] * weights).sum() / weights.sum())

@@ -1,0 +1,230 @@
+"""Federated unlearning (SIFU, Fraboni et al. AISTATS 2024; thesis ch. 5): the threshold,
+the cheap sensitivity, Thm 5.1 on a quadratic loss, Alg. 7's branch bookkeeping, the
+limits σ → 0 and σ → ∞, baselines, resume, and what a removed client still costs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import Classifier, FederatedStrategy, FullParticipation, UniformSampler
+from lightning_fl.callbacks import FedAvg, StopAtTarget, Unlearning
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.samplers import ExcludedClients
+from lightning_fl.tensors import flatten
+from lightning_fl.unlearning import BranchHistory, sensitivity_threshold
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
+
+
+def _fit(callbacks, rounds, sampler=None, dm=None, module=None, **kw):
+    module = module or tiny_module(0.1)
+    strategy = FederatedStrategy(sampler=sampler or UniformSampler(4), local_steps=3, seed=3)
+    trainer = make_trainer(strategy, rounds, callbacks, **kw)
+    trainer.fit(module, datamodule=dm or tiny_datamodule(num_clients=8))
+    return module, trainer
+
+
+def test_threshold_of_eq_5_13():
+    assert sensitivity_threshold(10, 0.01, 0.05) == pytest.approx(0.1609, abs=1e-4)
+    assert sensitivity_threshold(10, 0.01, 0.1) == pytest.approx(0.3218, abs=1e-4)
+
+
+def test_cheap_sensitivity_is_the_difference_of_two_fedavg_aggregations():
+    """(p_c/(1 − p_c))‖θ_c^{n+1} − θ^{n+1}‖ = ‖Δ(I, θ^n) − Δ(I∖{c}, θ^n)‖ (App. D.2.5),
+    with identical importance and full participation."""
+    unlearning = Unlearning()
+    _fit([FedAvg("uniform"), unlearning], 1, sampler=FullParticipation())
+    deltas = unlearning._deltas
+    clients = sorted(deltas)
+    everyone = torch.stack([deltas[c] for c in clients]).double().mean(0)
+    for c in clients:
+        without = torch.stack([deltas[i] for i in clients if i != c]).double().mean(0)
+        expected = float((everyone - without).norm())
+        assert unlearning.history.psi[0][1][c] == pytest.approx(expected, rel=1e-5, abs=1e-9)
+
+
+class _Quadratic(Classifier):
+    """Least squares on one-hot targets: a quadratic loss, as Thm 5.1 assumes."""
+
+    def loss_and_metrics(self, batch):
+        x, y = batch
+        out = self(x)
+        loss = 0.5 * (out - F.one_hot(y, out.shape[-1]).to(out)).pow(2).sum(-1).mean()
+        return loss, {"acc": (out.argmax(-1) == y).float().mean()}
+
+
+def test_theorem_5_1_sensitivity_bounds_the_model_difference_on_a_quadratic_loss():
+    """‖FedAvg(I, n) − FedAvg(I∖{c}, n)‖ ≤ Ψ(n, c), with η ≤ 1/σ_max(H)."""
+
+    def quadratic():
+        torch.manual_seed(1)
+        return _Quadratic(network=torch.nn.Linear(6, 3), lr=0.02)
+
+    rounds, c = 6, 2
+    unlearning = Unlearning()
+    with_c, _ = _fit([FedAvg("uniform"), unlearning], rounds, FullParticipation(),
+                     module=quadratic())  # fmt: skip
+    without_c, _ = _fit([FedAvg("uniform")], rounds, ExcludedClients(FullParticipation(), [c]),
+                        module=quadratic())  # fmt: skip
+    gap = float((flatten(params_of(with_c)) - flatten(params_of(without_c))).norm())
+    psi = unlearning.history.psi[0][rounds][c]
+    assert 0 < gap <= psi
+
+
+def test_branch_bookkeeping_of_algorithm_7_on_a_hand_made_table():
+    """Ψ* = 1. Branch 0: client 0 passes Ψ* after round 2, client 1 after round 4."""
+    history = BranchHistory(3, threshold=1.0)
+    for row in ([0.5, 0.2, 0], [0.9, 0.5, 0], [1.5, 0.8, 0], [2.0, 1.0, 0], [2.5, 1.2, 0]):
+        history.psi[0].append(np.array(row, dtype=float))
+    assert history.fork_point([0]) == (0, 2)  # W_1 = {0}: T_1 = 2
+    assert history.fork([0]) == (0, 2) and history.lineage == [(0, 2)]
+    for row in ([0, 0.3, 0.1], [0, 0.6, 0.4]):  # branch 1: client 1 stays within Ψ*
+        history.psi[1].append(np.array(row, dtype=float))
+    # W_2 = {1}: Ψ_0(2, {1}) = 0.8 <= Ψ* at the node, so stay on branch 1, up to its end
+    assert history.fork([1]) == (1, 2) and history.lineage == [(0, 2), (1, 2)]
+    history.psi[2].append(np.array([0, 0, 3.0]))
+    # W_3 = {2}: Ψ_0(2, {2}) = 0 and Ψ_1(2, {2}) = 0.4, fine; branch 2 is over: T = 0
+    assert history.fork([2]) == (2, 0) and history.lineage == [(0, 2), (1, 2), (2, 0)]
+    # a node that violates: client 0 in branch 0 beyond its node is cut back there
+    history2 = BranchHistory(2, threshold=1.0)
+    history2.psi[0] += [np.array([0.4, 0.0]), np.array([1.2, 0.1])]
+    history2.fork([1])  # node (0, 2)
+    assert history2.fork_point([0]) == (0, 1)  # Ψ_0(2, {0}) = 1.2 > Ψ*: back to branch 0
+
+
+def test_sifu_with_tiny_noise_is_scratch_and_with_huge_noise_perturbs_the_last_model():
+    tiny = Unlearning("sifu", sigma=1e-12, requests={4: [0, 1]})
+    _fit([FedAvg(), tiny], 6)
+    assert tiny.done_requests[0]["branch"] == 0 and tiny.done_requests[0]["restart_round"] == 0
+    huge = Unlearning("sifu", sigma=1e6, requests={4: [0, 1]})
+    _fit([FedAvg(), huge], 6)
+    assert huge.done_requests[0]["restart_round"] == 4  # the last model, as LAST
+
+
+def test_scratch_restarts_from_the_initial_model_and_removed_clients_never_return():
+    from lightning.pytorch import Callback
+
+    participants, first_batch = [], {}
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.current_epoch == 3 and batch_idx == 0:
+                first_batch["model"] = flatten(params_of(pl_module))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            participants.append(trainer.strategy.current_round.state.participation.clients)
+
+    scratch = Unlearning("scratch", requests={3: [0, 5]})
+    _fit([FedAvg(), scratch, Watch()], 8)
+    assert torch.equal(first_batch["model"], scratch.initial)
+    assert set().union(*participants[:3]) & {0, 5}
+    assert not set().union(*participants[3:]) & {0, 5}
+    assert scratch.removed == [0, 5]
+
+
+def test_removed_clients_training_data_is_never_read_after_the_request():
+    from lightning.pytorch import Callback
+
+    from tests.helpers import tiny_clients
+
+    reads: list[tuple[int, int, str]] = []
+    epoch = {"now": 0}
+
+    class Recording(InMemoryFederatedDataModule):
+        def client_dataset(self, client, split):
+            reads.append((epoch["now"], client, split))
+            return super().client_dataset(client, split)
+
+    class Clock(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            epoch["now"] = trainer.current_epoch
+
+    dm = Recording(tiny_clients(num_clients=8), batch_size=4)
+    _fit([FedAvg(), Unlearning("sifu", requests={3: [0, 5]}), Clock()], 7, dm=dm,
+         limit_val_batches=None)  # fmt: skip
+    after = [(c, s) for e, c, s in reads if e >= 3 and c in (0, 5) and s == "train"]
+    before = [(c, s) for e, c, s in reads if e < 3 and c in (0, 5) and s == "train"]
+    assert before and not after
+
+
+def test_fine_tuning_keeps_the_model_and_last_perturbs_it_by_the_overall_sensitivity():
+    from lightning.pytorch import Callback
+
+    from lightning_fl.unlearning import noise_for_sensitivity
+
+    def run(method):
+        seen = {}
+
+        class Watch(Callback):
+            def on_train_epoch_end(self, trainer, pl_module):
+                if trainer.current_epoch == 2:
+                    seen["end_of_2"] = flatten(params_of(pl_module))
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trainer.current_epoch == 3 and batch_idx == 0:
+                    seen["start_of_3"] = flatten(params_of(pl_module))
+
+        unlearning = Unlearning(method, sigma=0.05, requests={3: [2]})
+        _fit([FedAvg(), unlearning, Watch()], 4)
+        return unlearning, seen["start_of_3"] - seen["end_of_2"]
+
+    _, kept = run("fine_tuning")
+    assert float(kept.abs().max()) == 0.0
+    last, jump = run("last")
+    psi = max(float(row.max()) for row in last.history.psi[0])
+    std = noise_for_sensitivity(psi, 10.0, 0.01)
+    assert float(jump.std()) == pytest.approx(std, rel=0.35)
+
+
+def test_dp_baseline_clips_every_update():
+    dp = Unlearning("dp", clip=1e-3, requests={2: [1]})
+    module, _ = _fit([FedAvg(), dp], 3)
+    assert all(float(d.norm()) <= 1e-3 * (1 + 1e-5) for d in dp._deltas.values())
+
+
+def test_fedaccum_shadow_model_excludes_the_future_removal_set():
+    fedaccum = Unlearning("fedaccum", requests={3: [0, 1]})
+    _fit([FedAvg(), fedaccum], 5, sampler=FullParticipation())
+    assert fedaccum.done_requests and not fedaccum.shadows  # used at the request
+
+
+def test_sequential_protocol_on_target_records_each_phase():
+    stop = StopAtTarget("unlearning/remaining_train_acc", target=0.5, min_rounds=2, max_rounds=5)
+    unlearning = Unlearning("sifu", requests=[[0], [1]], on_target=stop)
+    _, trainer = _fit([FedAvg(), unlearning], 40)
+    assert len(unlearning.phase_rounds) == 3 and unlearning.removed == [0, 1]
+    assert all(2 <= r <= 5 for r in unlearning.phase_rounds)
+    assert trainer.current_epoch == sum(unlearning.phase_rounds)
+
+
+def test_resume_keeps_branches_versions_and_removed_clients(tmp_path):
+    def callbacks():
+        return [FedAvg(), Unlearning("sifu", sigma=0.5, requests={2: [0], 4: [3]})]
+
+    full, _ = _fit(callbacks(), 6)
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    _fit([*callbacks(), checkpoint], 3, enable_checkpointing=True)
+    module = tiny_module(0.1, seed=42)
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=3)
+    trainer = make_trainer(strategy, 6, callbacks())
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=8),
+                ckpt_path=str(tmp_path / "epoch=2.ckpt"), weights_only=True)  # fmt: skip
+    assert max_abs_diff(params_of(full), params_of(module)) == 0.0
+
+
+def test_bad_unlearning_requests_are_refused():
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        Unlearning(epsilon=0)
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        Unlearning(delta=1.0)
+    with pytest.raises(ValueError, match="sigma must be >= 0"):
+        Unlearning(sigma=-0.1)
+    with pytest.raises(ValueError, match=r"clients \[12\] that do not exist"):
+        _fit([FedAvg(), Unlearning(requests={1: [12]})], 2)
+    with pytest.raises(ValueError, match=r"Clients \[0\] were already removed"):
+        _fit([FedAvg(), Unlearning(requests={1: [0], 2: [0]})], 3)
+    with pytest.raises(ValueError, match="would remove every client"):
+        _fit([FedAvg(), Unlearning(requests={1: list(range(8))})], 2)
