@@ -35,8 +35,9 @@ class DigitsDataModule(InMemoryFederatedDataModule):
     """Digits split over ``num_clients`` clients, each with its own train/val/test parts.
 
     Args:
-        partition: ``"dirichlet"`` (label skew with ``alpha``), ``"iid"`` or ``"shards"``
-            (``shards_per_client`` label shards per client).
+        partition: ``"dirichlet"`` (label skew with ``alpha``), ``"iid"``, ``"shards"``
+            (``shards_per_client`` label shards per client) or ``"one_class"`` (client i
+            holds digit i mod 10).
         split: fractions of each client's samples for train, val and test.
         image: yield 1×8×8 images instead of 64 features.
         unseen_fraction: the last ``round(unseen_fraction · num_clients)`` clients are held
@@ -45,12 +46,15 @@ class DigitsDataModule(InMemoryFederatedDataModule):
             split among clients, as the server's own training data (``server_dataset``,
             SAFARI's auxiliary set: i.i.d. from the global distribution, disjoint from the
             clients' data).
+        watermark: if > 0, that many fixed pixels of every sample of client i are set to
+            the maximum value, positions drawn with seed 42 + (i mod 10) (the unlearning
+            verification of the Fraboni thesis §5.5.3).
     """
 
     def __init__(
         self,
         num_clients: int = 20,
-        partition: Literal["dirichlet", "iid", "shards"] = "dirichlet",
+        partition: Literal["dirichlet", "iid", "shards", "one_class"] = "dirichlet",
         alpha: float = 0.5,
         shards_per_client: int = 2,
         min_size: int = 10,
@@ -61,7 +65,10 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         batch_size: int = 16,
         eval_batch_size: int | None = 256,
         server_samples: int = 0,
+        watermark: int = 0,
     ) -> None:
+        if watermark < 0:
+            raise ValueError(f"watermark must be >= 0 pixels, got {watermark}.")
         x, y = load_digits()
         if not 0 <= server_samples < len(y):
             raise ValueError(
@@ -81,14 +88,31 @@ class DigitsDataModule(InMemoryFederatedDataModule):
             features = features.view(-1, 1, 8, 8)
         labels = torch.from_numpy(y)
         clients = []
+        top = float(features.max())
         for c, idx in enumerate(parts):
             pieces = split_fractions(idx, tuple(split), seed + 7919 * (c + 1))
-            clients.append(
-                {
-                    name: (features[torch.from_numpy(p)], labels[torch.from_numpy(p)])
-                    for name, p in zip(("train", "val", "test"), pieces)
+            client = {
+                name: (features[torch.from_numpy(p)], labels[torch.from_numpy(p)])
+                for name, p in zip(("train", "val", "test"), pieces)
+            }
+            if watermark:
+                client = {
+                    k: (watermarked(x_part, c, watermark, top), y_part)
+                    for k, (x_part, y_part) in client.items()
                 }
-            )
+            clients.append(client)
         super().__init__(clients, batch_size, eval_batch_size, server=server)
         self.hold_out(unseen_fraction)
         self.save_hyperparameters()
+
+
+def watermarked(features: torch.Tensor, client: int, pixels: int, value: float) -> torch.Tensor:
+    """``features`` with ``pixels`` fixed pixels set to ``value`` (the data's maximum) in
+    every sample: client i's positions are drawn with seed 42 + (i mod 10), the watermark
+    of the unlearning verification (Fraboni thesis §5.5.3; the authors' code)."""
+    flat = features.reshape(len(features), -1).clone()
+    if pixels > flat.shape[1]:
+        raise ValueError(f"watermark of {pixels} pixels on samples of {flat.shape[1]}.")
+    positions = np.random.default_rng(42 + client % 10).choice(flat.shape[1], pixels, False)
+    flat[:, torch.from_numpy(positions)] = value
+    return flat.view_as(features)

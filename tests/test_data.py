@@ -111,3 +111,28 @@ def test_tensor_batches_equal_a_dataloader_pass_for_pass(n, shuffle, seeded):
     assert torch.equal(ours[1], theirs[1])  # the global RNG advanced alike
     if seeded:
         assert torch.equal(ours[2], theirs[2])
+
+
+def test_one_class_partition_gives_client_i_digit_i_mod_10():
+    from lightning_fl.datamodules import DigitsDataModule
+
+    dm = DigitsDataModule(num_clients=100, partition="one_class", seed=3)
+    for c in (0, 7, 10, 55, 99):
+        labels = torch.cat([dm.client_dataset(c, s).tensors[1] for s in ("train", "val", "test")])
+        assert set(labels.tolist()) == {c % 10}
+    sizes = [len(dm.client_dataset(c, "train")) for c in range(100)]
+    assert max(sizes) - min(sizes) <= 3
+
+
+def test_watermark_sets_the_same_ten_pixels_to_the_maximum_for_each_client():
+    from lightning_fl.datamodules import DigitsDataModule
+
+    plain = DigitsDataModule(num_clients=20, partition="iid", seed=0)
+    marked = DigitsDataModule(num_clients=20, partition="iid", seed=0, watermark=10)
+    for c in (0, 10, 3):
+        positions = np.random.default_rng(42 + c % 10).choice(64, 10, replace=False)
+        x = marked.client_dataset(c, "train").tensors[0]
+        original = plain.client_dataset(c, "train").tensors[0]
+        assert bool((x[:, positions] == 1.0).all())  # the data's maximum (16/16)
+        others = np.setdiff1d(np.arange(64), positions)
+        assert torch.equal(x[:, others], original[:, others])
