@@ -307,3 +307,15 @@ def test_asynchronous_paper_recipes_parse(name, capsys):
         run(["fit", "--config", str(ASYNCHRONOUS / f"{name}.yaml"), "--print_config"])
     assert exit_info.value.code == 0
     assert "lightning_fl.FedFixSchedule" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted((ROOT / "recipes" / "robustness").glob("*.yaml")), ids=lambda r: r.stem
+)
+def test_robustness_recipes_run(recipe, tmp_path):
+    cli = _fit(recipe, tmp_path, "--trainer.max_epochs", "3", "--trainer.limit_test_batches", "2")
+    assert cli.trainer.current_epoch == 3
+    (metrics_csv,) = glob.glob(str(tmp_path / "**/metrics.csv"), recursive=True)
+    header = open(metrics_csv).readline()
+    key = "unlearning/remaining_train_acc" if "sifu" in recipe.stem else "free_riders/"
+    assert key in header
