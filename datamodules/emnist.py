@@ -81,7 +81,7 @@ class EmnistDataModule(InMemoryFederatedDataModule):
         split: str = "byclass",
         data_fraction: float = 0.1,
         num_clients: int = 100,
-        partition: Literal["dirichlet", "iid"] = "dirichlet",
+        partition: Literal["dirichlet", "iid", "one_class"] = "dirichlet",
         alpha: float = 0.4,
         test_fraction: float = 0.2,
         val_fraction: float = 0.0,

@@ -310,7 +310,7 @@ def test_asynchronous_paper_recipes_parse(name, capsys):
 
 
 @pytest.mark.parametrize(
-    "recipe", sorted((ROOT / "recipes" / "robustness").glob("*.yaml")), ids=lambda r: r.stem
+    "recipe", sorted((ROOT / "recipes" / "robustness").glob("digits_*.yaml")), ids=lambda r: r.stem
 )
 def test_robustness_recipes_run(recipe, tmp_path):
     cli = _fit(recipe, tmp_path, "--trainer.max_epochs", "3", "--trainer.limit_test_batches", "2")
@@ -319,3 +319,12 @@ def test_robustness_recipes_run(recipe, tmp_path):
     header = open(metrics_csv).readline()
     key = "unlearning/remaining_train_acc" if "sifu" in recipe.stem else "free_riders/"
     assert key in header
+
+
+@pytest.mark.parametrize("name", ["mnist_sifu", "cifar10_sifu", "cifar100_sifu"])
+def test_real_data_unlearning_recipes_parse(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(ROOT / "recipes" / "robustness" / f"{name}.yaml"),
+             "--print_config"])  # fmt: skip
+    assert exit_info.value.code == 0
+    assert "lightning_fl.callbacks.Unlearning" in capsys.readouterr().out
