@@ -85,6 +85,11 @@ class MarkovAvailability:
         pi = self._per_chain(self.pi, self._chains(num_clients))
         return pi if self.clusters is None else pi[self.clusters]
 
+    def correlation(self, num_clients: int) -> torch.Tensor:
+        """λ_k of every client (its chain's second eigenvalue)."""
+        lam = self._per_chain(self.lam, self._chains(num_clients))
+        return lam if self.clusters is None else lam[self.clusters]
+
     def available(self, round_idx: int, seed: int, num_clients: int) -> torch.Tensor:
         chains = self._chains(num_clients)
         pi = self._per_chain(self.pi, chains)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_fl.ca_fed import AvailabilityEstimator, LossFilter, truncate
 from lightning_fl.seeding import generator
 
 
@@ -176,38 +177,90 @@ class ExcludedClients(ClientSampler):
 
 
 class AvailableClients(ClientSampler):
-    """Every available client takes part (CA-Fed's setting, Marfoq thesis §2.2, eq. 2.16):
-    the server update is Σ_{k∈A_t} q_k Δ_k, with A_t from ``availability``
-    (:mod:`lightning_fl.availability`) and one of two selectors:
+    """Clients chosen among the available set A_t (CA-Fed's setting, Marfoq thesis §2.2,
+    eq. 2.16): the server update is Σ_{k∈A_t} q_k Δ_k, with A_t from ``availability``
+    (:mod:`lightning_fl.availability`) and one of the selectors:
 
-    - ``"unbiased"``: q_k = α_k / π_k, so that E[1{k ∈ A_t}] q_k = α_k under the chain's
-      stationary law and the biased objective (2.17) is the target Σ α_k F_k;
+    - ``"unbiased"``: every available client, q_k = α_k / π_k, so that E[1{k ∈ A_t}] q_k =
+      α_k under the chain's stationary law and the biased objective (2.17) is Σ α_k F_k;
     - ``"more_available"``: only clients with π_k ≥ ``min_availability`` (Guideline A),
-      q_k = α_k / (π_k Σ_{j kept} α_j): unbiased for the kept clients' objective.
+      q_k = α_k / (π_k Σ_{j kept} α_j): unbiased for the kept clients' objective;
+    - ``"adafed"`` (Tan et al. 2022): every available client, q_k ∝ α_k/π_k normalized
+      over A_t;
+    - ``"f3ast"`` (Ribero et al. 2022): the ``clients_per_round`` available clients with
+      the largest α_k²/r_k², weights α_k/r_k, where r_k is an exponential average (rate
+      ``smoothness``) of k's participation indicator, started at π_k;
+    - ``"ca_fed"`` (Alg. 6): q = α/π̂, then the greedy ``get`` drops clients in order of
+      decreasing |λ̂_k| and then of increasing π̂_k while the estimated error ε̂ (the
+      optimization term from the filtered losses plus 4κ̄² d_TV² Γ̂) falls by at least
+      ``tolerance``; κ̄² → ∞ gives Unbiased, κ̄² → 0 keeps only the clients that lower
+      the optimization term. Every available client reports its loss on one batch of
+      the current model (the strategy computes it: ``needs_losses``), also those CA-Fed
+      excludes; :attr:`excluded` holds the available clients excluded this round.
 
-    α is the aggregator's target weights p. The weights are not normalized per round (the
-    server learning rate η̄ of eq. 2.16 is the aggregator's ``server_lr``). A round with no
-    available client trains nobody and leaves the model unchanged (``fl/participants`` 0).
+    α is the aggregator's target weights p. π and λ are the availability model's
+    (``estimate=False``, the thesis's oracle runs) or Beta-prior estimates from the
+    observed sets (``estimate=True``, ``prior`` = (n, m)). The weights are not normalized
+    per round (except AdaFed's): the server learning rate η̄ is the aggregator's
+    ``server_lr``. A round with no available client trains nobody.
     """
+
+    SELECTORS = ("unbiased", "more_available", "adafed", "f3ast", "ca_fed")
 
     def __init__(
         self,
         availability: Any,
-        selector: Literal["unbiased", "more_available"] = "unbiased",
+        selector: Literal["unbiased", "more_available", "adafed", "f3ast", "ca_fed"] = "unbiased",
         min_availability: float = 0.5,
+        clients_per_round: int = 45,
+        smoothness: float = 0.01,
+        kappa2: float = 1.0,
+        tolerance: float = 0.0,
+        loss_beta: float = 1.0,
+        estimate: bool = False,
+        prior: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         super().__init__(renormalize=False)
-        if selector not in ("unbiased", "more_available"):
-            raise ValueError(f"selector must be 'unbiased' or 'more_available', got {selector!r}.")
+        if selector not in self.SELECTORS:
+            raise ValueError(
+                f"selector must be one of {', '.join(self.SELECTORS)}; got {selector!r}."
+            )
+        if not kappa2 >= 0:
+            raise ValueError(f"kappa2 (κ̄²) must be >= 0, got {kappa2}.")
+        if not 0 <= smoothness <= 1:
+            raise ValueError(f"smoothness must be in [0, 1], got {smoothness}.")
+        if clients_per_round < 1:
+            raise ValueError(f"clients_per_round must be >= 1, got {clients_per_round}.")
         self.availability, self.selector = availability, selector
-        self.min_availability = min_availability
+        self.min_availability, self.clients_per_round = min_availability, clients_per_round
+        self.smoothness, self.kappa2, self.tolerance = smoothness, kappa2, tolerance
+        self.estimate = estimate
+        self.estimator = AvailabilityEstimator(prior)
+        self.filter = LossFilter(loss_beta)
+        self.needs_losses = selector == "ca_fed"
+        #: set by the strategy before :meth:`sample` when ``needs_losses``: the loss of the
+        #: current global model on one batch of each given client
+        self.losses: Any = None
+        self.rates: torch.Tensor | None = None
+        self.excluded: tuple[int, ...] = ()
+
+    def _activity(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(π, λ) per client: the model's, or the estimates."""
+        if self.estimate:
+            return self.estimator.availability(), self.estimator.correlation()
+        pi = self.availability.stationary(n)
+        lam_of = getattr(self.availability, "correlation", None)
+        lam = lam_of(n) if lam_of is not None else torch.zeros(n, dtype=torch.float64)
+        return pi, lam
 
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         p = _check_target_weights(p)
         n = len(p)
         available = self.availability.available(round_idx, seed, n) & (p > 0)
-        pi = self.availability.stationary(n)
+        self.estimator.observe(available)
+        pi, lam = self._activity(n)
         q = p / pi
+        self.excluded = ()
         if self.selector == "more_available":
             kept = pi >= self.min_availability
             if not bool((kept & (p > 0)).any()):
@@ -216,14 +269,60 @@ class AvailableClients(ClientSampler):
                 )
             q = torch.where(kept, q / p[kept].sum(), torch.zeros_like(q))
             available &= kept
+        elif self.selector == "adafed":
+            total = float(q[available].sum())
+            q = q / total if total > 0 else q
+        elif self.selector == "f3ast":
+            q, available = self._f3ast(p, pi, available)
+        elif self.selector == "ca_fed":
+            q = self._ca_fed(p, pi, lam, available)
+            kept = available & (q > 0)
+            self.excluded = tuple(torch.nonzero(available & ~kept).flatten().tolist())
+            available = kept
         clients = torch.nonzero(available).flatten().tolist()
         return Participation(tuple(clients), tuple(float(q[c]) for c in clients))
 
+    def _f3ast(self, p, pi, available):
+        if self.rates is None:
+            self.rates = pi.clone()
+        self.rates = (1 - self.smoothness) * self.rates + self.smoothness * available.double()
+        rates = self.rates.clamp_min(1e-12)
+        score = torch.where(available, p**2 / rates**2, torch.full_like(p, -1.0))
+        chosen = torch.zeros_like(available)
+        count = min(self.clients_per_round, int(available.sum()))
+        if count:
+            chosen[torch.argsort(score, descending=True, stable=True)[:count]] = True
+        return p / rates, chosen
+
+    def _ca_fed(self, p, pi, lam, available):
+        if self.losses is None:
+            raise RuntimeError("CA-Fed needs the clients' losses: run it inside FederatedStrategy.")
+        clients = torch.nonzero(available).flatten().tolist()
+        losses = torch.zeros(len(p), dtype=torch.float64)
+        if clients:
+            losses[clients] = torch.as_tensor(self.losses(clients), dtype=torch.float64)
+        self.filter.update(available, losses)
+        gap = (self.filter.estimate - self.filter.minimum).clamp_min(0.0)
+        q = torch.where(p > 0, p / pi, torch.zeros_like(p))
+        eligible = [k for k in range(len(p)) if p[k] > 0]
+        by_correlation = sorted(eligible, key=lambda k: (-abs(float(lam[k])), k))
+        q = truncate(q, by_correlation, p, gap, pi, self.kappa2, self.tolerance)
+        by_availability = sorted(eligible, key=lambda k: (float(pi[k]), k))
+        return truncate(q, by_availability, p, gap, pi, self.kappa2, self.tolerance)
+
     def state_dict(self) -> dict[str, Any]:
-        return self.availability.state_dict()
+        return {"availability": self.availability.state_dict(),
+                "estimator": self.estimator.state_dict(), "filter": self.filter.state_dict(),
+                "rates": self.rates}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.availability.load_state_dict(state)
+        if "availability" not in state:  # checkpoints from before the CA-Fed selectors
+            self.availability.load_state_dict(state)
+            return
+        self.availability.load_state_dict(state["availability"])
+        self.estimator.load_state_dict(state["estimator"])
+        self.filter.load_state_dict(state["filter"])
+        self.rates = state["rates"]
 
 
 class ClusteredSampler(_FixedSizeSampler):

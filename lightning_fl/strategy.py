@@ -363,6 +363,8 @@ class FederatedStrategy(DDPStrategy):
             )
         aggregator = self.aggregator
         p = aggregator.target_weights(counts)
+        if getattr(self.sampler, "needs_losses", False):
+            self.sampler.losses = lambda clients: self._probe_losses(clients, round_idx)
         participation = aggregator.participation(round_idx, self.seed, p, self.sampler)
 
         def make_loader(c: int) -> DataLoader:
@@ -420,6 +422,27 @@ class FederatedStrategy(DDPStrategy):
         if not participation.clients and aggregator.aggregates_empty_rounds:
             self.end_round()  # nothing to train: the aggregation still happens (its clock)
         return self.current_round
+
+    @torch.no_grad()
+    def _probe_losses(self, clients: list[int], round_idx: int) -> list[float]:
+        """The current global model's training loss on one batch of each of ``clients``
+        (CA-Fed's report from every available client, thesis Alg. 6): each rank computes
+        its own clients', summed over ranks. The batch is the first of a loader shuffled
+        with (seed, "loss_probe", round, client)."""
+        dm, module = self._datamodule(), self.lightning_module
+        losses = torch.zeros(len(clients), dtype=torch.float64, device=self.root_device)
+        for i, client in enumerate(clients):
+            if self.owner(client) != self.global_rank:
+                continue
+            loader = dm.client_dataloader(
+                dm.client_dataset(client, "train"), "train",
+                generator(self.seed, "loss_probe", round_idx, client),
+            )  # fmt: skip
+            batch = self.batch_to_device(next(iter(loader)))
+            losses[i] = float(module.loss_and_metrics(batch)[0])
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(losses)
+        return losses.cpu().tolist()
 
     def _num_batches(self, loader: DataLoader) -> int:
         """Batches of ``local_epochs`` passes over a client's loader."""

@@ -65,7 +65,9 @@ def test_bad_availability_is_refused():
     with pytest.raises(ValueError, match="probability matrix"):
         MarkovAvailability([0.9], [-0.5])
     with pytest.raises(ValueError, match="selector must be"):
-        AvailableClients(MarkovAvailability(0.5), selector="adafed")
+        AvailableClients(MarkovAvailability(0.5), selector="oracle")
+    with pytest.raises(ValueError, match="kappa2"):
+        AvailableClients(MarkovAvailability(0.5), selector="ca_fed", kappa2=-1.0)
 
 
 def test_training_with_availability_resumes_exactly(tmp_path):
