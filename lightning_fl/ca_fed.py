@@ -115,7 +115,10 @@ def truncate(
     tolerance: float,
 ) -> torch.Tensor:
     """Alg. 6's ``get``: visit clients in ``order``, set q_k = 0 when that lowers ε̂ by at
-    least τ, and never drop the last client."""
+    least τ, and never drop the last client. A removal must lower ε̂ strictly: with τ = 0
+    and no information yet (every filtered loss at its minimum, ε̂ = 0 for any q, as in
+    the first rounds with the running-minimum F̂*), every client is kept rather than all
+    but one dropped."""
     q = q.clone()
     best = estimated_error(q, alpha, gap, pi, kappa2)
     for k in order:
@@ -126,6 +129,6 @@ def truncate(
         if float(trial.sum()) == 0.0:
             break
         error = estimated_error(trial, alpha, gap, pi, kappa2)
-        if best - error >= tolerance:
+        if error < best and best - error >= tolerance:
             q, best = trial, error
     return q

@@ -10,6 +10,7 @@ import torch
 from lightning_fl import AvailableClients, FederatedStrategy, MarkovAvailability
 from tests.helpers import (
     make_trainer,
+    max_abs_diff,
     params_of,
     tiny_datamodule,
     tiny_module,
@@ -124,3 +125,117 @@ def test_availability_recipe_runs_with_both_selectors(tmp_path):
         clients = {int(r["client"]) for r in csv.DictReader(open(path))}
         if selector == "more_available":
             assert clients <= set(range(10))  # only the π = 0.9 clients
+
+
+# ---- CA-Fed, AdaFed, F3AST (thesis §2.2, Alg. 6) -------------------------------------------
+
+
+def test_beta_prior_estimators_converge_to_the_chains_pi_and_lambda():
+    from lightning_fl.ca_fed import AvailabilityEstimator
+
+    pi, lam = [0.9, 0.1, 0.5, 0.3], [0.0, 0.6, 0.9, -0.2]
+    model, estimator = MarkovAvailability(pi, lam), AvailabilityEstimator((1.0, 1.0))
+    for t in range(20000):
+        estimator.observe(model.available(t, 3, 4))
+    assert estimator.availability() == pytest.approx(
+        torch.tensor(pi, dtype=torch.float64), abs=0.03
+    )
+    assert estimator.correlation() == pytest.approx(
+        torch.tensor(lam, dtype=torch.float64), abs=0.05
+    )
+
+
+def test_estimated_error_and_get_by_hand():
+    """ε̂ = ⟨gap, w⟩ + 4κ̄² d_TV(α, w)² max gap, w = π⊙q normalized (eqs. 2.31–2.33)."""
+    from lightning_fl.ca_fed import estimated_error, truncate
+
+    alpha = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    pi = torch.tensor([0.9, 0.1], dtype=torch.float64)
+    gap = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    q = alpha / pi  # π⊙q = α: no bias
+    assert estimated_error(q, alpha, gap, pi, 1.0) == pytest.approx(0.3)
+    dropped = torch.tensor([q[0], 0.0], dtype=torch.float64)  # w = (1, 0): d_TV = 0.5
+    assert estimated_error(dropped, alpha, gap, pi, 1.0) == pytest.approx(0.1 + 4 * 0.25 * 0.5)
+    # κ̄² = 1: dropping client 1 costs 0.6 > 0.3, kept; κ̄² = 0: it lowers ε̂ to 0.1, dropped
+    assert torch.equal(truncate(q, [1, 0], alpha, gap, pi, 1.0, 0.0), q)
+    assert truncate(q, [1, 0], alpha, gap, pi, 0.0, 0.0).tolist() == [q[0].item(), 0.0]
+    # the last client is never dropped, and a tolerance τ keeps what gains less than τ
+    assert truncate(dropped, [0], alpha, gap, pi, 0.0, 0.0)[0] > 0
+    assert torch.equal(truncate(q, [1, 0], alpha, gap, pi, 0.0, 0.5), q)
+
+
+def _selector(selector, **kw):
+    pi = [0.9] * 4 + [0.15] * 4
+    lam = [0.9, 0.0] * 4
+    return AvailableClients(MarkovAvailability(pi, lam), selector=selector, **kw)
+
+
+def _fit_with(sampler, rounds=5):
+    module = tiny_module()
+    trainer = make_trainer(FederatedStrategy(sampler=sampler, local_steps=2, seed=1), rounds)
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=8))
+    return module
+
+
+def test_ca_fed_with_huge_kappa_is_unbiased_and_with_zero_kappa_drops_clients():
+    unbiased = _fit_with(_selector("unbiased"))
+    huge = _fit_with(_selector("ca_fed", kappa2=1e12))
+    assert (
+        max(float((a - b).abs().max()) for a, b in zip(params_of(unbiased), params_of(huge))) == 0
+    )
+    greedy = _selector("ca_fed", kappa2=0.0)
+    p = torch.full((8,), 1 / 8, dtype=torch.float64)
+    greedy.losses = lambda clients: [1.0 + c for c in clients]  # the less available lose more
+    dropped = []
+    for t in range(30):
+        participation = greedy.sample(t, 0, p)
+        dropped += list(greedy.excluded)
+        assert not set(participation.clients) & set(greedy.excluded)
+    assert dropped and set(dropped) <= set(range(8))
+
+
+def test_ca_fed_probes_every_available_clients_loss_even_excluded_ones():
+    sampler = _selector("ca_fed", kappa2=0.0)
+    _fit_with(sampler, rounds=6)
+    assert sampler.filter.estimate is not None and bool((sampler.filter.estimate > 0).all())
+
+
+def test_adafed_normalizes_over_the_available_clients_and_f3ast_takes_the_top_k():
+    p = torch.full((8,), 1 / 8, dtype=torch.float64)
+    adafed = _selector("adafed")
+    for t in range(10):
+        part = adafed.sample(t, 0, p)
+        if part.clients:
+            assert sum(part.weights) == pytest.approx(1.0)
+    f3ast = _selector("f3ast", clients_per_round=2, smoothness=0.1)
+    for t in range(10):
+        available = f3ast.availability.available(t, 0, 8)
+        part = f3ast.sample(t, 0, p)
+        assert len(part.clients) == min(2, int(available.sum()))
+        rates = f3ast.rates
+        chosen_scores = sorted((1 / rates[c] ** 2).item() for c in part.clients)
+        others = [(1 / rates[c] ** 2).item() for c in torch.nonzero(available).flatten().tolist()
+                  if c not in part.clients]  # fmt: skip
+        assert not others or min(chosen_scores) >= max(others) - 1e-12
+        assert part.weights == pytest.approx([(p[c] / rates[c]).item() for c in part.clients])
+
+
+def test_ca_fed_resumes_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    full = _fit_with(_selector("ca_fed", kappa2=0.5, estimate=True), rounds=6)
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    module = tiny_module()
+
+    def strategy():
+        sampler = _selector("ca_fed", kappa2=0.5, estimate=True)
+        return FederatedStrategy(sampler=sampler, local_steps=2, seed=1)
+
+    make_trainer(strategy(), 3, [checkpoint], enable_checkpointing=True).fit(
+        module, datamodule=tiny_datamodule(num_clients=8)
+    )
+    resumed = tiny_module(seed=9)
+    trainer = make_trainer(strategy(), 6)
+    trainer.fit(resumed, datamodule=tiny_datamodule(num_clients=8),
+                ckpt_path=str(tmp_path / "epoch=2.ckpt"), weights_only=True)  # fmt: skip
+    assert max_abs_diff(params_of(full), params_of(resumed)) == 0
