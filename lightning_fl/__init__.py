@@ -7,7 +7,7 @@ from lightning_fl.asynchrony import (
     FedFixSchedule,
     SyncSchedule,
 )
-from lightning_fl.availability import AlwaysAvailable, MarkovAvailability
+from lightning_fl.availability import AlwaysAvailable, MarkovAvailability, TwoClassAvailability
 from lightning_fl.client_store import ClientStore
 from lightning_fl.mixture import MixtureClassifier
 from lightning_fl.models import (
@@ -48,6 +48,7 @@ __all__ = [
     "FedBuffSchedule",
     "FedFixSchedule",
     "SyncSchedule",
+    "TwoClassAvailability",
     "AlwaysAvailable",
     "AvailableClients",
     "MarkovAvailability",

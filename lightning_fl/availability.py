@@ -114,3 +114,38 @@ class MarkovAvailability:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._round, self._state = state.get("round"), state.get("state")
+
+
+class TwoClassAvailability(MarkovAvailability):
+    """The availability of the CA-Fed experiments (Marfoq thesis §2.2.6.1): the first half
+    of the clients is "more available" (π = 1/2 + g), the second "less available"
+    (π = 1/2 − g); each half is split into a correlated part (λ = ν) and a weakly
+    correlated one (λ ~ N(0, ε²), drawn with ``seed``).
+
+    Args:
+        num_clients: N (the thesis: 100).
+        gap: g (0.4: π = 0.9 and 0.1).
+        correlation: ν (0.9).
+        noise: ε (10⁻²).
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 100,
+        gap: float = 0.4,
+        correlation: float = 0.9,
+        noise: float = 0.01,
+        seed: int = 0,
+    ) -> None:
+        if not 0 < gap < 0.5:
+            raise ValueError(f"gap g must be in (0, 0.5) so that π stays in (0, 1), got {gap}.")
+        if num_clients < 4:
+            raise ValueError(f"TwoClassAvailability needs at least 4 clients, got {num_clients}.")
+        half, quarter = num_clients // 2, num_clients // 4
+        pi = [0.5 + gap] * half + [0.5 - gap] * (num_clients - half)
+        weak = torch.randn(num_clients, generator=generator(seed, "weak_correlation")) * noise
+        lam = []
+        for k in range(num_clients):
+            within = k if k < half else k - half
+            lam.append(correlation if within < quarter else float(weak[k]))
+        super().__init__(pi, lam)
