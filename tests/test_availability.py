@@ -239,3 +239,24 @@ def test_ca_fed_resumes_exactly(tmp_path):
     trainer.fit(resumed, datamodule=tiny_datamodule(num_clients=8),
                 ckpt_path=str(tmp_path / "epoch=2.ckpt"), weights_only=True)  # fmt: skip
     assert max_abs_diff(params_of(full), params_of(resumed)) == 0
+
+
+def test_synthetic_ca_fed_recipe_runs_shortened(tmp_path):
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_fl.cli import run
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "recipes/participation/synthetic_ca_fed.yaml").read_text())
+    sampler = config["trainer"]["strategy"]["init_args"]["sampler"]["init_args"]
+    sampler["availability"]["init_args"]["num_clients"] = 12
+    config["data"]["init_args"].update(root=str(tmp_path / "data"), num_users=12)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(config))
+    cli = run(["fit", "--config", str(tmp_path / "recipe.yaml"), "--trainer.max_epochs", "3",
+               "--trainer.default_root_dir", str(tmp_path),
+               "--trainer.logger.init_args.save_dir", str(tmp_path),
+               "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    assert cli.trainer.current_epoch == 3
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
