@@ -1,7 +1,8 @@
 """Figures saved next to a run's CSV files (matplotlib, the ``plots`` extra).
 
 - per-client metric distributions, one run or several (FedAvg against personalized);
-- kNN-Per's λ_t against the local dataset size (Marfoq thesis Fig. 3.3/3.9).
+- kNN-Per's λ_t against the local dataset size (Marfoq thesis Fig. 3.3/3.9);
+- participation counts per client and the participants of every round.
 """
 
 from __future__ import annotations
@@ -72,5 +73,33 @@ def plot_lambda_vs_size(lambdas_csv: str, path: str) -> str:
     ax.set_ylim(-0.05, 1.05)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_participation(participation_csv: str, path: str) -> str:
+    """From a run's ``participation.csv``: how many rounds each client took part in (bars)
+    and who took part in which round (a raster, the availability trace of the sampled
+    clients)."""
+    import numpy as np
+
+    rows = [r for r in csv.DictReader(open(participation_csv)) if int(r["client"]) >= 0]
+    if not rows:
+        raise ValueError(f"{participation_csv} has no client rows.")
+    rounds = np.array([int(r["round"]) for r in rows])
+    clients = np.array([int(r["client"]) for r in rows])
+    counts = np.bincount(clients)
+    plt = _pyplot()
+    fig, (bars, raster) = plt.subplots(1, 2, figsize=(11, 3.6))
+    bars.bar(np.arange(len(counts)), counts, width=0.9)
+    bars.set_xlabel("client")
+    bars.set_ylabel("rounds taken part in")
+    raster.scatter(rounds, clients, s=2, marker="s")
+    raster.set_xlabel("round")
+    raster.set_ylabel("client")
+    raster.set_title("participants per round")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -670,8 +670,26 @@ class _RoundDriver(pl.Callback):
         pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
         pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
         pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
+        excluded = getattr(trainer.strategy.sampler, "excluded", None)
+        if isinstance(excluded, tuple):  # CA-Fed: available clients it left out this round
+            pl_module.log("fl/excluded", float(len(excluded)), on_epoch=True)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        path = os.path.join(run_dir(trainer), "participation.csv") if trainer.loggers else None
+        if (
+            trainer.is_global_zero
+            and path is not None
+            and os.path.exists(path)
+            and importlib.util.find_spec("matplotlib") is not None
+        ):
+            from lightning_fl.plots import plot_participation
+
+            try:
+                plot_participation(path, os.path.join(run_dir(trainer), "participation.png"))
+            except ValueError:  # only virtual clients (pooled baseline, server rounds)
+                pass
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, pl_module, "val")

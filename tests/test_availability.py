@@ -112,7 +112,7 @@ def test_availability_recipe_runs_with_both_selectors(tmp_path):
     from lightning_fl.cli import run
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "participation" / "availability.yaml"
-    for selector in ("unbiased", "more_available"):
+    for selector in ("unbiased", "more_available", "ca_fed"):
         folder = tmp_path / selector
         cli = run(
             ["fit", "--config", str(recipe), "--trainer.max_epochs", "3",
@@ -122,6 +122,9 @@ def test_availability_recipe_runs_with_both_selectors(tmp_path):
         )  # fmt: skip
         assert isinstance(cli.trainer.strategy.sampler.availability, MarkovAvailability)
         (path,) = folder.rglob("participation.csv")
+        assert (path.parent / "participation.png").exists()
+        (metrics,) = folder.rglob("metrics.csv")
+        assert "fl/excluded" in open(metrics).readline()  # available clients left out
         clients = {int(r["client"]) for r in csv.DictReader(open(path))}
         if selector == "more_available":
             assert clients <= set(range(10))  # only the π = 0.9 clients
