@@ -1,0 +1,178 @@
+"""Data-stream building blocks: cache rules (FIFO, SRSR, DRSR), the discrepancy, the
+weighted minibatch gradient and the configuration rule of the data-streams analysis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_fl.streams import (
+    CurrentBatchCache,
+    FIFOCache,
+    FixedCache,
+    SelectiveReplacementCache,
+    aggregation_weights,
+    configuration_objective,
+    configuration_rule,
+    discrepancy,
+    estimate_ratio,
+    project_simplex,
+    weighted_minibatch_coefficients,
+)
+
+
+def _batches(rounds, size, num_classes, seed=0):
+    rng = np.random.default_rng(seed)
+    start = 0
+    for _ in range(rounds):
+        labels = rng.integers(0, num_classes, size)
+        yield np.arange(start, start + size), labels
+        start += size
+
+
+def test_fifo_with_capacity_of_one_batch_is_the_current_batch_only():
+    fifo, current = FIFOCache(5), CurrentBatchCache(5)
+    rng = np.random.default_rng(0)
+    for ids, labels in _batches(6, 5, 3):
+        fifo.update(ids, labels, rng)
+        current.update(ids, labels, rng)
+        assert fifo.ids.tolist() == current.ids.tolist() == ids.tolist()
+
+
+def test_fifo_keeps_the_last_m_batches_and_fixed_never_changes():
+    fifo, fixed = FIFOCache(6), FixedCache(6)
+    rng = np.random.default_rng(0)
+    batches = list(_batches(5, 3, 3))
+    for ids, labels in batches:
+        fifo.update(ids, labels, rng)
+        fixed.update(ids, labels, rng)
+    assert fifo.ids.tolist() == list(range(9, 15))  # the last two batches
+    assert fixed.ids.tolist() == [0, 1, 2]
+
+
+def test_srsr_hits_its_label_targets_case_by_case():
+    """B = 6, B_s = 3, θ = 1: ñ_r = (1 − 1/2)·n_r(L) + n_r(S)."""
+    cache = SelectiveReplacementCache(6, theta=1.0)
+    rng = np.random.default_rng(1)
+    cache.update([0, 1, 2], [0, 0, 1], rng)
+    cache.update([3, 4, 5], [0, 1, 1], rng)  # filling: labels (0,0,1,0,1,1)
+    cache.update([6, 7, 8], [2, 2, 0], rng)
+    # n(L) = (3, 3, 0), n(S) = (1, 0, 2): targets (2.5, 1.5, 2) → (3, 1, 2) or (2, 2, 2)
+    counts = np.bincount(cache.labels, minlength=3)
+    assert counts.tolist() in ([3, 1, 2], [2, 2, 2])
+    assert set(cache.ids[cache.labels == 2].tolist()) == {6, 7}  # Case 1 keeps batch samples
+    assert 8 in cache.ids  # Case 2 inserts all of the batch's label-0 samples
+
+
+def test_srsr_with_theta_zero_keeps_the_label_counts_of_a_full_cache():
+    """θ = 0: ñ_r = n_r(L), so the label counts never change (Case 1 may still swap a
+    cached sample for a batch sample of the same label)."""
+    cache = SelectiveReplacementCache(4, theta=0.0)
+    rng = np.random.default_rng(0)
+    batches = list(_batches(6, 2, 3, seed=2))
+    for k, (ids, labels) in enumerate(batches):
+        cache.update(ids, labels, rng)
+        if k == 1:
+            full = np.bincount(cache.labels, minlength=3).tolist()
+    assert np.bincount(cache.labels, minlength=3).tolist() == full
+
+
+def test_drsr_cache_tracks_the_running_average_of_the_batches():
+    """θ_t = B/(B_s t): v_t = (1/t) Σ_τ u_τ, up to the rounding of the targets."""
+    capacity, batch = 24, 6
+    cache = SelectiveReplacementCache(capacity, theta=None)
+    rng = np.random.default_rng(0)
+    pattern = [[0] * 6, [1] * 6, [0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]]
+    history = []
+    for t in range(8):
+        labels = np.array(pattern[t % 4])
+        history.append(np.bincount(labels, minlength=2) / batch)
+        cache.update(np.arange(t * batch, (t + 1) * batch), labels, rng)
+        expected = np.mean(history, axis=0)
+        assert cache.label_distribution(2) == pytest.approx(expected, abs=2 / capacity)
+        assert len(cache.ids) == min(capacity, batch * (t + 1))
+
+
+def test_drsr_discrepancy_falls_below_fifos_on_a_non_stationary_stream():
+    rng = np.random.default_rng(3)
+    target = np.array([0.5, 0.5])
+    caches = {"fifo": FIFOCache(20), "drsr": SelectiveReplacementCache(20, theta=None)}
+    totals = dict.fromkeys(caches, 0.0)
+    start = 0
+    for t in range(200):
+        p = [0.9, 0.1] if (t // 5) % 2 == 0 else [0.1, 0.9]  # short-term drift, mean π
+        labels = rng.choice(2, size=10, p=p)
+        for name, cache in caches.items():
+            cache.update(np.arange(start, start + 10), labels, rng)
+            if t >= 100:
+                totals[name] += discrepancy(cache.label_distribution(2)[None], target[None])
+        start += 10
+    assert totals["drsr"] < totals["fifo"]
+
+
+def test_discrepancy_formula():
+    v = np.array([[0.2, 0.8], [0.5, 0.5]])
+    pi = np.array([[0.5, 0.5], [0.5, 0.5]])
+    assert discrepancy(v, pi) == pytest.approx(0.09 + 0.09)
+
+
+def test_weighted_minibatch_gradient_is_unbiased():
+    """E_ξ[Σ_{j∈ξ} c_j ∇ℓ_j] = Σ_j (λ_j/Σλ) ∇ℓ_j for ξ uniform without replacement."""
+    rng = np.random.default_rng(0)
+    weights = rng.uniform(0, 2, 12)
+    grads = rng.normal(size=12)
+    expected = float(weights @ grads / weights.sum())
+    draws = []
+    for _ in range(20000):
+        chosen = rng.choice(12, size=4, replace=False)
+        draws.append(float(weighted_minibatch_coefficients(weights, chosen) @ grads[chosen]))
+    assert np.mean(draws) == pytest.approx(expected, abs=0.015)
+    assert aggregation_weights([1.0, 3.0]).tolist() == [0.25, 0.75]
+    with pytest.raises(ValueError, match="λ must be >= 0"):
+        weighted_minibatch_coefficients(np.array([1.0, -1.0]), np.array([0]))
+
+
+def test_projection_onto_the_simplex():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        v = rng.normal(size=7)
+        p = project_simplex(v)
+        assert p.sum() == pytest.approx(1.0) and (p >= 0).all()
+        for _ in range(20):  # no simplex point is closer
+            q = project_simplex(rng.normal(size=7))
+            assert np.linalg.norm(v - p) <= np.linalg.norm(v - q) + 1e-12
+
+
+def test_configuration_rule_moves_from_historical_to_uniform_with_r():
+    """P1 App. C: r ≪ 1 gives Historical (p_hist = 1), r ≫ 1 gives Uniform (p = n)."""
+    n = np.array([0.2 / 10] * 10 + [0.8 / 40] * 40)  # N_hist/N = 20%
+    fresh = np.arange(50) >= 10
+    historical = configuration_rule(n, fresh, 1e-3, steps=4000)
+    assert historical[~fresh].sum() == pytest.approx(1.0, abs=1e-3)
+    uniform = configuration_rule(n, fresh, 1e3, steps=4000)
+    assert uniform == pytest.approx(n, abs=2e-3)
+    middle = configuration_rule(n, fresh, 1.0, steps=4000)
+    assert 0.2 < middle[~fresh].sum() < 1.0
+    for p in (historical, uniform, middle):  # never worse than Uniform or Historical
+        r = {id(historical): 1e-3, id(uniform): 1e3, id(middle): 1.0}[id(p)]
+        hist = np.where(fresh, 0.0, n / n[~fresh].sum())
+        best_known = min(configuration_objective(n, n, fresh, r),
+                         configuration_objective(hist, n, fresh, r))  # fmt: skip
+        assert configuration_objective(p, n, fresh, r) <= best_known + 1e-6
+
+
+def test_equation_204_reproduces_the_papers_femnist_and_shakespeare_ratios():
+    """Table 3's inputs (D, G, B, d), N and the fresh clients (80% of 3,597 and 916)."""
+    femnist = estimate_ratio(3.5, 12.9, 5.9, 867_390, 817_851, round(0.8 * 3597))
+    shakespeare = estimate_ratio(6.1, 1.4, 2.6, 226_180, 3_436_096, round(0.8 * 916))
+    assert femnist == pytest.approx(0.001, abs=2e-4)
+    assert shakespeare == pytest.approx(0.064, abs=1e-3)
+
+
+def test_bad_stream_settings_are_refused():
+    with pytest.raises(ValueError, match="does not fit a cache of 4"):
+        FIFOCache(4).update(np.arange(5), np.zeros(5, dtype=int), np.random.default_rng())
+    with pytest.raises(ValueError, match=r"theta must be in \[0, 1\]"):
+        SelectiveReplacementCache(10, theta=1.5)
+    with pytest.raises(ValueError, match="r = c2/c1 must be > 0"):
+        configuration_rule(np.array([0.5, 0.5]), np.array([False, True]), 0.0)
