@@ -84,7 +84,7 @@ def main() -> None:
               "| σ | Ψ* | retraining rounds | forgotten acc |", "|---|---|---|---|"]  # fmt: skip
     from lightning_fl.unlearning import sensitivity_threshold
 
-    for sigma in (0.0005, 0.005, 0.05, 0.5, 5.0):
+    for sigma in (0.0005, 0.005, 0.01, 0.02, 0.03, 0.05, 0.5, 5.0):
         digit_0 = [[c for c in range(0, 100, 10)]]
         rounds, forgotten = protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
         threshold = sensitivity_threshold(10, 0.01, sigma)
