@@ -305,11 +305,13 @@ class GeneratedLeafDataModule(LeafDataModule):
         num_users: int = 20,
         samples: int = 40,
         seed: int = 0,
+        val_fraction: float = 0.0,
         batch_size: int = 32,
         eval_batch_size: int | None = 256,
     ) -> None:
         if not (Path(root) / "train").is_dir():
             write_synthetic_leaf(root, dataset, num_users, samples, seed)
         super().__init__(
-            root, dataset, seed=seed, batch_size=batch_size, eval_batch_size=eval_batch_size
-        )
+            root, dataset, seed=seed, val_fraction=val_fraction, batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+        )  # fmt: skip
