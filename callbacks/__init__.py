@@ -15,11 +15,13 @@ from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, P
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
+from lightning_fl.callbacks.streams import CacheDiscrepancy, StreamFedAvg
 from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
 
 __all__ = [
     "Aggregator",
     "APFL",
+    "CacheDiscrepancy",
     "AsynchronousFL",
     "ClusteredFL",
     "Ditto",
@@ -48,5 +50,6 @@ __all__ = [
     "SCAFFOLD",
     "ServerReference",
     "StopAtTarget",
+    "StreamFedAvg",
     "Unlearning",
 ]

@@ -39,9 +39,12 @@ from lightning_fl.datamodules.privacy import (
     load_texas100,
 )
 from lightning_fl.datamodules.reference import PairedLoader, WERMDataset, paired_loader
+from lightning_fl.datamodules.streaming import LogisticStreamsDataModule, StreamingDataModule
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "LogisticStreamsDataModule",
+    "StreamingDataModule",
     "EmnistDataModule",
     "read_emnist",
     "read_idx",

@@ -118,6 +118,11 @@ class FederatedDataModule(pl.LightningDataModule):
         """The server's own training data (SAFARI's auxiliary set), if it has any."""
         return None
 
+    def set_round(self, round_idx: int) -> None:
+        """Called by the strategy at the start of every training round, before the
+        participants' loaders are built: streaming datamodules move their clients'
+        caches to that round here. A no-op for static data."""
+
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         """The union of the seen clients' data (the centralized baseline)."""
         parts = [self.client_dataset(c, split) for c in self.seen_clients()]

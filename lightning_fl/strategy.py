@@ -351,6 +351,7 @@ class FederatedStrategy(DDPStrategy):
     def begin_round(self, round_idx: int) -> RoundPlan:
         """Choose the participants of ``round_idx`` and build their loaders."""
         dm = self._datamodule()
+        dm.set_round(round_idx)
         counts = self._train_counts
         unseen = set(dm.unseen_clients)
         empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]

@@ -328,3 +328,11 @@ def test_real_data_unlearning_recipes_parse(name, capsys):
              "--print_config"])  # fmt: skip
     assert exit_info.value.code == 0
     assert "lightning_fl.callbacks.Unlearning" in capsys.readouterr().out
+
+
+def test_streams_recipe_runs_and_logs_the_cache_discrepancy(tmp_path):
+    recipe = ROOT / "recipes" / "streams" / "synthetic_ours.yaml"
+    cli = _fit(recipe, tmp_path, "--trainer.max_epochs", "3")
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+    (metrics_csv,) = glob.glob(str(tmp_path / "**/metrics.csv"), recursive=True)
+    assert "streams/discrepancy" in open(metrics_csv).readline()

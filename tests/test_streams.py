@@ -176,3 +176,91 @@ def test_bad_stream_settings_are_refused():
         SelectiveReplacementCache(10, theta=1.5)
     with pytest.raises(ValueError, match="r = c2/c1 must be > 0"):
         configuration_rule(np.array([0.5, 0.5]), np.array([False, True]), 0.0)
+
+
+# ---- the streaming datamodule and P1's weights ------------------------------------------
+
+
+def _stream_dm(cache="current", capacity=None, rounds=6, **kw):
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+
+    source = LogisticStreamsDataModule(num_clients=6, historical=2, historical_samples=30,
+                                       fresh_samples=30, test_samples=10, seed=1)  # fmt: skip
+    return StreamingDataModule(source, historical=2, rate=5, cache=cache, capacity=capacity,
+                               rounds=rounds, **kw)  # fmt: skip
+
+
+def test_fresh_clients_see_each_stream_sample_once_and_historical_ones_everything():
+    dm = _stream_dm()
+    seen = []
+    for t in range(6):
+        dm.set_round(t)
+        ids = dm.cache_ids(3).tolist()
+        assert len(ids) == 5 and not set(ids) & set(seen)  # never seen before
+        seen += ids
+        assert len(dm.client_dataset(0, "train")) == 30  # historical: always all of it
+    assert sorted(seen) == list(range(30))
+    assert dm.sample_counts() == [30, 30, 30, 30, 30, 30]  # N_m over the horizon
+    fifo = _stream_dm("fifo", capacity=10)
+    for t in range(4):
+        fifo.set_round(t)
+    dm.set_round(2), dm.set_round(3)  # noqa: B018 - replayed from round 0 when going back
+    last_two = set(dm._streams[3][10:20].tolist())
+    assert set(fifo.cache_ids(3).tolist()) == last_two
+
+
+def test_stream_weights_follow_the_papers_strategies():
+    from lightning_fl.callbacks import StreamFedAvg
+
+    counts = [30, 30, 20, 20, 20, 20]  # historical 60 of 140
+    n = np.array(counts) / 140
+    weights = {}
+    for name, kw in (("uniform", {}), ("historical", {}), ("fresh", {}),
+                     ("fixed", {"p_hist": 0.8}), ("ours", {"ratio": 1e-4})):  # fmt: skip
+        aggregator = StreamFedAvg(name, **kw)
+        aggregator.historical = 2
+        weights[name] = aggregator.target_weights(counts).numpy()
+    assert weights["uniform"] == pytest.approx(n)
+    assert weights["historical"].tolist() == pytest.approx([0.5, 0.5, 0, 0, 0, 0])
+    assert weights["fresh"].tolist() == pytest.approx([0, 0, 0.25, 0.25, 0.25, 0.25])
+    assert weights["fixed"][:2].sum() == pytest.approx(0.8)
+    assert weights["ours"][:2].sum() == pytest.approx(1.0, abs=1e-3)  # r ≪ 1: Historical
+    with pytest.raises(ValueError, match="needs p_hist in"):
+        StreamFedAvg("fixed")
+    with pytest.raises(ValueError, match="needs ratio r"):
+        StreamFedAvg("ours", ratio=0.0)
+
+
+def test_streaming_training_uses_only_the_weighted_clients_and_resumes_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_fl import MLP, BinaryClassifier, FederatedStrategy
+    from lightning_fl.callbacks import StreamFedAvg
+    from tests.helpers import make_trainer, max_abs_diff, params_of
+
+    def fit(rounds, callbacks=(), ckpt=None, seed=0):
+        import torch
+
+        torch.manual_seed(seed)
+        module = BinaryClassifier(MLP(20, (), 1), lr=0.1)
+        trainer = make_trainer(FederatedStrategy(local_steps=2, seed=4), rounds,
+                               [StreamFedAvg("historical"), *callbacks],
+                               enable_checkpointing=bool(callbacks))  # fmt: skip
+        trainer.fit(module, datamodule=_stream_dm(), ckpt_path=ckpt)
+        return module, trainer
+
+    full, trainer = fit(5)
+    assert trainer.strategy.current_round.state.participation.clients == (0, 1)
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    fit(2, [checkpoint])
+    resumed, _ = fit(5, ckpt=str(tmp_path / "epoch=1.ckpt"), seed=9)
+    assert max_abs_diff(params_of(full), params_of(resumed)) == 0.0
+
+
+def test_bad_streaming_settings_are_refused():
+    with pytest.raises(ValueError, match="smaller than the batch of 5 samples"):
+        _stream_dm("fifo", capacity=3)
+    with pytest.raises(ValueError, match="arrival rate must be >= 1"):
+        from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+
+        StreamingDataModule(LogisticStreamsDataModule(num_clients=3, historical=1), rate=0)

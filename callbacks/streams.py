@@ -1,0 +1,93 @@
+"""Aggregation weights for historical and fresh clients (Marfoq et al., "Federated learning
+for data streams", AISTATS 2023, §5 and App. C) and the cache discrepancy metric."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from lightning_fl.callbacks.aggregation import FedAvg
+from lightning_fl.streams import configuration_rule
+
+Strategy = Literal["uniform", "historical", "fresh", "fixed", "ours"]
+
+
+class StreamFedAvg(FedAvg):
+    """FedAvg whose client weights p_m follow one of P1's strategies, over a
+    :class:`~lightning_fl.datamodules.StreamingDataModule` (n_m = N_m/N over the horizon):
+
+    - ``"uniform"``: p_m = n_m (every sample the same importance);
+    - ``"historical"``: only historical clients, p_m ∝ n_m among them (p_hist = 1);
+    - ``"fresh"``: only fresh clients, p_m ∝ n_m among them (p_hist = 0);
+    - ``"fixed"``: a given ``p_hist``, split ∝ n_m within each group (the "Optimal" grid);
+    - ``"ours"``: p̂* = argmin_p sqrt(Σ_fresh p_m²) + r·sqrt(Σ_m p_m²/n_m) with r = ``ratio``
+      (ĉ2/ĉ1, e.g. from :func:`lightning_fl.streams.estimate_ratio`, Eq. 204).
+
+    With full participation the server step is θ ← θ + η_g Σ_m p_m Δ_m (Alg. 1, fixed p).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy = "uniform",
+        p_hist: float | None = None,
+        ratio: float | None = None,
+        server_lr: float = 1.0,
+    ) -> None:
+        super().__init__("samples", server_lr)
+        if strategy not in ("uniform", "historical", "fresh", "fixed", "ours"):
+            raise ValueError(
+                f"strategy must be uniform, historical, fresh, fixed or ours; got {strategy!r}."
+            )
+        if strategy == "fixed" and (p_hist is None or not 0 <= p_hist <= 1):
+            raise ValueError(f"strategy 'fixed' needs p_hist in [0, 1], got {p_hist}.")
+        if strategy == "ours" and (ratio is None or not ratio > 0):
+            raise ValueError(f"strategy 'ours' needs ratio r = c2/c1 > 0, got {ratio}.")
+        self.strategy, self.p_hist, self.ratio = strategy, p_hist, ratio
+        self.historical = 0
+        self._weights: torch.Tensor | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        historical = getattr(trainer.datamodule, "historical", None)
+        if historical is None:
+            raise ValueError("StreamFedAvg needs a lightning_fl.datamodules.StreamingDataModule.")
+        self.historical, self._weights = historical, None
+
+    def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
+        if self._weights is None:
+            self._weights = self._compute(np.asarray(sample_counts, dtype=float))
+        return self._weights
+
+    def _compute(self, counts: np.ndarray) -> torch.Tensor:
+        n = counts / counts.sum()
+        fresh = np.arange(len(n)) >= self.historical
+        hist_share = n[~fresh].sum()
+        if self.strategy == "uniform":
+            p = n
+        elif self.strategy == "ours":
+            keep = n > 0
+            p = np.zeros_like(n)
+            p[keep] = configuration_rule(n[keep], fresh[keep], self.ratio)
+        else:
+            p_hist = {"historical": 1.0, "fresh": 0.0}.get(self.strategy, self.p_hist)
+            if (p_hist > 0 and hist_share == 0) or (p_hist < 1 and hist_share == 1):
+                raise ValueError(f"strategy {self.strategy!r} needs clients of both groups.")
+            p = np.where(fresh, (1 - p_hist) * n / max(1 - hist_share, 1e-300),
+                         p_hist * n / max(hist_share, 1e-300))  # fmt: skip
+        return torch.as_tensor(p / p.sum(), dtype=torch.float64)
+
+
+class CacheDiscrepancy(pl.Callback):
+    """Logs ``streams/discrepancy``, ψ_t = Σ_k Σ_r (v_t^{k,r} − π^{k,r})² over the fresh
+    clients' caches (Wang et al., §IV), and its running sum ``streams/accumulated_discrepancy``."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes, self.total = num_classes, 0.0
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = trainer.datamodule.cache_discrepancy(self.num_classes)
+        self.total += value
+        pl_module.log("streams/discrepancy", value, on_epoch=True)
+        pl_module.log("streams/accumulated_discrepancy", self.total, on_epoch=True)

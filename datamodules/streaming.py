@@ -1,0 +1,230 @@
+"""Clients whose training data arrives over rounds (Marfoq et al., "Federated learning for
+data streams", AISTATS 2023; Wang, Bian, Xu, "On the local cache update rules in streaming
+federated learning"): every round a fresh client receives ``rate`` samples it has never
+seen from its stream and updates its cache with a rule (FIFO, current batch, SRSR, DRSR);
+historical clients always hold their whole dataset."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from lightning_fl.datamodules.base import FederatedDataModule, InMemoryFederatedDataModule, Split
+from lightning_fl.streams import (
+    Cache,
+    CurrentBatchCache,
+    FIFOCache,
+    SelectiveReplacementCache,
+    discrepancy,
+)
+
+CacheRule = Literal["current", "fifo", "srsr", "drsr"]
+
+
+class StreamingDataModule(FederatedDataModule):
+    """A data stream per client over a static federated datamodule.
+
+    Client c's stream is a seeded permutation of ``source``'s training samples of c; at
+    round t it receives the next ``rate`` of them (B_m^(t), never seen before) and updates
+    its cache of ``capacity`` samples with ``cache``. The first ``historical`` clients are
+    historical: their cache is their whole training set, at every round (P1 §5). The
+    training dataset of a client is its cache at the current round (set by the strategy
+    through :meth:`set_round`); validation and test data are the source's.
+
+    The caches are a deterministic function of (seed, round): they are replayed from
+    round 0, so resumed runs and every rank see the same caches, and nothing needs saving.
+    When a stream runs out, the client receives nothing new (its cache keeps its content,
+    warned once).
+
+    ``sample_counts("train")`` are the samples each client collects over the ``rounds``
+    horizon (P1's N_m: the dataset for historical clients, rate·T for fresh ones), so
+    that ``weighting="samples"`` gives P1's Uniform weights p_m = n_m.
+
+    Args:
+        source: the clients' data (in memory: TensorDatasets are indexed directly).
+        historical: the number of historical clients (the first ones).
+        rate: b_m, the samples a fresh client receives per round.
+        cache: ``"current"`` (C_m = b_m, P1's fresh clients), ``"fifo"``, ``"srsr"``
+            (with ``theta``) or ``"drsr"``.
+        capacity: C_m (default: ``rate``); at least ``rate``.
+        theta: SRSR's θ ∈ [0, 1].
+        rounds: the horizon T of the counts N_m.
+        seed: the streams' and caches' seed.
+    """
+
+    def __init__(
+        self,
+        source: FederatedDataModule,
+        historical: int = 0,
+        rate: int = 10,
+        cache: CacheRule = "current",
+        capacity: int | None = None,
+        theta: float = 2 / 3,
+        rounds: int = 100,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(source.batch_size, source.eval_batch_size)
+        if rate < 1:
+            raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
+        capacity = rate if capacity is None else capacity
+        if capacity < rate:
+            raise ValueError(
+                f"cache capacity {capacity} is smaller than the batch of {rate} samples a "
+                "client receives per round: raise capacity to at least rate."
+            )
+        if cache not in ("current", "fifo", "srsr", "drsr"):
+            raise ValueError(f"cache must be current, fifo, srsr or drsr; got {cache!r}.")
+        if not 0 <= historical <= source.num_clients:
+            raise ValueError(f"historical must be in [0, {source.num_clients}], got {historical}.")
+        if cache == "srsr" and not 0 <= theta <= 1:
+            raise ValueError(f"SRSR theta must be in [0, 1], got {theta}.")
+        self.source, self.historical, self.rate = source, historical, rate
+        self.cache_rule, self.capacity, self.theta = cache, capacity, theta
+        self.rounds, self.seed = rounds, seed
+        self.unseen_clients = list(source.unseen_clients)
+        self._round = -1
+        self._caches: list[Cache | None] = []
+        self._streams: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+        self._warned = False
+
+    @property
+    def num_clients(self) -> int:
+        return self.source.num_clients
+
+    @property
+    def fresh_clients(self) -> list[int]:
+        return list(range(self.historical, self.num_clients))
+
+    def _new_cache(self) -> Cache:
+        if self.cache_rule == "current":
+            return CurrentBatchCache(self.capacity)
+        if self.cache_rule == "fifo":
+            return FIFOCache(self.capacity)
+        theta = None if self.cache_rule == "drsr" else self.theta
+        return SelectiveReplacementCache(self.capacity, theta)
+
+    def _setup_streams(self) -> None:
+        self._streams, self._labels, self._caches = [], [], []
+        for c in range(self.num_clients):
+            data = self.source.client_dataset(c, "train")
+            size = 0 if data is None else len(data)
+            order = np.random.default_rng([self.seed, 7, c]).permutation(size)
+            self._streams.append(order)
+            self._labels.append(_labels(data, size))
+            self._caches.append(None if c < self.historical else self._new_cache())
+        self._round = -1
+
+    def set_round(self, round_idx: int) -> None:
+        if not self._streams or round_idx < self._round:
+            self._setup_streams()
+        while self._round < round_idx:
+            self._round += 1
+            for c in self.fresh_clients:
+                self._advance(c, self._round)
+
+    def _advance(self, client: int, round_idx: int) -> None:
+        stream = self._streams[client]
+        batch = stream[round_idx * self.rate : (round_idx + 1) * self.rate]
+        if len(batch) == 0:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"Client {client}'s stream ran out at round {round_idx}: it keeps its "
+                    "cache. Lower rate or rounds, or give it more data.",
+                    stacklevel=3,
+                )
+            return
+        rng = np.random.default_rng([self.seed, 11, client, round_idx])
+        self._caches[client].update(batch, self._labels[client][batch], rng)
+
+    def cache_ids(self, client: int) -> np.ndarray:
+        """The indices (into the source's training set of ``client``) in its cache now."""
+        if client < self.historical:
+            return np.arange(len(self._streams[client]))
+        return self._caches[client].ids
+
+    def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        if split != "train":
+            return self.source.client_dataset(client, split)
+        if not self._streams:
+            self.set_round(0)
+        data = self.source.client_dataset(client, "train")
+        if data is None:
+            return None
+        ids = torch.from_numpy(np.sort(self.cache_ids(client)))
+        if isinstance(data, TensorDataset):
+            return TensorDataset(*(t[ids] for t in data.tensors))
+        return Subset(data, ids.tolist())
+
+    def sample_counts(self, split: Split = "train") -> list[int]:
+        if split != "train":
+            return self.source.sample_counts(split)
+        if not self._streams:
+            self._setup_streams()
+        return [
+            len(s) if c < self.historical else min(len(s), self.rate * self.rounds)
+            for c, s in enumerate(self._streams)
+        ]
+
+    def cache_discrepancy(self, num_classes: int) -> float:
+        """ψ_t = Σ_k Σ_r (v_t^{k,r} − π^{k,r})² over the fresh clients, with π^k the label
+        distribution of client k's whole stream (P2's long-term distribution)."""
+        cached, target = [], []
+        for c in self.fresh_clients:
+            labels = self._labels[c]
+            target.append(np.bincount(labels, minlength=num_classes) / max(len(labels), 1))
+            cached.append(self._caches[c].label_distribution(num_classes))
+        return discrepancy(np.array(cached), np.array(target)) if cached else 0.0
+
+    def pooled_dataset(self, split: Split = "train") -> Dataset:
+        return self.source.pooled_dataset(split)
+
+
+def _labels(data: Dataset | None, size: int) -> np.ndarray:
+    if size == 0 or data is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(data, TensorDataset):
+        return data.tensors[-1].long().numpy()
+    return np.array([int(data[i][-1]) for i in range(size)], dtype=np.int64)
+
+
+class LogisticStreamsDataModule(InMemoryFederatedDataModule):
+    """P1's Synthetic task (App. D.1.1): θ_0 ~ N(0, I_d), client m's θ_m ~ N(θ_0, ε² I_d),
+    x ~ U([−1, 1]^d), y ~ Bernoulli(sigmoid(⟨x, θ_m⟩)). The first ``historical`` clients
+    hold ``historical_samples`` training samples, the others ``fresh_samples`` (the stream
+    a :class:`StreamingDataModule` reveals ``rate`` at a time); every client has
+    ``test_samples`` test samples from its own distribution. The paper leaves ε and the
+    sizes open (its Table 1 row is garbled): the defaults are ours, and say so.
+    """
+
+    def __init__(
+        self,
+        num_clients: int = 50,
+        historical: int = 10,
+        dim: int = 20,
+        epsilon: float = 1.0,
+        historical_samples: int = 200,
+        fresh_samples: int = 200,
+        test_samples: int = 100,
+        seed: int = 0,
+        batch_size: int = 32,
+    ) -> None:
+        if not 0 <= historical <= num_clients:
+            raise ValueError(f"historical must be in [0, {num_clients}], got {historical}.")
+        if not epsilon >= 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
+        g = torch.Generator().manual_seed(seed)
+        theta0 = torch.randn(dim, generator=g)
+        clients = []
+        for m in range(num_clients):
+            theta = theta0 + epsilon * torch.randn(dim, generator=g)
+            size = historical_samples if m < historical else fresh_samples
+            x = 2 * torch.rand(size + test_samples, dim, generator=g) - 1
+            y = torch.bernoulli(torch.sigmoid(x @ theta), generator=g)
+            clients.append({"train": (x[:size], y[:size]), "test": (x[size:], y[size:])})
+        super().__init__(clients, batch_size=batch_size)
