@@ -170,10 +170,13 @@ class Unlearning(FederatedCallback):
             raise ValueError(f"clip must be > 0, got {clip}.")
         self.method, self.epsilon, self.delta, self.sigma = method, epsilon, delta, sigma
         self.threshold = sensitivity_threshold(epsilon, delta, sigma)
-        self.scheduled = {int(k): list(v) for k, v in (requests or {}).items()} if isinstance(
-            requests, dict
-        ) or requests is None else {}  # fmt: skip
-        self.queue: list[list[int]] = list(requests) if isinstance(requests, list) else []
+        #: {round: clients} requests, or the on-target queue of client sets
+        self.scheduled: dict[int, list[int]] = {}
+        self.queue: list[list[int]] = []
+        if isinstance(requests, dict):
+            self.scheduled = {int(k): list(v) for k, v in requests.items()}
+        elif requests is not None:
+            self.queue = [list(q) for q in requests]
         self.on_target, self.decay, self.clip = on_target, decay, clip
         self.evaluate_every, self.seed = evaluate_every, seed
         self.evaluate_forgotten = evaluate_forgotten
