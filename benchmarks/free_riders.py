@@ -70,7 +70,7 @@ def main() -> None:
     lines = ["# Free-riders on digits: 5 fair clients, logistic regression",
              "", f"`python benchmarks/free_riders.py`: E = {args.epochs} local epochs, "
              f"{args.rounds} rounds (2× with 5 free-riders, 3× with 45, as the authors' "
-             "get_n_iter), fair-only band over {args.inits} initializations "
+             f"get_n_iter), fair-only band over {args.inits} initializations "
              "(min–max). Accuracy and loss are the fair clients' (test accuracy, "
              "federated training loss Σ p_j L_j). Detection: share of free-riders flagged / "
              "share of fair clients flagged in the last round.", "",
