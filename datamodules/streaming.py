@@ -18,11 +18,12 @@ from lightning_fl.streams import (
     Cache,
     CurrentBatchCache,
     FIFOCache,
+    FixedCache,
     SelectiveReplacementCache,
     discrepancy,
 )
 
-CacheRule = Literal["current", "fifo", "srsr", "drsr"]
+CacheRule = Literal["current", "fifo", "srsr", "drsr", "lazy"]
 
 
 class StreamingDataModule(FederatedDataModule):
@@ -49,10 +50,13 @@ class StreamingDataModule(FederatedDataModule):
         historical: the number of historical clients (the first ones).
         rate: b_m, the samples a fresh client receives per round.
         cache: ``"current"`` (C_m = b_m, P1's fresh clients), ``"fifo"``, ``"srsr"``
-            (with ``theta``) or ``"drsr"``.
+            (with ``theta``), ``"drsr"`` or ``"lazy"`` (the first batches, kept for good).
         capacity: C_m (default: ``rate``); at least ``rate``.
         theta: SRSR's θ ∈ [0, 1].
         rounds: the horizon T of the counts N_m.
+        drift: if > 0, a non-stationary label stream (P2's setting, :func:`drifting_order`)
+            with this many short-term label distributions per client; 0: a stationary
+            stream (a random order).
         seed: the streams' and caches' seed.
     """
 
@@ -65,9 +69,12 @@ class StreamingDataModule(FederatedDataModule):
         capacity: int | None = None,
         theta: float = 2 / 3,
         rounds: int = 100,
+        drift: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__(source.batch_size, source.eval_batch_size)
+        if drift < 0:
+            raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
         if rate < 1:
             raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
         capacity = rate if capacity is None else capacity
@@ -76,15 +83,15 @@ class StreamingDataModule(FederatedDataModule):
                 f"cache capacity {capacity} is smaller than the batch of {rate} samples a "
                 "client receives per round: raise capacity to at least rate."
             )
-        if cache not in ("current", "fifo", "srsr", "drsr"):
-            raise ValueError(f"cache must be current, fifo, srsr or drsr; got {cache!r}.")
+        if cache not in ("current", "fifo", "srsr", "drsr", "lazy"):
+            raise ValueError(f"cache must be current, fifo, srsr, drsr or lazy; got {cache!r}.")
         if not 0 <= historical <= source.num_clients:
             raise ValueError(f"historical must be in [0, {source.num_clients}], got {historical}.")
         if cache == "srsr" and not 0 <= theta <= 1:
             raise ValueError(f"SRSR theta must be in [0, 1], got {theta}.")
         self.source, self.historical, self.rate = source, historical, rate
         self.cache_rule, self.capacity, self.theta = cache, capacity, theta
-        self.rounds, self.seed = rounds, seed
+        self.rounds, self.seed, self.drift = rounds, seed, drift
         self.unseen_clients = list(source.unseen_clients)
         self._round = -1
         self._caches: list[Cache | None] = []
@@ -105,6 +112,8 @@ class StreamingDataModule(FederatedDataModule):
             return CurrentBatchCache(self.capacity)
         if self.cache_rule == "fifo":
             return FIFOCache(self.capacity)
+        if self.cache_rule == "lazy":
+            return FixedCache(self.capacity)
         theta = None if self.cache_rule == "drsr" else self.theta
         return SelectiveReplacementCache(self.capacity, theta)
 
@@ -113,9 +122,13 @@ class StreamingDataModule(FederatedDataModule):
         for c in range(self.num_clients):
             data = self.source.client_dataset(c, "train")
             size = 0 if data is None else len(data)
-            order = np.random.default_rng([self.seed, 7, c]).permutation(size)
+            labels = _labels(data, size)
+            rng = np.random.default_rng([self.seed, 7, c])
+            order = rng.permutation(size) if not self.drift else drifting_order(
+                labels, self.drift, self.rate, rng
+            )  # fmt: skip
             self._streams.append(order)
-            self._labels.append(_labels(data, size))
+            self._labels.append(labels)
             self._caches.append(None if c < self.historical else self._new_cache())
         self._round = -1
 
@@ -191,6 +204,35 @@ def _labels(data: Dataset | None, size: int) -> np.ndarray:
     if isinstance(data, TensorDataset):
         return data.tensors[-1].long().numpy()
     return np.array([int(data[i][-1]) for i in range(size)], dtype=np.int64)
+
+
+def drifting_order(
+    labels: np.ndarray, states: int, rate: int, rng: np.random.Generator
+) -> np.ndarray:
+    """A non-stationary label stream (Wang, Bian, Xu §V, which leaves the details open; our
+    choices): ``states`` short-term label distributions u^j ~ Dir(0.5) over the client's
+    own classes; a Markov chain over them with P(i → j) ∝ exp(−KL(u^i ‖ u^j)) (close
+    distributions follow each other; the chain's stationary law gives the long-term
+    distribution π = Σ_j ρ_j u^j); each round draws ``rate`` labels from the current u^j
+    and takes, for each, the next unseen sample of that class. Returns the samples'
+    order; when a class runs out, its draws go to the classes that still have samples."""
+    classes = np.unique(labels)
+    if len(classes) == 0:
+        return np.zeros(0, dtype=np.int64)
+    short = rng.dirichlet(np.full(len(classes), 0.5), size=states) + 1e-9
+    short /= short.sum(axis=1, keepdims=True)
+    kl = np.sum(short[:, None, :] * np.log(short[:, None, :] / short[None, :, :]), axis=2)
+    transition = np.exp(-kl)
+    transition /= transition.sum(axis=1, keepdims=True)
+    pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    order, state = [], int(rng.integers(states))
+    while any(pools.values()):
+        for cls in rng.choice(classes, size=rate, p=short[state]):
+            pool = pools[int(cls)] or next((p for p in pools.values() if p), [])
+            if pool:
+                order.append(pool.pop())
+        state = int(rng.choice(states, p=transition[state]))
+    return np.asarray(order, dtype=np.int64)
 
 
 class LogisticStreamsDataModule(InMemoryFederatedDataModule):

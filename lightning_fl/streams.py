@@ -67,12 +67,13 @@ class CurrentBatchCache(Cache):
 
 
 class FixedCache(Cache):
-    """Never updated after it is first filled (P1's historical clients, P2's LAZY)."""
+    """Filled by the first batches, then never updated (P2's LAZY baseline: the initial
+    cache is kept for good)."""
 
     def _replace(self, ids, labels, rng):
-        if len(self.ids):
+        if len(self.ids) + len(ids) > self.capacity:
             return self.ids, self.labels
-        return ids, labels
+        return np.concatenate([self.ids, ids]), np.concatenate([self.labels, labels])
 
 
 class SelectiveReplacementCache(Cache):

@@ -47,7 +47,7 @@ def test_fifo_keeps_the_last_m_batches_and_fixed_never_changes():
         fifo.update(ids, labels, rng)
         fixed.update(ids, labels, rng)
     assert fifo.ids.tolist() == list(range(9, 15))  # the last two batches
-    assert fixed.ids.tolist() == [0, 1, 2]
+    assert fixed.ids.tolist() == [0, 1, 2, 3, 4, 5]  # the first batches, then frozen
 
 
 def test_srsr_hits_its_label_targets_case_by_case():
@@ -264,3 +264,28 @@ def test_bad_streaming_settings_are_refused():
         from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
 
         StreamingDataModule(LogisticStreamsDataModule(num_clients=3, historical=1), rate=0)
+
+
+def test_drifting_stream_visits_every_sample_once_with_changing_label_mixes():
+    from lightning_fl.datamodules.streaming import drifting_order
+
+    labels = np.repeat([1, 4, 7], 100)
+    order = drifting_order(labels, 10, 6, np.random.default_rng(0))
+    assert sorted(order.tolist()) == list(range(300))  # every sample, never twice
+    mixes = np.array([np.bincount(labels[order[i : i + 6]], minlength=8)[[1, 4, 7]]
+                      for i in range(0, 240, 6)])  # fmt: skip
+    assert mixes.std(axis=0).max() > 1.0  # short-term distributions differ from round to round
+
+
+def test_cache_rules_recipe_runs_every_rule(tmp_path):
+    from pathlib import Path
+
+    from lightning_fl.cli import run
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "streams" / "digits_cache_rules.yaml"
+    for rule in ("drsr", "srsr", "fifo", "lazy"):
+        cli = run(["fit", "--config", str(recipe), "--data.init_args.cache", rule,
+                   "--trainer.max_epochs", "3", "--trainer.default_root_dir", str(tmp_path / rule),
+                   "--trainer.logger.init_args.save_dir", str(tmp_path / rule),
+                   "--trainer.enable_progress_bar", "false"])  # fmt: skip
+        assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
