@@ -9,7 +9,8 @@ lr 0.1, batch 64, one local epoch, 150 rounds) for server sets of 50, 100, 500 a
 digits and p ∈ {10, 5, 2, 1}: the test accuracy of SAFARI minus that of FedAvg (the same
 run with q = 1), in points, mean over seeds, beside the paper's MNIST Table 1. Then
 SAFARI's accuracy against q for p = 1 and 1000 server digits. Writes
-benchmarks/results/safari_q<q>.md.
+benchmarks/results/safari_q<q>.md. ``--grid`` runs FedAvg's p × s grid instead
+(safari_fedavg_grid.md).
 """
 
 from __future__ import annotations
@@ -48,11 +49,52 @@ def accuracy(server: int, classes: int, q: float, seed: int) -> float:
     return 100 * float(cli.trainer.callback_metrics["test_acc"])
 
 
+def fedavg_grid(seeds: list[int]) -> None:
+    """FedAvg's test accuracy for p classes per client × s clients that never take part
+    (the issue's p × s grid; no server data), written to safari_fedavg_grid.md."""
+    from recipe_runs import run_recipe
+
+    lines = ["FedAvg on digits, recipes/participation/safari.yaml with FedAvg instead of SAFARI "
+             f"and no server data: test accuracy (%), mean over seeds {seeds}. p = classes per "
+             "client, s = clients that never take part (5 of the 10 − s others per round).", "",
+             "| s | " + " | ".join(f"p = {p}" for p in CLASSES) + " |",
+             "|---|" + "---|" * len(CLASSES)]  # fmt: skip
+    for excluded in (0, 2, 4, 5):
+        cells = []
+        for classes in CLASSES:
+            values = []
+            for seed in seeds:
+
+                def edit(config, s=excluded, p=classes, seed=seed):
+                    sampler = config["trainer"]["strategy"]["init_args"]["sampler"]
+                    sampler["init_args"]["excluded"] = s
+                    config["trainer"]["callbacks"][0] = {
+                        "class_path": "lightning_fl.callbacks.FedAvg"
+                    }
+                    config["data"]["init_args"].update(
+                        server_samples=0, shards_per_client=p, seed=seed
+                    )
+                    config["trainer"]["limit_val_batches"] = 0
+
+                cli, _ = run_recipe(ROOT / "recipes" / "participation" / "safari.yaml", edit, seed)
+                values.append(100 * float(cli.trainer.callback_metrics["test_acc"]))
+            cells.append(f"{statistics.mean(values):.2f}")
+        lines.append(f"| {excluded} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    out = ROOT / "benchmarks" / "results" / "safari_fedavg_grid.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--q", type=float, default=0.5)
+    parser.add_argument("--grid", action="store_true", help="only FedAvg's p × s grid")
     args = parser.parse_args()
+    if args.grid:
+        fedavg_grid(args.seeds)
+        return
     torch.set_num_threads(1)
     lines = [
         f"SAFARI (q = {args.q}) minus FedAvg, test accuracy in points, digits, s = 4, mean over "

@@ -26,6 +26,7 @@ from lightning_fl.datamodules.partition import (
     pachinko_partition,
     shard_partition,
     split_fractions,
+    unbalanced_dirichlet_partition,
 )
 
 CACHE = Path.home() / ".cache" / "lightning_fl"
@@ -181,7 +182,10 @@ class CifarDataModule(InMemoryFederatedDataModule):
         partition: ``"dirichlet"`` (per label, ``alpha``; with ``num_groups`` set, FedEM's
             grouped-label variant), ``"shards"`` (pathological, ``shards_per_client``),
             ``"pachinko"`` (CIFAR-100, ``alpha`` over coarse and ``beta`` over fine labels,
-            ``samples_per_client``) or ``"iid"``.
+            ``samples_per_client``), ``"iid"`` or ``"unbalanced"`` (the clustered-sampling
+            paper's split: 10/30/30/20/10% of the clients with 100/250/500/750/1000
+            training samples drawn with replacement from Dir(``alpha``) class
+            proportions, a fifth as many test samples with the same proportions).
         unseen_fraction: the last ``round(unseen_fraction · num_clients)`` clients never
             train; personalization evaluates them apart.
         val_fraction: each client's training samples held out for validation.
@@ -198,7 +202,7 @@ class CifarDataModule(InMemoryFederatedDataModule):
         root: str | None = None,
         download: bool = False,
         num_clients: int = 200,
-        partition: Literal["dirichlet", "shards", "pachinko", "iid"] = "dirichlet",
+        partition: Literal["dirichlet", "shards", "pachinko", "iid", "unbalanced"] = "dirichlet",
         alpha: float = 0.3,
         beta: float = 10.0,
         num_groups: int | None = None,
@@ -249,8 +253,13 @@ class CifarDataModule(InMemoryFederatedDataModule):
             )
 
         test_per_client = max(1, len(test["labels"]) * samples_per_client // len(train["labels"]))
-        train_parts = split(train, seed, samples_per_client)
-        test_parts = split(test, seed + 1, test_per_client)
+        if partition == "unbalanced":
+            train_parts, test_parts = unbalanced_dirichlet_partition(
+                train["labels"], test["labels"], num_clients, alpha, seed
+            )
+        else:
+            train_parts = split(train, seed, samples_per_client)
+            test_parts = split(test, seed + 1, test_per_client)
         to_tensor = lambda d, idx: (  # noqa: E731
             torch.from_numpy(d["images"][idx]).float().div_(255.0),
             torch.from_numpy(d["labels"][idx]),

@@ -222,3 +222,42 @@ def pachinko_partition(
             taken.append(int(pools[f].pop()))
         parts.append(np.sort(np.asarray(taken, dtype=np.int64)))
     return parts
+
+
+#: The clustered-sampling paper's CIFAR-10 client sizes (Fraboni et al. ICML 2021, §5):
+#: 10% of the clients hold 100 training samples, 30% 250, 30% 500, 20% 750, 10% 1000.
+UNBALANCED_SIZES = ((0.1, 100), (0.3, 250), (0.3, 500), (0.2, 750), (0.1, 1000))
+
+
+def unbalanced_sizes(num_clients: int) -> list[int]:
+    """The sizes of :data:`UNBALANCED_SIZES` for ``num_clients`` clients (48,500 for 100)."""
+    sizes: list[int] = []
+    for share, size in UNBALANCED_SIZES:
+        sizes += [size] * round(share * num_clients)
+    sizes += [UNBALANCED_SIZES[-1][1]] * (num_clients - len(sizes))
+    return sizes[:num_clients]
+
+
+def unbalanced_dirichlet_partition(
+    train_labels, test_labels, num_clients: int, alpha: float, seed: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The clustered-sampling paper's unbalanced split (its code): client c's class
+    proportions q_c ~ Dir(α·1), its training samples (``unbalanced_sizes``) and test
+    samples (a fifth as many) drawn class by class from the pools with replacement, with
+    the same q_c for both."""
+    if not alpha > 0:
+        raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}.")
+    train_labels, test_labels = _labels(train_labels), _labels(test_labels)
+    classes = np.unique(train_labels)
+    rng = np.random.default_rng(seed)
+    train_pools = [np.flatnonzero(train_labels == k) for k in classes]
+    test_pools = [np.flatnonzero(test_labels == k) for k in classes]
+    train_parts, test_parts = [], []
+    for size in unbalanced_sizes(num_clients):
+        q = rng.dirichlet(np.full(len(classes), alpha))
+        for pools, n, parts in ((train_pools, size, train_parts),
+                                (test_pools, max(1, size // 5), test_parts)):  # fmt: skip
+            counts = rng.multinomial(n, q)
+            parts.append(np.concatenate([rng.choice(pool, k, replace=True)
+                                         for pool, k in zip(pools, counts) if k]))  # fmt: skip
+    return train_parts, test_parts

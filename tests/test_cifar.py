@@ -104,3 +104,34 @@ def test_cifar100_pachinko_datamodule(tmp_path):
                          generate_sizes=(400, 200))  # fmt: skip
     assert dm.sample_counts("train") == [50] * 5
     assert (tmp_path / "cifar-100-python" / "train").exists()
+
+
+def test_unbalanced_split_has_the_papers_sizes_and_shared_proportions():
+    from lightning_fl.datamodules.partition import (
+        unbalanced_dirichlet_partition,
+        unbalanced_sizes,
+    )
+
+    assert sum(unbalanced_sizes(100)) == 48_500
+    assert sorted(set(unbalanced_sizes(100))) == [100, 250, 500, 750, 1000]
+    rng = np.random.default_rng(0)
+    train, test = rng.integers(0, 10, 5000), rng.integers(0, 10, 1000)
+    train_parts, test_parts = unbalanced_dirichlet_partition(train, test, 100, 0.01, seed=1)
+    assert [len(p) for p in train_parts] == unbalanced_sizes(100)
+    assert [len(p) for p in test_parts] == [n // 5 for n in unbalanced_sizes(100)]
+
+    # α = 0.01: almost every client holds one class, the same one in train and test
+    def top(labels, idx):
+        return np.bincount(labels[idx], minlength=10).argmax()
+
+    same = [top(train, tr) == top(test, te) for tr, te in zip(train_parts, test_parts)]
+    assert np.mean(same) > 0.9
+
+
+def test_cifar_datamodule_builds_the_unbalanced_split(tmp_path):
+    from lightning_fl.datamodules.partition import unbalanced_sizes
+
+    dm = CifarDataModule(root=str(tmp_path), generate=True, generate_sizes=(200, 200),
+                         num_clients=20, partition="unbalanced", alpha=0.1)  # fmt: skip
+    assert dm.sample_counts("train") == unbalanced_sizes(20)
+    assert dm.sample_counts("test") == [n // 5 for n in unbalanced_sizes(20)]
