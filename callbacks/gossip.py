@@ -124,20 +124,23 @@ class GossipAveraging(Aggregator):
     def on_fit_start(self, trainer, pl_module) -> None:
         counts = trainer.strategy.training_counts
         nodes = [c for c, n in enumerate(counts) if n > 0]
+        overlay = None
         if self.mixing is None:
             self.nodes = nodes
-            self.mixing = self._mixing_matrix(trainer)
-        if self.topology is not None and self.clock is None:
+            if self.topology is not None:
+                overlay, self.clock = self._topology(trainer)
+                self.mixing = torch.from_numpy(overlay.mixing_matrix())
+            else:
+                self.mixing = self._mixing_matrix()
+        if self.topology is not None and self.clock is None:  # resumed: W is in the state
             _, self.clock = self._topology(trainer)
-            if self._clock_state is not None:
-                self.clock.load_state_dict(self._clock_state)
+        if self._clock_state is not None:
+            self.clock.load_state_dict(self._clock_state)
+            self._clock_state = None
         self._hook_optimizers(trainer)
 
-    def _mixing_matrix(self, trainer) -> Tensor:
+    def _mixing_matrix(self) -> Tensor:
         n = len(self.nodes)
-        if self.topology is not None:
-            overlay, _ = self._topology(trainer)
-            return torch.from_numpy(overlay.mixing_matrix())
         if self._given is not None:
             w = self._given
             if w.shape != (n, n):

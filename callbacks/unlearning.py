@@ -84,6 +84,9 @@ class _RequestAwareSampler(ClientSampler):
     def observe(self, clients, updates, num_clients) -> None:
         self.sampler.observe(clients, updates, num_clients)
 
+    def round_metrics(self) -> dict[str, float]:
+        return self.sampler.round_metrics()
+
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
 
@@ -184,7 +187,6 @@ class Unlearning(FederatedCallback):
         self.pending: list[list[int]] = []
         self.history: BranchHistory | None = None
         self.versions = ModelVersions()
-        self.initial: torch.Tensor | None = None
         self.shadows: dict[tuple[int, ...], torch.Tensor] = {}
         self.phase_rounds: list[int] = []
         self.done_requests: list[dict] = []
@@ -192,6 +194,12 @@ class Unlearning(FederatedCallback):
         self._deltas: dict[int, torch.Tensor] = {}
         self._start: torch.Tensor | None = None
         self._trainer: pl.Trainer | None = None
+
+    @property
+    def initial(self) -> torch.Tensor | None:
+        """θ_0^0, the model training started from: branch 0 is always on the lineage, so
+        its round 0 is always among the kept versions."""
+        return self.versions.models.get((0, 0))
 
     # ---- requests ----------------------------------------------------------------------
     def request(self, clients: list[int]) -> None:
@@ -273,7 +281,6 @@ class Unlearning(FederatedCallback):
         model = flatten([t.detach() for t in strategy.federated_tensors.tensors])
         if self.history is None:
             self.history = BranchHistory(trainer.datamodule.num_clients, self.threshold)
-            self.initial = model.clone()
             self.versions.keep((0, 0), model.clone())
             if self.method == "fedaccum":
                 self.shadows = {key: model.clone() for key in self._removal_sets()}
@@ -369,7 +376,6 @@ class Unlearning(FederatedCallback):
             "removed": self.removed, "pending": self.pending, "queue": self.queue,
             "history": None if self.history is None else self.history.state_dict(),
             "versions": {f"{s},{n}": m for (s, n), m in self.versions.models.items()},
-            "initial": self.initial,
             "shadows": {",".join(map(str, k)): v for k, v in self.shadows.items()},
             "phase_rounds": self.phase_rounds, "phase_start": self._phase_start,
             "done_requests": self.done_requests,
@@ -384,7 +390,6 @@ class Unlearning(FederatedCallback):
         self.versions.models = {
             tuple(int(x) for x in k.split(",")): v for k, v in state["versions"].items()
         }
-        self.initial = state["initial"]
         self.shadows = {
             tuple(int(x) for x in k.split(",") if x): v for k, v in state["shadows"].items()
         }

@@ -175,12 +175,17 @@ class Schedule:
         """The same d_i for every client (the thesis's IDENTICAL)."""
         raise NotImplementedError
 
-    def participation_frequency(self, aggregations: int = 10_000) -> np.ndarray:
-        """The fraction of aggregations each client takes part in, from a dry run of this
-        schedule (a copy; the run's own state is untouched)."""
+    def _fresh_copy(self) -> Schedule:
+        """This schedule's configuration restarted at time 0 (for dry runs)."""
         dry = type(self).__new__(type(self))
         dry.__dict__.update(self.__dict__)
         dry.reset(self.num_clients, self.seed)
+        return dry
+
+    def participation_frequency(self, aggregations: int = 10_000) -> np.ndarray:
+        """The fraction of aggregations each client takes part in, from a dry run of this
+        schedule (a copy; the run's own state is untouched)."""
+        dry = self._fresh_copy()
         counts = np.zeros(self.num_clients)
         for _ in range(aggregations):
             event = dry.plan()
@@ -190,9 +195,7 @@ class Schedule:
 
     def count_until(self, budget: float) -> tuple[int, np.ndarray]:
         """(aggregations, updates per client) until simulated time ``budget``, on a copy."""
-        dry = type(self).__new__(type(self))
-        dry.__dict__.update(self.__dict__)
-        dry.reset(self.num_clients, self.seed)
+        dry = self._fresh_copy()
         counts = np.zeros(self.num_clients, dtype=np.int64)
         n = 0
         while True:

@@ -23,6 +23,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str, dpi: int) -> str:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def read_client_metrics(
     path: str, metric: str = "test_acc", stage: str = "test", clients: Sequence[int] | None = None
 ) -> dict[int, float]:
@@ -54,11 +62,7 @@ def plot_client_distributions(
     ax.set_xticks(range(1, len(labels) + 1), labels, rotation=30, ha="right")
     ax.set_ylabel(f"per-client {metric}")
     ax.set_title("clients (dots), 10th percentile (red dashes)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, 120)
 
 
 def plot_lambda_vs_size(lambdas_csv: str, path: str) -> str:
@@ -71,10 +75,7 @@ def plot_lambda_vs_size(lambdas_csv: str, path: str) -> str:
     ax.set_xlabel("local dataset size n_t")
     ax.set_ylabel("chosen λ_t")
     ax.set_ylim(-0.05, 1.05)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, 120)
 
 
 def plot_participation(participation_csv: str, path: str) -> str:
@@ -98,8 +99,4 @@ def plot_participation(participation_csv: str, path: str) -> str:
     raster.set_xlabel("round")
     raster.set_ylabel("client")
     raster.set_title("participants per round")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, 110)

@@ -70,6 +70,10 @@ class ClientSampler:
         participants' flattened updates θ_i^{t+1} − θ^t (one row per client, the rows of
         every rank gathered by the round's all-reduce)."""
 
+    def round_metrics(self) -> dict[str, float]:
+        """Per-round values the strategy logs after each round (e.g. ``fl/excluded``)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -168,6 +172,9 @@ class ExcludedClients(ClientSampler):
 
     def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
         self.sampler.observe(clients, updates, num_clients)
+
+    def round_metrics(self) -> dict[str, float]:
+        return self.sampler.round_metrics()
 
     def state_dict(self) -> dict[str, Any]:
         return self.sampler.state_dict()
@@ -309,6 +316,9 @@ class AvailableClients(ClientSampler):
         q = truncate(q, by_correlation, p, gap, pi, self.kappa2, self.tolerance)
         by_availability = sorted(eligible, key=lambda k: (float(pi[k]), k))
         return truncate(q, by_availability, p, gap, pi, self.kappa2, self.tolerance)
+
+    def round_metrics(self) -> dict[str, float]:
+        return {"fl/excluded": float(len(self.excluded))}
 
     def state_dict(self) -> dict[str, Any]:
         return {"availability": self.availability.state_dict(),

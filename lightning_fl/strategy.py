@@ -671,9 +671,8 @@ class _RoundDriver(pl.Callback):
         pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
         pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
         pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
-        excluded = getattr(trainer.strategy.sampler, "excluded", None)
-        if isinstance(excluded, tuple):  # CA-Fed: available clients it left out this round
-            pl_module.log("fl/excluded", float(len(excluded)), on_epoch=True)
+        for name, value in trainer.strategy.sampler.round_metrics().items():
+            pl_module.log(name, value, on_epoch=True)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
 

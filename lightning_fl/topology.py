@@ -492,15 +492,14 @@ def ring(network: SiloNetwork, model: DelayModel) -> Overlay:
     else:
         weights = _degree_one_delays(network, model)
         tour = nx.approximation.christofides(_complete_graph((weights + weights.T) / 2))
-    best = None
+    directions = []
     for order in (tour, tour[::-1]):
         arcs = np.zeros((n, n), dtype=bool)
         for u, v in zip(order[:-1], order[1:]):
             arcs[u, v] = True
         overlay = Overlay("RING", arcs)
-        if best is None or overlay.cycle_time(network, model) < best.cycle_time(network, model):
-            best = overlay
-    return best
+        directions.append((overlay.cycle_time(network, model), overlay))
+    return min(directions, key=lambda pair: pair[0])[1]
 
 
 def matchings(edges: np.ndarray) -> list[list[tuple[int, int]]]:

@@ -249,9 +249,8 @@ def test_connectivity_graph_latency_and_bandwidth_follow_the_shortest_path():
     assert network.bandwidth_bps[0, 7] == pytest.approx(1e9 / (len(path) - 1))
 
 
-def test_building_every_overlay_of_ebone_is_fast_enough_to_be_interactive():
-    """The issue asks for under 10 s; measured in benchmarks/topology.py. Here only that it
-    runs and that RING is the fastest overlay on Ebone, as in Table 2.5."""
+def test_ring_is_the_fastest_overlay_on_ebone():
+    """As in Table 2.5 (the < 10 s build time is measured in benchmarks/topology.py)."""
     network = SiloNetwork.from_underlay("ebone")
     model = DelayModel(44961717, 25.4)
     times = {o: build_overlay(o, network, model).cycle_time(network, model) for o in
