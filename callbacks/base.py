@@ -39,6 +39,9 @@ class RoundState:
     extra_sums: dict[str, TensorList] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    #: Local optimizer steps each of this rank's participants takes this round (K, or
+    #: E passes over its batches).
+    local_steps: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_params(self) -> int:
@@ -59,6 +62,11 @@ class FederatedCallback(pl.Callback):
     #: inference): it runs first there, seeing the global model at the start and the
     #: personalized one at the end, and does not make the strategy keep a global copy.
     evaluation_observer: bool = False
+    #: Whether the callback works with ``FederatedStrategy(vectorize=True)``, where a
+    #: round's clients train together: per-client hooks run as usual, and per-step work
+    #: goes in :meth:`on_before_vectorized_optimizer_step`. Unsupported callbacks are
+    #: refused at setup.
+    supports_vectorized_clients: bool = False
 
     def on_round_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
@@ -95,6 +103,30 @@ class FederatedCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:
         """After aggregation; ``state.global_tensors`` holds θ^{t+1}."""
+
+    def on_vectorized_clients_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        clients: list[int],
+        state: RoundState,
+    ) -> None:
+        """Vectorized clients: before ``clients`` (row i is ``clients[i]``) train together,
+        after each one's :meth:`on_client_start`."""
+
+    def on_before_vectorized_optimizer_step(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        rows: list[int],
+        params: TensorList,
+        grads: list[torch.Tensor | None],
+        state: RoundState,
+    ) -> None:
+        """Vectorized clients: the counterpart of ``on_before_optimizer_step``. ``params``
+        and ``grads`` are stacked over the clients at chunk ``rows`` (dimension 0);
+        change ``grads`` in place. A parameter the optimizer does not train has no
+        gradient (None)."""
 
     def on_client_evaluation_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int

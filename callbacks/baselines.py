@@ -23,6 +23,8 @@ class Local(Aggregator):
     ``*/unseen/*`` metrics are chance level, not a Local result.
     """
 
+    supports_vectorized_clients = True
+
     models = PersonalModels(STORE_KEY)
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:

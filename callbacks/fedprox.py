@@ -38,5 +38,18 @@ class FedProx(FederatedCallback):
             diff = torch._foreach_sub([p for p, _ in pairs], [a for _, a in pairs])
             torch._foreach_add_(grads, diff, alpha=self.mu)
 
+    supports_vectorized_clients = True
+
+    @torch.no_grad()
+    def on_before_vectorized_optimizer_step(
+        self, trainer, pl_module, rows, params, grads, state: RoundState
+    ) -> None:
+        """The same proximal gradient μ(θ_c − θ^t) for every client row at once."""
+        if self.mu == 0:
+            return
+        for p, g, anchor in zip(params, grads, state.global_params):
+            if g is not None:
+                g.add_(p - anchor, alpha=self.mu)
+
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
         self._anchor = None

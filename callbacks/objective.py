@@ -23,6 +23,8 @@ class FederatedObjective(FederatedCallback):
     losses are summed over ranks. Costs one forward pass over all training data.
     """
 
+    supports_vectorized_clients = True
+
     def __init__(self, every_n_rounds: int = 1) -> None:
         if every_n_rounds < 1:
             raise ValueError(f"every_n_rounds must be >= 1, got {every_n_rounds}.")

@@ -50,9 +50,8 @@ class SCAFFOLD(FederatedCallback):
         self.control_weighting = control_weighting
         self.server_control: TensorList | None = None
         self._correction: TensorList | None = None
-        self._client_control: TensorList | None = None
         self._control_delta_sum: TensorList | None = None
-        self._steps = 0
+        self._stacked_correction: TensorList | None = None
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if self.server_control is None:
@@ -61,14 +60,37 @@ class SCAFFOLD(FederatedCallback):
         state.extra_sums["scaffold_control_delta"] = self._control_delta_sum
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        self._correction = torch._foreach_sub(self.server_control, self._control_of(client, state))
+
+    supports_vectorized_clients = True
+
+    def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
+        """The corrections c − c_i of every client of the chunk, stacked by row."""
+        corrections = [
+            torch._foreach_sub(self.server_control, self._control_of(client, state))
+            for client in clients
+        ]
+        self._stacked_correction = [torch.stack(column) for column in zip(*corrections)]
+
+    @torch.no_grad()
+    def on_before_vectorized_optimizer_step(
+        self, trainer, pl_module, rows, params, grads, state: RoundState
+    ) -> None:
+        if any(g is None for g in grads):
+            raise RuntimeError(
+                "SCAFFOLD needs a gradient for every parameter; freeze parameters by "
+                "excluding them from the module instead."
+            )
+        index = torch.tensor(rows, device=grads[0].device)
+        for g, correction in zip(grads, self._stacked_correction):
+            g.add_(correction.index_select(0, index))
+
+    def _control_of(self, client: int, state: RoundState) -> TensorList:
+        """c_i: the client's stored control variate (zero before its first round)."""
         stored = state.store.get(client, STORE_KEY)
-        self._client_control = (
-            zeros_like(self.server_control)
-            if stored is None
-            else unflatten(stored, self.server_control)
-        )
-        self._correction = torch._foreach_sub(self.server_control, self._client_control)
-        self._steps = 0
+        if stored is None:
+            return zeros_like(self.server_control)
+        return unflatten(stored, self.server_control)
 
     @torch.no_grad()
     def on_before_optimizer_step(
@@ -86,19 +108,19 @@ class SCAFFOLD(FederatedCallback):
                 "excluding them from the module instead."
             )
         torch._foreach_add_([g for g, _ in pairs], [c for _, c in pairs])
-        self._steps += 1
 
     @torch.no_grad()
     def on_client_end(self, trainer, pl_module, client: int, update: TensorList, state) -> None:
-        if self._steps == 0:
+        steps = state.local_steps.get(client, 0)
+        if steps == 0:
             return
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         # Δc_i = c_i⁺ − c_i = −c + (x − y_i)/(K η_l) = −c − Δy_i/(K η_l)
-        delta_c = torch._foreach_mul(update[: state.num_params], -1.0 / (self._steps * lr))
+        delta_c = torch._foreach_mul(update[: state.num_params], -1.0 / (steps * lr))
         torch._foreach_sub_(delta_c, self.server_control)
         weight = float(state.target_weights[client]) if self.control_weighting == "target" else 1.0
         torch._foreach_add_(self._control_delta_sum, delta_c, alpha=weight)
-        new_control = torch._foreach_add(self._client_control, delta_c)
+        new_control = torch._foreach_add(self._control_of(client, state), delta_c)
         state.store.set(client, STORE_KEY, flatten(new_control))
 
     @torch.no_grad()
@@ -108,7 +130,7 @@ class SCAFFOLD(FederatedCallback):
         else:
             scale = 1.0 / sum(1 for n in state.sample_counts if n > 0)
         torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=scale)
-        self._correction = None
+        self._correction = self._stacked_correction = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"server_control": self.server_control}

@@ -32,11 +32,13 @@ class DivergenceMonitor:
         self._count = 0
 
     def observe(self, loss: torch.Tensor) -> None:
-        loss = loss.detach().float()
+        """One step's loss, or a vector of the losses of several clients' steps."""
+        loss = loss.detach().float().reshape(-1)
         if self.first is None:
-            self.first = float(loss)  # one sync per fit
-        self._sum = loss if self._sum is None else self._sum + loss
-        self._count += 1
+            self.first = float(loss[0])  # one sync per fit
+        total = loss.sum()
+        self._sum = total if self._sum is None else self._sum + total
+        self._count += loss.numel()
 
     def end_round(self, round_idx: int) -> None:
         if self._sum is None:

@@ -290,6 +290,26 @@ class FederatedTask(LightningModule):
             for name, value in (("loss", loss), *metrics.items()):
                 self.log(f"train_{name}_step", value, on_step=True, on_epoch=False, batch_size=size)
 
+    def _log_vectorized_training_step(
+        self, losses: torch.Tensor, metrics: dict[str, torch.Tensor], sizes: torch.Tensor
+    ) -> None:
+        """:meth:`_log_training_step` for one vectorized step of several clients (per-client
+        ``losses``, ``metrics`` and batch ``sizes``): the epoch sums get every client's
+        value·B, so the round's ``train_<m>_epoch`` equals the sequential path's; the step
+        value logged is the batch-size-weighted mean over the step's clients."""
+        sizes = sizes.to(losses.device)
+        total = int(sizes.sum())
+        for name, values in (("loss", losses), *metrics.items()):
+            values = values.detach()
+            if values.dtype not in (torch.float32, torch.float64):
+                values = values.to(torch.get_default_dtype())
+            _add_sums(self._training_sums, name, (values * sizes).sum(), sizes.sum())
+        trainer = self.trainer
+        if trainer._logger_connector.should_update_logs or trainer.fast_dev_run:
+            for name, values in (("loss", losses), *metrics.items()):
+                mean = (values.detach().float() * sizes).sum() / total
+                self.log(f"train_{name}_step", mean, on_step=True, on_epoch=False, batch_size=total)
+
     def _add_evaluation_sums(self, stage: str, loss: torch.Tensor, metrics: dict, size: int):
         """Under FederatedStrategy, evaluation metrics are summed per client on the device
         (Σ value·B, Σ B, as Lightning's mean reduction does) instead of one ``self.log``
@@ -350,10 +370,16 @@ def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:
     value = value.detach()
     if value.dtype not in (torch.float32, torch.float64):
         value = value.to(torch.get_default_dtype())
+    _add_sums(sums, key, value * size, size)
+
+
+def _add_sums(sums: dict, key: str, weighted: torch.Tensor, size: int | torch.Tensor) -> None:
+    """sums[key] += (Σ value·B, Σ B)."""
     if key not in sums:
-        sums[key] = (torch.tensor(0.0, device=value.device), torch.tensor(0, device=value.device))
+        device = weighted.device
+        sums[key] = (torch.tensor(0.0, device=device), torch.tensor(0, device=device))
     total, count = sums[key]
-    sums[key] = (total + value * size, count + size)
+    sums[key] = (total + weighted, count + size)
 
 
 class Classifier(FederatedTask):

@@ -23,7 +23,7 @@ class FederatedProgressBar(TQDMProgressBar):
     ) -> None:
         # The round is planned when its batches are first drawn, so its size is known here.
         if batch_idx == 0 and trainer.strategy.current_round is not None:
-            self.train_progress_bar.reset(total=trainer.strategy.current_round.schedule.total)
+            self.train_progress_bar.reset(total=trainer.strategy.current_round.steps.total)
             last = trainer.max_epochs - 1 if trainer.max_epochs and trainer.max_epochs > 0 else "?"
             self.train_progress_bar.set_description(f"Round {trainer.current_epoch}/{last}")
 
@@ -34,7 +34,14 @@ class FederatedProgressBar(TQDMProgressBar):
             getattr(strategy, "current_round", None),
             getattr(strategy, "current_client", None),
         )
-        if trainer.training and plan is not None and where is not None:
+        chunk = getattr(strategy, "current_chunk", None)
+        if trainer.training and plan is not None and plan.chunks is not None and chunk:
+            index, step = chunk
+            if index < len(plan.chunks):  # clients i–j of n, trained together
+                first, last = plan.chunks[index][0], plan.chunks[index][-1]
+                metrics["clients"] = f"{first + 1}–{last + 1}/{len(plan.schedule.clients)}"
+                metrics["step"] = f"{step + 1}/{plan.steps.num_batches[index]}"
+        elif trainer.training and plan is not None and where is not None:
             pos, step = where
             metrics["client"] = f"{pos + 1}/{len(plan.schedule.clients)}"
             metrics["step"] = f"{step + 1}/{plan.schedule.num_batches[pos]}"

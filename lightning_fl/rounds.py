@@ -72,10 +72,27 @@ class TrainRounds:
 
     @staticmethod
     def _batches(plan) -> Iterator[Any]:
+        if plan.chunks is not None:
+            yield from TrainRounds._chunk_batches(plan)
+            return
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
         padding = plan.schedule.total - sum(plan.schedule.num_batches[: len(plan.loaders)])
         for _ in range(padding):  # idle batches: this rank has fewer local batches
+            yield ()
+
+    @staticmethod
+    def _chunk_batches(plan) -> Iterator[Any]:
+        """Vectorized clients: per step of a chunk, the next batch of each of its clients
+        that has one left (``{"positions": [...], "batches": [...]}``), each client's
+        batches exactly those of the sequential path."""
+        counts = plan.schedule.num_batches
+        for chunk, steps in zip(plan.chunks, plan.steps.num_batches):
+            streams = {pos: cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk}
+            for step in range(steps):
+                active = [pos for pos in chunk if counts[pos] > step]
+                yield {"positions": active, "batches": [next(streams[pos]) for pos in active]}
+        for _ in range(plan.steps.total - sum(plan.steps.num_batches[: len(plan.chunks)])):
             yield ()
 
 

@@ -47,7 +47,23 @@ from lightning_fl.outputs import append_csv, run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
 from lightning_fl.samplers import ClientSampler, FullParticipation
 from lightning_fl.seeding import derive_seed, generator, seed_global_rng
-from lightning_fl.tensors import FederatedTensors, all_finite, flatten, unflatten, zeros_like
+from lightning_fl.tensors import (
+    FederatedTensors,
+    TensorList,
+    all_finite,
+    flatten,
+    unflatten,
+    zeros_like,
+)
+from lightning_fl.vectorized import (
+    ClientChunk,
+    StackedOptimizer,
+    VectorizationError,
+    VectorizedStep,
+    check_callback,
+    check_module,
+    chunk_positions,
+)
 
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
@@ -68,9 +84,16 @@ class CheckpointReadError(RuntimeError):
 
 @dataclass
 class RoundPlan:
+    """One round of this rank: its clients in order (``schedule``), their loaders, the
+    hooks' state and, with vectorized clients, the chunks of schedule positions that train
+    together. ``steps`` is the schedule of Lightning steps: one per client batch, or one
+    per chunk step (idle steps for a rank with fewer, as a trailing PADDING entry)."""
+
     schedule: ClientSchedule
     loaders: list[DataLoader]
     state: RoundState
+    steps: ClientSchedule
+    chunks: list[tuple[int, ...]] | None = None
 
 
 class FederatedStrategy(DDPStrategy):
@@ -95,6 +118,13 @@ class FederatedStrategy(DDPStrategy):
             (stored in the client store) instead of resetting it every round.
         max_consecutive_bad_rounds: a client update with NaN or Inf is dropped and logged;
             after this many consecutive rounds with a dropped update, training stops.
+        vectorize: train a round's participants together, one local step of every client
+            per Lightning step, with ``torch.func`` over stacked client models
+            (:mod:`lightning_fl.vectorized`: what a module must satisfy, which optimizers
+            and callbacks are supported). Equal to the sequential run to float round-off.
+        max_vectorized_clients: with ``vectorize``, train at most this many clients
+            together (a round is split into chunks) to bound memory; None: all of this
+            rank's participants.
         num_threads: CPU threads per process for torch's intra-op parallelism. ``"auto"``
             (default): leave ``OMP_NUM_THREADS`` alone when it is set; otherwise one
             thread for models under 1M parameters (FL's small models run many tiny ops,
@@ -127,6 +157,8 @@ class FederatedStrategy(DDPStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         num_threads: int | Literal["auto"] | None = "auto",
+        vectorize: bool = False,
+        max_vectorized_clients: int | None = None,
     ) -> None:
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
@@ -154,7 +186,16 @@ class FederatedStrategy(DDPStrategy):
             raise ValueError(
                 f"num_threads must be 'auto', None or an int >= 1, got {num_threads!r}."
             )
+        if max_vectorized_clients is not None and max_vectorized_clients < 1:
+            raise ValueError(
+                f"max_vectorized_clients must be >= 1 or None, got {max_vectorized_clients}."
+            )
         self.num_threads = num_threads
+        self.vectorize = vectorize
+        self.max_vectorized_clients = max_vectorized_clients
+        self._vectorized: VectorizedStep | None = None
+        self._chunk: ClientChunk | None = None
+        self.current_chunk: tuple[int, int] | None = None  # (chunk, step)
         self.sampler = sampler or FullParticipation()
         self.local_steps = local_steps
         self.local_epochs = local_epochs
@@ -251,11 +292,30 @@ class FederatedStrategy(DDPStrategy):
             counts = self._train_counts = self._training_counts()  # once per fit, not per round
             if not aggregator.pools_clients:
                 self.sampler.check(sum(1 for n in counts if n > 0))
+        if fitting and self.vectorize:
+            self._setup_vectorized(trainer)
         if self._datamodule().num_clients < self.world_size:
             raise ValueError(
                 f"{self.world_size} processes but only {self._datamodule().num_clients} "
                 "clients: every rank must own at least one client; use fewer devices."
             )
+
+    def _setup_vectorized(self, trainer: pl.Trainer) -> None:
+        """Check that the module, optimizer and callbacks can train clients together."""
+        module = self.lightning_module
+        check_module(module)
+        for cb in trainer.callbacks:
+            check_callback(cb)
+        if len(trainer.optimizers) != 1:
+            raise VectorizationError(
+                f"vectorize=True needs exactly one optimizer, got {len(trainer.optimizers)}. "
+                "Return one from configure_optimizers, or use vectorize=False."
+            )
+        tensors = self.federated_tensors
+        optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
+        self._vectorized = VectorizedStep(
+            module, tensors.param_names, tensors.buffer_names, optimizer
+        )
 
     @property
     def federated_tensors(self) -> FederatedTensors:
@@ -295,7 +355,14 @@ class FederatedStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        pos, step = self.current_round.schedule.locate(batch_idx)
+        plan = self.current_round
+        if plan.chunks is not None:
+            chunk, step = plan.steps.locate(batch_idx)
+            self.current_chunk = (chunk, step)
+            if step == 0 and chunk < len(plan.chunks):
+                self.start_chunk(chunk)
+            return
+        pos, step = plan.schedule.locate(batch_idx)
         self.current_client = (pos, step)
         if step == 0 and not self._is_padding(pos):
             self.start_client(pos)
@@ -305,10 +372,46 @@ class FederatedStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's step, except on idle batches: a zero loss tied to no parameter, so the
-        optimizer step that follows finds no gradient and changes nothing."""
+        optimizer step that follows finds no gradient and changes nothing. With vectorized
+        clients, the chunk's step runs here and Lightning's optimizer step is idle too."""
+        idle = torch.zeros((), device=self.root_device, requires_grad=True)
+        plan = self.current_round
+        if plan is not None and plan.chunks is not None and self.current_chunk is not None:
+            if self.current_chunk[0] < len(plan.chunks):
+                try:
+                    self._vectorized_step(args[0] if args else kwargs["batch"])
+                except StopIteration as err:  # Lightning would end the epoch silently
+                    raise RuntimeError("a vectorized step raised StopIteration") from err
+            return idle
         if self.current_client is not None and self._is_padding(self.current_client[0]):
-            return torch.zeros((), device=self.root_device, requires_grad=True)
+            return idle
         return super().training_step(*args, **kwargs)
+
+    def _vectorized_step(self, batch: dict[str, Any]) -> None:
+        """One local step of the chunk's clients that still have batches."""
+        chunk, state = self._chunk, self.current_round.state
+        trainer, module = self.lightning_module.trainer, self.lightning_module
+        row_of = {
+            pos: row for row, pos in enumerate(self.current_round.chunks[self.current_chunk[0]])
+        }
+        rows = [row_of[pos] for pos in batch["positions"]]
+        callbacks = self._ordered_callbacks("on_before_vectorized_optimizer_step")
+
+        def gradient_terms(group_rows: list[int], params: TensorList, grads: list) -> None:
+            for cb in callbacks:
+                cb.on_before_vectorized_optimizer_step(
+                    trainer, module, group_rows, params, grads, state
+                )
+
+        clip = None
+        if trainer.gradient_clip_val:
+            algorithm = trainer.gradient_clip_algorithm or "norm"
+            clip = (float(trainer.gradient_clip_val), str(algorithm))
+        losses, metrics, sizes = self._vectorized(
+            chunk, rows, batch["batches"], gradient_terms, clip
+        )
+        module._log_vectorized_training_step(losses, metrics, sizes)
+        self.divergence.observe(losses)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._client_eval_step(super().validation_step, args, kwargs)
@@ -391,15 +494,25 @@ class FederatedStrategy(DDPStrategy):
             return self._num_batches(built[i])
 
         batches = [num_batches(i) for i in range(len(participation.clients))]
-        per_rank = [0] * self.world_size
+        per_rank: list[list[int]] = [[] for _ in range(self.world_size)]
         for c, n in zip(participation.clients, batches):
-            per_rank[self.owner(c)] += n
+            per_rank[self.owner(c)].append(n)
         local_clients = [participation.clients[i] for i in mine]
         local_batches = [batches[i] for i in mine]
         loaders = [built[i] for i in mine]
-        if max(per_rank) > sum(local_batches):
+        chunks = None
+        if self.vectorize:
+            chunks = chunk_positions(range(len(mine)), self.max_vectorized_clients)
+            steps = [max(local_batches[p] for p in chunk) for chunk in chunks]
+            step_counts = [self._chunked_steps(counts) for counts in per_rank]
+            step_ids = list(range(len(chunks)))
+            if max(step_counts) > sum(steps):
+                step_ids.append(PADDING)
+                steps.append(max(step_counts) - sum(steps))
+            step_schedule = ClientSchedule(tuple(step_ids), tuple(steps))
+        elif max(map(sum, per_rank)) > sum(local_batches):
             local_clients.append(PADDING)
-            local_batches.append(max(per_rank) - sum(local_batches))
+            local_batches.append(max(map(sum, per_rank)) - sum(local_batches))
         model = self.federated_tensors
         global_tensors = model.clone()
         state = RoundState(
@@ -412,13 +525,17 @@ class FederatedStrategy(DDPStrategy):
             num_clients=dm.num_clients,
             sample_counts=counts,
             target_weights=p,
+            local_steps={c: n for c, n in zip(local_clients, local_batches) if c != PADDING},
         )
         if self.sampler.needs_updates:  # rows of every rank, summed by the round's all-reduce
             size = sum(t.numel() for t in global_tensors)
             rows = torch.zeros(len(participation.clients), size, device=self.root_device)
             state.extra_sums[SAMPLER_UPDATES] = [rows]
         schedule = ClientSchedule(tuple(local_clients), tuple(local_batches))
-        self.current_round = RoundPlan(schedule, loaders, state)
+        if chunks is None:
+            self.current_round = RoundPlan(schedule, loaders, state, steps=schedule)
+        else:
+            self.current_round = RoundPlan(schedule, loaders, state, step_schedule, chunks)
         self._call("on_round_start", state)
         if not participation.clients and aggregator.aggregates_empty_rounds:
             self.end_round()  # nothing to train: the aggregation still happens (its clock)
@@ -444,6 +561,12 @@ class FederatedStrategy(DDPStrategy):
         if dist.is_initialized() and self.world_size > 1:
             dist.all_reduce(losses)
         return losses.cpu().tolist()
+
+    def _chunked_steps(self, batches: list[int]) -> int:
+        """Lightning steps of a rank whose clients have ``batches`` local batches each, with
+        vectorized clients: the longest client of every chunk."""
+        chunks = chunk_positions(range(len(batches)), self.max_vectorized_clients)
+        return sum(max(batches[p] for p in chunk) for chunk in chunks)
 
     def _num_batches(self, loader: DataLoader) -> int:
         """Batches of ``local_epochs`` passes over a client's loader."""
@@ -474,8 +597,41 @@ class FederatedStrategy(DDPStrategy):
                 )
         self._call("on_client_start", client, state)
 
-    def finish_client(self, pos: int) -> None:
-        """Fold the client's update into the weighted sum (after its last optimizer step)."""
+    def start_chunk(self, index: int) -> None:
+        """Vectorized clients: start every client of chunk ``index`` as the sequential path
+        does (global weights, seeded RNG, ``on_client_start``), and stack their models."""
+        plan, state = self.current_round, self.current_round.state
+        positions = plan.chunks[index]
+        clients = [plan.schedule.clients[pos] for pos in positions]
+        starts, generators, saved = [], [], []
+        for pos, client in zip(positions, clients):
+            self.start_client(pos)
+            starts.append(self.federated_tensors.clone())
+            seed = derive_seed(self.seed, "client", state.round_idx, client)
+            generators.append(torch.Generator(device=self.root_device).manual_seed(seed))
+            stored = self.client_store.get(client, "optimizer_0")
+            saved.append(stored if self.keep_optimizer_state else None)
+        tensors = self.federated_tensors
+        self._chunk = ClientChunk(clients, starts, tensors.num_params, generators)
+        self._vectorized.optimizer.reset(self._chunk.params, saved)
+        self._call("on_vectorized_clients_start", clients, state)
+
+    def finish_chunk(self, index: int) -> None:
+        """Vectorized clients: finish every client of chunk ``index`` as the sequential path
+        does, its trained model loaded into the module."""
+        chunk = self._chunk
+        for row, pos in enumerate(self.current_round.chunks[index]):
+            self.federated_tensors.load_(chunk.row(row))
+            optimizer_state = None
+            if self.keep_optimizer_state:
+                optimizer_state = [self._vectorized.optimizer.state_of(row)]
+            self.finish_client(pos, optimizer_state)
+        self._chunk = None
+
+    def finish_client(self, pos: int, optimizer_states: list[dict] | None = None) -> None:
+        """Fold the client's update into the weighted sum (after its last optimizer step).
+        ``optimizer_states``: the client's optimizer states to keep (default: those of the
+        module's optimizers)."""
         state = self.current_round.state
         client = self.current_round.schedule.clients[pos]
         update = self.federated_tensors.minus(state.global_tensors)
@@ -496,10 +652,13 @@ class FederatedStrategy(DDPStrategy):
             row = state.participation.clients.index(client)
             state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
         if self.keep_optimizer_state:
-            for i, optimizer in enumerate(trainer.optimizers):
-                self.client_store.set(
-                    client, f"optimizer_{i}", copy.deepcopy(optimizer.state_dict()["state"])
-                )
+            if optimizer_states is None:
+                optimizer_states = [
+                    copy.deepcopy(optimizer.state_dict()["state"])
+                    for optimizer in trainer.optimizers
+                ]
+            for i, optimizer_state in enumerate(optimizer_states):
+                self.client_store.set(client, f"optimizer_{i}", optimizer_state)
         self._call("on_client_end", client, update, state)
 
     def end_round(self) -> RoundState:
@@ -547,6 +706,11 @@ class FederatedStrategy(DDPStrategy):
         evaluation hooks: at the start they see the global model, at the end the
         personalized one."""
         trainer, module = self.lightning_module.trainer, self.lightning_module
+        for cb in self._ordered_callbacks(hook):
+            getattr(cb, hook)(trainer, module, *args)
+
+    def _ordered_callbacks(self, hook: str) -> list[FederatedCallback]:
+        """The federated callbacks in the order ``hook`` runs on them (see :meth:`_call`)."""
         evaluation = hook.startswith("on_client_evaluation")
 
         def order(cb: FederatedCallback) -> int:
@@ -554,9 +718,7 @@ class FederatedStrategy(DDPStrategy):
                 return 0  # observers see the model before and after personalization
             return 1 if isinstance(cb, Aggregator) else 2
 
-        callbacks = sorted(self.federated_callbacks, key=order)  # stable
-        for cb in callbacks:
-            getattr(cb, hook)(trainer, module, *args)
+        return sorted(self.federated_callbacks, key=order)  # stable
 
     # ------------------------------------------------------------------ evaluation
     def begin_evaluation(self, schedule: ClientSchedule) -> None:
@@ -653,7 +815,17 @@ class _RoundDriver(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         strategy: FederatedStrategy = trainer.strategy
-        schedule = strategy.current_round.schedule
+        plan = strategy.current_round
+        if plan.chunks is not None:
+            chunk, step = plan.steps.locate(batch_idx)
+            if step == plan.steps.num_batches[chunk] - 1:
+                if chunk < len(plan.chunks):
+                    strategy.finish_chunk(chunk)
+                if chunk == len(plan.steps.clients) - 1:
+                    strategy.end_round()
+                    strategy.divergence.end_round(plan.state.round_idx)
+            return
+        schedule = plan.schedule
         pos, step = schedule.locate(batch_idx)
         padding = strategy._is_padding(pos)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs

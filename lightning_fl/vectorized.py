@@ -1,0 +1,550 @@
+"""Vectorized clients: a round's participants train together, one local step of every
+client per Lightning step (``FederatedStrategy(vectorize=True)``).
+
+The client models are stacked along a leading client dimension. Each step runs the
+user's ``loss_and_metrics(batch)`` under ``torch.func.vmap`` with ``functional_call``
+over the stacked parameters, takes every client's gradient with one backward pass of the
+sum of the client losses (client c's loss depends only on row c, so row c of the gradient
+is exactly its own), lets the callbacks add their gradient terms (FedProx, SCAFFOLD),
+clips each client's gradient by its own norm and applies a stacked copy of the module's
+optimizer (SGD with momentum, dampening, Nesterov and weight decay; Adam; AdamW) with
+per-client state. The result equals the sequential path's, client by client:
+
+- clients with fewer batches (``local_epochs`` with unequal data) stop taking steps: their
+  rows are masked out of later steps, never fed fake data;
+- a step whose clients' batches differ in shape (a smaller last batch) runs one vmap per
+  shape;
+- ``nn.Dropout`` draws its masks from a generator per client seeded with (seed, round,
+  client), in the order the sequential path draws them from the global generator it seeds
+  the same way, so dropout masks are the same on the CPU (on CUDA the sequential path
+  uses a fused dropout kernel: the same distribution, not the same masks).
+
+What a module must satisfy (checked at setup, refused with a message naming the fix):
+it is a :class:`~lightning_fl.FederatedTask` (the loss lives in ``loss_and_metrics``),
+its loss and metrics are tensor functions of the batch (no ``.item()``, ``float()`` or
+Python control flow on tensor values), it has no BatchNorm (running statistics would be
+per-client mutable buffers; use GroupNorm or LayerNorm), its only randomness is
+``nn.Dropout`` modules, and it overrides none of the per-step hooks (``training_step``,
+``on_before_optimizer_step``, ...), which the vectorized step does not call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lightning_fl.tensors import TensorList
+
+#: LightningModule hooks that run at every local step of the sequential path; the
+#: vectorized step does not call them, so a module that overrides one is refused.
+PER_STEP_MODULE_HOOKS = (
+    "training_step",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+)
+#: Callback hooks that run at every local step of the sequential path.
+PER_STEP_CALLBACK_HOOKS = (
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_before_optimizer_step",
+)
+
+
+class VectorizationError(ValueError):
+    """The module, optimizer or callbacks cannot train clients together."""
+
+
+def _refuse(problem: str) -> VectorizationError:
+    return VectorizationError(
+        f"vectorize=True: {problem} Fix that, or train clients one after another with "
+        "FederatedStrategy(vectorize=False)."
+    )
+
+
+def check_module(module: nn.Module) -> None:
+    """Refuse a module the vectorized step cannot run exactly (see the module docstring)."""
+    from lightning_fl.models import FederatedTask
+
+    if not isinstance(module, FederatedTask):
+        raise _refuse(
+            f"{type(module).__name__} is not a lightning_fl.FederatedTask: the vectorized "
+            "step runs the loss of loss_and_metrics(batch). Subclass FederatedTask (or "
+            "Classifier) and move the loss there."
+        )
+    for hook in PER_STEP_MODULE_HOOKS:
+        if getattr(type(module), hook) is not getattr(FederatedTask, hook):
+            raise _refuse(
+                f"{type(module).__name__} overrides {hook}, which runs at every local step "
+                "of the sequential path and is not called by the vectorized step."
+            )
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            raise _refuse(
+                f"{name} is a {type(sub).__name__}: its running statistics would be "
+                "per-client buffers changed in place. Use GroupNorm or LayerNorm."
+            )
+        dropout_like = isinstance(sub, nn.modules.dropout._DropoutNd)
+        if dropout_like and type(sub) is not nn.Dropout and sub.p > 0:
+            raise _refuse(
+                f"{name} is a {type(sub).__name__}; only nn.Dropout draws per-client masks."
+            )
+
+
+def check_callback(callback: Any) -> None:
+    """Refuse a callback that acts at every local step or does not support vectorized
+    clients (a FederatedCallback says so with ``supports_vectorized_clients``)."""
+    from lightning.pytorch import Callback
+
+    from lightning_fl.callbacks.base import FederatedCallback
+
+    name = type(callback).__name__
+    if isinstance(callback, FederatedCallback):
+        if not callback.supports_vectorized_clients:
+            raise _refuse(f"the callback {name} does not support vectorized clients.")
+        return
+    for hook in PER_STEP_CALLBACK_HOOKS:
+        if getattr(type(callback), hook) is not getattr(Callback, hook):
+            raise _refuse(
+                f"the callback {name} overrides {hook}, which runs at every local step of "
+                "the sequential path."
+            )
+
+
+# ---------------------------------------------------------------------------- optimizer
+class StackedOptimizer:
+    """The module's torch optimizer, applied row by row to stacked client parameters with
+    per-client state: the update rules of ``torch.optim.SGD`` (momentum, dampening,
+    Nesterov, weight decay), ``Adam`` and ``AdamW`` (bias-corrected, L2 or decoupled
+    weight decay). Learning rates and other settings are read from the optimizer's
+    param groups at every step, so LR schedulers keep working. The state of one client
+    converts to and from the optimizer's own ``state_dict()["state"]`` format, which
+    ``keep_optimizer_state`` stores."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> None:
+        if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+            raise _refuse(
+                f"the optimizer is {type(optimizer).__name__}; vectorized clients support "
+                "torch.optim.SGD, Adam and AdamW."
+            )
+        self.kind = "sgd" if type(optimizer) is torch.optim.SGD else "adam"
+        self.optimizer = optimizer
+        index_of = {}
+        i = 0
+        for group in optimizer.param_groups:
+            if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
+                raise _refuse("maximize, amsgrad and differentiable optimizers are not supported.")
+            for p in group["params"]:
+                index_of[id(p)] = (group, i)
+                i += 1
+        #: (position among the module's parameters, its param group, its state index)
+        self.slots = [
+            (j, *index_of[id(p)])
+            for j, p in enumerate(params)
+            if id(p) in index_of and p.requires_grad
+        ]
+        self.state: list[dict[str, Tensor]] = []
+
+    @property
+    def trainable(self) -> list[int]:
+        """Positions of the parameters this optimizer updates."""
+        return [j for j, _, _ in self.slots]
+
+    def reset(self, params: TensorList, saved: Sequence[dict | None]) -> None:
+        """Fresh state for the stacked ``params`` (rows = clients), or each client's saved
+        ``state_dict()["state"]``."""
+        rows = len(saved)
+        self.state = []
+        for j, _, index in self.slots:
+            p = params[j]
+            if self.kind == "sgd":
+                entry = {
+                    "momentum_buffer": torch.zeros_like(p),
+                    "has_buffer": torch.zeros(rows, dtype=torch.bool, device=p.device),
+                }
+            else:
+                entry = {
+                    "step": torch.zeros(rows, dtype=torch.float64, device=p.device),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+            for row, state in enumerate(saved):
+                own = (state or {}).get(index)
+                if not own:
+                    continue
+                if self.kind == "sgd":
+                    if own.get("momentum_buffer") is not None:
+                        entry["momentum_buffer"][row] = own["momentum_buffer"]
+                        entry["has_buffer"][row] = True
+                else:
+                    entry["step"][row] = float(own["step"])
+                    entry["exp_avg"][row] = own["exp_avg"]
+                    entry["exp_avg_sq"][row] = own["exp_avg_sq"]
+            self.state.append(entry)
+
+    def state_of(self, row: int) -> dict[int, dict[str, Any]]:
+        """Client ``row``'s state in the optimizer's ``state_dict()["state"]`` format."""
+        out: dict[int, dict[str, Any]] = {}
+        for (_, group, index), entry in zip(self.slots, self.state):
+            if self.kind == "sgd":
+                if group["momentum"] != 0 and entry["has_buffer"][row]:
+                    out[index] = {"momentum_buffer": entry["momentum_buffer"][row].clone()}
+            elif entry["step"][row] > 0:
+                out[index] = {
+                    "step": torch.tensor(float(entry["step"][row])),
+                    "exp_avg": entry["exp_avg"][row].clone(),
+                    "exp_avg_sq": entry["exp_avg_sq"][row].clone(),
+                }
+        return out
+
+    @torch.no_grad()
+    def step(self, params: TensorList, grads: TensorList, rows: Tensor | None) -> None:
+        """One step of the clients ``rows`` (None: every row); ``grads[k]`` is the stacked
+        gradient of the k-th trainable parameter, ``rows`` only."""
+        for (j, group, _), entry, grad in zip(self.slots, self.state, grads):
+            full = params[j]
+            p = full if rows is None else full[rows]
+            local = entry if rows is None else {k: v[rows] for k, v in entry.items()}
+            if self.kind == "sgd":
+                p = _sgd_update(p, grad, local, group)
+            else:
+                p = _adam_update(p, grad, local, group, type(self.optimizer) is torch.optim.AdamW)
+            if rows is not None:
+                full[rows] = p
+                for k, v in local.items():
+                    entry[k][rows] = v
+
+
+def _rows_view(values: Tensor, like: Tensor) -> Tensor:
+    """A per-row vector shaped to broadcast over stacked tensors like ``like``."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _sgd_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
+    """torch.optim.SGD's rule (single-tensor path), in place on ``p`` and ``state``."""
+    lr, momentum = group["lr"], group["momentum"]
+    dampening, weight_decay = group["dampening"], group["weight_decay"]
+    if weight_decay != 0:
+        grad = grad.add(p, alpha=weight_decay)
+    if momentum != 0:
+        buf, has = state["momentum_buffer"], state["has_buffer"]
+        running = buf.mul(momentum).add_(grad, alpha=1 - dampening)
+        buf.copy_(torch.where(_rows_view(has, buf), running, grad))  # first step: buf = grad
+        has.fill_(True)
+        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+    return p.add_(grad, alpha=-lr)
+
+
+def _adam_update(p: Tensor, grad: Tensor, state: dict, group: dict, decoupled: bool) -> Tensor:
+    """torch.optim.Adam / AdamW's rule (single-tensor path) with a step count per row."""
+    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+    weight_decay = group["weight_decay"]
+    decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
+    state["step"] += 1
+    if weight_decay != 0:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(p, alpha=weight_decay)
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step = state["step"]
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    step_size = _rows_view((lr / bias_correction1).to(p.dtype), p)
+    denom = (state["exp_avg_sq"].sqrt() / _rows_view(bias_correction2_sqrt.to(p.dtype), p)).add_(
+        eps
+    )
+    return p.sub_(step_size * state["exp_avg"] / denom)
+
+
+def clip_gradients_(grads: TensorList, value: float, algorithm: str) -> None:
+    """Lightning's gradient clipping, per client: by each row's total 2-norm
+    (``clip_grad_norm_``: coefficient value/(norm + 1e-6), at most 1) or by value."""
+    if algorithm == "value":
+        torch._foreach_clamp_min_(grads, -value)
+        torch._foreach_clamp_max_(grads, value)
+        return
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads], dim=1).norm(dim=1)
+    coef = (value / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(_rows_view(coef.to(g.dtype), g))
+
+
+# ---------------------------------------------------------------------------- dropout
+class ClientDropout:
+    """Per-client dropout masks for the ``nn.Dropout`` modules of a network.
+
+    The sequential path seeds the global generator with (seed, round, client) when a
+    client starts and ``F.dropout`` draws ``empty_like(x).bernoulli_(1 − p) / (1 − p)`` for
+    every call. Here each client has a generator seeded the same way, and every step draws
+    the same masks in the same order: the shapes of the step's dropout inputs come from
+    one probe forward per batch shape, outside vmap."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = [m for m in module.modules() if type(m) is nn.Dropout]
+        self._shapes: dict[Any, list[tuple[nn.Dropout, torch.Size]]] = {}
+
+    def active(self) -> bool:
+        return any(m.training and m.p > 0 for m in self.modules)
+
+    @contextmanager
+    def _patched(self, forward: Callable[[nn.Dropout, Tensor], Tensor]) -> Iterator[None]:
+        for m in self.modules:
+            if m.training and m.p > 0:
+                m.forward = lambda x, m=m: forward(m, x)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.__dict__.pop("forward", None)
+
+    def shapes(self, key: Any, probe: Callable[[], Any]) -> list[tuple[nn.Dropout, torch.Size]]:
+        """The dropout calls of one client step, in order, for batches of shape ``key``."""
+        if key not in self._shapes:
+            calls: list[tuple[nn.Dropout, torch.Size]] = []
+
+            def record(m: nn.Dropout, x: Tensor) -> Tensor:
+                calls.append((m, x.shape))
+                return x
+
+            with self._patched(record), torch.no_grad():
+                probe()
+            self._shapes[key] = calls
+        return self._shapes[key]
+
+    def masks(
+        self,
+        calls: list[tuple[nn.Dropout, torch.Size]],
+        generators: Sequence[torch.Generator],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[Tensor]:
+        """One stacked mask per call, row c drawn from ``generators[c]``."""
+        out = []
+        for m, shape in calls:
+            rows = []
+            for g in generators:
+                if m.p == 1:
+                    rows.append(torch.zeros(shape, dtype=dtype, device=device))
+                else:
+                    noise = torch.empty(shape, dtype=dtype, device=device)
+                    rows.append(noise.bernoulli_(1 - m.p, generator=g).div_(1 - m.p))
+            out.append(torch.stack(rows))
+        return out
+
+    @contextmanager
+    def applying(self, masks: list[Tensor]) -> Iterator[None]:
+        """Inside vmap: each dropout call multiplies by the next mask."""
+        if not masks:
+            yield
+            return
+        queue = iter(masks)
+        with self._patched(lambda m, x: x * next(queue)):
+            yield
+
+
+# ---------------------------------------------------------------------------- the loss
+class _TaskLoss(nn.Module):
+    """``functional_call`` target whose forward is the task's ``loss_and_metrics``."""
+
+    def __init__(self, task: nn.Module) -> None:
+        super().__init__()
+        self.task = task
+
+    def forward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        return self.task.loss_and_metrics(batch)
+
+
+def stack_batches(batches: Sequence[Any]) -> Any:
+    """Stack the same-shaped batches of several clients along a new leading dimension."""
+    leaves = [tree_flatten(b)[0] for b in batches]
+    spec = tree_flatten(batches[0])[1]
+    return tree_unflatten([torch.stack(column) for column in zip(*leaves)], spec)
+
+
+def batch_shape_key(batch: Any) -> tuple:
+    return tuple(
+        tuple(leaf.shape) if isinstance(leaf, Tensor) else leaf for leaf in tree_flatten(batch)[0]
+    )
+
+
+class ClientChunk:
+    """The stacked models of a chunk of clients that train together.
+
+    Args:
+        clients: client ids, one per row.
+        starts: each client's starting tensors (parameters, then floating buffers).
+        num_params: how many of the tensors are parameters.
+        generators: each client's generator (dropout masks).
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[int],
+        starts: Sequence[TensorList],
+        num_params: int,
+        generators: Sequence[torch.Generator],
+    ) -> None:
+        self.clients = list(clients)
+        self.tensors = [torch.stack(column) for column in zip(*starts)]
+        self.num_params = num_params
+        self.generators = list(generators)
+
+    @property
+    def params(self) -> TensorList:
+        return self.tensors[: self.num_params]
+
+    def row(self, index: int) -> TensorList:
+        return [t[index] for t in self.tensors]
+
+
+class VectorizedStep:
+    """One local step of several clients at once: vmap of the task's loss over stacked
+    parameters, one backward pass, the callbacks' gradient terms, per-client clipping and
+    the stacked optimizer.
+
+    Args:
+        module: the FederatedTask (its parameters give names and order).
+        param_names, buffer_names: the federated tensors' names, in order.
+        optimizer: the stacked optimizer.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_names: list[str],
+        buffer_names: list[str],
+        optimizer: StackedOptimizer,
+    ) -> None:
+        self.loss_module = _TaskLoss(module)
+        self.param_names = [f"task.{n}" for n in param_names]
+        self.buffer_names = [f"task.{n}" for n in buffer_names]
+        self.other_buffers = {
+            f"task.{n}": b for n, b in module.named_buffers() if n not in set(buffer_names)
+        }
+        self.optimizer = optimizer
+        self.dropout = ClientDropout(module)
+
+    def _client_loss(
+        self, params: TensorList, buffers: TensorList, batch: Any, masks: list[Tensor] | None
+    ):
+        """One client's loss and metrics; ``masks``: its dropout masks (None: leave the
+        dropout modules as they are, for the shape probe)."""
+        tensors = dict(zip(self.param_names, params))
+        tensors.update(zip(self.buffer_names, buffers))
+        tensors.update(self.other_buffers)
+        if masks is None:
+            return functional_call(self.loss_module, tensors, (batch,))
+        with self.dropout.applying(masks):
+            return functional_call(self.loss_module, tensors, (batch,))
+
+    def __call__(
+        self,
+        chunk: ClientChunk,
+        rows: list[int],
+        batches: list[Any],
+        gradient_terms: Callable[[list[int], TensorList, list[Tensor | None]], None],
+        clip: tuple[float, str] | None,
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """Train ``rows`` of ``chunk`` one step on ``batches`` (one per row). Returns the
+        per-row losses, metrics and batch sizes, in the order of ``rows``."""
+        groups: dict[tuple, list[int]] = {}
+        for k, batch in enumerate(batches):
+            groups.setdefault(batch_shape_key(batch), []).append(k)
+        losses = [None] * len(rows)
+        metrics: list[dict[str, Tensor] | None] = [None] * len(rows)
+        sizes = [0] * len(rows)
+        for key, members in groups.items():
+            group_rows = [rows[k] for k in members]
+            loss, metric = self._group_step(
+                chunk, group_rows, [batches[k] for k in members], key, gradient_terms, clip
+            )
+            size = len(tree_flatten(batches[members[0]])[0][-1])
+            for i, k in enumerate(members):
+                losses[k] = loss[i]
+                metrics[k] = {name: value[i] for name, value in metric.items()}
+                sizes[k] = size
+        names = metrics[0].keys() if metrics else ()
+        return (
+            torch.stack(losses),  # type: ignore[arg-type]
+            {n: torch.stack([m[n] for m in metrics]) for n in names},  # type: ignore[index]
+            torch.tensor(sizes, device=losses[0].device),  # type: ignore[union-attr]
+        )
+
+    def _group_step(self, chunk, group_rows, batches, key, gradient_terms, clip):
+        all_rows = group_rows == list(range(len(chunk.clients)))
+        index = None if all_rows else torch.tensor(group_rows, device=chunk.tensors[0].device)
+        tensors = chunk.tensors if index is None else [t[index] for t in chunk.tensors]
+        trainable = set(self.optimizer.trainable)
+        params = [
+            t.detach().requires_grad_(j in trainable)
+            for j, t in enumerate(tensors[: chunk.num_params])
+        ]
+        buffers = [t.detach() for t in tensors[chunk.num_params :]]
+        batch = stack_batches(batches)
+        generators = [chunk.generators[r] for r in group_rows]
+        masks: list[Tensor] = []
+        if self.dropout.active():
+            first = tree_map(lambda t: t[0], batch)
+            calls = self.dropout.shapes(
+                key,
+                lambda: self._client_loss(
+                    [p[0] for p in params], [b[0] for b in buffers], first, None
+                ),
+            )
+            masks = self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
+        try:
+            loss, metrics = vmap(self._client_loss, randomness="error")(
+                params, buffers, batch, masks
+            )
+        except RuntimeError as err:
+            raise _refuse(
+                "the module's loss_and_metrics cannot run under torch.func.vmap "
+                f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
+                "of the batch: no .item(), float(), Python control flow on tensor values, "
+                "or random ops other than nn.Dropout."
+            ) from err
+        wanted = [params[j] for j in self.optimizer.trainable]
+        found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
+        grads: list[Tensor | None] = [None] * len(params)
+        for j, g in zip(self.optimizer.trainable, found):
+            grads[j] = torch.zeros_like(params[j]) if g is None else g
+        gradient_terms(group_rows, [p.detach() for p in params], grads)
+        stepped = [grads[j] for j in self.optimizer.trainable]
+        if clip is not None:
+            clip_gradients_(stepped, *clip)
+        self.optimizer.step(chunk.params, stepped, index)
+        return loss.detach(), {n: v.detach() for n, v in metrics.items()}
+
+
+def chunk_positions(positions: Sequence[int], size: int | None) -> list[tuple[int, ...]]:
+    """Consecutive chunks of at most ``size`` positions (all in one chunk for None)."""
+    if size is None or size >= len(positions):
+        return [tuple(positions)] if positions else []
+    return [tuple(positions[i : i + size]) for i in range(0, len(positions), size)]
+
+
+__all__ = [
+    "ClientChunk",
+    "ClientDropout",
+    "StackedOptimizer",
+    "VectorizationError",
+    "VectorizedStep",
+    "check_callback",
+    "check_module",
+    "chunk_positions",
+    "clip_gradients_",
+]
