@@ -387,6 +387,23 @@ class FederatedStrategy(DDPStrategy):
             return idle
         return super().training_step(*args, **kwargs)
 
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step, except on idle steps (a rank's padding, or a
+        vectorized step, which trains the clients itself): only the closure runs
+        (training_step), with no clipping or ``on_before_optimizer_step`` on the module's
+        gradient-less parameters."""
+        if self._idle_step():
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _idle_step(self) -> bool:
+        plan = self.current_round
+        if plan is None or not self.lightning_module.trainer.training:
+            return False
+        if plan.chunks is not None:
+            return True
+        return self.current_client is not None and self._is_padding(self.current_client[0])
+
     def _vectorized_step(self, batch: dict[str, Any]) -> None:
         """One local step of the chunk's clients that still have batches."""
         chunk, state = self._chunk, self.current_round.state
@@ -405,8 +422,8 @@ class FederatedStrategy(DDPStrategy):
 
         clip = None
         if trainer.gradient_clip_val:
-            algorithm = trainer.gradient_clip_algorithm or "norm"
-            clip = (float(trainer.gradient_clip_val), str(algorithm))
+            algorithm = "value" if trainer.gradient_clip_algorithm == "value" else "norm"
+            clip = (float(trainer.gradient_clip_val), algorithm)
         losses, metrics, sizes = self._vectorized(
             chunk, rows, batch["batches"], gradient_terms, clip
         )

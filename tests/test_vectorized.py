@@ -1,0 +1,277 @@
+"""Vectorized clients (FederatedStrategy(vectorize=True)) equal the sequential path.
+
+Every comparison trains the same problem twice, client by client and all clients
+together, and compares the global model after several rounds: unequal clients (4..40
+samples, batch 4, so unequal batch counts under local_epochs and smaller last batches),
+dropout, sampling, chunks, each supported callback and optimizer.
+"""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fl import Classifier, FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import (
+    SCAFFOLD,
+    Ditto,
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    FedYogi,
+    Local,
+    Pooled,
+)
+from lightning_fl.vectorized import VectorizationError
+from tests.helpers import HIDDEN, IN, OUT, make_trainer, max_abs_diff, params_of, tiny_datamodule
+
+
+def _network(dropout: float = 0.3) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Dropout(dropout), nn.Linear(HIDDEN, OUT)
+    )
+
+
+def _module(dropout: float = 0.3, **optim) -> Classifier:
+    torch.manual_seed(1)
+    optim.setdefault("lr", 0.1)
+    return Classifier(network=_network(dropout), **optim)
+
+
+def _fit(vectorize: bool, callbacks=(), rounds: int = 3, chunk=None, module=None, **kw):
+    strategy_kw = {
+        "sampler": UniformSampler(6),
+        "local_epochs": 2,
+        "seed": 3,
+        "vectorize": vectorize,
+        "max_vectorized_clients": chunk,
+    }
+    strategy_kw.update(kw.pop("strategy", {}))
+    module = module or _module()
+    trainer = make_trainer(FederatedStrategy(**strategy_kw), rounds, list(callbacks), **kw)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    return module, trainer
+
+
+def _epoch_metrics(trainer) -> dict[str, float]:
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if "_step" not in k}
+
+
+CALLBACKS = {
+    "fedavg": lambda: [FedAvg()],
+    "fedavg_uniform_server_lr": lambda: [FedAvg(weighting="uniform", server_lr=0.7)],
+    "fedavgm": lambda: [FedAvgM(server_lr=1.0, beta=0.9)],
+    "fedadam": lambda: [FedAdam(server_lr=0.05)],
+    "fedyogi": lambda: [FedYogi(server_lr=0.05)],
+    "fedadagrad": lambda: [FedAdagrad(server_lr=0.05)],
+    "fedprox": lambda: [FedProx(mu=0.5)],
+    "scaffold": lambda: [SCAFFOLD()],
+    "local": lambda: [Local()],
+    "pooled": lambda: [Pooled()],
+}
+
+
+@pytest.mark.parametrize("name", list(CALLBACKS))
+def test_each_supported_callback_equals_the_sequential_path(name):
+    seq, seq_trainer = _fit(False, CALLBACKS[name]())
+    vec, vec_trainer = _fit(True, CALLBACKS[name]())
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    expected = _epoch_metrics(seq_trainer)
+    assert expected.keys() == _epoch_metrics(vec_trainer).keys()
+    for key, value in _epoch_metrics(vec_trainer).items():
+        assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    if name == "local":  # each client's own model is stored, not only the global one
+        store_seq = seq_trainer.strategy.client_store.state_dict()
+        store_vec = vec_trainer.strategy.client_store.state_dict()
+        assert store_seq.keys() == store_vec.keys() and store_seq
+        for client, entry in store_seq.items():
+            a, b = entry["local_model"], store_vec[client]["local_model"]
+            assert float((a - b).abs().max()) <= 1e-5
+
+
+OPTIMIZERS = {
+    "sgd": {"lr": 0.1},
+    "momentum_weight_decay": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+    "adam": {"lr": 0.01, "optimizer": "adam", "weight_decay": 0.01},
+    "lr_schedule": {"lr": 0.1, "momentum": 0.5, "lr_decay": 0.7},
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_each_optimizer_equals_the_sequential_path(name):
+    seq, _ = _fit(False, [FedProx(mu=0.1)], module=_module(**OPTIMIZERS[name]))
+    vec, _ = _fit(True, [FedProx(mu=0.1)], module=_module(**OPTIMIZERS[name]))
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+
+
+class _TorchOptimizer(Classifier):
+    """A Classifier whose optimizer is given as a torch class and keyword arguments."""
+
+    def __init__(self, optimizer_class, **kw) -> None:
+        super().__init__(network=_network(), lr=kw.get("lr", 0.1))
+        self.optimizer_class, self.optimizer_kw = optimizer_class, kw
+
+    def configure_optimizers(self):
+        return self.optimizer_class(self.parameters(), **self.optimizer_kw)
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, kw",
+    [
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3}),
+        (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.99)}),
+    ],
+    ids=["nesterov", "dampening", "adamw"],
+)
+def test_torch_optimizer_settings_equal_the_sequential_path(optimizer_class, kw):
+    runs = []
+    for vectorize in (False, True):
+        torch.manual_seed(1)
+        runs.append(_fit(vectorize, module=_TorchOptimizer(optimizer_class, **kw))[0])
+    assert max_abs_diff(params_of(runs[0]), params_of(runs[1])) <= 1e-5
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_gradient_clipping_is_per_client(algorithm):
+    kw = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": algorithm}
+    seq, _ = _fit(False, **kw)
+    vec, _ = _fit(True, **kw)
+    unclipped, _ = _fit(True)
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    assert max_abs_diff(params_of(vec), params_of(unclipped)) > 1e-3  # clipping acted
+
+
+def test_chunks_equal_one_chunk_and_local_steps_work():
+    strategy = {"local_steps": 5, "local_epochs": None}
+    whole, _ = _fit(True, strategy=strategy)
+    for chunk in (1, 4):
+        chunked, _ = _fit(True, chunk=chunk, strategy=strategy)
+        assert max_abs_diff(params_of(whole), params_of(chunked)) <= 1e-6
+    seq, _ = _fit(False, strategy=strategy)
+    assert max_abs_diff(params_of(whole), params_of(seq)) <= 1e-5
+
+
+def test_dropout_masks_follow_the_clients_seeds():
+    """With dropout the run still equals the sequential one, and differs from a run
+    without dropout: the masks are drawn, per client, as the sequential path draws them."""
+    seq, _ = _fit(False)
+    vec, _ = _fit(True)
+    no_dropout, _ = _fit(True, module=_module(dropout=0.0))
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    assert max_abs_diff(params_of(vec), params_of(no_dropout)) > 1e-3
+
+
+def test_kept_optimizer_state_equals_the_sequential_path():
+    kw = {"strategy": {"keep_optimizer_state": True}, "rounds": 4}
+    seq, seq_trainer = _fit(False, module=_module(momentum=0.9), **kw)
+    vec, vec_trainer = _fit(True, module=_module(momentum=0.9), **kw)
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    a = seq_trainer.strategy.client_store.state_dict()
+    b = vec_trainer.strategy.client_store.state_dict()
+    assert a.keys() == b.keys()
+    for client in a:
+        sa, sb = a[client]["optimizer_0"], b[client]["optimizer_0"]
+        assert sa.keys() == sb.keys()
+        for index in sa:
+            diff = sa[index]["momentum_buffer"] - sb[index]["momentum_buffer"]
+            assert float(diff.abs().max()) <= 1e-5
+
+
+def test_resume_is_exact(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    full, _ = _fit(True, [SCAFFOLD()], rounds=4)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    _fit(True, [SCAFFOLD(), checkpoint], rounds=2, enable_checkpointing=True)
+    (ckpt,) = glob.glob(str(tmp_path / "epoch=1.ckpt"))
+    resumed = _module()
+    strategy = FederatedStrategy(sampler=UniformSampler(6), local_epochs=2, seed=3, vectorize=True)
+    trainer = make_trainer(strategy, 4, [SCAFFOLD()])
+    trainer.fit(resumed, datamodule=tiny_datamodule(), ckpt_path=ckpt, weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(full), params_of(resumed)))
+
+
+class _ItemLoss(Classifier):
+    def loss_and_metrics(self, batch):
+        loss, metrics = super().loss_and_metrics(batch)
+        if loss.item() > 100:  # data-dependent Python control flow
+            loss = loss * 0
+        return loss, metrics
+
+
+class _StepHook(Classifier):
+    def on_before_optimizer_step(self, optimizer) -> None:
+        pass
+
+
+class _AfterBackward(__import__("lightning").pytorch.Callback):
+    def on_after_backward(self, trainer, pl_module) -> None:
+        pass
+
+
+def _bad(kind: str):
+    if kind == "batchnorm":
+        net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, OUT))
+        return Classifier(network=net), []
+    if kind == "dropout2d":
+        return Classifier(network=nn.Sequential(nn.Linear(IN, OUT), nn.Dropout1d(0.2))), []
+    if kind == "item":
+        return _ItemLoss(network=_network()), []
+    if kind == "hook":
+        return _StepHook(network=_network()), []
+    if kind == "callback":
+        return _module(), [Ditto(lam=0.1, personal_lr=0.05)]
+    if kind == "plain_callback":
+        return _module(), [_AfterBackward()]
+    if kind == "rmsprop":
+        return _TorchOptimizer(torch.optim.RMSprop, lr=0.01), []
+    raise AssertionError(kind)
+
+
+MESSAGES = {
+    "batchnorm": "BatchNorm1d",
+    "dropout2d": "Dropout1d",
+    "item": "cannot run under torch.func.vmap",
+    "hook": "overrides on_before_optimizer_step",
+    "callback": "Ditto does not support vectorized clients",
+    "plain_callback": "overrides on_after_backward",
+    "rmsprop": "RMSprop",
+}
+
+
+@pytest.mark.parametrize("kind", list(MESSAGES))
+def test_refusals_name_the_problem_and_the_fix(kind):
+    module, callbacks = _bad(kind)
+    with pytest.raises(VectorizationError, match=MESSAGES[kind]) as err:
+        _fit(True, callbacks, rounds=1, module=module)
+    assert "vectorize=False" in str(err.value)
+
+
+def test_a_module_without_loss_and_metrics_is_refused():
+    import lightning.pytorch as pl
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(IN, OUT)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(VectorizationError, match="not a lightning_fl.FederatedTask"):
+        _fit(True, rounds=1, module=Plain())
+
+
+def test_max_vectorized_clients_must_be_positive():
+    with pytest.raises(ValueError, match="max_vectorized_clients must be >= 1"):
+        FederatedStrategy(vectorize=True, max_vectorized_clients=0)
