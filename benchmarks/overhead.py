@@ -1,17 +1,34 @@
 """Wall time of lightning_fl against a hand-written PyTorch FedAvg loop, same process.
 
-    python benchmarks/overhead.py [--workloads mlp cnn] [--repeats 3]
+    python benchmarks/overhead.py [--workloads mlp cnn] [--repeats 3] [--out FILE]
+    python benchmarks/overhead.py --scale [--rounds 3] [--out FILE]
 
-Both sides use the same data, the same DataLoader per client (batch 32, reshuffled every
-pass), the same uniformly sampled 10 of 100 clients per round, 10 local SGD steps at
-lr 0.05, equal-weight server averaging and 20 rounds, on one thread. Prints the median
-of ``repeats`` runs of each and their ratio (lightning_fl / hand-written).
+Both sides use the same data, batch 32 per client (reshuffled every pass), the same
+uniformly sampled 10 of 100 clients per round, 10 local SGD steps at lr 0.05,
+equal-weight server averaging and 20 rounds, on one thread. The hand-written loop uses a
+torch DataLoader per client; lightning_fl its in-memory batching (the same batches). The
+paths timed: the sequential path with the Classifier (per-step metric logging), with a
+bare module (training_step returns the loss), and the vectorized path
+(``FederatedStrategy(vectorize=True)``, the Classifier). Prints the median of
+``repeats`` interleaved runs of each and its ratio to the hand-written loop.
+
+``--scale``: a federation the size of FEMNIST (3,550 clients, 230 samples of 784
+features each, generated in memory, 62 classes, an MLP 784-200-62), 100 and 1,000
+clients per round, 10 local steps: set-up time (Trainer.fit until the first round
+starts), median time per round, peak resident memory and the client store's size after
+the rounds, for the sequential path and the vectorized one (several chunk sizes). Each
+configuration runs in its own process, so that its peak memory is its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -62,14 +79,17 @@ class BareClassifier(Classifier):
         return F.cross_entropy(self(x), y)
 
 
-def run_lightning_fl(data, make_net, module_cls=Classifier) -> float:
+def run_lightning_fl(data, make_net, module_cls=Classifier, vectorize: bool = False) -> float:
     torch.manual_seed(0)
     module = module_cls(network=make_net(), lr=LR)
     dm = InMemoryFederatedDataModule([{"train": d} for d in data], batch_size=BATCH)
+    strategy = FederatedStrategy(
+        sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0, vectorize=vectorize
+    )
     trainer = pl.Trainer(
         max_epochs=ROUNDS,
-        accelerator="cpu",
-        strategy=FederatedStrategy(sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0),
+        accelerator=ACCELERATOR,
+        strategy=strategy,
         callbacks=[FedAvg(weighting="uniform")],
         logger=False,
         enable_checkpointing=False,
@@ -113,28 +133,149 @@ def run_hand_written(data, make_net) -> float:
     return time.perf_counter() - start
 
 
+PATHS = {
+    "sequential, Classifier (logging)": {},
+    "sequential, bare module": {"module_cls": BareClassifier},
+    "vectorized, Classifier": {"vectorize": True},
+}
+
+
+def overhead(workloads: list[str], repeats: int) -> list[str]:
+    lines = []
+    for name in workloads:
+        make_data, make_net = WORKLOADS[name]
+        data = make_data()
+        times: dict[str, list[float]] = {label: [] for label in ["hand-written", *PATHS]}
+        for _ in range(repeats):  # interleaved, so machine noise hits all alike
+            times["hand-written"].append(run_hand_written(data, make_net))
+            for label, kw in PATHS.items():
+                times[label].append(run_lightning_fl(data, make_net, **kw))
+        ref_s = statistics.median(times["hand-written"])
+        for label in PATHS:
+            ours_s = statistics.median(times[label])
+            line = (
+                f"{name}: {label} {ours_s:.3f} s, hand-written {ref_s:.3f} s, "
+                f"ratio {ours_s / ref_s:.3f} (median of {repeats})"
+            )
+            print(line, flush=True)
+            lines.append(line)
+    return lines
+
+
+# ------------------------------------------------------------------ FEMNIST scale
+SCALE_CLIENTS, SCALE_SAMPLES, SCALE_FEATURES, SCALE_CLASSES = 3550, 230, 784, 62
+
+
+class _RoundClock(pl.Callback):
+    def __init__(self, fit_start: float) -> None:
+        self.fit_start, self.setup_s, self.rounds = fit_start, None, []
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._start = time.perf_counter()
+        if self.setup_s is None:
+            self.setup_s = self._start - self.fit_start
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.rounds.append(time.perf_counter() - self._start)
+
+
+def scale_one(per_round: int, vectorize: bool, chunk: int | None, rounds: int) -> dict:
+    """One configuration of the FEMNIST-scale run (in this process)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    made = time.perf_counter()
+    x = torch.randn(SCALE_CLIENTS * SCALE_SAMPLES, SCALE_FEATURES, generator=g)
+    y = torch.randint(0, SCALE_CLASSES, (len(x),), generator=g)
+    clients = [
+        {"train": (x[i : i + SCALE_SAMPLES], y[i : i + SCALE_SAMPLES])}
+        for i in range(0, len(x), SCALE_SAMPLES)
+    ]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    data_s = time.perf_counter() - made
+    torch.manual_seed(0)
+    module = Classifier(network=MLP(SCALE_FEATURES, (200,), SCALE_CLASSES), lr=LR)
+    strategy = FederatedStrategy(
+        sampler=UniformSampler(per_round), local_steps=STEPS, seed=0, vectorize=vectorize,
+        max_vectorized_clients=chunk,
+    )  # fmt: skip
+    start = time.perf_counter()
+    clock = _RoundClock(start)
+    trainer = pl.Trainer(
+        max_epochs=rounds, accelerator=ACCELERATOR, strategy=strategy,
+        callbacks=[FedAvg(weighting="uniform"), clock], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    return {
+        "data_s": data_s,
+        "setup_s": clock.setup_s,
+        "round_s": statistics.median(clock.rounds),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "store_entries": len(strategy.client_store.state_dict()),
+    }
+
+
+def scale(rounds: int) -> list[str]:
+    configs = [
+        (100, False, None), (100, True, None),
+        (1000, False, None), (1000, True, 100), (1000, True, 250), (1000, True, None),
+    ]  # fmt: skip
+    lines = [
+        "| clients per round | path | chunk | data generation (s) | set-up (s) | per round (s) "
+        "| peak RSS (GiB) | client store entries |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for per_round, vectorize, chunk in configs:
+        args = [sys.executable, __file__, "--scale-one", str(per_round), str(int(vectorize)),
+                str(chunk or 0), "--rounds", str(rounds)]  # fmt: skip
+        out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        path = "vectorized" if vectorize else "sequential"
+        line = (
+            f"| {per_round} | {path} | {chunk or ('all' if vectorize else '-')} "
+            f"| {r['data_s']:.2f} | {r['setup_s']:.2f} | {r['round_s']:.2f} "
+            f"| {r['peak_rss_gib']:.2f} | {r['store_entries']} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def machine() -> str:
+    return (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch "
+        f"thread(s), torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{ACCELERATOR}"
+    )
+
+
+ACCELERATOR = "cpu"
+
+
 def main() -> None:
+    global ACCELERATOR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", action="store_true", help="the FEMNIST-scale run")
+    parser.add_argument("--scale-one", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --scale runs")
+    parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
+    parser.add_argument("--out", help="also write the lines to this file")
     args = parser.parse_args()
+    ACCELERATOR = args.accelerator
     torch.set_num_threads(1)
-    for name in args.workloads:
-        make_data, make_net = WORKLOADS[name]
-        data = make_data()
-        ours, bare, ref = [], [], []
-        for _ in range(args.repeats):  # interleaved, so machine noise hits all alike
-            ref.append(run_hand_written(data, make_net))
-            ours.append(run_lightning_fl(data, make_net))
-            bare.append(run_lightning_fl(data, make_net, BareClassifier))
-        ref_s = statistics.median(ref)
-        for label, times in (("Classifier, logging", ours), ("bare module", bare)):
-            ours_s = statistics.median(times)
-            print(
-                f"{name}: lightning_fl ({label}) {ours_s:.3f} s, hand-written {ref_s:.3f} s, "
-                f"ratio {ours_s / ref_s:.3f} (median of {args.repeats})",
-                flush=True,
-            )
+    if args.scale_one:
+        per_round, vectorize, chunk = args.scale_one
+        print(json.dumps(scale_one(per_round, bool(vectorize), chunk or None, args.rounds)))
+        return
+    lines = [f"Machine: {machine()}", ""]
+    lines += scale(args.rounds) if args.scale else overhead(args.workloads, args.repeats)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ class DivergenceMonitor:
 
     def observe(self, loss: torch.Tensor) -> None:
         """One step's loss, or a vector of the losses of several clients' steps."""
-        loss = loss.detach().float().reshape(-1)
+        loss = loss.detach()
         if self.first is None:
-            self.first = float(loss[0])  # one sync per fit
-        total = loss.sum()
-        self._sum = total if self._sum is None else self._sum + total
+            self.first = float(loss.reshape(-1)[0])  # one sync per fit
+        total = loss if loss.dim() == 0 else loss.sum()
+        self._sum = total.float() if self._sum is None else self._sum + total
         self._count += loss.numel()
 
     def end_round(self, round_idx: int) -> None:

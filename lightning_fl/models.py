@@ -237,6 +237,15 @@ class FederatedTask(LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)
 
+    def __setattr__(self, name: str, value) -> None:
+        # Lightning sets _current_fx_name twice per hook call, a dozen times per step;
+        # nn.Module.__setattr__'s parameter/module/buffer checks cost more than the small
+        # models' steps. It is never a parameter, module or buffer: store it directly.
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def loss_and_metrics(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 

@@ -346,6 +346,19 @@ class FederatedStrategy(DDPStrategy):
             return default
         return aggregators[0]
 
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        """Lightning's batch transfer, skipped when it would change nothing: the batches
+        of in-memory CPU data on a CPU run, when the module overrides none of the transfer
+        hooks (their dispatch and the walk over a vectorized step's batches cost more
+        than the step's arithmetic on small models)."""
+        device = device or self.root_device
+        module = self.lightning_module
+        if device.type == "cpu" and module is not None and not _overrides_transfer(module):
+            return batch  # (on_before_batch_transfer is called by the loop, not here)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     def process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, FederatedLoader):
             return dataloader
@@ -374,7 +387,6 @@ class FederatedStrategy(DDPStrategy):
         """The user's step, except on idle batches: a zero loss tied to no parameter, so the
         optimizer step that follows finds no gradient and changes nothing. With vectorized
         clients, the chunk's step runs here and Lightning's optimizer step is idle too."""
-        idle = torch.zeros((), device=self.root_device, requires_grad=True)
         plan = self.current_round
         if plan is not None and plan.chunks is not None and self.current_chunk is not None:
             if self.current_chunk[0] < len(plan.chunks):
@@ -382,9 +394,9 @@ class FederatedStrategy(DDPStrategy):
                     self._vectorized_step(args[0] if args else kwargs["batch"])
                 except StopIteration as err:  # Lightning would end the epoch silently
                     raise RuntimeError("a vectorized step raised StopIteration") from err
-            return idle
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         if self.current_client is not None and self._is_padding(self.current_client[0]):
-            return idle
+            return torch.zeros((), device=self.root_device, requires_grad=True)
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -973,6 +985,21 @@ def _append_participation(path: str, state: RoundState) -> None:
 
 def _to_cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+_TRANSFER_HOOKS = ("transfer_batch_to_device", "on_after_batch_transfer")
+
+
+def _overrides_transfer(module: pl.LightningModule) -> bool:
+    """Whether the module or its datamodule changes how batches reach the device."""
+    datamodule = module.trainer.datamodule if module._trainer is not None else None
+    pairs = [(module, pl.LightningModule), (datamodule, pl.LightningDataModule)]
+    return any(
+        getattr(type(obj), hook) is not getattr(base, hook)
+        for obj, base in pairs
+        if obj is not None
+        for hook in _TRANSFER_HOOKS
+    )
 
 
 def _batch_idx(args: tuple, kwargs: dict) -> int:

@@ -370,15 +370,28 @@ class _TaskLoss(nn.Module):
 
 def stack_batches(batches: Sequence[Any]) -> Any:
     """Stack the same-shaped batches of several clients along a new leading dimension."""
+    first = batches[0]
+    if isinstance(first, (list, tuple)) and all(isinstance(t, Tensor) for t in first):
+        return [torch.stack(column) for column in zip(*batches)]  # the common (x, y) case
     leaves = [tree_flatten(b)[0] for b in batches]
-    spec = tree_flatten(batches[0])[1]
+    spec = tree_flatten(first)[1]
     return tree_unflatten([torch.stack(column) for column in zip(*leaves)], spec)
 
 
 def batch_shape_key(batch: Any) -> tuple:
+    """The shapes of a batch's tensors (batches of one key stack together)."""
+    if isinstance(batch, (list, tuple)) and all(isinstance(t, Tensor) for t in batch):
+        return tuple(t.shape for t in batch)
     return tuple(
         tuple(leaf.shape) if isinstance(leaf, Tensor) else leaf for leaf in tree_flatten(batch)[0]
     )
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a batch: the length of its last tensor (the targets)."""
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], Tensor):
+        return len(batch[-1])
+    return len(tree_flatten(batch)[0][-1])
 
 
 class ClientChunk:
@@ -464,6 +477,11 @@ class VectorizedStep:
         groups: dict[tuple, list[int]] = {}
         for k, batch in enumerate(batches):
             groups.setdefault(batch_shape_key(batch), []).append(k)
+        if len(groups) == 1:  # one shape: no regrouping of the outputs
+            ((key, members),) = groups.items()
+            loss, metric = self._group_step(chunk, rows, batches, key, gradient_terms, clip)
+            size = batch_size_of(batches[0])
+            return loss, metric, torch.full((len(rows),), size, device=loss.device)
         losses = [None] * len(rows)
         metrics: list[dict[str, Tensor] | None] = [None] * len(rows)
         sizes = [0] * len(rows)
@@ -472,7 +490,7 @@ class VectorizedStep:
             loss, metric = self._group_step(
                 chunk, group_rows, [batches[k] for k in members], key, gradient_terms, clip
             )
-            size = len(tree_flatten(batches[members[0]])[0][-1])
+            size = batch_size_of(batches[members[0]])
             for i, k in enumerate(members):
                 losses[k] = loss[i]
                 metrics[k] = {name: value[i] for name, value in metric.items()}
