@@ -5,6 +5,7 @@ torchvision is not a dependency: the models are written here.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
@@ -230,8 +231,8 @@ class FederatedTask(LightningModule):
             raise ValueError("Give either lr_decay or lr_milestones, not both.")
         self.save_hyperparameters(ignore=["network"])
         self.network = network
-        # Σ value·B and Σ B per metric, on the device (see _log_training_step)
-        self._training_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the round's step values and batch sizes per metric (see _log_training_step)
+        self._training_values = _RoundMeans()
         self._evaluation_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,16 +285,17 @@ class FederatedTask(LightningModule):
 
     def _log_training_step(self, loss: torch.Tensor, metrics: dict, size: int) -> None:
         """Training metrics without Lightning's per-call cost of ``self.log`` (it moves its
-        stored results at every call): the batch-size-weighted sums are kept on the device
-        and logged once per round (:meth:`on_train_epoch_end`), and the step values only
-        at the steps the loggers write (``log_every_n_steps``). Keys and values are those
-        of ``self.log(name, value, on_step=True, on_epoch=True)``: ``train_<m>_step``,
-        ``train_<m>_epoch`` (and ``train_<m>`` in ``callback_metrics``) for the loss and
-        every metric. Not synced over ranks (a collective per step), as before. A subclass
-        that overrides ``on_train_epoch_end`` calls super().
+        stored results at every call): the step values are kept on the device and their
+        batch-size-weighted means logged once per round (:meth:`on_train_epoch_end`), and
+        the step values only at the steps the loggers write (``log_every_n_steps``). Keys
+        and values are those of ``self.log(name, value, on_step=True, on_epoch=True)``:
+        ``train_<m>_step``, ``train_<m>_epoch`` (and ``train_<m>`` in
+        ``callback_metrics``) for the loss and every metric. Not synced over ranks (a
+        collective per step), as before. A subclass that overrides ``on_train_epoch_end``
+        calls super().
         """
         for name, value in (("loss", loss), *metrics.items()):
-            _accumulate(self._training_sums, name, value, size)
+            self._training_values.add(name, value, size)
         trainer = self.trainer
         if trainer._logger_connector.should_update_logs or trainer.fast_dev_run:
             for name, value in (("loss", loss), *metrics.items()):
@@ -309,10 +311,7 @@ class FederatedTask(LightningModule):
         sizes = sizes.to(losses.device)
         total = int(sizes.sum())
         for name, values in (("loss", losses), *metrics.items()):
-            values = values.detach()
-            if values.dtype not in (torch.float32, torch.float64):
-                values = values.to(torch.get_default_dtype())
-            _add_sums(self._training_sums, name, (values * sizes).sum(), sizes.sum())
+            self._training_values.add(name, values, sizes)
         trainer = self.trainer
         if trainer._logger_connector.should_update_logs or trainer.fast_dev_run:
             for name, values in (("loss", losses), *metrics.items()):
@@ -335,11 +334,9 @@ class FederatedTask(LightningModule):
         return sums
 
     def on_train_epoch_end(self) -> None:
-        for name, (total, count) in self._training_sums.items():
-            mean = total / count
+        for name, mean in self._training_values.pop_means().items():
             self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1)
             self.log(f"train_{name}", mean, on_epoch=True, batch_size=1, logger=False)
-        self._training_sums.clear()
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -371,6 +368,41 @@ class FederatedTask(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
         }
+
+
+class _RoundMeans:
+    """Batch-size-weighted means of a round's training metrics. A step only appends its
+    detached values (a scalar, or one value per client of a vectorized step) and batch
+    sizes; the means Σ value·B / Σ B are taken once, at the round's end."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[tuple[torch.Tensor, int | torch.Tensor]]] = {}
+
+    def add(self, name: str, value: torch.Tensor, size: int | torch.Tensor) -> None:
+        self._values.setdefault(name, []).append((value.detach(), size))
+
+    def pop_means(self) -> dict[str, torch.Tensor]:
+        means = {}
+        for name, entries in self._values.items():
+            values = torch.cat([v.reshape(-1) for v, _ in entries])
+            if values.dtype not in (torch.float32, torch.float64):
+                values = values.to(torch.get_default_dtype())
+            sizes_list = [b for _, b in entries]
+            if all(isinstance(b, int) for b in sizes_list):
+                sizes = torch.tensor(sizes_list, device=values.device)
+            else:
+                sizes = torch.cat(
+                    [torch.as_tensor(b, device=values.device).reshape(-1) for b in sizes_list]
+                )
+            sizes = sizes.to(values.dtype)
+            # a running sum in step order and in the values' precision, as Lightning's
+            # mean reduction accumulates (numpy's accumulate is sequential; torch's sum
+            # and cumsum are not, or accumulate in double)
+            products = (values * sizes).cpu().numpy()
+            total = torch.tensor(np.add.accumulate(products)[-1], device=values.device)
+            means[name] = total / sizes.sum()
+        self._values.clear()
+        return means
 
 
 def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:

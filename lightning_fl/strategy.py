@@ -196,6 +196,9 @@ class FederatedStrategy(DDPStrategy):
         self._vectorized: VectorizedStep | None = None
         self._chunk: ClientChunk | None = None
         self.current_chunk: tuple[int, int] | None = None  # (chunk, step)
+        self._transfer_checked: tuple | None = None  # (module type, datamodule type)
+        self._transfer_needed = True
+        self._idle = False  # the current training step trains nobody (see optimizer_step)
         self.sampler = sampler or FullParticipation()
         self.local_steps = local_steps
         self.local_epochs = local_epochs
@@ -355,8 +358,13 @@ class FederatedStrategy(DDPStrategy):
         than the step's arithmetic on small models)."""
         device = device or self.root_device
         module = self.lightning_module
-        if device.type == "cpu" and module is not None and not _overrides_transfer(module):
-            return batch  # (on_before_batch_transfer is called by the loop, not here)
+        if device.type == "cpu" and module is not None:
+            kinds = (type(module), type(module.trainer.datamodule) if module._trainer else None)
+            if self._transfer_checked != kinds:
+                self._transfer_checked = kinds
+                self._transfer_needed = _overrides_transfer(module)
+            if not self._transfer_needed:
+                return batch  # (on_before_batch_transfer is called by the loop, not here)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -372,12 +380,14 @@ class FederatedStrategy(DDPStrategy):
         if plan.chunks is not None:
             chunk, step = plan.steps.locate(batch_idx)
             self.current_chunk = (chunk, step)
+            self._idle = True  # Lightning's optimizer step: the chunk trains in training_step
             if step == 0 and chunk < len(plan.chunks):
                 self.start_chunk(chunk)
             return
         pos, step = plan.schedule.locate(batch_idx)
         self.current_client = (pos, step)
-        if step == 0 and not self._is_padding(pos):
+        self._idle = self._is_padding(pos)
+        if step == 0 and not self._idle:
             self.start_client(pos)
 
     def _is_padding(self, pos: int) -> bool:
@@ -404,17 +414,9 @@ class FederatedStrategy(DDPStrategy):
         vectorized step, which trains the clients itself): only the closure runs
         (training_step), with no clipping or ``on_before_optimizer_step`` on the module's
         gradient-less parameters."""
-        if self._idle_step():
+        if self._idle and self.lightning_module.trainer.training:
             return closure()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def _idle_step(self) -> bool:
-        plan = self.current_round
-        if plan is None or not self.lightning_module.trainer.training:
-            return False
-        if plan.chunks is not None:
-            return True
-        return self.current_client is not None and self._is_padding(self.current_client[0])
 
     def _vectorized_step(self, batch: dict[str, Any]) -> None:
         """One local step of the chunk's clients that still have batches."""
@@ -855,8 +857,8 @@ class _RoundDriver(pl.Callback):
                     strategy.divergence.end_round(plan.state.round_idx)
             return
         schedule = plan.schedule
-        pos, step = schedule.locate(batch_idx)
-        padding = strategy._is_padding(pos)
+        pos, step = strategy.current_client  # located by the strategy's batch start
+        padding = strategy._idle
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not padding and isinstance(loss, torch.Tensor) and loss.numel() == 1:
             strategy.divergence.observe(loss)

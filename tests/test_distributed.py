@@ -174,3 +174,15 @@ def test_asynchronous_schemes_on_two_processes_equal_one_process(tmp_path):
                      "6", "--trainer.devices", devices))  # fmt: skip
         one, two = _weights(tmp_path / scheme / "1"), _weights(tmp_path / scheme / "2")
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+
+
+def test_vectorized_clients_on_two_processes_equal_the_sequential_run(tmp_path):
+    """Each rank vectorizes its own clients, in chunks of 3 (so ranks take different
+    numbers of steps and pad): SCAFFOLD's model equals the 1-process sequential run."""
+    common = ["--config", SCAFFOLD, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "0"]
+    _ok(_cli(tmp_path / "sequential", *common, "--trainer.devices", "1"))
+    _ok(_cli(tmp_path / "vectorized", *common, "--trainer.devices", "2",
+             "--trainer.strategy.init_args.vectorize", "true",
+             "--trainer.strategy.init_args.max_vectorized_clients", "3"))  # fmt: skip
+    one, two = _weights(tmp_path / "sequential"), _weights(tmp_path / "vectorized")
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
