@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py [--workloads mlp cnn] [--repeats 3] [--out FILE]
     python benchmarks/overhead.py --scale [--rounds 3] [--out FILE]
+    python benchmarks/overhead.py --anatomy [--repeats 3] [--out FILE]
 
 Both sides use the same data, batch 32 per client (reshuffled every pass), the same
 uniformly sampled 10 of 100 clients per round, 10 local SGD steps at lr 0.05,
@@ -18,6 +19,10 @@ clients per round, 10 local steps: set-up time (Trainer.fit until the first roun
 starts), median time per round, peak resident memory and the client store's size after
 the rounds, for the sequential path and the vectorized one (several chunk sizes). Each
 configuration runs in its own process, so that its peak memory is its own.
+
+``--anatomy``: microseconds per local step of the mlp workload in a bare PyTorch loop, a
+plain Lightning Trainer (no FL), lightning_fl's sequential path and the hand-written FL
+loop: what Lightning's per-step machinery costs and what the FL layer adds to it.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fl import MLP, Classifier, FederatedStrategy, MnistCNN, UniformSampler
 from lightning_fl.callbacks import FedAvg
 from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.datamodules.base import TensorBatchLoader
 
 CLIENTS, PER_ROUND, ROUNDS, STEPS, BATCH, LR = 100, 10, 20, 10, 32, 0.05
 
@@ -162,6 +168,63 @@ def overhead(workloads: list[str], repeats: int) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------ anatomy of a step
+def _plain_loader(steps: int) -> TensorBatchLoader:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(steps * BATCH, 60, generator=g), torch.randint(0, 10, (steps * BATCH,))
+    return TensorBatchLoader(TensorDataset(x, y), BATCH, True, torch.Generator().manual_seed(0))
+
+
+def run_raw_loop(make_net, steps: int) -> float:
+    """The mlp's steps in a bare PyTorch loop, with lightning_fl's in-memory batching."""
+    torch.manual_seed(0)
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    start = time.perf_counter()
+    for x, y in _plain_loader(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    return time.perf_counter() - start
+
+
+def run_plain_lightning(make_net, steps: int) -> float:
+    """The same steps through a plain Lightning Trainer (no FL, one epoch)."""
+    torch.manual_seed(0)
+    module = BareClassifier(network=make_net(), lr=LR)
+    trainer = pl.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(module, train_dataloaders=_plain_loader(steps))
+    return time.perf_counter() - start
+
+
+def anatomy(repeats: int) -> list[str]:
+    """Microseconds per local step of the mlp workload: a bare loop, a plain Lightning
+    Trainer, lightning_fl's sequential path (bare module), the hand-written FL loop."""
+    make_data, make_net = WORKLOADS["mlp"]
+    data, steps = make_data(), ROUNDS * PER_ROUND * STEPS
+    runs = {
+        "bare PyTorch loop (in-memory batching)": lambda: run_raw_loop(make_net, steps),
+        "plain Lightning Trainer (same batching)": lambda: run_plain_lightning(make_net, steps),
+        "lightning_fl sequential, bare module": lambda: run_lightning_fl(
+            data, make_net, BareClassifier
+        ),
+        "hand-written FedAvg loop (DataLoader)": lambda: run_hand_written(data, make_net),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run())
+    lines = ["| loop | µs per local step |", "|---|---|"]
+    for name, values in times.items():
+        lines.append(f"| {name} | {statistics.median(values) / steps * 1e6:.0f} |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
 # ------------------------------------------------------------------ FEMNIST scale
 SCALE_CLIENTS, SCALE_SAMPLES, SCALE_FEATURES, SCALE_CLASSES = 3550, 230, 784, 62
 
@@ -260,6 +323,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", action="store_true", help="the FEMNIST-scale run")
+    parser.add_argument("--anatomy", action="store_true", help="µs per step of each loop")
     parser.add_argument("--scale-one", nargs=3, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --scale runs")
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
@@ -272,7 +336,12 @@ def main() -> None:
         print(json.dumps(scale_one(per_round, bool(vectorize), chunk or None, args.rounds)))
         return
     lines = [f"Machine: {machine()}", ""]
-    lines += scale(args.rounds) if args.scale else overhead(args.workloads, args.repeats)
+    if args.scale:
+        lines += scale(args.rounds)
+    elif args.anatomy:
+        lines += anatomy(args.repeats)
+    else:
+        lines += overhead(args.workloads, args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
