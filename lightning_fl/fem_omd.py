@@ -1,9 +1,9 @@
-"""FEM-OMD for Gaussian mixtures: online federated learning with mixture models (Marfoq
-thesis §4.4, App. H, Algorithm 15), as a plain simulation over clients that each play a
-mixture and then receive samples of a mixture whose weights change every round.
-
-Every mixture has unit covariance: P̌_ω = N(ω, I_d). The components' means ω are shared by
-all clients; each client c has its own weights π_c.
+"""FEM-OMD: online federated learning with mixture models (Marfoq thesis §4.4, App. H),
+as plain simulations over clients that each play a mixture and then receive samples of a
+mixture whose weights change every round: Algorithm 15 for Gaussian mixtures
+(:class:`FemOmdGMM`; unit covariance, P̌_ω = N(ω, I_d)), Algorithm 17 for classifiers
+(:class:`FemOmdClassifier`), and the FedOMD baseline (:class:`FedOMD`). The components
+ω are shared by all clients; each client c has its own weights π_c.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 
 def log_gaussian(x: np.ndarray, means: np.ndarray) -> np.ndarray:
@@ -120,3 +121,168 @@ class FemOmdGMM:
             logits -= logits.max()
             self.weights[c] = np.exp(logits) / np.exp(logits).sum()
         self.round += 1
+
+
+# ---------------------------------------------------------------------------- Alg. 17
+def _per_sample_losses(network, params, x, y) -> torch.Tensor:
+    """ℓ(h_ω(x_i), y_i) for every sample (cross-entropy), with the parameters ``params``."""
+    names = [name for name, _ in network.named_parameters()]
+    logits = torch.func.functional_call(network, dict(zip(names, params)), (x,))
+    return torch.nn.functional.cross_entropy(logits, y, reduction="none")
+
+
+class FemOmdClassifier:
+    """FEM-OMD for discriminative models (Marfoq thesis §4.4.4, Algorithm 17), as a plain
+    simulation. m components h_{ω_j} are shared by the clients; client c plays the mixture
+    h_{t,c} = Σ_j π_{t,c,j} h_{ω_{t,j}} (the mixture of the components' class
+    probabilities), then receives n samples and, each round t:
+
+    1. K local EM steps from π̃^(1) = π_{t,c} and ω̃^(1) = ω_t, with P̌_ω(z) ∝ exp(−ℓ(h_ω; z)):
+       E-step w_{j,i} ∝ π̃_j exp(−ℓ(h_{ω̃_j}; z_i)) (eq. 4.44), π̃_j = Σ_i w_{j,i}/n (4.45),
+       one SGD step ω̃_{c,j} = ω̃_j − η_ω Σ_i w_{j,i} ∇ℓ(h_{ω̃_j}; z_i) (4.46), and the
+       server's weighted synchronisation ω̃_j = Σ_c π̃_{c,j} ω̃_{c,j} / Σ_c π̃_{c,j} (line 10);
+    2. the running average ω_{t+1} = (t ω_t + ω̃^(K+1)) / (t + 1) (line 12, read with ω_t
+       on the right as in Alg. 15);
+    3. OMD with the negative entropy on each client's weights (lines 13–15):
+       π_{t+1,c,j} ∝ π_{t,c,j} exp(−η_π ∇̂_{t,c,j}), ∇̂_{t,c,j} = −mean_i P̌_{ω_{t+1,j}}(z_i) /
+       Σ_l π_{t,c,l} P̌_{ω_{t+1,l}}(z_i).
+
+    Gaps the thesis leaves, filled here: the two learning rates are separate (η_ω for the
+    components' SGD step, η_π for OMD; the thesis writes η for both); Approx_n in line 14
+    is the mean over the client's n received samples (a discriminative P̌_ω cannot be
+    sampled from), with ω_{t+1} in numerator and denominator as in Alg. 15; the
+    components start from independent initializations (seeded).
+
+    Args:
+        make_network: builds one component network (logits for cross-entropy).
+        num_components: m.
+        num_clients: C.
+        component_lr: η_ω.
+        weight_lr: η_π (theory: sqrt(log m)/(G sqrt(T))).
+        em_steps: K.
+        seed: the components' initialization.
+        running_average: line 12's running average of the components (the algorithm);
+            False plays the synchronized ω̃^(K+1) directly (an ablation: the average makes
+            the components' step size decay as 1/t).
+    """
+
+    def __init__(
+        self,
+        make_network,
+        num_components: int,
+        num_clients: int,
+        component_lr: float = 0.05,
+        weight_lr: float = 0.1,
+        em_steps: int = 1,
+        seed: int = 0,
+        running_average: bool = True,
+    ) -> None:
+        if not component_lr > 0 or not weight_lr > 0:
+            raise ValueError("component_lr and weight_lr must be > 0.")
+        if em_steps < 1 or num_components < 1 or num_clients < 1:
+            raise ValueError("em_steps, num_components and num_clients must be >= 1.")
+        torch.manual_seed(seed)
+        networks = [make_network() for _ in range(num_components)]
+        self.network = networks[0]
+        self.components = [[p.detach().clone() for p in net.parameters()] for net in networks]
+        self.weights = torch.full((num_clients, num_components), 1.0 / num_components)
+        self.component_lr, self.weight_lr, self.em_steps = component_lr, weight_lr, em_steps
+        self.running_average = running_average
+        self.round = 0
+
+    def component_losses(self, components, x, y) -> torch.Tensor:
+        """ℓ_j(z_i) for every component and sample: [m, n]."""
+        return torch.stack([_per_sample_losses(self.network, p, x, y) for p in components])
+
+    @torch.no_grad()
+    def predict_proba(self, client: int, x: torch.Tensor) -> torch.Tensor:
+        """The played model h_{t,c}(x) = Σ_j π_{t,c,j} softmax(h_{ω_{t,j}}(x))."""
+        names = [name for name, _ in self.network.named_parameters()]
+        probs = [
+            torch.func.functional_call(self.network, dict(zip(names, p)), (x,)).softmax(-1)
+            for p in self.components
+        ]
+        return torch.einsum("j,jnk->nk", self.weights[client], torch.stack(probs))
+
+    def step(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One round, after every client has played."""
+        m = len(self.components)
+        local_weights = self.weights.clone()
+        shared = [[p.clone() for p in comp] for comp in self.components]
+        for _ in range(self.em_steps):
+            local = []
+            for c, (x, y) in enumerate(samples):
+                params = [[p.detach().requires_grad_() for p in comp] for comp in shared]
+                losses = self.component_losses(params, x, y)  # [m, n]
+                with torch.no_grad():
+                    log_w = local_weights[c].clamp_min(1e-30).log()[:, None] - losses
+                    w = (log_w - log_w.logsumexp(dim=0, keepdim=True)).exp()  # (4.44)
+                    local_weights[c] = w.mean(dim=1)  # (4.45)
+                flat = [p for comp in params for p in comp]
+                grads = torch.autograd.grad((w * losses).sum(), flat, allow_unused=True)
+                updated, offset = [], 0
+                for comp in params:  # (4.46)
+                    size = len(comp)
+                    updated.append([
+                        (p - self.component_lr * (g if g is not None else 0)).detach()
+                        for p, g in zip(comp, grads[offset : offset + size])
+                    ])  # fmt: skip
+                    offset += size
+                local.append(updated)
+            mass = local_weights.sum(dim=0).clamp_min(1e-30)  # line 10: weighted sync
+            shared = [
+                [sum(local_weights[c, j] * local[c][j][k] for c in range(len(samples))) / mass[j]
+                 for k in range(len(shared[j]))]
+                for j in range(m)
+            ]  # fmt: skip
+        t = self.round + 1 if self.running_average else 0
+        self.components = [
+            [(t * old + new) / (t + 1) for old, new in zip(comp, comp_new)]
+            for comp, comp_new in zip(self.components, shared)
+        ]  # line 12
+        with torch.no_grad():
+            for c, (x, y) in enumerate(samples):  # lines 13–15
+                log_p = -self.component_losses(self.components, x, y)  # log P̌_j up to a constant
+                played = (self.weights[c].clamp_min(1e-30).log()[:, None] + log_p).logsumexp(0)
+                gradient = -(log_p - played[None, :]).exp().mean(dim=1)
+                logits = self.weights[c].clamp_min(1e-30).log() - self.weight_lr * gradient
+                self.weights[c] = logits.softmax(dim=0)
+        self.round += 1
+
+
+class FedOMD:
+    """The FedOMD baseline of the thesis (Mitra, Hassani, Pappas 2021) with the L2
+    regularizer: with the Euclidean mirror map, online mirror descent is online gradient
+    descent. Clients play the global model θ_t, receive their samples, take
+    ``local_steps`` gradient steps on ℓ + (λ/2)‖θ‖² from θ_t, and the server averages:
+    θ_{t+1} = mean_c θ_{t,c}."""
+
+    def __init__(
+        self, make_network, lr: float = 0.05, l2: float = 1e-4, local_steps: int = 1, seed: int = 0
+    ) -> None:
+        if not lr > 0 or l2 < 0 or local_steps < 1:
+            raise ValueError("FedOMD needs lr > 0, l2 >= 0 and local_steps >= 1.")
+        torch.manual_seed(seed)
+        self.network = make_network()
+        self.params = [p.detach().clone() for p in self.network.parameters()]
+        self.lr, self.l2, self.local_steps = lr, l2, local_steps
+
+    @torch.no_grad()
+    def predict_proba(self, client: int, x: torch.Tensor) -> torch.Tensor:
+        names = [name for name, _ in self.network.named_parameters()]
+        return torch.func.functional_call(
+            self.network, dict(zip(names, self.params)), (x,)
+        ).softmax(-1)
+
+    def step(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        total = [torch.zeros_like(p) for p in self.params]
+        for x, y in samples:
+            params = [p.clone() for p in self.params]
+            for _ in range(self.local_steps):
+                leaves = [p.requires_grad_() for p in params]
+                loss = _per_sample_losses(self.network, leaves, x, y).mean()
+                loss = loss + 0.5 * self.l2 * sum((p * p).sum() for p in leaves)
+                grads = torch.autograd.grad(loss, leaves)
+                params = [(p - self.lr * g).detach() for p, g in zip(leaves, grads)]
+            total = [s + p for s, p in zip(total, params)]
+        self.params = [s / len(samples) for s in total]

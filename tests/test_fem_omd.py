@@ -58,3 +58,86 @@ def test_bad_fem_omd_settings_are_refused():
     alg = FemOmdGMM(np.zeros((2, 1)), 1, em_steps=4)
     with pytest.raises(ValueError, match="at least K = 4 samples"):
         alg.step([np.zeros((3, 1))])
+
+
+def _linear():
+    import torch
+
+    return torch.nn.Linear(1, 2, bias=False)
+
+
+def test_one_round_of_algorithm_17_by_hand():
+    """C = 2 clients, m = 2 linear softmax components, K = 1: the E-step with exp(−ℓ)
+    likelihoods (4.44), π̃ (4.45), the weighted SGD step on each component with the
+    closed-form softmax gradient Σ_i w_i (p_i − e_{y_i}) x_i (4.46), the π̃-weighted sync,
+    the running average and the OMD step on π."""
+    import torch
+
+    from lightning_fl.fem_omd import FemOmdClassifier
+
+    alg = FemOmdClassifier(_linear, 2, 2, component_lr=0.3, weight_lr=0.7, em_steps=1, seed=4)
+    omega = [comp[0].clone().double() for comp in alg.components]  # W_j: [2 classes, 1]
+    samples = [
+        (torch.tensor([[1.0], [-2.0], [0.5]]), torch.tensor([0, 1, 1])),
+        (torch.tensor([[3.0], [-1.0]]), torch.tensor([1, 0])),
+    ]
+
+    def losses(weights, x, y):  # per-sample cross-entropy of a linear softmax model
+        logits = x.double() @ weights.T
+        return logits.logsumexp(1) - logits[torch.arange(len(y)), y]
+
+    pis, locals_ = [], []
+    for x, y in samples:
+        ell = torch.stack([losses(w, x, y) for w in omega])  # [m, n]
+        lik = 0.5 * torch.exp(-ell)
+        resp = lik / lik.sum(0, keepdim=True)
+        pis.append(resp.mean(1))
+        updated = []
+        for j, w in enumerate(omega):
+            probs = (x.double() @ w.T).softmax(1)
+            onehot = torch.nn.functional.one_hot(y, 2).double()
+            grad = ((resp[j][:, None] * (probs - onehot)).T @ x.double())
+            updated.append(w - 0.3 * grad)
+        locals_.append(updated)
+    pi = torch.stack(pis)
+    synced = [sum(pi[c, j] * locals_[c][j] for c in range(2)) / pi[:, j].sum() for j in range(2)]
+    expected = [(1 * omega[j] + synced[j]) / 2 for j in range(2)]  # t = 1
+    expected_pi = []
+    for x, y in samples:
+        lik = torch.stack([torch.exp(-losses(w, x, y)) for w in expected])
+        gradient = -(lik / (0.5 * lik).sum(0, keepdim=True)).mean(1)
+        weights = 0.5 * torch.exp(-0.7 * gradient)
+        expected_pi.append(weights / weights.sum())
+    alg.step(samples)
+    for j in range(2):
+        assert torch.allclose(alg.components[j][0].double(), expected[j], atol=1e-6)
+    assert torch.allclose(alg.weights.double(), torch.stack(expected_pi), atol=1e-6)
+
+
+def test_identical_components_with_uniform_weights_stay_symmetric():
+    """Identical components and uniform π: every responsibility is 1/m, every component
+    takes the same step, and every ∇̂_j is −1, so π stays uniform."""
+    import torch
+
+    from lightning_fl.fem_omd import FemOmdClassifier
+
+    alg = FemOmdClassifier(_linear, 3, 1, component_lr=0.1, weight_lr=5.0)
+    alg.components = [[alg.components[0][0].clone()] for _ in range(3)]
+    alg.step([(torch.tensor([[1.0], [2.0]]), torch.tensor([0, 1]))])
+    assert torch.allclose(alg.weights[0], torch.full((3,), 1 / 3), atol=1e-6)
+    assert all(torch.equal(c[0], alg.components[0][0]) for c in alg.components)
+    assert not torch.equal(alg.components[0][0], alg.network.weight)  # they did move
+
+
+def test_fedomd_with_one_client_is_l2_regularized_sgd():
+    import torch
+
+    from lightning_fl.fem_omd import FedOMD
+
+    alg = FedOMD(_linear, lr=0.2, l2=0.1, local_steps=1, seed=0)
+    w = alg.params[0].clone()
+    x, y = torch.tensor([[1.0], [-1.0]]), torch.tensor([1, 0])
+    probs = (x @ w.T).softmax(1)
+    grad = (probs - torch.nn.functional.one_hot(y, 2)).T @ x / 2 + 0.1 * w
+    alg.step([(x, y)])
+    assert torch.allclose(alg.params[0], w - 0.2 * grad, atol=1e-6)
