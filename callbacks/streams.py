@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
-from lightning_fl.streams import configuration_rule
+from lightning_fl.streams import configuration_rule, estimate_constants, estimate_ratio
 
 Strategy = Literal["uniform", "historical", "fresh", "fixed", "ours"]
 
@@ -24,7 +24,12 @@ class StreamFedAvg(FedAvg):
     - ``"fresh"``: only fresh clients, p_m ∝ n_m among them (p_hist = 0);
     - ``"fixed"``: a given ``p_hist``, split ∝ n_m within each group (the "Optimal" grid);
     - ``"ours"``: p̂* = argmin_p sqrt(Σ_fresh p_m²) + r·sqrt(Σ_m p_m²/n_m) with r = ``ratio``
-      (ĉ2/ĉ1, e.g. from :func:`lightning_fl.streams.estimate_ratio`, Eq. 204).
+      (ĉ2/ĉ1, e.g. from :func:`lightning_fl.streams.estimate_ratio`, Eq. 204), or
+      ``ratio="estimate"``: r̂ from Eq. 204 at the start of the fit, with B̂, Ĝ, D̂ from
+      ``estimate_steps`` SGD steps on ``estimate_fraction`` of each historical client's
+      data (:func:`lightning_fl.streams.estimate_constants`, lr: the client optimizer's),
+      d the model's parameters, N the samples over the horizon; logged as
+      ``streams/ratio``.
 
     With full participation the server step is θ ← θ + η_g Σ_m p_m Δ_m (Alg. 1, fixed p).
     """
@@ -33,8 +38,10 @@ class StreamFedAvg(FedAvg):
         self,
         strategy: Strategy = "uniform",
         p_hist: float | None = None,
-        ratio: float | None = None,
+        ratio: float | Literal["estimate"] | None = None,
         server_lr: float = 1.0,
+        estimate_steps: int = 20,
+        estimate_fraction: float = 0.2,
     ) -> None:
         super().__init__("samples", server_lr)
         if strategy not in ("uniform", "historical", "fresh", "fixed", "ours"):
@@ -43,9 +50,13 @@ class StreamFedAvg(FedAvg):
             )
         if strategy == "fixed" and (p_hist is None or not 0 <= p_hist <= 1):
             raise ValueError(f"strategy 'fixed' needs p_hist in [0, 1], got {p_hist}.")
-        if strategy == "ours" and (ratio is None or not ratio > 0):
-            raise ValueError(f"strategy 'ours' needs ratio r = c2/c1 > 0, got {ratio}.")
+        if strategy == "ours" and ratio != "estimate" and (ratio is None or not ratio > 0):
+            raise ValueError(
+                f"strategy 'ours' needs ratio r = c2/c1 > 0 or 'estimate', got {ratio}."
+            )
         self.strategy, self.p_hist, self.ratio = strategy, p_hist, ratio
+        self.estimate_steps, self.estimate_fraction = estimate_steps, estimate_fraction
+        self.estimated_ratio: float | None = None
         self.historical = 0
         self._weights: torch.Tensor | None = None
 
@@ -54,6 +65,31 @@ class StreamFedAvg(FedAvg):
         if historical is None:
             raise ValueError("StreamFedAvg needs a lightning_fl.datamodules.StreamingDataModule.")
         self.historical, self._weights = historical, None
+        if self.strategy == "ours" and self.ratio == "estimate":
+            self.estimated_ratio = self._estimate(trainer, pl_module)
+
+    def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+        """r̂ by Eq. 204 (see the class docstring); the same on every rank (every rank
+        reads the historical clients' data)."""
+        dm = trainer.datamodule
+        fresh = dm.num_clients - dm.historical
+        if dm.historical == 0 or fresh == 0:
+            raise ValueError("ratio='estimate' needs historical and fresh clients.")
+        datasets = [dm.client_dataset(c, "train") for c in range(dm.historical)]
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        state = torch.random.get_rng_state()
+        constants = estimate_constants(
+            pl_module, datasets, self.estimate_steps, lr, dm.batch_size,
+            self.estimate_fraction, seed=trainer.strategy.seed,
+        )  # fmt: skip
+        torch.random.set_rng_state(state)
+        dim = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        samples = sum(dm.sample_counts("train"))
+        return estimate_ratio(*constants, dim, samples, fresh)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.estimated_ratio is not None:
+            pl_module.log("streams/ratio", self.estimated_ratio, on_epoch=True)
 
     def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
         if self._weights is None:
@@ -69,7 +105,8 @@ class StreamFedAvg(FedAvg):
         elif self.strategy == "ours":
             keep = n > 0
             p = np.zeros_like(n)
-            p[keep] = configuration_rule(n[keep], fresh[keep], self.ratio)
+            ratio = self.estimated_ratio if self.ratio == "estimate" else self.ratio
+            p[keep] = configuration_rule(n[keep], fresh[keep], ratio)
         else:
             p_hist = {"historical": 1.0, "fresh": 0.0}.get(self.strategy, self.p_hist)
             if (p_hist > 0 and hist_share == 0) or (p_hist < 1 and hist_share == 1):

@@ -58,6 +58,10 @@ class StreamingDataModule(FederatedDataModule):
             with this many short-term label distributions per client; 0: a stationary
             stream (a random order).
         seed: the streams' and caches' seed.
+        full_batch: a client's training loader yields its whole cache as one batch, so
+            that each local step is a full-batch gradient step on the cache (P2's local
+            training; ``local_steps`` is the number of GD steps). Default: minibatches of
+            the source's ``batch_size`` (P1).
     """
 
     def __init__(
@@ -71,8 +75,10 @@ class StreamingDataModule(FederatedDataModule):
         rounds: int = 100,
         drift: int = 0,
         seed: int = 0,
+        full_batch: bool = False,
     ) -> None:
         super().__init__(source.batch_size, source.eval_batch_size)
+        self.full_batch = full_batch
         if drift < 0:
             raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
         if rate < 1:
@@ -173,6 +179,15 @@ class StreamingDataModule(FederatedDataModule):
         if isinstance(data, TensorDataset):
             return TensorDataset(*(t[ids] for t in data.tensors))
         return Subset(data, ids.tolist())
+
+    def client_dataloader(self, dataset, split: Split, generator=None):
+        if split == "train" and self.full_batch and len(dataset) > 0:
+            batch_size, self.batch_size = self.batch_size, len(dataset)
+            try:  # the whole cache as one batch
+                return super().client_dataloader(dataset, split, generator)
+            finally:
+                self.batch_size = batch_size
+        return super().client_dataloader(dataset, split, generator)
 
     def sample_counts(self, split: Split = "train") -> list[int]:
         if split != "train":

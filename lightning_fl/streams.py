@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+from torch.utils.data import default_collate
 
 # ---- caches (P2 §IV) ------------------------------------------------------------------
 
@@ -203,6 +205,56 @@ def configuration_rule(
         if value < best_value:
             best, best_value = p.copy(), value
     return best
+
+
+def estimate_constants(
+    module: torch.nn.Module,
+    datasets: list,
+    steps: int = 20,
+    lr: float = 0.05,
+    batch_size: int = 32,
+    fraction: float = 0.2,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(B̂, Ĝ, D̂) of Eq. 204 from historical data (P1 App. C.6): for each dataset (a
+    historical client's), ``steps`` SGD steps from the current model θ^(1) on a seeded
+    ``fraction`` of its samples give θ̂*_m; D̂ = max_m ‖θ̂*_m − θ^(1)‖. The paper does not
+    say how B and G are measured: here B̂ is the largest minibatch loss and Ĝ the largest
+    minibatch gradient norm met on the way. The module's loss is ``loss_and_metrics``; its
+    parameters are restored."""
+    if steps < 1 or not 0 < fraction <= 1 or not lr > 0:
+        raise ValueError("estimate_constants needs steps >= 1, fraction in (0, 1] and lr > 0.")
+    params = [p for p in module.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    loss_bound = grad_bound = distance = 0.0
+    rng = torch.Generator().manual_seed(seed)
+    try:
+        for data in datasets:
+            if data is None or len(data) == 0:
+                continue
+            size = max(1, int(round(fraction * len(data))))
+            part = torch.randperm(len(data), generator=rng)[:size]
+            with torch.no_grad():
+                torch._foreach_copy_(params, start)
+            for _ in range(steps):
+                order = part[torch.randperm(size, generator=rng)[: min(batch_size, size)]]
+                batch = default_collate([data[int(i)] for i in order])
+                loss = module.loss_and_metrics(batch)[0]
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+                loss_bound = max(loss_bound, float(loss))
+                grad_bound = max(grad_bound, float(torch.cat([g.flatten() for g in grads]).norm()))
+                with torch.no_grad():
+                    torch._foreach_add_(params, grads, alpha=-lr)
+            with torch.no_grad():
+                moved = torch.cat([(p - s).flatten() for p, s in zip(params, start)]).norm()
+            distance = max(distance, float(moved))
+    finally:
+        with torch.no_grad():
+            torch._foreach_copy_(params, start)
+    if distance == 0.0:
+        raise ValueError("no historical data to estimate D from: give historical clients data.")
+    return loss_bound, grad_bound, distance
 
 
 def estimate_ratio(

@@ -96,7 +96,7 @@ def test_one_round_of_algorithm_17_by_hand():
         for j, w in enumerate(omega):
             probs = (x.double() @ w.T).softmax(1)
             onehot = torch.nn.functional.one_hot(y, 2).double()
-            grad = ((resp[j][:, None] * (probs - onehot)).T @ x.double())
+            grad = (resp[j][:, None] * (probs - onehot)).T @ x.double()
             updated.append(w - 0.3 * grad)
         locals_.append(updated)
     pi = torch.stack(pis)

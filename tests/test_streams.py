@@ -288,3 +288,96 @@ def test_cache_rules_recipe_runs_every_rule(tmp_path):
                    "--trainer.logger.init_args.save_dir", str(tmp_path / rule),
                    "--trainer.enable_progress_bar", "false"])  # fmt: skip
         assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+
+
+def _logistic_module(seed=0):
+    import torch
+
+    from lightning_fl import BinaryClassifier
+
+    torch.manual_seed(seed)
+    return BinaryClassifier(torch.nn.Linear(20, 1), lr=0.1)
+
+
+def _logistic_gradient(module, x, y):
+    """The mean logistic loss and its gradient in closed form: X^T(σ(Xw + b) − y)/n."""
+    import torch
+
+    w, b = module.network.weight.detach()[0], module.network.bias.detach()
+    z = x @ w + b
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(z, y.float())
+    residual = (torch.sigmoid(z) - y.float()) / len(y)
+    return float(loss), torch.cat([x.T @ residual, residual.sum().reshape(1)])
+
+
+def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step():
+    """With one full-batch step on the whole data: B̂ = L(θ¹), Ĝ = ‖∇L(θ¹)‖ and
+    D̂ = lr·‖∇L(θ¹)‖, the largest over the clients."""
+    import torch
+
+    from lightning_fl.streams import estimate_constants
+
+    dm = _stream_dm()
+    datasets = [dm.client_dataset(c, "train") for c in range(2)]
+    module = _logistic_module()
+    before = [p.detach().clone() for p in module.parameters()]
+    B, G, D = estimate_constants(module, datasets, steps=1, lr=0.3, batch_size=100, fraction=1.0)
+    expected = [_logistic_gradient(module, *d.tensors) for d in datasets]
+    assert B == pytest.approx(max(loss for loss, _ in expected), rel=1e-5)
+    assert G == pytest.approx(max(float(g.norm()) for _, g in expected), rel=1e-5)
+    assert D == pytest.approx(0.3 * G, rel=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # restored
+
+
+def test_ours_with_an_estimated_ratio_runs_from_the_trainer_and_logs_it():
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.callbacks import StreamFedAvg
+    from lightning_fl.streams import estimate_constants
+    from tests.helpers import make_trainer
+
+    dm = _stream_dm()
+    module = _logistic_module()
+    datasets = [dm.client_dataset(c, "train") for c in range(2)]
+    constants = estimate_constants(module, datasets, 20, 0.1, dm.batch_size, 0.2, seed=4)
+    expected = estimate_ratio(*constants, 21, sum(dm.sample_counts()), 4)
+    aggregator = StreamFedAvg("ours", ratio="estimate")
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=4), 2, [aggregator])
+    trainer.fit(module, datamodule=dm)
+    assert aggregator.estimated_ratio == pytest.approx(expected)
+    assert float(trainer.callback_metrics["streams/ratio"]) == pytest.approx(expected, rel=1e-6)
+    weights = aggregator.target_weights(dm.sample_counts()).numpy()
+    n = np.array(dm.sample_counts()) / sum(dm.sample_counts())
+    fresh = np.arange(6) >= 2
+    assert weights == pytest.approx(configuration_rule(n, fresh, expected), abs=1e-9)
+
+
+def test_full_batch_local_training_is_gradient_descent_on_the_cache():
+    """full_batch=True: one local step is one GD step on the client's whole cache."""
+    import torch
+
+    from lightning_fl import FederatedStrategy, FullParticipation
+    from lightning_fl.callbacks import StreamFedAvg
+    from tests.helpers import make_trainer
+
+    def fit(full_batch):
+        dm = _stream_dm("fifo", capacity=15, full_batch=full_batch)
+        dm.batch_size = 2  # minibatches of 2 unless full_batch
+        module = _logistic_module()
+        trainer = make_trainer(
+            FederatedStrategy(sampler=FullParticipation(), local_steps=1, seed=0), 1,
+            [StreamFedAvg("fresh")],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=dm)
+        return dm, torch.cat([p.detach().flatten() for p in module.parameters()])
+
+    dm, trained = fit(True)
+    _, minibatch = fit(False)
+    start = torch.cat([p.detach().flatten() for p in _logistic_module().parameters()])
+    dm.set_round(0)
+    expected = torch.zeros_like(start)
+    for c in range(2, 6):  # fresh clients, equal weights 1/4; one GD step from θ⁰ each
+        reference = _logistic_module()
+        _, gradient = _logistic_gradient(reference, *dm.client_dataset(c, "train").tensors)
+        expected += (start - 0.1 * gradient) / 4
+    assert torch.allclose(trained, expected, atol=1e-6)
+    assert not torch.allclose(minibatch, expected, atol=1e-4)
