@@ -123,6 +123,12 @@ class FederatedDataModule(pl.LightningDataModule):
         participants' loaders are built: streaming datamodules move their clients'
         caches to that round here. A no-op for static data."""
 
+    def clients_without_data_now(self, clients: Sequence[int]) -> list[int]:
+        """Those of ``clients`` with no training data in the current round (a stream
+        client outside its arrival window). The strategy skips them for the round, logged
+        as ``fl/skipped_empty``. Static data: none."""
+        return []
+
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         """The union of the seen clients' data (the centralized baseline)."""
         parts = [self.client_dataset(c, split) for c in self.seen_clients()]

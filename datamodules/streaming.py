@@ -58,6 +58,12 @@ class StreamingDataModule(FederatedDataModule):
             with this many short-term label distributions per client; 0: a stationary
             stream (a random order).
         seed: the streams' and caches' seed.
+        fresh_rounds: if set, every fresh client is available for this many consecutive
+            rounds only (P1's FEMNIST: 1, Shakespeare: 2): its whole training set arrives
+            in that many equal parts, one per round, each replacing the last (its cache is
+            the current part), starting at a round drawn uniformly in [0, rounds −
+            fresh_rounds] from (seed, client); outside its window it has no data and is
+            skipped. ``rate``, ``cache`` and ``capacity`` do not apply to such clients.
         full_batch: a client's training loader yields its whole cache as one batch, so
             that each local step is a full-batch gradient step on the cache (P2's local
             training; ``local_steps`` is the number of GD steps). Default: minibatches of
@@ -76,9 +82,13 @@ class StreamingDataModule(FederatedDataModule):
         drift: int = 0,
         seed: int = 0,
         full_batch: bool = False,
+        fresh_rounds: int | None = None,
     ) -> None:
         super().__init__(source.batch_size, source.eval_batch_size)
         self.full_batch = full_batch
+        if fresh_rounds is not None and not 1 <= fresh_rounds <= rounds:
+            raise ValueError(f"fresh_rounds must be in [1, rounds = {rounds}], got {fresh_rounds}.")
+        self.fresh_rounds = fresh_rounds
         if drift < 0:
             raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
         if rate < 1:
@@ -146,7 +156,24 @@ class StreamingDataModule(FederatedDataModule):
             for c in self.fresh_clients:
                 self._advance(c, self._round)
 
+    def window(self, client: int) -> tuple[int, int]:
+        """[first, last + 1) rounds of a fresh client with ``fresh_rounds``."""
+        rng = np.random.default_rng([self.seed, 13, client])
+        start = int(rng.integers(0, self.rounds - self.fresh_rounds + 1))
+        return start, start + self.fresh_rounds
+
+    def _window_ids(self, client: int, round_idx: int) -> np.ndarray:
+        start, stop = self.window(client)
+        if not start <= round_idx < stop:
+            return np.zeros(0, dtype=np.int64)
+        return np.array_split(self._streams[client], self.fresh_rounds)[round_idx - start]
+
+    def clients_without_data_now(self, clients) -> list[int]:
+        return [c for c in clients if 0 <= c < self.num_clients and len(self.cache_ids(c)) == 0]
+
     def _advance(self, client: int, round_idx: int) -> None:
+        if self.fresh_rounds is not None:
+            return  # windowed clients: cache_ids reads the window
         stream = self._streams[client]
         batch = stream[round_idx * self.rate : (round_idx + 1) * self.rate]
         if len(batch) == 0:
@@ -165,6 +192,8 @@ class StreamingDataModule(FederatedDataModule):
         """The indices (into the source's training set of ``client``) in its cache now."""
         if client < self.historical:
             return np.arange(len(self._streams[client]))
+        if self.fresh_rounds is not None:
+            return self._window_ids(client, max(self._round, 0))
         return self._caches[client].ids
 
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
@@ -195,13 +224,17 @@ class StreamingDataModule(FederatedDataModule):
         if not self._streams:
             self._setup_streams()
         return [
-            len(s) if c < self.historical else min(len(s), self.rate * self.rounds)
+            len(s)
+            if c < self.historical or self.fresh_rounds is not None
+            else min(len(s), self.rate * self.rounds)
             for c, s in enumerate(self._streams)
         ]
 
     def cache_discrepancy(self, num_classes: int) -> float:
         """ψ_t = Σ_k Σ_r (v_t^{k,r} − π^{k,r})² over the fresh clients, with π^k the label
         distribution of client k's whole stream (P2's long-term distribution)."""
+        if self.fresh_rounds is not None:
+            raise ValueError("cache_discrepancy needs streaming caches, not fresh_rounds.")
         cached, target = [], []
         for c in self.fresh_clients:
             labels = self._labels[c]

@@ -45,7 +45,7 @@ from lightning_fl.divergence import DivergenceMonitor
 from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
 from lightning_fl.outputs import append_csv, run_dir
 from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
-from lightning_fl.samplers import ClientSampler, FullParticipation
+from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
 from lightning_fl.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.tensors import (
     FederatedTensors,
@@ -215,6 +215,8 @@ class FederatedStrategy(DDPStrategy):
         self._federated_tensors: FederatedTensors | None = None
         self._eval: dict[str, Any] = {}
         self._warned_empty = False
+        self._warned_skipped = False
+        self._skipped_now = 0
         self._train_counts: list[int] = []
 
     # ------------------------------------------------------------------ Lightning glue
@@ -550,6 +552,7 @@ class FederatedStrategy(DDPStrategy):
         if getattr(self.sampler, "needs_losses", False):
             self.sampler.losses = lambda clients: self._probe_losses(clients, round_idx)
         participation = aggregator.participation(round_idx, self.seed, p, self.sampler)
+        participation = self._skip_clients_without_data(dm, participation, round_idx)
 
         def make_loader(c: int) -> DataLoader:
             if c == POOLED_CLIENT:
@@ -620,6 +623,29 @@ class FederatedStrategy(DDPStrategy):
         if not participation.clients and aggregator.aggregates_empty_rounds:
             self.end_round()  # nothing to train: the aggregation still happens (its clock)
         return self.current_round
+
+    def _skip_clients_without_data(
+        self, dm: FederatedDataModule, participation: Participation, round_idx: int
+    ) -> Participation:
+        """Drop the participants with no training data this round (a stream client outside
+        its window): their update counts as zero, the others' weights are kept (the
+        data-streams analysis's convention for absent clients). Counted in
+        ``fl/skipped_empty``; the first time, a warning names them."""
+        empty = set(dm.clients_without_data_now(participation.clients))
+        self._skipped_now = len(empty)
+        if not empty:
+            return participation
+        if not self._warned_skipped:
+            self._warned_skipped = True
+            warnings.warn(
+                f"Round {round_idx}: clients {sorted(empty)[:10]} have no training data this "
+                "round (outside their arrival window) and are skipped; fl/skipped_empty "
+                "counts them every round.",
+                stacklevel=2,
+            )
+        kept = [(c, w) for c, w in zip(participation.clients, participation.weights)
+                if c not in empty]  # fmt: skip
+        return Participation(tuple(c for c, _ in kept), tuple(w for _, w in kept))
 
     @torch.no_grad()
     def _probe_losses(self, clients: list[int], round_idx: int) -> list[float]:
@@ -925,6 +951,10 @@ class _RoundDriver(pl.Callback):
         pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
         for name, value in trainer.strategy.sampler.round_metrics().items():
             pl_module.log(name, value, on_epoch=True)
+        dm = trainer.datamodule
+        if type(dm).clients_without_data_now is not FederatedDataModule.clients_without_data_now:
+            skipped = float(trainer.strategy._skipped_now)
+            pl_module.log("fl/skipped_empty", skipped, on_epoch=True)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
 

@@ -3,6 +3,8 @@ weighted minibatch gradient and the configuration rule of the data-streams analy
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -381,3 +383,82 @@ def test_full_batch_local_training_is_gradient_descent_on_the_cache():
         expected += (start - 0.1 * gradient) / 4
     assert torch.allclose(trained, expected, atol=1e-6)
     assert not torch.allclose(minibatch, expected, atol=1e-4)
+
+
+def test_fresh_clients_with_windows_arrive_once_and_are_skipped_outside_them():
+    """fresh_rounds = 2 (P1's Shakespeare): a fresh client's training set arrives in two
+    consecutive rounds, half each; outside its window it has no data and the strategy
+    skips it, counting it in fl/skipped_empty."""
+    from lightning_fl import FederatedStrategy, FullParticipation
+    from lightning_fl.callbacks import StreamFedAvg
+    from tests.helpers import make_trainer
+
+    dm = _stream_dm(fresh_rounds=2)
+    seen = {c: [] for c in dm.fresh_clients}
+    for t in range(6):
+        dm.set_round(t)
+        for c in dm.fresh_clients:
+            ids = dm.cache_ids(c).tolist()
+            start, stop = dm.window(c)
+            assert bool(ids) == (start <= t < stop)
+            seen[c] += ids
+    for ids in seen.values():
+        assert sorted(ids) == list(range(30))  # every sample, once
+    assert dm.sample_counts() == [30] * 6
+
+    class Participants(__import__("lightning").pytorch.Callback):
+        def __init__(self):
+            self.rounds = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            state = trainer.strategy.current_round.state
+            skipped = float(trainer.callback_metrics["fl/skipped_empty"])
+            self.rounds.append((state.participation.clients, skipped))
+
+    recorder = Participants()
+    dm = _stream_dm(fresh_rounds=2)
+    strategy = FederatedStrategy(sampler=FullParticipation(), local_steps=1, seed=0)
+    with pytest.warns(UserWarning, match="no training data this round"):
+        make_trainer(strategy, 6, [StreamFedAvg("uniform"), recorder]).fit(
+            _logistic_module(), datamodule=dm
+        )
+    for t, (clients, skipped) in enumerate(recorder.rounds):
+        present = [c for c in dm.fresh_clients if dm.window(c)[0] <= t < dm.window(c)[1]]
+        assert clients == (0, 1, *present)
+        assert skipped == 4 - len(present)
+    assert any(skipped > 0 for _, skipped in recorder.rounds)
+
+
+STREAM_RECIPES = sorted(
+    (Path(__file__).resolve().parents[1] / "recipes" / "streams").glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize("recipe", STREAM_RECIPES, ids=lambda r: r.stem)
+def test_every_stream_recipe_parses(recipe, capsys):
+    from lightning_fl.cli import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code == 0
+
+
+def test_femnist_streams_small_recipe_runs_with_windows_and_an_estimated_ratio(tmp_path):
+    from lightning_fl.cli import run
+
+    recipe = STREAM_RECIPES[[r.stem for r in STREAM_RECIPES].index("femnist_streams_small")]
+    cli = run(
+        ["fit", "--config", str(recipe), "--data.init_args.source.init_args.root",
+         str(tmp_path / "data"), "--trainer.default_root_dir", str(tmp_path),
+         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_epochs", "3",
+         "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false"]
+    )  # fmt: skip
+    import csv
+
+    (path,) = list(tmp_path.rglob("metrics.csv"))
+    rows = list(csv.DictReader(open(path)))
+    skipped = [float(r["fl/skipped_empty"]) for r in rows if r.get("fl/skipped_empty")]
+    ratios = {float(r["streams/ratio"]) for r in rows if r.get("streams/ratio")}
+    assert len(skipped) == 3 and min(skipped) > 0  # fresh writers outside their round
+    assert len(ratios) == 1 and ratios.pop() > 0  # estimated once, by Eq. 204
+    assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
