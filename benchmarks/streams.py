@@ -2,7 +2,7 @@
 AISTATS 2023, §5, Tables 2 and 4) on P1's Synthetic task, from
 recipes/streams/synthetic_ours.yaml.
 
-    python benchmarks/streams.py [--seeds 0 1 2]
+    python benchmarks/streams.py [--seeds 0 1 2] [--part weights caches sweeps]
 
 10 historical and 40 fresh clients (5 new samples per round, current batch only, 40
 rounds), N_hist/N ∈ {5%, 20%, 50%} through the historical clients' sizes. Strategies:
@@ -91,6 +91,42 @@ def cache_rules(seeds: list[int]) -> list[str]:
                     "discrepancy the lowest.", ""]  # fmt: skip
 
 
+def cache_sweeps(seeds: list[int]) -> list[str]:
+    """P2's sweeps (Figs. 5–7) scaled to digits: the fresh batch B_s and the cache size B
+    for DRSR, SRSR (θ = 2/3) and FIFO, and SRSR's θ."""
+
+    def run(seed, **data):
+        def edit(config):
+            config["data"]["init_args"].update(data)
+
+        cli, rows = run_recipe(CACHE_RECIPE, edit, seed)
+        values = [float(r["streams/accumulated_discrepancy"]) for r in rows
+                  if r.get("streams/accumulated_discrepancy")]  # fmt: skip
+        return 100 * float(cli.trainer.callback_metrics["test_acc"]), values[-1]
+
+    def cell(results):
+        accuracies, totals = zip(*results)
+        return f"{summary(list(accuracies))} / {statistics.mean(totals):.1f}"
+
+    lines = ["", "## Cache-rule sweeps (Wang, Bian, Xu, Figs. 5–7, scaled to digits)", "",
+             f"The cache-rules recipe, seeds {seeds}; each cell: test accuracy (%, mean ± 95%) "
+             "/ accumulated discrepancy. Rounds are fixed at 30, so a larger B_s streams "
+             "more data.", "",
+             "| setting | DRSR | SRSR (θ = 2/3) | FIFO |", "|---|---|---|---|"]  # fmt: skip
+    settings = [("B_s", {"rate": b, "capacity": 20}) for b in (2, 5, 10)]
+    settings += [("B", {"rate": 5, "capacity": b}) for b in (10, 20, 40)]
+    for name, data in settings:
+        value = data["rate"] if name == "B_s" else data["capacity"]
+        cells = [cell([run(seed, cache=rule, **data) for seed in seeds])
+                 for rule in ("drsr", "srsr", "fifo")]  # fmt: skip
+        lines.append(f"| {name} = {value} | " + " | ".join(cells) + " |")
+    lines += ["", "| SRSR θ | 0 | 1/3 | 2/3 | 1 |", "|---|---|---|---|---|"]
+    cells = [cell([run(seed, cache="srsr", theta=theta) for seed in seeds])
+             for theta in (0.0, 1 / 3, 2 / 3, 1.0)]  # fmt: skip
+    lines.append("| acc / discrepancy | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -98,7 +134,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "weights" not in args.part:
-        text = "\n".join(cache_rules(args.seeds)) + "\n"
+        parts = []
+        if "caches" in args.part:
+            parts += cache_rules(args.seeds)
+        if "sweeps" in args.part:
+            parts += cache_sweeps(args.seeds)
+        text = "\n".join(parts) + "\n"
         with open(RESULTS / "streams.md", "a") as handle:
             handle.write(text)
         print(text)

@@ -314,6 +314,14 @@ class FederatedStrategy(DDPStrategy):
         check_module(module)
         for cb in trainer.callbacks:
             check_callback(cb)
+        from lightning.pytorch.plugins.precision import Precision
+
+        if type(self.precision_plugin) is not Precision:
+            raise VectorizationError(
+                f"vectorize=True runs in 32-bit precision; got "
+                f"{type(self.precision_plugin).__name__}. Use Trainer(precision='32-true'), "
+                "or vectorize=False."
+            )
         if len(trainer.optimizers) != 1:
             raise VectorizationError(
                 f"vectorize=True needs exactly one optimizer, got {len(trainer.optimizers)}. "

@@ -272,6 +272,11 @@ def test_a_module_without_loss_and_metrics_is_refused():
         _fit(True, rounds=1, module=Plain())
 
 
+def test_mixed_precision_is_refused():
+    with pytest.raises(VectorizationError, match="32-bit precision"):
+        _fit(True, rounds=1, precision="bf16-mixed")
+
+
 def test_max_vectorized_clients_must_be_positive():
     with pytest.raises(ValueError, match="max_vectorized_clients must be >= 1"):
         FederatedStrategy(vectorize=True, max_vectorized_clients=0)
