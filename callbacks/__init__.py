@@ -15,7 +15,7 @@ from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, P
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
-from lightning_fl.callbacks.streams import CacheDiscrepancy, StreamFedAvg
+from lightning_fl.callbacks.streams import CacheDiscrepancy, IterateAverage, StreamFedAvg
 from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "FreeRiders",
     "FineTune",
     "GossipAveraging",
+    "IterateAverage",
     "KNNPer",
     "Local",
     "MembershipInference",

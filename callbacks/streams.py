@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
+from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.streams import configuration_rule, estimate_constants, estimate_ratio
 
 Strategy = Literal["uniform", "historical", "fresh", "fixed", "ours"]
@@ -128,3 +129,44 @@ class CacheDiscrepancy(pl.Callback):
         self.total += value
         pl_module.log("streams/discrepancy", value, on_epoch=True)
         pl_module.log("streams/accumulated_discrepancy", self.total, on_epoch=True)
+
+
+class IterateAverage(FederatedCallback):
+    """The output of Alg. 1 of the data-streams paper: θ̄^(T) = Σ_t q^(t) θ^(t), the
+    q-weighted average of the global models the rounds started from (Marfoq et al.,
+    AISTATS 2023, §3, Eq. 6). q^(t) is round t's share of the λ-mass; with P1's strategies
+    (client weights p_m fixed, λ uniform within a client) every round carries the same
+    mass Σ_m p_m, so q^(t) = 1/T: the plain average, which this callback keeps. At the end
+    of the fit θ̄ replaces the last iterate in the module when ``load_at_end`` (so that
+    ``trainer.test`` evaluates it); it is in ``average`` either way, and in checkpoints."""
+
+    supports_vectorized_clients = True
+
+    def __init__(self, load_at_end: bool = True) -> None:
+        self.load_at_end = load_at_end
+        self.total: list[torch.Tensor] | None = None
+        self.count = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        current = trainer.strategy.federated_tensors.clone()
+        if self.total is None:
+            self.total = current
+        else:
+            torch._foreach_add_(self.total, current)
+        self.count += 1
+
+    @property
+    def average(self) -> list[torch.Tensor] | None:
+        if self.total is None:
+            return None
+        return torch._foreach_div(self.total, float(self.count))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.load_at_end and self.total is not None:
+            trainer.strategy.federated_tensors.load_(self.average)
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.total, self.count = state_dict["total"], state_dict["count"]

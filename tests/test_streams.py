@@ -462,3 +462,28 @@ def test_femnist_streams_small_recipe_runs_with_windows_and_an_estimated_ratio(t
     assert len(skipped) == 3 and min(skipped) > 0  # fresh writers outside their round
     assert len(ratios) == 1 and ratios.pop() > 0  # estimated once, by Eq. 204
     assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+
+
+def test_iterate_average_is_the_mean_of_the_models_the_rounds_started_from():
+    import torch
+
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.callbacks import IterateAverage, StreamFedAvg
+    from tests.helpers import make_trainer
+
+    class Starts(__import__("lightning").pytorch.Callback):
+        def __init__(self):
+            self.models = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.models.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    starts, average = Starts(), IterateAverage()
+    module = _logistic_module()
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 4,
+                           [StreamFedAvg("uniform"), starts, average])  # fmt: skip
+    trainer.fit(module, datamodule=_stream_dm())
+    expected = torch.stack(starts.models).mean(0)
+    loaded = torch.cat([p.detach().flatten() for p in module.parameters()])
+    assert len(starts.models) == 4 and torch.allclose(loaded, expected, atol=1e-6)
+    assert not torch.allclose(starts.models[0], starts.models[-1])  # the model did move
