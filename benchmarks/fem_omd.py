@@ -3,6 +3,9 @@ time for several n.
 
     python benchmarks/fem_omd.py [--rounds 300] [--clients 50]
 
+Three sweeps, as Fig. 4.9: n ∈ {1, 10, 30} (C = 50, s = 5); C ∈ {10, 50, 100} with n = 1
+(s = 5); s ∈ {1, 2.5, 5} (C = 50, n = 30).
+
 μ*_j ~ N(0, s I_d) with s = 5, π*_{t,c} ~ Dir(0.1) every round, C clients, n samples per
 client and round; m = 3 components in d = 2 and the means initialised within 0.1 of μ*
 (Ass. 28; the thesis states neither m, d, T nor η: ours), η = sqrt(log m / T), K = 3 EM
@@ -24,7 +27,9 @@ from lightning_fl.fem_omd import FemOmdGMM, mixture_kl, sample_mixture
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def average_regret(n: int, rounds: int, clients: int, m=3, d=2, s=5.0, seed=0) -> np.ndarray:
+def average_regret(
+    n: int, rounds: int, clients: int, s: float = 5.0, m=3, d=2, seed=0
+) -> np.ndarray:
     rng = np.random.default_rng(seed)
     mu = rng.normal(0, np.sqrt(s), (m, d))
     lr = float(np.sqrt(np.log(m) / rounds))
@@ -46,15 +51,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--clients", type=int, default=50)
     args = parser.parse_args()
-    curves = {n: average_regret(n, args.rounds, args.clients) for n in (1, 10, 30)}
+    sweeps = {
+        "n": {f"n = {n}": average_regret(n, args.rounds, args.clients) for n in (1, 10, 30)},
+        "C (n = 1)": {f"C = {c}": average_regret(1, args.rounds, c) for c in (10, 50, 100)},
+        "s (n = 30)": {
+            f"s = {sep}": average_regret(30, args.rounds, args.clients, s=sep)
+            for sep in (1.0, 2.5, 5.0)
+        },
+    }
+    curves = {label: curve for sweep in sweeps.values() for label, curve in sweep.items()}
     checkpoints = [t for t in (10, 30, 100, 300, 1000) if t <= args.rounds]
     lines = ["# FEM-OMD on the synthetic GMM: average regret R_T/T", "",
              f"`python benchmarks/fem_omd.py`: C = {args.clients}, s = 5, Dir(0.1) weights, "
              "m = 3, d = 2 (see the script's docstring for the comparator).", "",
-             "| n | " + " | ".join(f"T = {t}" for t in checkpoints) + " |",
+             "| setting | " + " | ".join(f"T = {t}" for t in checkpoints) + " |",
              "|---|" + "---|" * len(checkpoints)]  # fmt: skip
-    for n, curve in curves.items():
-        lines.append(f"| {n} | " + " | ".join(f"{curve[t - 1]:.4f}" for t in checkpoints) + " |")
+    for label, curve in curves.items():
+        row = " | ".join(f"{curve[t - 1]:.4f}" for t in checkpoints)
+        lines.append(f"| {label} | {row} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / "fem_omd.md").write_text(text)
     print(text)
@@ -65,13 +79,15 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for n, curve in curves.items():
-        ax.plot(np.arange(1, len(curve) + 1), curve, label=f"n = {n}")
-    ax.set_xlabel("round T")
-    ax.set_ylabel("average regret R_T / T")
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, (title, sweep) in zip(axes, sweeps.items()):
+        for label, curve in sweep.items():
+            ax.plot(np.arange(1, len(curve) + 1), curve, label=label)
+        ax.set_title(f"sweep over {title}")
+        ax.set_xlabel("round T")
+        ax.set_ylabel("average regret R_T / T")
+        ax.legend()
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "fem_omd.png", dpi=110)
 
