@@ -35,7 +35,7 @@ PAPER = {  # Fresh, Historical, Uniform, Ours, Optimal; r̂; p̂_hist
     0.2: ("84.7", "77.3", "85.5", "85.5", "85.5", 0.092, 0.20),
     0.5: ("—", "—", "—", "—", "—", None, None),
 }
-T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78}
+T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def accuracy(share: float, seed: int, strategy: str, **kw) -> float:
