@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -113,6 +114,25 @@ class FederatedCallback(pl.Callback):
     ) -> None:
         """Vectorized clients: before ``clients`` (row i is ``clients[i]``) train together,
         after each one's :meth:`on_client_start`."""
+
+    def vectorized_client_state(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        clients: list[int],
+        state: RoundState,
+    ) -> list[torch.Tensor] | None:
+        """Vectorized clients: per-client tensors the module's loss needs (stacked, row i
+        for ``clients[i]``; FedEM's mixture weights), passed through vmap to
+        :meth:`vectorized_client_context`. None: nothing."""
+        return None
+
+    def vectorized_client_context(
+        self, pl_module: pl.LightningModule, tensors: list[torch.Tensor]
+    ) -> AbstractContextManager:
+        """Inside the vmapped loss: make the module use one client's ``tensors`` (from
+        :meth:`vectorized_client_state`) and restore it on exit."""
+        return nullcontext()
 
     def on_before_vectorized_optimizer_step(
         self,

@@ -5,6 +5,7 @@ Algorithm 8)."""
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import lightning.pytorch as pl
 import torch
@@ -55,8 +56,12 @@ class FedEM(FederatedCallback):
     update on its training data (§3.5.6, Table 3.3).
     """
 
+    supports_vectorized_clients = True
+
     def __init__(self) -> None:
         self._reference: torch.nn.ModuleList | None = None
+        #: (log π_t^{k−1}, log π_t^k) of this round's started clients, for vectorized clients
+        self._started: dict[int, tuple[Tensor, Tensor]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(pl_module, MixtureClassifier):
@@ -83,13 +88,38 @@ class FedEM(FederatedCallback):
         pi = update_mixture_weights(q)
         state.store.set(client, STORE_KEY, pi.cpu())
         pl_module.log_mixture_weights = torch.log(pi)
-        reference = self._frozen_copy(pl_module)
+        self._started[client] = (log_prior, pl_module.log_mixture_weights)
+        pl_module.responsibilities = self._responsibilities(
+            pl_module, self._frozen_copy(pl_module), log_prior
+        )
+
+    @staticmethod
+    def _responsibilities(module: MixtureClassifier, reference, log_prior: Tensor):
+        """q of a batch from the frozen θ^{k−1} and the client's π_t^{k−1}."""
 
         def responsibilities(x: Tensor, y: Tensor) -> Tensor:
-            losses = pl_module.component_losses(x, y, components=reference)
+            losses = module.component_losses(x, y, components=reference)
             return torch.softmax(log_prior - losses, dim=1)
 
-        pl_module.responsibilities = responsibilities
+        return responsibilities
+
+    def vectorized_client_state(self, trainer, pl_module, clients, state) -> list[Tensor]:
+        """log π_t^{k−1} (the E-step prior of q) and log π_t^k (the mixture of the
+        training accuracy) of every client of the chunk, by row."""
+        priors, weights = zip(*(self._started[c] for c in clients))
+        device = pl_module.device
+        return [torch.stack(priors).to(device), torch.stack(weights).to(device)]
+
+    @contextmanager
+    def vectorized_client_context(self, pl_module, tensors: list[Tensor]):
+        saved = pl_module.log_mixture_weights, pl_module.responsibilities
+        log_prior, log_pi = tensors
+        pl_module.log_mixture_weights = log_pi
+        pl_module.responsibilities = self._responsibilities(pl_module, self._reference, log_prior)
+        try:
+            yield
+        finally:
+            pl_module.log_mixture_weights, pl_module.responsibilities = saved
 
     def _frozen_copy(self, module: MixtureClassifier) -> torch.nn.ModuleList:
         """θ^{k−1}, in eval mode, for the per-batch responsibilities."""
@@ -106,6 +136,7 @@ class FedEM(FederatedCallback):
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
         pl_module.responsibilities = None
+        self._started.clear()
         pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
         weights = [state.store.get(c, STORE_KEY) for c in state.accepted]
         if weights:

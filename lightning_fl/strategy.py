@@ -729,6 +729,14 @@ class FederatedStrategy(DDPStrategy):
         self._chunk = ClientChunk(clients, starts, tensors.num_params, generators)
         self._vectorized.optimizer.reset(self._chunk.params, saved)
         self._call("on_vectorized_clients_start", clients, state)
+        trainer, module = self.lightning_module.trainer, self.lightning_module
+        contexts, tensors = [], []
+        for cb in self._ordered_callbacks("vectorized_client_state"):
+            stacked = cb.vectorized_client_state(trainer, module, clients, state)
+            if stacked is not None:
+                contexts.append(lambda rows, cb=cb: cb.vectorized_client_context(module, rows))
+                tensors.append(stacked)
+        self._vectorized.client_contexts, self._vectorized.client_state = contexts, tensors
 
     def finish_chunk(self, index: int) -> None:
         """Vectorized clients: finish every client of chunk ``index`` as the sequential path

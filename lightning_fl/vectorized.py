@@ -31,7 +31,7 @@ per-client mutable buffers; use GroupNorm or LayerNorm), its only randomness is
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -450,18 +450,30 @@ class VectorizedStep:
         }
         self.optimizer = optimizer
         self.dropout = ClientDropout(module)
+        #: per-client module state: one context factory per callback that has some, and
+        #: the chunk's stacked tensors (set by the strategy at every chunk start)
+        self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
+        self.client_state: list[list[Tensor]] = []
 
     def _client_loss(
-        self, params: TensorList, buffers: TensorList, batch: Any, masks: list[Tensor] | None
+        self,
+        params: TensorList,
+        buffers: TensorList,
+        batch: Any,
+        masks: list[Tensor] | None,
+        client_state: list[list[Tensor]],
     ):
         """One client's loss and metrics; ``masks``: its dropout masks (None: leave the
-        dropout modules as they are, for the shape probe)."""
+        dropout modules as they are, for the shape probe); ``client_state``: its rows of
+        the callbacks' per-client tensors, installed by their contexts."""
         tensors = dict(zip(self.param_names, params))
         tensors.update(zip(self.buffer_names, buffers))
         tensors.update(self.other_buffers)
-        if masks is None:
-            return functional_call(self.loss_module, tensors, (batch,))
-        with self.dropout.applying(masks):
+        with ExitStack() as stack:
+            for context, rows in zip(self.client_contexts, client_state):
+                stack.enter_context(context(rows))
+            if masks is not None:
+                stack.enter_context(self.dropout.applying(masks))
             return functional_call(self.loss_module, tensors, (batch,))
 
     def __call__(
@@ -514,19 +526,23 @@ class VectorizedStep:
         buffers = [t.detach() for t in tensors[chunk.num_params :]]
         batch = stack_batches(batches)
         generators = [chunk.generators[r] for r in group_rows]
+        client_state = [
+            [t if index is None else t[index] for t in tensors] for tensors in self.client_state
+        ]
         masks: list[Tensor] = []
         if self.dropout.active():
             first = tree_map(lambda t: t[0], batch)
             calls = self.dropout.shapes(
                 key,
                 lambda: self._client_loss(
-                    [p[0] for p in params], [b[0] for b in buffers], first, None
+                    [p[0] for p in params], [b[0] for b in buffers], first, None,
+                    [[t[0] for t in tensors] for tensors in client_state],
                 ),
-            )
+            )  # fmt: skip
             masks = self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
         try:
             loss, metrics = vmap(self._client_loss, randomness="error")(
-                params, buffers, batch, masks
+                params, buffers, batch, masks, client_state
             )
         except RuntimeError as err:
             raise _refuse(

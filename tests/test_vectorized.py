@@ -280,3 +280,25 @@ def test_mixed_precision_is_refused():
 def test_max_vectorized_clients_must_be_positive():
     with pytest.raises(ValueError, match="max_vectorized_clients must be >= 1"):
         FederatedStrategy(vectorize=True, max_vectorized_clients=0)
+
+
+def test_fedem_equals_the_sequential_path():
+    """FedEM's per-client state (the E-step prior π^{k−1} of the per-batch q, and π^k in the
+    training accuracy) reaches the vmapped loss through the callback's client context."""
+    from lightning_fl import MLP, MixtureClassifier
+    from lightning_fl.callbacks import FedEM
+
+    runs = []
+    for vectorize in (False, True):
+        torch.manual_seed(1)
+        module = MixtureClassifier(MLP(IN, (HIDDEN,), OUT), num_components=3, lr=0.1)
+        _, trainer = _fit(vectorize, [FedEM()], module=module, chunk=4)
+        store = trainer.strategy.client_store.state_dict()
+        runs.append((params_of(module), store, _epoch_metrics(trainer)))
+    (seq, seq_store, seq_metrics), (vec, vec_store, vec_metrics) = runs
+    assert max_abs_diff(seq, vec) <= 1e-5
+    assert seq_store.keys() == vec_store.keys() and seq_store
+    for client, entry in seq_store.items():
+        assert torch.allclose(entry["fedem_pi"], vec_store[client]["fedem_pi"], atol=1e-5)
+    for key, value in vec_metrics.items():
+        assert value == pytest.approx(seq_metrics[key], rel=1e-5, abs=1e-6), key
