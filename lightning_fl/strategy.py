@@ -332,6 +332,13 @@ class FederatedStrategy(DDPStrategy):
         self._vectorized = VectorizedStep(
             module, tensors.param_names, tensors.buffer_names, optimizer
         )
+        dm = self._datamodule()
+        first = next((c for c, n in enumerate(self._train_counts) if n > 0), None)
+        if first is not None and not self.aggregator.pools_clients:
+            loader = dm.client_dataloader(
+                dm.client_dataset(first, "train"), "train", generator(self.seed, "probe")
+            )
+            self._vectorized.check_runs(self.batch_to_device(next(iter(loader))))
 
     @property
     def federated_tensors(self) -> FederatedTensors:

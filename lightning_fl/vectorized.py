@@ -476,6 +476,33 @@ class VectorizedStep:
                 stack.enter_context(self.dropout.applying(masks))
             return functional_call(self.loss_module, tensors, (batch,))
 
+    def check_runs(self, batch: Any) -> None:
+        """Run the vmapped loss once, at setup, on two copies of the module's parameters
+        and of ``batch`` (dropout as the identity), so that a loss that cannot run under
+        vmap is refused before the first round rather than in it."""
+        module = self.loss_module.task
+        named = dict(module.named_parameters())
+        named_buffers = dict(module.named_buffers())
+
+        def pair(t: Tensor) -> Tensor:
+            return t.detach().unsqueeze(0).expand(2, *t.shape)
+
+        params = [pair(named[n[len("task.") :]]) for n in self.param_names]
+        buffers = [pair(named_buffers[n[len("task.") :]]) for n in self.buffer_names]
+        batches = stack_batches([batch, batch])
+        states = [[pair(t[0]) for t in tensors] for tensors in self.client_state]
+        try:
+            with self.dropout._patched(lambda m, x: x), torch.no_grad():
+                probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, 0), randomness="error")
+                probe(params, buffers, batches, None, states)
+        except RuntimeError as err:
+            raise _refuse(
+                "the module's loss_and_metrics cannot run under torch.func.vmap "
+                f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
+                "of the batch: no .item(), float(), Python control flow on tensor values, "
+                "or random ops other than nn.Dropout."
+            ) from err
+
     def __call__(
         self,
         chunk: ClientChunk,
