@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from lightning_fl.fem_omd import FemOmdGMM, mixture_kl, sample_mixture
+from lightning_fl.plots import plot_curves
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -72,24 +73,8 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     (RESULTS / "fem_omd.md").write_text(text)
     print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
-    for ax, (title, sweep) in zip(axes, sweeps.items()):
-        for label, curve in sweep.items():
-            ax.plot(np.arange(1, len(curve) + 1), curve, label=label)
-        ax.set_title(f"sweep over {title}")
-        ax.set_xlabel("round T")
-        ax.set_ylabel("average regret R_T / T")
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "fem_omd.png", dpi=110)
+    panels = {f"sweep over {title}": sweep for title, sweep in sweeps.items()}
+    plot_curves(panels, str(RESULTS / "fem_omd.png"), "round T", "average regret R_T / T")
 
 
 if __name__ == "__main__":

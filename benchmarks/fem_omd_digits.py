@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lightning_fl import MLP
 from lightning_fl.datamodules.digits import load_digits
 from lightning_fl.fem_omd import FedOMD, FemOmdClassifier
+from lightning_fl.plots import plot_curves
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 SUBSETS = ((0, 1, 2), (3, 4, 5), (6, 7), (8, 9))
@@ -137,23 +138,9 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fem_omd_digits.md").write_text(text)
     print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    steps = np.arange(1, args.rounds + 1)
-    for name in names:
-        ax.plot(steps, smoothed(mean[name]), label=name)
-    ax.set_xlabel("time step t")
-    ax.set_ylabel("average regret R̄'_t (accuracy)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "fem_omd_digits.png", dpi=110)
+    curves = {name: smoothed(mean[name]) for name in names}
+    path = str(RESULTS / "fem_omd_digits.png")
+    plot_curves({"": curves}, path, "time step t", "average regret R̄'_t (accuracy)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.callbacks.objective import client_training_metrics
-from lightning_fl.samplers import ClientSampler, Participation
+from lightning_fl.samplers import ClientSampler, Participation, SamplerWrapper
 from lightning_fl.seeding import generator
 from lightning_fl.tensors import TensorList, add_flat_, flatten, unflatten
 from lightning_fl.unlearning import (
@@ -63,35 +63,19 @@ class StopAtTarget(pl.Callback):
             trainer.should_stop = True
 
 
-class _RequestAwareSampler(ClientSampler):
+class _RequestAwareSampler(SamplerWrapper):
     """The strategy's sampler, asked only among the clients not yet removed, after the
     unlearning callback has applied the requests due this round."""
 
     def __init__(self, sampler: ClientSampler, unlearning: Unlearning) -> None:
-        super().__init__(sampler.renormalize)
-        self.sampler, self.unlearning = sampler, unlearning
-        self.needs_updates = sampler.needs_updates
+        super().__init__(sampler)
+        self.unlearning = unlearning
 
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         self.unlearning.apply_due_requests(round_idx)
         p = p.clone()
         p[sorted(self.unlearning.removed)] = 0.0
         return self.sampler.sample(round_idx, seed, p / p.sum())
-
-    def check(self, num_eligible: int) -> None:
-        self.sampler.check(num_eligible)
-
-    def observe(self, clients, updates, num_clients) -> None:
-        self.sampler.observe(clients, updates, num_clients)
-
-    def round_metrics(self) -> dict[str, float]:
-        return self.sampler.round_metrics()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
 
 
 class Unlearning(FederatedCallback):

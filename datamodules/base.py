@@ -123,6 +123,10 @@ class FederatedDataModule(pl.LightningDataModule):
         participants' loaders are built: streaming datamodules move their clients'
         caches to that round here. A no-op for static data."""
 
+    def training_batch_size(self, dataset: Dataset) -> int:
+        """The batch size of a client's training loader over ``dataset``."""
+        return self.batch_size
+
     def clients_without_data_now(self, clients: Sequence[int]) -> list[int]:
         """Those of ``clients`` with no training data in the current round (a stream
         client outside its arrival window). The strategy skips them for the round, logged
@@ -142,10 +146,10 @@ class FederatedDataModule(pl.LightningDataModule):
         ``{"train", "reference"}`` batch pairs."""
         from lightning_fl.datamodules.reference import WERMDataset, paired_loader
 
-        if split == "train" and isinstance(dataset, WERMDataset):
-            return paired_loader(dataset, self.batch_size, generator=generator)  # type: ignore[return-value]
         shuffle = split == "train"
-        batch_size = self.batch_size if shuffle else self.eval_batch_size
+        batch_size = self.training_batch_size(dataset) if shuffle else self.eval_batch_size
+        if shuffle and isinstance(dataset, WERMDataset):
+            return paired_loader(dataset, batch_size, generator=generator)  # type: ignore[return-value]
         if type(dataset) is TensorDataset:  # in memory: batch by indexing the tensors
             return TensorBatchLoader(dataset, batch_size, shuffle, generator)  # type: ignore[return-value]
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)

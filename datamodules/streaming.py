@@ -209,14 +209,10 @@ class StreamingDataModule(FederatedDataModule):
             return TensorDataset(*(t[ids] for t in data.tensors))
         return Subset(data, ids.tolist())
 
-    def client_dataloader(self, dataset, split: Split, generator=None):
-        if split == "train" and self.full_batch and len(dataset) > 0:
-            batch_size, self.batch_size = self.batch_size, len(dataset)
-            try:  # the whole cache as one batch
-                return super().client_dataloader(dataset, split, generator)
-            finally:
-                self.batch_size = batch_size
-        return super().client_dataloader(dataset, split, generator)
+    def training_batch_size(self, dataset: Dataset) -> int:
+        if self.full_batch and len(dataset) > 0:
+            return len(dataset)  # the whole cache as one batch
+        return self.batch_size
 
     def sample_counts(self, split: Split = "train") -> list[int]:
         if split != "train":

@@ -124,11 +124,19 @@ class FemOmdGMM:
 
 
 # ---------------------------------------------------------------------------- Alg. 17
-def _per_sample_losses(network, params, x, y) -> torch.Tensor:
-    """ℓ(h_ω(x_i), y_i) for every sample (cross-entropy), with the parameters ``params``."""
-    names = [name for name, _ in network.named_parameters()]
-    logits = torch.func.functional_call(network, dict(zip(names, params)), (x,))
-    return torch.nn.functional.cross_entropy(logits, y, reduction="none")
+class _Functional:
+    """A network called with given parameters (``functional_call``), its names read once."""
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        self.network = network
+        self.names = [name for name, _ in network.named_parameters()]
+
+    def logits(self, params, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.network, dict(zip(self.names, params)), (x,))
+
+    def losses(self, params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """ℓ(h_ω(x_i), y_i) for every sample (cross-entropy)."""
+        return torch.nn.functional.cross_entropy(self.logits(params, x), y, reduction="none")
 
 
 class FemOmdClassifier:
@@ -184,6 +192,7 @@ class FemOmdClassifier:
         torch.manual_seed(seed)
         networks = [make_network() for _ in range(num_components)]
         self.network = networks[0]
+        self.model = _Functional(self.network)
         self.components = [[p.detach().clone() for p in net.parameters()] for net in networks]
         self.weights = torch.full((num_clients, num_components), 1.0 / num_components)
         self.component_lr, self.weight_lr, self.em_steps = component_lr, weight_lr, em_steps
@@ -192,16 +201,12 @@ class FemOmdClassifier:
 
     def component_losses(self, components, x, y) -> torch.Tensor:
         """ℓ_j(z_i) for every component and sample: [m, n]."""
-        return torch.stack([_per_sample_losses(self.network, p, x, y) for p in components])
+        return torch.stack([self.model.losses(p, x, y) for p in components])
 
     @torch.no_grad()
     def predict_proba(self, client: int, x: torch.Tensor) -> torch.Tensor:
         """The played model h_{t,c}(x) = Σ_j π_{t,c,j} softmax(h_{ω_{t,j}}(x))."""
-        names = [name for name, _ in self.network.named_parameters()]
-        probs = [
-            torch.func.functional_call(self.network, dict(zip(names, p)), (x,)).softmax(-1)
-            for p in self.components
-        ]
+        probs = [self.model.logits(p, x).softmax(-1) for p in self.components]
         return torch.einsum("j,jnk->nk", self.weights[client], torch.stack(probs))
 
     def step(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -264,15 +269,13 @@ class FedOMD:
             raise ValueError("FedOMD needs lr > 0, l2 >= 0 and local_steps >= 1.")
         torch.manual_seed(seed)
         self.network = make_network()
+        self.model = _Functional(self.network)
         self.params = [p.detach().clone() for p in self.network.parameters()]
         self.lr, self.l2, self.local_steps = lr, l2, local_steps
 
     @torch.no_grad()
     def predict_proba(self, client: int, x: torch.Tensor) -> torch.Tensor:
-        names = [name for name, _ in self.network.named_parameters()]
-        return torch.func.functional_call(
-            self.network, dict(zip(names, self.params)), (x,)
-        ).softmax(-1)
+        return self.model.logits(self.params, x).softmax(-1)
 
     def step(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         total = [torch.zeros_like(p) for p in self.params]
@@ -280,7 +283,7 @@ class FedOMD:
             params = [p.clone() for p in self.params]
             for _ in range(self.local_steps):
                 leaves = [p.requires_grad_() for p in params]
-                loss = _per_sample_losses(self.network, leaves, x, y).mean()
+                loss = self.model.losses(leaves, x, y).mean()
                 loss = loss + 0.5 * self.l2 * sum((p * p).sum() for p in leaves)
                 grads = torch.autograd.grad(loss, leaves)
                 params = [(p - self.lr * g).detach() for p, g in zip(leaves, grads)]

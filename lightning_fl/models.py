@@ -310,11 +310,11 @@ class FederatedTask(LightningModule):
         value·B, so the round's ``train_<m>_epoch`` equals the sequential path's; the step
         value logged is the batch-size-weighted mean over the step's clients."""
         sizes = sizes.to(losses.device)
-        total = int(sizes.sum())
         for name, values in (("loss", losses), *metrics.items()):
             self._training_values.add(name, values, sizes)
         trainer = self.trainer
         if trainer._logger_connector.should_update_logs or trainer.fast_dev_run:
+            total = int(sizes.sum())  # a sync: only at the logging steps
             for name, values in (("loss", losses), *metrics.items()):
                 mean = (values.detach().float() * sizes).sum() / total
                 self.log(f"train_{name}_step", mean, on_step=True, on_epoch=False, batch_size=total)
@@ -412,16 +412,10 @@ def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:
     value = value.detach()
     if value.dtype not in (torch.float32, torch.float64):
         value = value.to(torch.get_default_dtype())
-    _add_sums(sums, key, value * size, size)
-
-
-def _add_sums(sums: dict, key: str, weighted: torch.Tensor, size: int | torch.Tensor) -> None:
-    """sums[key] += (Σ value·B, Σ B)."""
     if key not in sums:
-        device = weighted.device
-        sums[key] = (torch.tensor(0.0, device=device), torch.tensor(0, device=device))
+        sums[key] = (torch.tensor(0.0, device=value.device), torch.tensor(0, device=value.device))
     total, count = sums[key]
-    sums[key] = (total + weighted, count + size)
+    sums[key] = (total + value * size, count + size)
 
 
 class Classifier(FederatedTask):

@@ -100,3 +100,22 @@ def plot_participation(participation_csv: str, path: str) -> str:
     raster.set_ylabel("client")
     raster.set_title("participants per round")
     return _save(plt, fig, path, 110)
+
+
+def plot_curves(
+    panels: Mapping[str, Mapping[str, Sequence[float]]], path: str, xlabel: str, ylabel: str
+) -> str:
+    """Line curves against steps 1, 2, ...: one panel per entry of ``panels`` (its title),
+    one line per curve (its label) — regret and accuracy curves of the benchmarks."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 3.5), squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels.items()):
+        for label, curve in curves.items():
+            ax.plot(range(1, len(curve) + 1), curve, label=label)
+        if title:
+            ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    return _save(plt, fig, path, 110)

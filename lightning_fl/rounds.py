@@ -84,14 +84,14 @@ class TrainRounds:
     @staticmethod
     def _chunk_batches(plan) -> Iterator[Any]:
         """Vectorized clients: per step of a chunk, the next batch of each of its clients
-        that has one left (``{"positions": [...], "batches": [...]}``), each client's
-        batches exactly those of the sequential path."""
+        that has one left (``{"rows": [...], "batches": [...]}``, rows of the chunk), each
+        client's batches exactly those of the sequential path."""
         counts = plan.schedule.num_batches
         for chunk, steps in zip(plan.chunks, plan.steps.num_batches):
-            streams = {pos: cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk}
+            streams = [cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk]
             for step in range(steps):
-                active = [pos for pos in chunk if counts[pos] > step]
-                yield {"positions": active, "batches": [next(streams[pos]) for pos in active]}
+                rows = [row for row, pos in enumerate(chunk) if counts[pos] > step]
+                yield {"rows": rows, "batches": [next(streams[row]) for row in rows]}
         for _ in range(plan.steps.total - sum(plan.steps.num_batches[: len(plan.chunks)])):
             yield ()
 

@@ -134,7 +134,32 @@ class MDSampler(_FixedSizeSampler):
         return {i: count / m for i, count in Counter(draws).items()}
 
 
-class ExcludedClients(ClientSampler):
+class SamplerWrapper(ClientSampler):
+    """A sampler that changes who may be drawn and asks ``sampler`` for the draw; its
+    checks, observations, per-round metrics and state are ``sampler``'s."""
+
+    def __init__(self, sampler: ClientSampler) -> None:
+        super().__init__(sampler.renormalize)
+        self.sampler = sampler
+        self.needs_updates = sampler.needs_updates
+
+    def check(self, num_eligible: int) -> None:
+        self.sampler.check(num_eligible)
+
+    def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
+        self.sampler.observe(clients, updates, num_clients)
+
+    def round_metrics(self) -> dict[str, float]:
+        return self.sampler.round_metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class ExcludedClients(SamplerWrapper):
     """Incomplete participation (SAFARI's setting, seed paper 004 §5): ``excluded``
     clients never take part, and ``sampler`` chooses among the others with the target
     weights renormalized over them. ``excluded`` is a list of client ids, or a number s of
@@ -142,11 +167,10 @@ class ExcludedClients(ClientSampler):
     """
 
     def __init__(self, sampler: ClientSampler, excluded: int | list[int] = 0) -> None:
-        super().__init__(sampler.renormalize)
+        super().__init__(sampler)
         if isinstance(excluded, int) and excluded < 0:
             raise ValueError(f"excluded must be >= 0, got {excluded}.")
-        self.sampler, self.excluded = sampler, excluded
-        self.needs_updates = sampler.needs_updates
+        self.excluded = excluded
 
     def excluded_clients(self, num_clients: int, seed: int) -> list[int]:
         if not isinstance(self.excluded, int):
@@ -169,18 +193,6 @@ class ExcludedClients(ClientSampler):
     def check(self, num_eligible: int) -> None:
         count = self.excluded if isinstance(self.excluded, int) else len(self.excluded)
         self.sampler.check(num_eligible - count)
-
-    def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
-        self.sampler.observe(clients, updates, num_clients)
-
-    def round_metrics(self) -> dict[str, float]:
-        return self.sampler.round_metrics()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
 
 
 class AvailableClients(ClientSampler):

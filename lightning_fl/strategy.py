@@ -196,8 +196,7 @@ class FederatedStrategy(DDPStrategy):
         self._vectorized: VectorizedStep | None = None
         self._chunk: ClientChunk | None = None
         self.current_chunk: tuple[int, int] | None = None  # (chunk, step)
-        self._transfer_checked: tuple | None = None  # (module type, datamodule type)
-        self._transfer_needed = True
+        self._transfer_needed = True  # set at setup: does a hook change batch transfer?
         self._idle = False  # the current training step trains nobody (see optimizer_step)
         self._direct_hooks: dict[str, bool] = {}
         self.sampler = sampler or FullParticipation()
@@ -269,6 +268,7 @@ class FederatedStrategy(DDPStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._set_cpu_threads()
+        self._transfer_needed = _overrides_transfer(self.lightning_module)
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -329,8 +329,19 @@ class FederatedStrategy(DDPStrategy):
             )
         tensors = self.federated_tensors
         optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
+        callbacks = self._ordered_callbacks("on_before_vectorized_optimizer_step")
+
+        def gradient_terms(rows: list[int], params: TensorList, grads: list) -> None:
+            state = self.current_round.state
+            for cb in callbacks:
+                cb.on_before_vectorized_optimizer_step(trainer, module, rows, params, grads, state)
+
+        clip = None
+        if trainer.gradient_clip_val:
+            algorithm = "value" if trainer.gradient_clip_algorithm == "value" else "norm"
+            clip = (float(trainer.gradient_clip_val), algorithm)
         self._vectorized = VectorizedStep(
-            module, tensors.param_names, tensors.buffer_names, optimizer
+            module, tensors.param_names, tensors.buffer_names, optimizer, gradient_terms, clip
         )
         dm = self._datamodule()
         first = next((c for c, n in enumerate(self._train_counts) if n > 0), None)
@@ -377,14 +388,8 @@ class FederatedStrategy(DDPStrategy):
         hooks (their dispatch and the walk over a vectorized step's batches cost more
         than the step's arithmetic on small models)."""
         device = device or self.root_device
-        module = self.lightning_module
-        if device.type == "cpu" and module is not None:
-            kinds = (type(module), type(module.trainer.datamodule) if module._trainer else None)
-            if self._transfer_checked != kinds:
-                self._transfer_checked = kinds
-                self._transfer_needed = _overrides_transfer(module)
-            if not self._transfer_needed:
-                return batch  # (on_before_batch_transfer is called by the loop, not here)
+        if device.type == "cpu" and not self._transfer_needed:
+            return batch  # (on_before_batch_transfer is called by the loop, not here)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -486,28 +491,8 @@ class FederatedStrategy(DDPStrategy):
 
     def _vectorized_step(self, batch: dict[str, Any]) -> None:
         """One local step of the chunk's clients that still have batches."""
-        chunk, state = self._chunk, self.current_round.state
-        trainer, module = self.lightning_module.trainer, self.lightning_module
-        row_of = {
-            pos: row for row, pos in enumerate(self.current_round.chunks[self.current_chunk[0]])
-        }
-        rows = [row_of[pos] for pos in batch["positions"]]
-        callbacks = self._ordered_callbacks("on_before_vectorized_optimizer_step")
-
-        def gradient_terms(group_rows: list[int], params: TensorList, grads: list) -> None:
-            for cb in callbacks:
-                cb.on_before_vectorized_optimizer_step(
-                    trainer, module, group_rows, params, grads, state
-                )
-
-        clip = None
-        if trainer.gradient_clip_val:
-            algorithm = "value" if trainer.gradient_clip_algorithm == "value" else "norm"
-            clip = (float(trainer.gradient_clip_val), algorithm)
-        losses, metrics, sizes = self._vectorized(
-            chunk, rows, batch["batches"], gradient_terms, clip
-        )
-        module._log_vectorized_training_step(losses, metrics, sizes)
+        losses, metrics, sizes = self._vectorized(self._chunk, batch["rows"], batch["batches"])
+        self.lightning_module._log_vectorized_training_step(losses, metrics, sizes)
         self.divergence.observe(losses)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -730,8 +715,8 @@ class FederatedStrategy(DDPStrategy):
             starts.append(self.federated_tensors.clone())
             seed = derive_seed(self.seed, "client", state.round_idx, client)
             generators.append(torch.Generator(device=self.root_device).manual_seed(seed))
-            stored = self.client_store.get(client, "optimizer_0")
-            saved.append(stored if self.keep_optimizer_state else None)
+            kept = self.keep_optimizer_state
+            saved.append(self.client_store.get(client, "optimizer_0") if kept else None)
         tensors = self.federated_tensors
         self._chunk = ClientChunk(clients, starts, tensors.num_params, generators)
         self._vectorized.optimizer.reset(self._chunk.params, saved)

@@ -74,6 +74,15 @@ def _refuse(problem: str) -> VectorizationError:
     )
 
 
+def _not_vmappable(err: RuntimeError) -> VectorizationError:
+    return _refuse(
+        "the module's loss_and_metrics cannot run under torch.func.vmap "
+        f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
+        "of the batch: no .item(), float(), Python control flow on tensor values, "
+        "or random ops other than nn.Dropout."
+    )
+
+
 def check_module(module: nn.Module) -> None:
     """Refuse a module the vectorized step cannot run exactly (see the module docstring)."""
     from lightning_fl.models import FederatedTask
@@ -433,6 +442,9 @@ class VectorizedStep:
         module: the FederatedTask (its parameters give names and order).
         param_names, buffer_names: the federated tensors' names, in order.
         optimizer: the stacked optimizer.
+        gradient_terms: ``(rows, params, grads)``: adds the callbacks' per-step gradient
+            terms to the stacked ``grads`` of chunk ``rows``, in place.
+        clip: ``(value, "norm" | "value")`` per-client gradient clipping, or None.
     """
 
     def __init__(
@@ -441,6 +453,8 @@ class VectorizedStep:
         param_names: list[str],
         buffer_names: list[str],
         optimizer: StackedOptimizer,
+        gradient_terms: Callable[[list[int], TensorList, list[Tensor | None]], None],
+        clip: tuple[float, str] | None = None,
     ) -> None:
         self.loss_module = _TaskLoss(module)
         self.param_names = [f"task.{n}" for n in param_names]
@@ -449,6 +463,7 @@ class VectorizedStep:
             f"task.{n}": b for n, b in module.named_buffers() if n not in set(buffer_names)
         }
         self.optimizer = optimizer
+        self.gradient_terms, self.clip = gradient_terms, clip
         self.dropout = ClientDropout(module)
         #: per-client module state: one context factory per callback that has some, and
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
@@ -496,20 +511,13 @@ class VectorizedStep:
                 probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, 0), randomness="error")
                 probe(params, buffers, batches, None, states)
         except RuntimeError as err:
-            raise _refuse(
-                "the module's loss_and_metrics cannot run under torch.func.vmap "
-                f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
-                "of the batch: no .item(), float(), Python control flow on tensor values, "
-                "or random ops other than nn.Dropout."
-            ) from err
+            raise _not_vmappable(err) from err
 
     def __call__(
         self,
         chunk: ClientChunk,
         rows: list[int],
         batches: list[Any],
-        gradient_terms: Callable[[list[int], TensorList, list[Tensor | None]], None],
-        clip: tuple[float, str] | None,
     ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """Train ``rows`` of ``chunk`` one step on ``batches`` (one per row). Returns the
         per-row losses, metrics and batch sizes, in the order of ``rows``."""
@@ -518,7 +526,7 @@ class VectorizedStep:
             groups.setdefault(batch_shape_key(batch), []).append(k)
         if len(groups) == 1:  # one shape: no regrouping of the outputs
             ((key, members),) = groups.items()
-            loss, metric = self._group_step(chunk, rows, batches, key, gradient_terms, clip)
+            loss, metric = self._group_step(chunk, rows, batches, key)
             size = batch_size_of(batches[0])
             return loss, metric, torch.full((len(rows),), size, device=loss.device)
         losses = [None] * len(rows)
@@ -526,9 +534,7 @@ class VectorizedStep:
         sizes = [0] * len(rows)
         for key, members in groups.items():
             group_rows = [rows[k] for k in members]
-            loss, metric = self._group_step(
-                chunk, group_rows, [batches[k] for k in members], key, gradient_terms, clip
-            )
+            loss, metric = self._group_step(chunk, group_rows, [batches[k] for k in members], key)
             size = batch_size_of(batches[members[0]])
             for i, k in enumerate(members):
                 losses[k] = loss[i]
@@ -541,7 +547,7 @@ class VectorizedStep:
             torch.tensor(sizes, device=losses[0].device),  # type: ignore[union-attr]
         )
 
-    def _group_step(self, chunk, group_rows, batches, key, gradient_terms, clip):
+    def _group_step(self, chunk, group_rows, batches, key):
         all_rows = group_rows == list(range(len(chunk.clients)))
         index = None if all_rows else torch.tensor(group_rows, device=chunk.tensors[0].device)
         tensors = chunk.tensors if index is None else [t[index] for t in chunk.tensors]
@@ -572,21 +578,16 @@ class VectorizedStep:
                 params, buffers, batch, masks, client_state
             )
         except RuntimeError as err:
-            raise _refuse(
-                "the module's loss_and_metrics cannot run under torch.func.vmap "
-                f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
-                "of the batch: no .item(), float(), Python control flow on tensor values, "
-                "or random ops other than nn.Dropout."
-            ) from err
+            raise _not_vmappable(err) from err
         wanted = [params[j] for j in self.optimizer.trainable]
         found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         grads: list[Tensor | None] = [None] * len(params)
         for j, g in zip(self.optimizer.trainable, found):
             grads[j] = torch.zeros_like(params[j]) if g is None else g
-        gradient_terms(group_rows, [p.detach() for p in params], grads)
+        self.gradient_terms(group_rows, [p.detach() for p in params], grads)
         stepped = [grads[j] for j in self.optimizer.trainable]
-        if clip is not None:
-            clip_gradients_(stepped, *clip)
+        if self.clip is not None:
+            clip_gradients_(stepped, *self.clip)
         self.optimizer.step(chunk.params, stepped, index)
         return loss.detach(), {n: v.detach() for n, v in metrics.items()}
 
