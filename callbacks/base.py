@@ -68,6 +68,10 @@ class FederatedCallback(pl.Callback):
     #: goes in :meth:`on_before_vectorized_optimizer_step`. Unsupported callbacks are
     #: refused at setup.
     supports_vectorized_clients: bool = False
+    #: Whether the callback computes the module's loss outside ``training_step`` (local
+    #: training of a personal model, evaluation on training data) through its
+    #: ``loss_and_metrics(batch)``; a module without it is refused at setup.
+    requires_task_loss: bool = False
 
     def on_round_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState

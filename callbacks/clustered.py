@@ -58,6 +58,8 @@ class ClusteredFL(Aggregator):
     Cluster models live in this callback's checkpoint state (4·d bytes per cluster).
     """
 
+    requires_task_loss = True
+
     def __init__(
         self,
         eps1: float = 0.4,

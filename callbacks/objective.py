@@ -23,6 +23,8 @@ class FederatedObjective(FederatedCallback):
     losses are summed over ranks. Costs one forward pass over all training data.
     """
 
+    requires_task_loss = True
+
     supports_vectorized_clients = True
 
     def __init__(self, every_n_rounds: int = 1) -> None:

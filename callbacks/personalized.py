@@ -53,6 +53,8 @@ class FineTune(FederatedCallback):
     clients are treated alike. ``stages`` says when: the paper fine-tunes once, after
     training (``("test",)``)."""
 
+    requires_task_loss = True
+
     def __init__(
         self, lr: float = 0.01, epochs: int = 1, stages: tuple[str, ...] = ("test",)
     ) -> None:
@@ -82,6 +84,8 @@ class Ditto(FederatedCallback):
             {10, 1, 0.1, 0.01}).
         personal_lr: η_p. personal_epochs: passes per participation.
     """
+
+    requires_task_loss = True
 
     key = "ditto_personal"
 
@@ -168,6 +172,8 @@ class APFL(_BatchHook):
     α v + (1−α) w^T; an unseen client trains v for ``adapt_epochs`` with w frozen.
     """
 
+    requires_task_loss = True
+
     v_key, alpha_key = "apfl_v", "apfl_alpha"
 
     def __init__(
@@ -251,6 +257,8 @@ class FedRep(FederatedCallback):
     Args:
         head: names of the head's modules (default: the last ``nn.Linear``).
     """
+
+    requires_task_loss = True
 
     key = "fedrep_head"
 
@@ -337,6 +345,8 @@ class PFedMe(_BatchHook):
     ``server_lr=β``. Clients are evaluated with their last θ̂; an unseen client runs one
     pass of this local procedure from the global model.
     """
+
+    requires_task_loss = True
 
     key = "pfedme_personal"
 

@@ -169,6 +169,8 @@ class ServerReference(FederatedCallback):
     ``server_reference()``.
     """
 
+    requires_task_loss = True
+
     def __init__(self, w: float = 0.5, batch_size: int | None = None) -> None:
         if not 0.0 <= w <= 1.0:
             raise ValueError(f"The WERM weight w must be in [0, 1], got {w}.")

@@ -84,10 +84,11 @@ class Unlearning(FederatedCallback):
 
     During training, for every participating client i (Alg. 6, App. D.2.5):
 
-        Ψ_r(n+1, i) = decay·Ψ_r(n, i) + η_g (p_i/(1 − p_i)) ‖θ_i^{n+1} − θ^{n+1}‖₂,
+        Ψ_r(n+1, i) = decay·Ψ_r(n, i) + η_g (p_i/(1 − p_i)) ‖Δ_i − Δ̄‖₂,
 
-    with p_i uniform over the remaining clients (the authors' code) and 0 added for the
-    others. A request W_r (at a round of ``requests``, or :meth:`request` between fits)
+    with p_i the aggregator's target weight of i renormalized over the remaining clients
+    (uniform in the authors' code; see :meth:`sensitivity_increments`) and 0 added for
+    the others. A request W_r (at a round of ``requests``, or :meth:`request` between fits)
     removes W_r for good: its clients are never sampled again, so their training data is
     never read again. The model then restarts from
 
@@ -126,6 +127,8 @@ class Unlearning(FederatedCallback):
     training data), ``unlearning/forgotten_acc`` (on the removed clients' training data;
     lower is better, SCRATCH is the reference), ``unlearning/branch``.
     """
+
+    requires_task_loss = True
 
     def __init__(
         self,
@@ -218,12 +221,15 @@ class Unlearning(FederatedCallback):
         self._validate(clients, self._trainer.datamodule.num_clients)
         model = strategy.federated_tensors
         current = flatten([t.detach() for t in model.tensors])
-        zeta, t = self.history.fork_point(clients)
+        zeta, t = self.history.fork_point(clients)  # SIFU's restart node (eqs. 5.17-5.18)
+        restart = (self.history.branch, self.history.rounds(self.history.branch))  # current
         if self.method == "sifu":
             t, start = self.versions.restart_model(self.history, zeta, t, clients)
             start = start + self._noise(self.sigma, round_idx, current)
+            restart = (zeta, t)
         elif self.method == "scratch":
             start = self.initial.clone()
+            restart = (0, 0)  # θ_0^0
         elif self.method == "last":
             std = noise_for_sensitivity(self.history.max_sensitivity(), self.epsilon, self.delta)
             start = current + self._noise(std, round_idx, current)
@@ -242,8 +248,8 @@ class Unlearning(FederatedCallback):
         self.versions.keep((self.history.branch, 0), start.clone())
         self.versions.prune(self.history, self._remaining())
         model.load_(unflatten(start.to(current), model.tensors))
-        self.done_requests.append({"round": round_idx, "clients": clients, "branch": zeta,
-                                   "restart_round": t})  # fmt: skip
+        self.done_requests.append({"round": round_idx, "clients": clients,
+                                   "branch": restart[0], "restart_round": restart[1]})  # fmt: skip
 
     def _noise(self, std: float, round_idx: int, like: torch.Tensor) -> torch.Tensor:
         g = generator(self.seed, "unlearning", round_idx, len(self.done_requests))
@@ -303,12 +309,7 @@ class Unlearning(FederatedCallback):
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
         new = flatten(state.global_tensors)
         remaining = self._remaining()
-        p = 1.0 / max(len(remaining), 1)
-        server_lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
-        scale = server_lr * p / (1 - p) if p < 1 else 0.0
-        increments = torch.zeros(self.history.num_clients, dtype=torch.float64)
-        for client, delta in self._deltas.items():
-            increments[client] = scale * float((self._start + delta - new).norm())
+        increments = self.sensitivity_increments(state, remaining, new)
         if dist.is_initialized() and trainer.world_size > 1:
             increments = increments.to(new.device)
             dist.all_reduce(increments)
@@ -318,6 +319,31 @@ class Unlearning(FederatedCallback):
         self.versions.prune(self.history, remaining)
         if self.method == "fedaccum":
             self._update_shadows(state)
+
+    def sensitivity_increments(
+        self, state: RoundState, remaining: list[int], new: torch.Tensor
+    ) -> torch.Tensor:
+        """‖Δ(I, θ^n) − Δ(I∖{c}, θ^n)‖ for each of this rank's participants c (eq. 5.8's
+        term; App. D.2.5), in closed form:
+
+            η_g (p_c/(1 − p_c)) ‖Δ_c − Δ̄‖,   Δ̄ = (θ^{n+1} − θ^n)/η_g = Σ_j ω_j Δ_j,
+
+        where p_c is c's weight in the federated objective (the aggregator's target weights,
+        renormalized over the remaining clients; uniform p_c = 1/|I| in the authors' code)
+        and removing c renormalizes the others' weights by 1/(1 − p_c). Under full
+        participation (ω = p) this equals the difference of the two FedAvg aggregations
+        exactly, whatever the weighting and η_g."""
+        server_lr = getattr(self._trainer.strategy.aggregator, "server_lr", 1.0)
+        p = state.target_weights.to(torch.float64)
+        total = float(p[remaining].sum()) if remaining else 0.0
+        mean_update = (new - self._start) / server_lr
+        increments = torch.zeros(self.history.num_clients, dtype=torch.float64)
+        for client, delta in self._deltas.items():
+            p_c = float(p[client]) / total if total > 0 else 0.0
+            if 0 < p_c < 1:
+                scale = server_lr * p_c / (1 - p_c)
+                increments[client] = scale * float((delta - mean_update).double().norm())
+        return increments
 
     def _update_shadows(self, state: RoundState) -> None:
         """Each shadow: the weighted average of this round's local models θ^n + Δ_i of the
@@ -357,6 +383,7 @@ class Unlearning(FederatedCallback):
     # ---- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
+            "privacy": self._privacy(),
             "removed": self.removed, "pending": self.pending, "queue": self.queue,
             "history": None if self.history is None else self.history.state_dict(),
             "versions": {f"{s},{n}": m for (s, n), m in self.versions.models.items()},
@@ -365,7 +392,20 @@ class Unlearning(FederatedCallback):
             "done_requests": self.done_requests,
         }  # fmt: skip
 
+    def _privacy(self) -> dict[str, float | str]:
+        return {"method": self.method, "epsilon": self.epsilon, "delta": self.delta,
+                "sigma": self.sigma}  # fmt: skip
+
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("privacy", self._privacy())
+        changed = {k: (v, self._privacy()[k]) for k, v in saved.items() if self._privacy()[k] != v}
+        if changed:
+            said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+            raise ValueError(
+                f"Unlearning: the checkpoint's sensitivity history was made under other "
+                f"settings ({said}); its Ψ* and branches would not match this run. Resume "
+                "with the checkpoint's method, epsilon, delta and sigma, or start a new fit."
+            )
         self.removed, self.queue = list(state["removed"]), [list(q) for q in state["queue"]]
         self.pending = [list(p) for p in state["pending"]] + self.pending
         if state["history"] is not None:

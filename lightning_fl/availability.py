@@ -2,8 +2,9 @@
 clients that can take part in round t is exogenous, and samplers choose only among it.
 
 An availability model is a plain seeded object: ``available(round_idx, seed, n)`` is a
-function of (seed, round) and of the chain's past, which it advances one round at a
-time from its saved state, so resumed runs and every rank see the same sets.
+function of (seed, round, n) alone. A Markov chain's past is cached and advanced one
+round at a time from its saved state, so resumed runs and every rank see the same sets
+at the cost of one step per round.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class MarkovAvailability:
     activity. A chain starts from its stationary law at round 0 and takes one step per
     round with draws seeded from (seed, round).
 
+    The seed rules: ``available(t, seed, n)`` is a function of (seed, t, n) alone. The
+    chain's state is only a cache of the walk from round 0 (so that rounds in order cost
+    one step each); it is kept with the seed it was drawn with, and a call with another
+    seed, an earlier round or another number of chains walks again from round 0.
+
     Args:
         pi: π_k per chain (or one value for all), in (0, 1).
         lam: λ_k per chain (or one value), in (−1, 1) and such that P is a probability
@@ -68,6 +74,7 @@ class MarkovAvailability:
             )
         self.clusters = None if clusters is None else torch.as_tensor(clusters, dtype=torch.long)
         self._round: int | None = None
+        self._seed: int | None = None
         self._state: torch.Tensor | None = None
 
     def _chains(self, num_clients: int) -> int:
@@ -94,7 +101,14 @@ class MarkovAvailability:
         chains = self._chains(num_clients)
         pi = self._per_chain(self.pi, chains)
         lam = self._per_chain(self.lam, chains)
-        if self._state is None or self._round is None or self._round > round_idx:
+        if (
+            self._state is None
+            or self._round is None
+            or self._round > round_idx
+            or self._seed != seed
+            or len(self._state) != chains
+        ):
+            self._seed = seed
             draw = torch.rand(
                 chains, generator=generator(seed, "availability", 0), dtype=torch.float64
             )
@@ -110,10 +124,11 @@ class MarkovAvailability:
         return state if self.clusters is None else state[self.clusters]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"round": self._round, "state": self._state}
+        return {"round": self._round, "seed": self._seed, "state": self._state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._round, self._state = state.get("round"), state.get("state")
+        self._seed = state.get("seed")
 
 
 class TwoClassAvailability(MarkovAvailability):

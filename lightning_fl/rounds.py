@@ -66,8 +66,14 @@ class TrainRounds:
         # generator below only reads data.
         # When resuming from a checkpoint taken at the end of epoch e, iter() runs while
         # current_epoch still reads e; the epoch to be trained is the processed count.
+        # An error while the round is planned (a sampler's, a datamodule's) is raised at
+        # the first batch instead: raised from iter(), Lightning's teardown would replace it
+        # with "Please call `iter(combined_loader)` first".
         trainer = self.strategy.lightning_module.trainer
-        plan = self.strategy.begin_round(trainer.fit_loop.epoch_progress.current.processed)
+        try:
+            plan = self.strategy.begin_round(trainer.fit_loop.epoch_progress.current.processed)
+        except Exception as err:  # noqa: BLE001 - re-raised unchanged at the first batch
+            return _raise(err)
         return self._batches(plan)
 
     @staticmethod
@@ -94,6 +100,11 @@ class TrainRounds:
                 yield {"rows": rows, "batches": [next(streams[row]) for row in rows]}
         for _ in range(plan.steps.total - sum(plan.steps.num_batches[: len(plan.chunks)])):
             yield ()
+
+
+def _raise(err: Exception) -> Iterator[Any]:
+    raise err
+    yield  # a generator: the error is raised at the first next()
 
 
 class EvalRounds:

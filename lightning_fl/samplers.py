@@ -64,6 +64,11 @@ class ClientSampler:
 
     #: True for samplers that must see the round's client updates (:meth:`observe`).
     needs_updates = False
+    #: True for samplers that must see the current model's loss on each available client
+    #: before they draw (CA-Fed): the strategy then sets :attr:`losses` before
+    #: :meth:`sample`, a function ``losses(clients) -> tensor`` of one batch's loss each.
+    needs_losses = False
+    losses: Any = None
 
     def observe(self, clients: tuple[int, ...], updates: torch.Tensor, num_clients: int) -> None:
         """The narrow input of samplers with ``needs_updates``: after each round, the
@@ -136,12 +141,28 @@ class MDSampler(_FixedSizeSampler):
 
 class SamplerWrapper(ClientSampler):
     """A sampler that changes who may be drawn and asks ``sampler`` for the draw; its
-    checks, observations, per-round metrics and state are ``sampler``'s."""
+    checks, narrow inputs (``needs_updates`` and :meth:`observe`, ``needs_losses`` and
+    :attr:`losses`), per-round metrics and state are ``sampler``'s."""
 
     def __init__(self, sampler: ClientSampler) -> None:
         super().__init__(sampler.renormalize)
         self.sampler = sampler
-        self.needs_updates = sampler.needs_updates
+
+    @property
+    def needs_updates(self) -> bool:  # type: ignore[override]
+        return self.sampler.needs_updates
+
+    @property
+    def needs_losses(self) -> bool:  # type: ignore[override]
+        return getattr(self.sampler, "needs_losses", False)
+
+    @property
+    def losses(self) -> Any:  # type: ignore[override]
+        return self.sampler.losses
+
+    @losses.setter
+    def losses(self, function: Any) -> None:
+        self.sampler.losses = function
 
     def check(self, num_eligible: int) -> None:
         self.sampler.check(num_eligible)

@@ -31,6 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
+from lightning_fl import composition
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import (
     POOLED_CLIENT,
@@ -75,6 +76,11 @@ SMALL_MODEL_PARAMETERS = 1_000_000
 
 class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive rounds had NaN or Inf client updates."""
+
+
+class FederationMismatchError(ValueError):
+    """A checkpoint is resumed with a federation (clients, sample counts, partition seed)
+    other than the one it was made with."""
 
 
 class CheckpointReadError(RuntimeError):
@@ -134,6 +140,10 @@ class FederatedStrategy(DDPStrategy):
             core is busy), and the cores divided among this machine's processes for
             larger ones. An int sets it; ``None`` leaves torch's
             setting untouched. Only applied on the CPU.
+        allow_new_federation: resume a checkpoint even if its federation (the
+            datamodule's class, number of clients, per-client training counts, partition
+            seed) differs from this run's; the stored state of clients that no longer
+            exist is dropped. Default: refuse, with :class:`FederationMismatchError`.
     """
 
     strategy_name = "federated"
@@ -159,6 +169,7 @@ class FederatedStrategy(DDPStrategy):
         num_threads: int | Literal["auto"] | None = "auto",
         vectorize: bool = False,
         max_vectorized_clients: int | None = None,
+        allow_new_federation: bool = False,
     ) -> None:
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
@@ -190,6 +201,7 @@ class FederatedStrategy(DDPStrategy):
             raise ValueError(
                 f"max_vectorized_clients must be >= 1 or None, got {max_vectorized_clients}."
             )
+        self.allow_new_federation = allow_new_federation
         self.num_threads = num_threads
         self.vectorize = vectorize
         self.max_vectorized_clients = max_vectorized_clients
@@ -294,6 +306,7 @@ class FederatedStrategy(DDPStrategy):
             )
         self._federated_tensors = FederatedTensors(self.lightning_module)
         aggregator = self.aggregator  # validates the callbacks early
+        composition.check(self, trainer)
         if fitting:
             counts = self._train_counts = self._training_counts()  # once per fit, not per round
             if not aggregator.pools_clients:
@@ -344,7 +357,10 @@ class FederatedStrategy(DDPStrategy):
             module, tensors.param_names, tensors.buffer_names, optimizer, gradient_terms, clip
         )
         dm = self._datamodule()
-        first = next((c for c, n in enumerate(self._train_counts) if n > 0), None)
+        dm.set_round(0)  # a stream's caches hold data from the first round on
+        with_data = [c for c, n in enumerate(self._train_counts) if n > 0]
+        empty = set(dm.clients_without_data_now(with_data))
+        first = next((c for c in with_data if c not in empty), None)
         if first is not None and not self.aggregator.pools_clients:
             loader = dm.client_dataloader(
                 dm.client_dataset(first, "train"), "train", generator(self.seed, "probe")
@@ -549,7 +565,7 @@ class FederatedStrategy(DDPStrategy):
             )
         aggregator = self.aggregator
         p = aggregator.target_weights(counts)
-        if getattr(self.sampler, "needs_losses", False):
+        if self.sampler.needs_losses:
             self.sampler.losses = lambda clients: self._probe_losses(clients, round_idx)
         participation = aggregator.participation(round_idx, self.seed, p, self.sampler)
         participation = self._skip_clients_without_data(dm, participation, round_idx)
@@ -896,12 +912,56 @@ class FederatedStrategy(DDPStrategy):
         return {
             "round": self.lightning_module.trainer.current_epoch,
             "seed": self.seed,
+            "federation": self._federation(),
             "client_store": store,
             "sampler": self.sampler.state_dict(),
             "consecutive_bad_rounds": self.consecutive_bad_rounds,
         }
 
+    def _federation(self) -> dict[str, Any]:
+        """What identifies the federation a checkpoint belongs to: the datamodule's class,
+        its number of clients, every client's training sample count, and its partition
+        seed (the datamodule's ``seed`` hyper-parameter, where it has one)."""
+        dm = self._datamodule()
+        hparams = getattr(dm, "hparams", {}) or {}
+        return {
+            "datamodule": type(dm).__name__,
+            "num_clients": dm.num_clients,
+            "train_counts": self._training_counts(),
+            "partition_seed": hparams.get("seed"),
+        }
+
+    def _check_federation(self, saved: dict[str, Any] | None) -> None:
+        """Refuse to resume a checkpoint of another federation (see ``allow_new_federation``)."""
+        if saved is None:
+            return
+        now = self._federation()
+        differ = [k for k in ("datamodule", "num_clients", "partition_seed") if saved[k] != now[k]]
+        before, after = saved["train_counts"], now["train_counts"]
+        if saved["num_clients"] == now["num_clients"] and before != after:
+            changed = [c for c, (a, b) in enumerate(zip(before, after)) if a != b]
+            differ.append(f"train_counts (clients {changed[:10]})")
+        if not differ:
+            return
+        said = "; ".join(
+            f"{k}: saved {saved[k]!r}, now {now[k]!r}" if k in saved else k for k in differ
+        )
+        if not self.allow_new_federation:
+            raise FederationMismatchError(
+                f"The checkpoint was made with another federation ({said}): its client "
+                "state, sampler and stream state belong to those clients. Resume with the "
+                "datamodule settings it was made with, or pass "
+                "FederatedStrategy(allow_new_federation=True) to keep only what fits."
+            )
+        warnings.warn(
+            f"Resuming on another federation ({said}): client state of clients that no "
+            "longer exist is dropped (allow_new_federation=True).",
+            stacklevel=2,
+        )
+
     def load_federated_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_federation(state.get("federation"))
+        num_clients = self._datamodule().num_clients
         if state.get("seed", self.seed) != self.seed:
             warnings.warn(
                 f"Resuming with seed {self.seed} from a checkpoint made with seed "
@@ -912,7 +972,7 @@ class FederatedStrategy(DDPStrategy):
             {
                 c: e
                 for c, e in state["client_store"].items()
-                if self.owner(int(c)) == self.global_rank
+                if self.owner(int(c)) == self.global_rank and int(c) < num_clients
             }
         )
         self.sampler.load_state_dict(state["sampler"])

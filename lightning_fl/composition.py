@@ -1,0 +1,206 @@
+"""Which plugins compose (DESIGN.md, "Plugins compose").
+
+A run is made of plugins: a sampler (and the wrappers around it), federated callbacks
+(the aggregator, personalization, privacy, robustness), the module, the datamodule, and
+how it executes (vectorized clients, several processes). Every combination either keeps
+its invariants or is refused at setup, before any training, by :func:`check` with a
+:class:`CompositionError` that names both plugins, the reason and the fix.
+
+The refused pairs are the table :data:`REFUSALS`, one row per reason. The README's
+composition matrix is printed from it (``python -m lightning_fl.composition``), and the
+matrix test (tests/test_composition.py) trains every pair of plugins and checks that
+exactly the pairs of this table, and the vectorization refusals of
+:mod:`lightning_fl.vectorized`, are refused.
+
+Plugins are matched by class name along the MRO, so a subclass of a plugin is refused
+where its base is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+
+if TYPE_CHECKING:
+    from lightning_fl.strategy import FederatedStrategy
+
+
+class CompositionError(ValueError):
+    """Two plugins that cannot work together, refused at setup before any training."""
+
+
+#: Samplers that leave clients out of a round (every sampler but FullParticipation).
+PARTIAL_SAMPLERS = (
+    "UniformSampler",
+    "MDSampler",
+    "ClusteredSampler",
+    "AvailableClients",
+    "ExcludedClients",
+)
+#: Callbacks that decide which model a client is evaluated with (its personalized model).
+PERSONAL_MODELS = ("FedEM", "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "ClusteredFL")
+#: Aggregators whose server step is not FedAvg's θ + η_g Σ ω_i Δ_i.
+NON_FEDAVG = (
+    "FedAvgM",
+    "FedAdam",
+    "FedYogi",
+    "FedAdagrad",
+    "SCAFFOLD",
+    "AsynchronousFL",
+    "GossipAveraging",
+    "SAFARI",
+    "Pooled",
+    "Local",
+    "ClusteredFL",
+)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """``first`` is refused with any plugin of ``second``: ``reason``; ``fix``."""
+
+    first: str
+    second: tuple[str, ...]
+    reason: str
+    fix: str
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "GossipAveraging",
+        (*PARTIAL_SAMPLERS, "Unlearning"),
+        "gossip mixes every client's model with its neighbours' in every round, over a "
+        "mixing matrix of all clients",
+        "use the default FullParticipation sampler",
+    ),
+    Refusal(
+        "ClusteredFL",
+        (*PARTIAL_SAMPLERS, "Unlearning"),
+        "a split compares the updates of every client of a cluster in the same round, and "
+        "the cluster models keep what removed clients contributed",
+        "use the default FullParticipation sampler, without Unlearning",
+    ),
+    Refusal(
+        "AsynchronousFL",
+        (*PARTIAL_SAMPLERS, "Unlearning"),
+        "the simulated clock chooses who returns in each aggregation",
+        "drop the sampler (FullParticipation, the default), without Unlearning",
+    ),
+    Refusal(
+        "FreeRiders",
+        (*PARTIAL_SAMPLERS, "Unlearning"),
+        "the attack and its detector follow the paper's full participation of a fixed federation",
+        "use the default FullParticipation sampler, without Unlearning",
+    ),
+    Refusal(
+        "Unlearning",
+        NON_FEDAVG,
+        "SIFU's sensitivity bound (thesis eq. 5.8, Thm 5.1) is for FedAvg's server step "
+        "θ + η_g Σ ω_i Δ_i; server state (momentum, control variates, clusters, a clock, "
+        "server rounds) would keep what a removed client contributed",
+        "aggregate with FedAvg",
+    ),
+    Refusal(
+        "Unlearning",
+        ("FixedClustersSampler",),
+        "removing clients changes the target weights, and fixed clusters are unbiased only "
+        "at the weights they were built for",
+        "use SampleSizeClusteredSampler, which rebuilds its clusters from the weights",
+    ),
+    Refusal(
+        "FedRep",
+        ("SCAFFOLD",),
+        "FedRep freezes the head during the body's steps, and SCAFFOLD corrects the "
+        "gradient of every parameter",
+        "use FedRep with FedAvg, or SCAFFOLD without FedRep",
+    ),
+    *(
+        Refusal(
+            first,
+            PERSONAL_MODELS[i + 1 :],
+            "each decides the personalized model a client is evaluated with",
+            f"keep one of them ({first} or the other)",
+        )
+        for i, first in enumerate(PERSONAL_MODELS[:-1])
+    ),
+    Refusal(
+        "SAFARI",
+        ("StreamingDataModule", "ReferenceDataModule"),
+        "the server's own training data comes from the datamodule's server_dataset(), "
+        "which this datamodule does not provide",
+        "use a datamodule with server data (DigitsDataModule(server_samples=...))",
+    ),
+    Refusal(
+        "ServerReference",
+        ("StreamingDataModule",),
+        "the server's reference data comes from ReferenceDataModule(reference='server')",
+        "use a ReferenceDataModule with reference='server'",
+    ),
+)
+
+
+def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, str]:
+    """Every class name (along the MRO) of the run's plugins, mapped to the name of the
+    plugin that carries it (the class a user wrote)."""
+    from lightning_fl.samplers import SamplerWrapper
+
+    chain, sampler = [], strategy.sampler
+    while sampler is not None:
+        if not type(sampler).__name__.startswith("_"):  # internal wrappers (unlearning's)
+            chain.append(sampler)
+        sampler = sampler.sampler if isinstance(sampler, SamplerWrapper) else None
+    sampler_name = "(".join(type(s).__name__ for s in chain) + ")" * (len(chain) - 1)
+    objects: list[tuple[Any, str]] = [(s, sampler_name) for s in chain]
+    objects += [
+        (obj, type(obj).__name__)
+        for obj in [*trainer.callbacks, trainer.datamodule, strategy.lightning_module]
+        if obj is not None and not type(obj).__module__.startswith("lightning.")
+    ]
+    names: dict[str, str] = {}
+    for obj, shown in objects:
+        for cls in type(obj).__mro__:
+            if cls.__module__.split(".")[0] not in ("builtins", "torch", "lightning"):
+                names.setdefault(cls.__name__, shown)
+    if strategy.vectorize:
+        names["vectorize"] = "FederatedStrategy(vectorize=True)"
+    return names
+
+
+def check(strategy: FederatedStrategy, trainer: pl.Trainer) -> None:
+    """Refuse the run's first incompatible pair of plugins (see :data:`REFUSALS`) and
+    callbacks or samplers whose needs the module does not meet."""
+    names = plugin_names(strategy, trainer)
+    for rule in REFUSALS:
+        if rule.first not in names:
+            continue
+        for other in rule.second:
+            if other in names and names[other] != names[rule.first]:
+                raise CompositionError(
+                    f"{names[rule.first]} cannot be combined with {names[other]}: "
+                    f"{rule.reason}. Fix: {rule.fix}."
+                )
+    module = strategy.lightning_module
+    needy = [cb for cb in trainer.callbacks if getattr(cb, "requires_task_loss", False)]
+    if strategy.sampler.needs_losses:
+        needy.append(strategy.sampler)
+    for plugin in needy if not hasattr(module, "loss_and_metrics") else []:
+        raise CompositionError(
+            f"{type(plugin).__name__} cannot be combined with {type(module).__name__}: it "
+            "computes the loss outside training_step, through the module's "
+            "loss_and_metrics(batch), which this module lacks. Fix: subclass "
+            "lightning_fl.FederatedTask (Classifier, BinaryClassifier, ...) or add that method."
+        )
+
+
+def refusal_table() -> str:
+    """The README's table of refused pairs: one row per rule of :data:`REFUSALS`."""
+    rows = ["| plugin | refused with | why | fix |", "|---|---|---|---|"]
+    for rule in REFUSALS:
+        rows.append(f"| {rule.first} | {', '.join(rule.second)} | {rule.reason} | {rule.fix} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(refusal_table())
