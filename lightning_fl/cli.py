@@ -62,6 +62,19 @@ class FederatedCLI(LightningCLI):
         )
         parser.set_defaults({"trainer.enable_progress_bar": sys.stderr.isatty()})
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI reads the checkpoint's hyper-parameters before the Trainer loads
+        it; a bad file fails here as it would in the Trainer (CheckpointReadError)."""
+        from lightning_fl.strategy import CheckpointReadError
+
+        try:
+            super()._parse_ckpt_path()
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+            path = self.config[self.config.subcommand].get("ckpt_path")
+            raise CheckpointReadError.of(path, err) from err
+
     def after_fit(self) -> None:
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule)

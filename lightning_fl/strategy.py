@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import pickle
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,6 +87,22 @@ class FederationMismatchError(ValueError):
 class CheckpointReadError(RuntimeError):
     """A checkpoint file could not be read (truncated, not a checkpoint, or refused by
     ``weights_only`` loading)."""
+
+    @classmethod
+    def of(cls, path: Any, err: BaseException) -> CheckpointReadError:
+        """The error for ``path``, whose loading raised ``err``: the file, what is wrong
+        and what to do, without torch's advice to load it with ``weights_only=False``."""
+        if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
+            what = "not a checkpoint, or one holding objects that safe weights_only loading refuses"
+        else:
+            text = str(err).strip()
+            what = text.splitlines()[0] if text else type(err).__name__
+            what = what.split(". ")[0]
+        return cls(
+            f"{path}: cannot be read as a checkpoint ({what}). It may be truncated (an "
+            "interrupted save or copy) or not a Lightning checkpoint of this library: "
+            "resume from another one, e.g. the previous round's."
+        )
 
 
 @dataclass
@@ -894,12 +911,7 @@ class FederatedStrategy(DDPStrategy):
         except FileNotFoundError:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointReadError(
-                f"{checkpoint_path}: cannot be read as a checkpoint ({first}). It may be "
-                "truncated (an interrupted save or copy) or not a Lightning checkpoint: "
-                "resume from another one, e.g. the previous round's."
-            ) from err
+            raise CheckpointReadError.of(checkpoint_path, err) from err
 
     def federated_state_dict(self) -> dict[str, Any]:
         store = self.client_store.state_dict()

@@ -230,7 +230,7 @@ def test_bad_asynchronous_settings_get_clear_errors():
     with pytest.raises(ValueError, match="times has 2 values but there are 6 clients"):
         _fit([AsynchronousFL(SyncSchedule(ClientTimes(times=[1.0, 2.0])))], 1)
     strategy = FederatedStrategy(local_steps=1, sampler=UniformSampler(2))
-    with pytest.raises(ValueError, match="UniformSampler would conflict"):
+    with pytest.raises(ValueError, match="AsynchronousFL cannot be combined with UniformSampler"):
         _fit([AsynchronousFL(AsyncSchedule())], 1, strategy=strategy)
 
 

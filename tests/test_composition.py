@@ -1,0 +1,352 @@
+"""Plugins compose (issue 24; DESIGN.md "Plugins compose").
+
+The matrix: every pair of plugins of tests/composition.py either trains two rounds with
+its invariants holding (finite model; the sampler's declared weights; a resume equal to
+the uninterrupted run; vectorized equal to sequential) or is refused before any
+training with an error naming both plugins; every rule of the refusal table is used.
+Then the silent defects a new user found, each with the test that failed before its fix.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import cache
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import (
+    AvailableClients,
+    FederatedStrategy,
+    FullParticipation,
+    MarkovAvailability,
+    UniformSampler,
+)
+from lightning_fl.callbacks import Ditto, FedAvg, Unlearning
+from lightning_fl.composition import REFUSALS, CompositionError, refusal_table
+from lightning_fl.samplers import ExcludedClients
+from lightning_fl.strategy import FederationMismatchError
+from tests import composition
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
+
+composition.quiet()
+
+
+@cache
+def _alone(name: str) -> composition.Outcome:
+    return composition.run((name,))
+
+
+@cache
+def _matrix() -> dict[tuple[str, str], composition.Outcome]:
+    return {pair: composition.run(pair) for pair in composition.pairs()}
+
+
+def test_every_plugin_trains_alone():
+    for plugin in composition.PLUGINS:
+        outcome = _alone(plugin.name)
+        assert outcome.status == "ok", (plugin.name, outcome.message)
+
+
+def test_every_pair_trains_or_is_refused_at_setup_naming_both_plugins():
+    for (a, b), outcome in _matrix().items():
+        assert outcome.status in ("ok", "refused"), (a, b, outcome.message)
+        if outcome.status == "refused":
+            assert composition.names_plugin(outcome.message, a), (a, b, outcome.message)
+            assert composition.names_plugin(outcome.message, b), (a, b, outcome.message)
+            assert len(outcome.message.splitlines()) == 1, outcome.message
+
+
+def test_every_refusal_rule_refuses_some_pair_of_the_matrix():
+    messages = [o.message for o in _matrix().values() if o.status == "refused"]
+    for rule in REFUSALS:
+        assert any(rule.reason in m for m in messages), rule
+
+
+def test_pairs_that_train_keep_their_invariants():
+    """Finite models; a resume mid-run equals the run without interruption (exactly);
+    vectorized clients equal sequential ones (to float round-off)."""
+    checked = {"resume": 0, "vectorize": 0}
+    for (a, b), outcome in _matrix().items():
+        if outcome.status != "ok":
+            continue
+        assert all(bool(p.isfinite().all()) for p in outcome.params), (a, b)
+        for rows in outcome.weights:
+            _, clients, weights = rows
+            assert len(set(clients)) == len(clients), (a, b, rows)
+            assert all(w >= 0 and w == w for w in weights), (a, b, rows)
+        for mode in ("resume", "vectorize"):
+            if mode not in (a, b):
+                continue
+            other = b if a == mode else a
+            reference = _alone(other).params
+            diff = max_abs_diff(outcome.params, reference)
+            assert diff <= (0.0 if mode == "resume" else 1e-5), (a, b, diff)
+            checked[mode] += 1
+    assert checked["resume"] >= 30 and checked["vectorize"] >= 10, checked
+
+
+#: Plugins that do not change who takes part or with which weight.
+_NEUTRAL = {"FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "SCAFFOLD", "FedProx",
+            "FedEM", "KNNPer", "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "DPSGD",
+            "MembershipInference", "vectorize", "resume"}  # fmt: skip
+_PLAIN_SAMPLERS = (
+    "FullParticipation",
+    "UniformSampler",
+    "MDSampler",
+    "SampleSizeClusteredSampler",
+    "FixedClustersSampler",
+    "ExcludedClients",
+)
+
+
+def test_participants_and_weights_are_the_samplers_whatever_the_other_plugin():
+    """ω_i(S_t) of each round equal the sampler's own draw from (seed, t) and the
+    aggregator's target weights p_i = n_i/Σn (weights as declared)."""
+    counts = torch.tensor(
+        [len(d["train"][1]) for d in composition._clients()[0]], dtype=torch.float64
+    )
+    p = counts / counts.sum()
+    for (a, b), outcome in _matrix().items():
+        if a not in _PLAIN_SAMPLERS or b not in _NEUTRAL or outcome.status != "ok":
+            continue
+        sampler = composition.build((a,)).sampler
+        for round_idx, clients, weights in outcome.weights:
+            expected = sampler.sample(round_idx, 0, p)
+            assert clients == expected.clients, (a, b, round_idx)
+            assert weights == pytest.approx(expected.weights, abs=1e-12), (a, b, round_idx)
+
+
+def test_the_readme_shows_the_refusal_table():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert refusal_table() in readme, "regenerate it: python -m lightning_fl.composition"
+
+
+# ---- the defects of issue 24 -----------------------------------------------------------
+
+
+def _ca_fed():
+    availability = MarkovAvailability([0.9] * 4 + [0.3] * 4, [0.8, 0.0] * 4)
+    return AvailableClients(availability, "ca_fed", kappa2=0.0)
+
+
+def _fit(sampler, rounds=4, callbacks=(), **trainer_kw):
+    module = tiny_module()
+    strategy = FederatedStrategy(sampler=sampler, local_steps=2, seed=1)
+    trainer = make_trainer(strategy, rounds, list(callbacks), **trainer_kw)
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=8))
+    return module, trainer
+
+
+def test_wrappers_forward_ca_feds_loss_probes():
+    """CA-Fed behind ExcludedClients (excluding nobody) is CA-Fed: the same model, and the
+    losses of every available client were probed (before, the wrapper dropped
+    needs_losses and the first round failed)."""
+    plain, wrapped = _ca_fed(), ExcludedClients(_ca_fed(), [])
+    assert wrapped.needs_losses and not ExcludedClients(UniformSampler(2), []).needs_losses
+    a, _ = _fit(plain)
+    b, _ = _fit(wrapped)
+    assert max_abs_diff(params_of(a), params_of(b)) == 0
+    assert torch.equal(plain.filter.estimate, wrapped.sampler.filter.estimate)
+    assert bool((wrapped.sampler.filter.estimate > 0).all())
+    # behind the unlearning wrapper too, with a request on the way
+    unlearning = Unlearning("fine_tuning", requests={2: [6]})
+    sampler = _ca_fed()
+    _fit(sampler, callbacks=[FedAvg(), unlearning])
+    assert unlearning.removed == [6] and sampler.filter.estimate is not None
+
+
+def test_an_error_while_planning_the_first_round_is_not_masked():
+    class Broken(UniformSampler):
+        def sample(self, round_idx, seed, p):
+            raise ValueError("the sampler's own message")
+
+    with pytest.raises(ValueError, match="the sampler's own message"):
+        _fit(Broken(2), rounds=1)
+
+
+def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights():
+    """Ψ(2, c) = Σ_s ‖Δ(I, θ^s) − Δ(I∖{c}, θ^s)‖ with FedAvg's sample weights
+    p_i = n_i/Σn (unequal clients) and η_g = 0.5, computed from the clients' updates of
+    two rounds: removing c renormalizes the others' weights by 1/(1 − p_c)."""
+    from lightning.pytorch import Callback
+
+    deltas: list[dict[int, torch.Tensor]] = []
+
+    class Keep(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            deltas.append({})
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            deltas[-1].update(unlearning._deltas)
+
+    unlearning = Unlearning(sigma=0.1)
+    dm = tiny_datamodule(num_clients=6)
+    counts = torch.tensor(dm.sample_counts("train"), dtype=torch.float64)
+    assert len(set(counts.tolist())) > 3  # unequal clients: uniform p would differ
+    module = tiny_module()
+    strategy = FederatedStrategy(sampler=FullParticipation(), local_steps=3, seed=2)
+    make_trainer(strategy, 2, [FedAvg("samples", server_lr=0.5), unlearning, Keep()]).fit(
+        module, datamodule=dm
+    )
+    p = counts / counts.sum()
+    expected = torch.zeros(6, dtype=torch.float64)
+    for round_deltas in deltas:
+        d = {c: v.double() for c, v in round_deltas.items()}
+        everyone = 0.5 * sum(p[c] * d[c] for c in d)
+        for c in d:
+            without = 0.5 * sum(p[j] / (1 - p[c]) * d[j] for j in d if j != c)
+            expected[c] += (everyone - without).norm()
+    psi = torch.as_tensor(unlearning.history.psi[0][2])
+    assert torch.allclose(psi, expected, rtol=1e-5, atol=1e-9), (psi, expected)
+    uniform = torch.zeros(6, dtype=torch.float64)  # the old p = 1/|I| is far off
+    for round_deltas in deltas:
+        d = {c: v.double() for c, v in round_deltas.items()}
+        mean = sum(p[c] * d[c] for c in d)
+        for c in d:
+            uniform[c] += 0.5 * (1 / 5) * (d[c] - mean).norm()
+    assert not torch.allclose(psi, uniform, rtol=0.05)
+
+
+def test_resume_refuses_another_federation_unless_told(tmp_path):
+    checkpoint = ModelCheckpoint(tmp_path, "saved", every_n_epochs=1)
+    from lightning_fl.callbacks import Local
+
+    first = make_trainer(
+        FederatedStrategy(local_steps=1), 1, [checkpoint, Local()], enable_checkpointing=True
+    )
+    first.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=12))
+    path = str(tmp_path / "saved.ckpt")
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 2, [Local()])
+    with pytest.raises(FederationMismatchError, match="num_clients: saved 12, now 6"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=6), ckpt_path=path)
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import tiny_clients
+
+    clients = tiny_clients(12)
+    x, y = clients[3]["train"]
+    clients[3]["train"] = (x[:-1], y[:-1])  # one sample fewer at client 3
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 2, [Local()])
+    with pytest.raises(FederationMismatchError, match=r"train_counts \(clients \[3\]\)"):
+        trainer.fit(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, batch_size=4),
+                    ckpt_path=path)  # fmt: skip
+    strategy = FederatedStrategy(local_steps=1, allow_new_federation=True)
+    with pytest.warns(UserWarning, match="another federation"):
+        make_trainer(strategy, 2, [Local()]).fit(
+            tiny_module(), datamodule=tiny_datamodule(num_clients=6), ckpt_path=path
+        )
+    assert strategy.client_store.clients() and max(strategy.client_store.clients()) < 6
+
+
+def test_resume_refuses_a_datamodule_with_another_partition_seed(tmp_path):
+    from lightning_fl.datamodules import DigitsDataModule
+
+    checkpoint = ModelCheckpoint(tmp_path, "saved", every_n_epochs=1)
+    module = tiny_module()
+
+    def digits(seed):
+        return DigitsDataModule(num_clients=5, partition="iid", seed=seed, batch_size=64)
+
+    from lightning_fl import MLP, Classifier
+
+    def model():
+        torch.manual_seed(0)
+        return Classifier(network=MLP(64, (8,), 10), lr=0.1)
+
+    make_trainer(FederatedStrategy(local_steps=1), 1, [checkpoint], enable_checkpointing=True
+                 ).fit(model(), datamodule=digits(0))  # fmt: skip
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 2)
+    with pytest.raises(FederationMismatchError, match="partition_seed: saved 0, now 1"):
+        trainer.fit(model(), datamodule=digits(1), ckpt_path=str(tmp_path / "saved.ckpt"))
+    del module
+
+
+def test_unlearning_resumed_with_another_sigma_is_refused_and_scratch_restarts_at_zero(
+    tmp_path,
+):
+    checkpoint = ModelCheckpoint(tmp_path, "saved", every_n_epochs=1)
+    scratch = Unlearning("scratch", sigma=0.05, requests={2: [0]})
+    _fit(UniformSampler(4), 3, [FedAvg(), scratch, checkpoint], enable_checkpointing=True)
+    assert scratch.done_requests[0]["restart_round"] == 0
+    assert scratch.done_requests[0]["branch"] == 0
+    fine = Unlearning("fine_tuning", requests={2: [0]})
+    _fit(UniformSampler(4), 3, [FedAvg(), fine])
+    assert fine.done_requests[0]["restart_round"] == 2  # the current model, two rounds in
+    module = tiny_module()
+    other = Unlearning("scratch", sigma=0.1, requests={2: [0]})
+    trainer = make_trainer(FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=1),
+                           5, [FedAvg(), other])  # fmt: skip
+    with pytest.raises(ValueError, match=r"sigma 0.05 -> 0.1"):
+        trainer.fit(module, datamodule=tiny_datamodule(num_clients=8),
+                    ckpt_path=str(tmp_path / "saved.ckpt"))  # fmt: skip
+
+
+def test_personalization_refuses_a_plain_module_before_any_training():
+    import lightning.pytorch as pl
+
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(6, 3)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    steps = []
+
+    class Count(pl.Callback):
+        def on_train_batch_start(self, *args):
+            steps.append(1)
+
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [Ditto(), Count()])
+    with pytest.raises(CompositionError, match="Ditto cannot be combined with Plain"):
+        trainer.fit(Plain(), datamodule=tiny_datamodule())
+    assert not steps
+
+
+def test_markov_availability_follows_the_seed_even_with_state():
+    """The seed rules: the same chain object asked for two seeds gives each seed's own
+    sets, equal to those of a fresh object."""
+    chain = MarkovAvailability([0.5] * 40, [0.3] * 40)
+    for t in range(5):
+        chain.available(t, 0, 40)
+    other = chain.available(4, 1, 40)
+    fresh = MarkovAvailability([0.5] * 40, [0.3] * 40)
+    assert torch.equal(other, torch.stack([fresh.available(t, 1, 40) for t in range(5)])[-1])
+    again = MarkovAvailability([0.5] * 40, [0.3] * 40)
+    assert not torch.equal(other, again.available(4, 0, 40))  # the seeds differ
+    assert torch.equal(chain.available(2, 0, 40), again.available(2, 0, 40))
+
+
+def test_a_damaged_checkpoint_fails_the_same_way_from_the_cli(tmp_path):
+    from pathlib import Path
+
+    from lightning_fl.cli import run
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
+    common = ["--config", recipe, "--trainer.max_epochs", "1", "--trainer.default_root_dir",
+              str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
+              "--trainer.enable_progress_bar", "false", "--test_after_fit", "false"]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(["fit", *common], exit_on_error=False)
+    (last,) = Path(tmp_path).rglob("last.ckpt")
+    half = tmp_path / "half.ckpt"
+    half.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    text = tmp_path / "notes.ckpt"
+    text.write_text("not a checkpoint\n" * 50)
+    from lightning_fl.strategy import CheckpointReadError
+
+    for bad in (half, text):
+        with pytest.raises(CheckpointReadError) as info:
+            run(["fit", *common, "--ckpt_path", str(bad)], exit_on_error=False)
+        message = str(info.value)
+        assert str(bad) in message and "resume from another one" in message
+        assert "weights_only` set to `False`" not in message and "False" not in message
