@@ -126,6 +126,18 @@ REFUSALS: tuple[Refusal, ...] = (
         for i, first in enumerate(PERSONAL_MODELS[:-1])
     ),
     Refusal(
+        "ClusteredFL",
+        ("2 processes",),
+        "a split compares every client's update of the round in one place",
+        "use devices=1",
+    ),
+    Refusal(
+        "FreeRiderDetector",
+        ("2 processes",),
+        "the detector compares every client's update of the round in one place",
+        "use devices=1",
+    ),
+    Refusal(
         "SAFARI",
         ("StreamingDataModule", "ReferenceDataModule"),
         "the server's own training data comes from the datamodule's server_dataset(), "
@@ -165,6 +177,8 @@ def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, 
                 names.setdefault(cls.__name__, shown)
     if strategy.vectorize:
         names["vectorize"] = "FederatedStrategy(vectorize=True)"
+    if strategy.world_size > 1:
+        names["2 processes"] = f"{strategy.world_size} processes"
     return names
 
 

@@ -74,6 +74,8 @@ from lightning_fl.samplers import ExcludedClients
 IN, HIDDEN, OUT = 6, 8, 3
 NUM_CLIENTS = 6
 ROUNDS = 2
+#: Processes of every run: 2 under torchrun (tests/composition_distributed.py).
+DEVICES = int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _clients(seed: int = 0) -> tuple[list[dict], tuple[torch.Tensor, torch.Tensor]]:
@@ -281,11 +283,15 @@ def build(names: tuple[str, ...]) -> Setup:
 
 
 def _trainer(setup: Setup, rounds: int, root: str, extra: list, **kw) -> pl.Trainer:
+    strategy = dict(setup.strategy)
+    if DEVICES > 1:
+        strategy["timeout"] = 120.0
     options = dict(
+        devices=DEVICES,
         default_root_dir=root, max_epochs=rounds, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, accelerator="cpu",
-        strategy=FederatedStrategy(sampler=setup.sampler, **setup.strategy),
+        strategy=FederatedStrategy(sampler=setup.sampler, **strategy),
         callbacks=[*setup.callbacks, *extra],
     )  # fmt: skip
     options.update(kw)
@@ -310,7 +316,12 @@ def run(names: tuple[str, ...], rounds: int = ROUNDS) -> Outcome:
     setup = build(names)
     seen, weights = _TrainingSeen(), _Weights()
     module, dm = setup.module(), setup.datamodule()
-    root = tempfile.mkdtemp(prefix="lightning-fl-composition-")
+    shared = os.environ.get("COMPOSITION_ROOT")  # every rank's, for a shared checkpoint
+    if shared:
+        root = os.path.join(shared, "+".join(names))
+        os.makedirs(root, exist_ok=True)
+    else:
+        root = tempfile.mkdtemp(prefix="lightning-fl-composition-")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -350,3 +350,40 @@ def test_a_damaged_checkpoint_fails_the_same_way_from_the_cli(tmp_path):
         message = str(info.value)
         assert str(bad) in message and "resume from another one" in message
         assert "weights_only` set to `False`" not in message and "False" not in message
+
+
+def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path):
+    """Each plugin on 2 processes (torchrun, gloo) gives the 1-process model to float
+    round-off, its resume included, or is refused at setup naming "2 processes"."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "outcomes.pt"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
+           "COMPOSITION_ROOT": str(tmp_path)}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), "-m", "tests.composition_distributed", str(out)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = torch.load(out, weights_only=True)
+    assert set(outcomes) == {p.name for p in composition.PLUGINS}
+    refused = []
+    for name, outcome in outcomes.items():
+        assert outcome["status"] in ("ok", "refused"), (name, outcome["message"])
+        if outcome["status"] == "refused":
+            assert composition.names_plugin(outcome["message"], name), outcome["message"]
+            assert "2 processes" in outcome["message"], outcome["message"]
+            refused.append(name)
+            continue
+        diff = max_abs_diff(outcome["params"], _alone(name).params)
+        assert diff <= 1e-5, (name, diff)
+    assert sorted(refused) == ["ClusteredFL", "FreeRiderDetector"]

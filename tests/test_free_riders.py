@@ -129,5 +129,5 @@ def test_bad_free_rider_settings_are_refused():
     module = _tiny_module(0.1)
     trainer = make_trainer(FederatedStrategy(sampler=UniformSampler(2), local_steps=1), 1,
                            [FedAvg(), FreeRiders(1)])  # fmt: skip
-    with pytest.raises(ValueError, match="full participation: drop the strategy's UniformSampler"):
+    with pytest.raises(ValueError, match="FreeRiders cannot be combined with UniformSampler"):
         trainer.fit(module, datamodule=tiny_datamodule(num_clients=5))
