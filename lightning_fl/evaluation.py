@@ -13,8 +13,10 @@ see :func:`lower_is_better`).
 from __future__ import annotations
 
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -24,24 +26,36 @@ from lightning_fl.outputs import append_csv
 class ClientMetricCapture:
     """Collects ``{metric: {client: (mean, num_samples)}}`` for one evaluation epoch.
 
-    Two sources: metrics a module logs with ``self.log`` (only tensor metrics logged with
-    ``on_epoch=True`` and the default mean reduction are split per client; a torchmetrics
-    ``Metric`` object cannot be split this way), read from Lightning's running sums at each
-    client boundary; and the per-client sums a :class:`~lightning_fl.FederatedTask` keeps
-    on the device instead of logging every batch (``module_sums``, their names in
-    :attr:`summed_names`), whose epoch value the strategy logs once, as the seen clients'
-    sample-weighted mean.
+    Three sources, read at each client boundary:
+
+    - tensor metrics a module logs with ``self.log(..., on_epoch=True)`` and the default
+      mean reduction, from Lightning's running sums;
+    - torchmetrics ``Metric`` objects a module logs (``self.log(name, metric)``): the
+      client's share of the metric's state (what its updates added since the last
+      boundary: the difference of sum states, the new items of list states) is computed
+      in a copy, so each client gets the metric of its own data. The metric itself keeps
+      accumulating, and its epoch value (Lightning's compute) is the metric *pooled* over
+      the seen clients' samples; unseen clients' shares are taken back out. States reduced
+      otherwise (max, min, mean) cannot be split: such a metric is warned about once and
+      reported pooled only;
+    - the per-client sums a :class:`~lightning_fl.FederatedTask` keeps on the device
+      instead of logging every batch (``module_sums``, their names in
+      :attr:`summed_names`), whose epoch value the strategy logs once, as the seen
+      clients' sample-weighted mean.
     """
 
     def __init__(self) -> None:
         self.per_client: dict[str, dict[int, tuple[float, float]]] = defaultdict(dict)
         self._totals: dict[str, tuple[float, float]] = {}
+        self._states: dict[str, dict[str, Any]] = {}
+        self._warned: set[str] = set()
         #: Names of the metrics that came as module sums (logged once per epoch).
         self.summed_names: set[str] = set()
 
     def reset(self) -> None:
         self.per_client.clear()
         self._totals.clear()
+        self._states.clear()
         self.summed_names.clear()
 
     def close_client(
@@ -50,15 +64,22 @@ class ClientMetricCapture:
         client: int,
         exclude: bool = False,
         module_sums: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        num_samples: int | None = None,
     ) -> None:
         """Record ``client``'s means; with ``exclude``, also take its batches back out of
-        Lightning's epoch sums (unseen clients must not move the seen clients' mean)."""
+        Lightning's epoch sums (unseen clients must not move the seen clients' mean).
+        ``num_samples`` (the client's evaluation samples) weighs the torchmetrics
+        metrics, which do not count samples."""
         for key, (total, count) in (module_sums or {}).items():
             self.summed_names.add(key)
             if float(count) > 0:
                 self.per_client[key][client] = (float(total / count), float(count))
         for key, metric in results.items():
             meta = getattr(metric, "meta", None)
+            if meta is not None and meta.on_epoch and not metric.is_tensor:
+                self._close_metric_object(key, meta.name, metric.value, client, exclude,
+                                          num_samples)  # fmt: skip
+                continue
             if meta is None or not (metric.is_tensor and meta.on_epoch and meta.is_mean_reduction):
                 continue
             total, count = float(metric.value), float(metric.cumulated_batch_size)
@@ -73,6 +94,70 @@ class ClientMetricCapture:
                 )
             else:
                 self._totals[key] = (total, count)
+
+    def _close_metric_object(
+        self, key: str, name: str, metric: Any, client: int, exclude: bool, count: int | None
+    ) -> None:
+        """A torchmetrics ``Metric``'s value on ``client``'s share of its state."""
+        before = self._states.get(key) or _initial_state(metric)
+        now = _current_state(metric)
+        share = {k: _share(metric, k, now[k], before[k]) for k in now}
+        if any(v is None for v in share.values()):
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"{name}: {type(metric).__name__} has states reduced by max, min or mean, "
+                    "which cannot be split per client; it is reported pooled over all "
+                    "clients only.",
+                    stacklevel=2,
+                )
+            return
+        if all(_empty(v) for v in share.values()):
+            return  # the client logged nothing to it
+        part = metric.clone()
+        part.reset()
+        for state, value in share.items():
+            setattr(part, state, value)
+        part._update_count, part._computed = 1, None
+        part.sync_on_compute, part._to_sync = False, False  # this rank's client only
+        value = part.compute()
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            self.per_client[name][client] = (float(value), float(count or 1))
+        if exclude:  # the pooled value is over the seen clients
+            for state, value in before.items():
+                setattr(metric, state, _copy(value))
+            metric._computed = None
+        else:
+            self._states[key] = now
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else list(value)
+
+
+def _initial_state(metric: Any) -> dict[str, Any]:
+    return {k: _copy(v) for k, v in metric._defaults.items()}
+
+
+def _current_state(metric: Any) -> dict[str, Any]:
+    return {k: _copy(getattr(metric, k)) for k in metric._defaults}
+
+
+def _share(metric: Any, state: str, now: Any, before: Any) -> Any:
+    """What the updates since ``before`` added to ``state``: the new items of a list
+    state, the difference of a summed tensor state; None where it cannot be told."""
+    if isinstance(now, list):
+        return now[len(before) :]
+    reduction = getattr(metric._reductions.get(state), "__name__", "")
+    if reduction == "dim_zero_sum":
+        return now - before
+    return None
+
+
+def _empty(value: Any) -> bool:
+    if isinstance(value, list):
+        return not value
+    return not bool(value.count_nonzero()) if value.numel() else True
 
 
 _LOWER_IS_BETTER = re.compile(r"(loss|error|err|nll|perplexity|mse|mae)$")

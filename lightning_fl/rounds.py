@@ -120,6 +120,8 @@ class EvalRounds:
         self.split = split
         self.strategy = strategy
         clients, loaders = [], []
+        #: each client's number of samples in ``split``
+        self.sizes: dict[int, int] = {}
         for c in [*datamodule.seen_clients(), *datamodule.unseen_clients]:
             if strategy.owner(c) != strategy.global_rank:
                 continue
@@ -127,6 +129,7 @@ class EvalRounds:
             if dataset is not None and len(dataset) > 0:
                 clients.append(c)
                 loaders.append(datamodule.client_dataloader(dataset, split))
+                self.sizes[c] = len(dataset)
         self.loaders = loaders
         self.schedule = ClientSchedule(tuple(clients), tuple(len(lo) for lo in loaders))
 
@@ -134,6 +137,6 @@ class EvalRounds:
         return self.schedule.total
 
     def __iter__(self) -> Iterator[Any]:
-        self.strategy.begin_evaluation(self.schedule)
+        self.strategy.begin_evaluation(self.schedule, self.sizes)
         for loader in self.loaders:
             yield from loader

@@ -868,7 +868,9 @@ class FederatedStrategy(DDPStrategy):
         return sorted(self.federated_callbacks, key=order)  # stable
 
     # ------------------------------------------------------------------ evaluation
-    def begin_evaluation(self, schedule: ClientSchedule) -> None:
+    def begin_evaluation(
+        self, schedule: ClientSchedule, sizes: dict[int, int] | None = None
+    ) -> None:
         personalizes = any(
             type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
             and not cb.evaluation_observer
@@ -878,6 +880,7 @@ class FederatedStrategy(DDPStrategy):
             "schedule": schedule,
             "open": None,
             "global": self.federated_tensors.clone() if personalizes else None,
+            "sizes": sizes or {},
         }
         self.metric_capture.reset()
 
@@ -897,7 +900,10 @@ class FederatedStrategy(DDPStrategy):
         unseen = client in set(self._datamodule().unseen_clients)
         module = self.lightning_module
         sums = module.pop_evaluation_sums() if hasattr(module, "pop_evaluation_sums") else None
-        self.metric_capture.close_client(trainer._results, client, exclude=unseen, module_sums=sums)
+        self.metric_capture.close_client(
+            trainer._results, client, exclude=unseen, module_sums=sums,
+            num_samples=self._eval["sizes"].get(client),
+        )  # fmt: skip
         self._call("on_client_evaluation_end", client)
         if self._eval["global"] is not None:
             self.federated_tensors.load_(self._eval["global"])

@@ -387,3 +387,67 @@ def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path
         diff = max_abs_diff(outcome["params"], _alone(name).params)
         assert diff <= 1e-5, (name, diff)
     assert sorted(refused) == ["ClusteredFL", "FreeRiderDetector"]
+
+
+# ---- torchmetrics per client -----------------------------------------------------------
+
+
+def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clients(tmp_path):
+    """A module logs a torchmetrics MulticlassAccuracy (macro: not a mean of batch means):
+    each client's value is the metric of its own test data, the epoch value is the metric
+    pooled over the seen clients' samples (unseen clients taken out), and p10 and
+    client_metrics.csv carry it."""
+    import csv
+    import glob
+
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lightning_fl import MLP, Classifier
+    from tests.helpers import HIDDEN, IN, OUT
+
+    class WithTorchmetrics(Classifier):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.macro = MulticlassAccuracy(num_classes=OUT, average="macro")
+
+        def test_step(self, batch, batch_idx):
+            super().test_step(batch, batch_idx)
+            x, y = batch
+            self.macro.update(self(x), y)
+            self.log("test_macro_acc", self.macro, on_epoch=True)
+
+    torch.manual_seed(1)
+    module = WithTorchmetrics(network=MLP(IN, (HIDDEN,), OUT), lr=0.1)
+    dm = tiny_datamodule(num_clients=6)
+    dm.hold_out(1 / 3)
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 2,
+                           default_root_dir=str(tmp_path))  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    trainer.test(module, datamodule=dm, verbose=False)
+    per_client = trainer.strategy.metric_capture.per_client["test_macro_acc"]
+    module.eval()
+    expected, seen_x, seen_y = {}, [], []
+    with torch.no_grad():
+        for c in range(6):
+            x, y = dm.client_dataset(c, "test").tensors
+            reference = MulticlassAccuracy(num_classes=OUT, average="macro")
+            expected[c] = float(reference(module(x), y))
+            if c not in dm.unseen_clients:
+                seen_x.append(x)
+                seen_y.append(y)
+        pooled = MulticlassAccuracy(num_classes=OUT, average="macro")
+        pooled = float(pooled(module(torch.cat(seen_x)), torch.cat(seen_y)))
+    assert set(per_client) == set(range(6))
+    for c in range(6):
+        assert per_client[c][0] == pytest.approx(expected[c], abs=1e-6), c
+        assert per_client[c][1] == len(dm.client_dataset(c, "test"))
+    metrics = trainer.callback_metrics
+    assert float(metrics["test_macro_acc"]) == pytest.approx(pooled, abs=1e-6)
+    seen = torch.tensor([expected[c] for c in range(6) if c not in dm.unseen_clients])
+    assert float(metrics["test_macro_acc/p10"]) == pytest.approx(
+        float(torch.quantile(seen.double(), 0.1)), abs=1e-6
+    )
+    assert "test_macro_acc/unseen/weighted" in metrics
+    (path,) = glob.glob(str(tmp_path / "**" / "client_metrics.csv"), recursive=True)
+    rows = [r for r in csv.DictReader(open(path)) if r["metric"] == "test_macro_acc"]
+    assert {int(r["client"]) for r in rows} == set(range(6))
