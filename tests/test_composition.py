@@ -168,10 +168,12 @@ def test_an_error_while_planning_the_first_round_is_not_masked():
         _fit(Broken(2), rounds=1)
 
 
-def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights():
-    """Ψ(2, c) = Σ_s ‖Δ(I, θ^s) − Δ(I∖{c}, θ^s)‖ with FedAvg's sample weights
+@pytest.mark.parametrize("decay", [1.0, 0.6])
+def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights(decay):
+    """Ψ(2, c) = Σ_s decay^(1−s) ‖Δ(I, θ^s) − Δ(I∖{c}, θ^s)‖ with FedAvg's sample weights
     p_i = n_i/Σn (unequal clients) and η_g = 0.5, computed from the clients' updates of
-    two rounds: removing c renormalizes the others' weights by 1/(1 − p_c)."""
+    two rounds: removing c renormalizes the others' weights by 1/(1 − p_c); with a decay
+    (Cor. 5.1) the first round's term is discounted once."""
     from lightning.pytorch import Callback
 
     deltas: list[dict[int, torch.Tensor]] = []
@@ -183,7 +185,7 @@ def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights()
         def on_train_epoch_end(self, trainer, pl_module):
             deltas[-1].update(unlearning._deltas)
 
-    unlearning = Unlearning(sigma=0.1)
+    unlearning = Unlearning(sigma=0.1, decay=decay)
     dm = tiny_datamodule(num_clients=6)
     counts = torch.tensor(dm.sample_counts("train"), dtype=torch.float64)
     assert len(set(counts.tolist())) > 3  # unequal clients: uniform p would differ
@@ -197,6 +199,7 @@ def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights()
     for round_deltas in deltas:
         d = {c: v.double() for c, v in round_deltas.items()}
         everyone = 0.5 * sum(p[c] * d[c] for c in d)
+        expected *= decay
         for c in d:
             without = 0.5 * sum(p[j] / (1 - p[c]) * d[j] for j in d if j != c)
             expected[c] += (everyone - without).norm()
@@ -206,6 +209,7 @@ def test_sensitivity_is_the_difference_of_two_aggregations_with_sample_weights()
     for round_deltas in deltas:
         d = {c: v.double() for c, v in round_deltas.items()}
         mean = sum(p[c] * d[c] for c in d)
+        uniform *= decay
         for c in d:
             uniform[c] += 0.5 * (1 / 5) * (d[c] - mean).norm()
     assert not torch.allclose(psi, uniform, rtol=0.05)
@@ -400,7 +404,7 @@ def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clien
     import csv
     import glob
 
-    from torchmetrics.classification import MulticlassAccuracy
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
     from lightning_fl import MLP, Classifier
     from tests.helpers import HIDDEN, IN, OUT
@@ -409,12 +413,15 @@ def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clien
         def __init__(self, **kw):
             super().__init__(**kw)
             self.macro = MulticlassAccuracy(num_classes=OUT, average="macro")
+            self.auroc = MulticlassAUROC(num_classes=OUT)  # list states: every prediction
 
         def test_step(self, batch, batch_idx):
             super().test_step(batch, batch_idx)
             x, y = batch
             self.macro.update(self(x), y)
+            self.auroc.update(self(x).softmax(-1), y)
             self.log("test_macro_acc", self.macro, on_epoch=True)
+            self.log("test_auroc", self.auroc, on_epoch=True)
 
     torch.manual_seed(1)
     module = WithTorchmetrics(network=MLP(IN, (HIDDEN,), OUT), lr=0.1)
@@ -425,13 +432,19 @@ def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clien
     trainer.fit(module, datamodule=dm)
     trainer.test(module, datamodule=dm, verbose=False)
     per_client = trainer.strategy.metric_capture.per_client["test_macro_acc"]
+    auroc = trainer.strategy.metric_capture.per_client["test_auroc"]
     module.eval()
     expected, seen_x, seen_y = {}, [], []
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # AUROC of a client that lacks a class
         for c in range(6):
             x, y = dm.client_dataset(c, "test").tensors
             reference = MulticlassAccuracy(num_classes=OUT, average="macro")
             expected[c] = float(reference(module(x), y))
+            reference_auroc = MulticlassAUROC(num_classes=OUT)
+            assert auroc[c][0] == pytest.approx(
+                float(reference_auroc(module(x).softmax(-1), y)), abs=1e-6
+            ), c
             if c not in dm.unseen_clients:
                 seen_x.append(x)
                 seen_y.append(y)
