@@ -141,3 +141,109 @@ def test_fedomd_with_one_client_is_l2_regularized_sgd():
     grad = (probs - torch.nn.functional.one_hot(y, 2)).T @ x / 2 + 0.1 * w
     alg.step([(x, y)])
     assert torch.allclose(alg.params[0], w - 0.2 * grad, atol=1e-6)
+
+
+def _gauss(x, mu):  # N(x; μ, I) in any dimension, written out
+    d = len(x)
+    return math.exp(-0.5 * sum((a - b) ** 2 for a, b in zip(x, mu))) / (2 * math.pi) ** (d / 2)
+
+
+def test_three_rounds_of_algorithm_15_with_two_em_steps_by_hand():
+    """Three rounds, K = 2 split batches, d = 2: after the first round π is no longer
+    uniform and t > 1, so the E-step's start from the client's π_t, the running average's
+    (t ω_t + μ̃)/(t + 1) and OMD's prior π_t all show (a single round with t = 1 and
+    uniform π hides them)."""
+    rng_data = np.random.default_rng(11)
+    means = np.array([[-1.0, 0.0], [1.5, 1.0], [0.0, 2.5]])
+    alg = FemOmdGMM(means, num_clients=2, lr=0.8, em_steps=2, seed=5)
+    omega, pi = [list(map(float, mu)) for mu in means], [[1 / 3] * 3, [1 / 3] * 3]
+    replay = np.random.default_rng(5)
+    for t in (1, 2, 3):
+        samples = [rng_data.normal(loc=[0.5 * c, 1.0], size=(6, 2)) for c in range(2)]
+        local_pi = [list(p) for p in pi]
+        shared = [list(mu) for mu in omega]
+        for k in range(2):
+            local_means = []
+            for c in range(2):
+                part = np.array_split(samples[c], 2)[k]
+                resp = []
+                for x in part:
+                    row = [local_pi[c][j] * _gauss(x, shared[j]) for j in range(3)]
+                    resp.append([v / sum(row) for v in row])
+                local_pi[c] = [sum(r[j] for r in resp) / len(resp) for j in range(3)]
+                local_means.append([
+                    [sum(r[j] * x[d] for r, x in zip(resp, part)) / sum(r[j] for r in resp)
+                     for d in range(2)]
+                    for j in range(3)
+                ])  # fmt: skip
+            shared = [
+                [sum(local_pi[c][j] * local_means[c][j][d] for c in range(2))
+                 / sum(local_pi[c][j] for c in range(2)) for d in range(2)]
+                for j in range(3)
+            ]  # fmt: skip
+        omega = [[(t * omega[j][d] + shared[j][d]) / (t + 1) for d in range(2)] for j in range(3)]
+        new_pi = []
+        for c in range(2):
+            p = np.array(local_pi[c])
+            comp = replay.choice(3, size=6, p=p / p.sum())
+            z = np.array(omega)[comp] + replay.standard_normal((6, 2))
+            grad = [-sum(_gauss(v, omega[j]) / sum(pi[c][i] * _gauss(v, omega[i])
+                                                 for i in range(3)) for v in z) / 6
+                    for j in range(3)]  # fmt: skip
+            unnormalized = [pi[c][j] * math.exp(-0.8 * grad[j]) for j in range(3)]
+            new_pi.append([u / sum(unnormalized) for u in unnormalized])
+        pi = new_pi
+        alg.step(samples)
+        assert alg.means == pytest.approx(np.array(omega), abs=1e-10), t
+        assert alg.weights == pytest.approx(np.array(pi), abs=1e-10), t
+    assert abs(pi[0][0] - 1 / 3) > 1e-3  # π moved away from uniform
+
+
+def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand():
+    """Alg. 17 over three rounds with K = 2 EM steps per round, carried by hand: the running
+    average at t = 2, 3 and OMD from a non-uniform π, which one round cannot test."""
+    import torch
+
+    from lightning_fl.fem_omd import FemOmdClassifier
+
+    alg = FemOmdClassifier(_linear, 2, 2, component_lr=0.4, weight_lr=0.9, em_steps=2, seed=6)
+    omega = [comp[0].clone().double() for comp in alg.components]
+    pi = torch.full((2, 2), 0.5, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+
+    def losses(weights, x, y):
+        logits = x.double() @ weights.T
+        return logits.logsumexp(1) - logits[torch.arange(len(y)), y]
+
+    for t in (1, 2, 3):
+        samples = [(torch.randn(4, 1, generator=gen) + c, torch.randint(0, 2, (4,), generator=gen))
+                   for c in range(2)]  # fmt: skip
+        local_pi, shared = pi.clone(), [w.clone() for w in omega]
+        for _ in range(2):
+            updated = []
+            for c, (x, y) in enumerate(samples):
+                ell = torch.stack([losses(w, x, y) for w in shared])
+                lik = local_pi[c][:, None] * torch.exp(-ell)
+                resp = lik / lik.sum(0, keepdim=True)
+                local_pi[c] = resp.mean(1)
+                steps = []
+                for j, w in enumerate(shared):
+                    probs = (x.double() @ w.T).softmax(1)
+                    onehot = torch.nn.functional.one_hot(y, 2).double()
+                    steps.append(w - 0.4 * (resp[j][:, None] * (probs - onehot)).T @ x.double())
+                updated.append(steps)
+            shared = [sum(local_pi[c, j] * updated[c][j] for c in range(2)) / local_pi[:, j].sum()
+                      for j in range(2)]  # fmt: skip
+        omega = [(t * omega[j] + shared[j]) / (t + 1) for j in range(2)]
+        new_pi = []
+        for c, (x, y) in enumerate(samples):
+            lik = torch.stack([torch.exp(-losses(w, x, y)) for w in omega])
+            gradient = -(lik / (pi[c][:, None] * lik).sum(0, keepdim=True)).mean(1)
+            weights = pi[c] * torch.exp(-0.9 * gradient)
+            new_pi.append(weights / weights.sum())
+        pi = torch.stack(new_pi)
+        alg.step(samples)
+        for j in range(2):
+            assert torch.allclose(alg.components[j][0].double(), omega[j], atol=1e-5), t
+        assert torch.allclose(alg.weights.double(), pi, atol=1e-5), t
+    assert not torch.allclose(pi, torch.full((2, 2), 0.5, dtype=torch.float64), atol=1e-3)
