@@ -72,6 +72,11 @@ class FederatedCallback(pl.Callback):
     #: training of a personal model, evaluation on training data) through its
     #: ``loss_and_metrics(batch)``; a module without it is refused at setup.
     requires_task_loss: bool = False
+    #: Whether the callback replaces the batch's gradient in ``on_before_optimizer_step``
+    #: (DP-SGD's clipped and noised gradient). The strategy runs such callbacks' hooks
+    #: before the others', so that terms the others add to the gradient (FedProx's
+    #: μ(θ − θ^t), SCAFFOLD's c − c_i) are added to the replaced gradient, not lost.
+    replaces_gradient: bool = False
 
     def on_round_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState

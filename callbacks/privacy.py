@@ -234,7 +234,12 @@ class DPSGD(FederatedCallback):
     Per-sample gradients use ``torch.func`` (``vmap`` of ``grad``) over the module's
     ``criterion``; models with BatchNorm are refused (as in Opacus). Batches are shuffled
     fixed-size batches, not Poisson samples: the reported ε is the usual approximation.
+
+    The private gradient replaces the batch's gradient before other callbacks add their
+    data-independent terms (FedProx, SCAFFOLD: ``replaces_gradient``).
     """
+
+    replaces_gradient = True
 
     def __init__(
         self,

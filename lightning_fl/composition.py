@@ -126,6 +126,13 @@ REFUSALS: tuple[Refusal, ...] = (
         for i, first in enumerate(PERSONAL_MODELS[:-1])
     ),
     Refusal(
+        "DPSGD",
+        ("PFedMe",),
+        "pFedMe's local step uses the personalized model θ̂ found with non-private "
+        "gradients of the batch, so the update a client sends would not be private",
+        "use DP-SGD with FedAvg, FedProx, SCAFFOLD, Ditto, APFL or FedRep",
+    ),
+    Refusal(
         "ClusteredFL",
         ("2 processes",),
         "a split compares every client's update of the round in one place",

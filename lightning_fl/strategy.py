@@ -276,6 +276,13 @@ class FederatedStrategy(DDPStrategy):
         trainer = model.trainer
         if not any(isinstance(cb, _RoundDriver) for cb in trainer.callbacks):
             trainer.callbacks.insert(0, _RoundDriver(self))
+
+        def order(cb: pl.Callback) -> int:  # Lightning runs per-step hooks in list order
+            if isinstance(cb, _RoundDriver):
+                return 0
+            return 1 if getattr(cb, "replaces_gradient", False) else 2
+
+        trainer.callbacks.sort(key=order)  # stable
         for i, cb in enumerate(trainer.callbacks):
             if type(cb) is TQDMProgressBar:
                 from lightning_fl.progress import FederatedProgressBar

@@ -464,3 +464,28 @@ def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clien
     (path,) = glob.glob(str(tmp_path / "**" / "client_metrics.csv"), recursive=True)
     rows = [r for r in csv.DictReader(open(path)) if r["metric"] == "test_macro_acc"]
     assert {int(r["client"]) for r in rows} == set(range(6))
+
+
+@pytest.mark.parametrize("other", ["FedProx", "SCAFFOLD"])
+@pytest.mark.parametrize("order", ["dp_first", "dp_last"])
+def test_dp_sgd_keeps_the_terms_fedprox_and_scaffold_add_to_the_gradient(other, order):
+    """With no noise and a clip no gradient reaches, DP-SGD's gradient is the plain one,
+    so FedProx or SCAFFOLD with DP-SGD must equal them alone, whatever the order in which
+    the callbacks are given (before, DP-SGD listed after them overwrote their terms)."""
+    from lightning_fl.callbacks import DPSGD, SCAFFOLD, FedProx
+
+    def make():
+        return FedProx(mu=0.5) if other == "FedProx" else SCAFFOLD()
+
+    def fit(callbacks):
+        module = tiny_module()
+        strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=3, seed=4)
+        make_trainer(strategy, 3, callbacks).fit(module, datamodule=tiny_datamodule(6))
+        return params_of(module)
+
+    dp = DPSGD(noise_multiplier=0.0, max_grad_norm=1e6)
+    alone = fit([make()])
+    both = fit([dp, make()] if order == "dp_first" else [make(), dp])
+    without = fit([DPSGD(noise_multiplier=0.0, max_grad_norm=1e6)])
+    assert max_abs_diff(alone, both) <= 1e-5
+    assert max_abs_diff(alone, without) > 1e-3  # the term matters here
