@@ -248,3 +248,51 @@ def test_multi_step_learning_rate_divides_at_the_milestones():
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001)
     with pytest.raises(ValueError, match="lr_decay or lr_milestones"):
         Classifier(lr_decay=0.9, lr_milestones=[1])
+
+
+def test_clustered_fl_after_a_split_trains_each_cluster_from_its_own_model_by_hand():
+    """Two rounds of full-batch gradient steps on 4 clients with conflicting labels,
+    against a loop written by hand: round 0 splits {0, 1} from {2, 3} (both models
+    start from the round's FedAvg step); in round 1 each client starts from its cluster's
+    model, each cluster moves by its members' sample-weighted mean update, and the global
+    model is the clusters' models weighted by their sample counts."""
+    import copy
+
+    g = torch.Generator().manual_seed(3)
+    rule = torch.randn(6, 3, generator=g)
+    clients, sizes = [], [40, 60, 50, 30]  # unequal: the weights matter
+    for c, n in enumerate(sizes):
+        x = torch.randn(n, 6, generator=g)
+        y = (x @ rule).argmax(1)
+        y = (y + 1) % 3 if c >= 2 else y
+        clients.append({"train": (x, y), "val": (x[:5], y[:5])})
+    dm = InMemoryFederatedDataModule(clients, batch_size=100)  # one full batch per step
+    module = tiny_module(LR)
+    reference = copy.deepcopy(module.network)
+    callback = ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=0)
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=SEED), 2, [callback])
+    trainer.fit(module, datamodule=dm)
+    assert sorted(map(sorted, callback.clusters)) == [[0, 1], [2, 3]]
+
+    def flat(net):
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def step(theta, c):  # one full-batch SGD step of client c from theta: the update
+        net = copy.deepcopy(reference)
+        torch.nn.utils.vector_to_parameters(theta.clone(), net.parameters())
+        x, y = clients[c]["train"]
+        loss = F.cross_entropy(net(x), y)
+        grads = torch.autograd.grad(loss, list(net.parameters()))
+        return -LR * torch.cat([gr.reshape(-1) for gr in grads])
+
+    theta0 = flat(reference)
+    n = torch.tensor(sizes, dtype=torch.float32)
+    start = theta0 + sum(n[c] / n.sum() * step(theta0, c) for c in range(4))
+    models = {}
+    for members in ([0, 1], [2, 3]):
+        total = n[members].sum()
+        models[tuple(members)] = start + sum(n[c] / total * step(start, c) for c in members)
+    global_model = sum(n[list(k)].sum() / n.sum() * m for k, m in models.items())
+    for members, model in zip(callback.clusters, callback.models):
+        assert torch.allclose(model[: len(theta0)], models[tuple(sorted(members))], atol=1e-6)
+    assert torch.allclose(flat(module.network), global_model, atol=1e-6)
