@@ -251,11 +251,12 @@ def test_multi_step_learning_rate_divides_at_the_milestones():
 
 
 def test_clustered_fl_after_a_split_trains_each_cluster_from_its_own_model_by_hand():
-    """Two rounds of full-batch gradient steps on 4 clients with conflicting labels,
+    """Three rounds of full-batch gradient steps on 4 clients with conflicting labels,
     against a loop written by hand: round 0 splits {0, 1} from {2, 3} (both models
-    start from the round's FedAvg step); in round 1 each client starts from its cluster's
-    model, each cluster moves by its members' sample-weighted mean update, and the global
-    model is the clusters' models weighted by their sample counts."""
+    start from the round's FedAvg step); in rounds 1 and 2 each client starts from its
+    cluster's model (different from the global one in round 2), each cluster moves by its
+    members' sample-weighted mean update, and the global model is the clusters' models
+    weighted by their sample counts."""
     import copy
 
     g = torch.Generator().manual_seed(3)
@@ -270,7 +271,7 @@ def test_clustered_fl_after_a_split_trains_each_cluster_from_its_own_model_by_ha
     module = tiny_module(LR)
     reference = copy.deepcopy(module.network)
     callback = ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=0)
-    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=SEED), 2, [callback])
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=SEED), 3, [callback])
     trainer.fit(module, datamodule=dm)
     assert sorted(map(sorted, callback.clusters)) == [[0, 1], [2, 3]]
 
@@ -291,7 +292,10 @@ def test_clustered_fl_after_a_split_trains_each_cluster_from_its_own_model_by_ha
     models = {}
     for members in ([0, 1], [2, 3]):
         total = n[members].sum()
-        models[tuple(members)] = start + sum(n[c] / total * step(start, c) for c in members)
+        model = start
+        for _ in range(2):  # rounds 1 and 2: from the cluster's own model, which differ
+            model = model + sum(n[c] / total * step(model, c) for c in members)
+        models[tuple(members)] = model
     global_model = sum(n[list(k)].sum() / n.sum() * m for k, m in models.items())
     for members, model in zip(callback.clusters, callback.models):
         assert torch.allclose(model[: len(theta0)], models[tuple(sorted(members))], atol=1e-6)
