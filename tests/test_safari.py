@@ -141,3 +141,45 @@ def test_safari_recipe_runs_and_mixes_server_rounds(tmp_path):
     excluded = set(cli.trainer.strategy.sampler.excluded_clients(10, 0))
     assert len(excluded) == 4 and not excluded & set(clients)
     assert float(cli.trainer.callback_metrics["test_acc"]) > 0.2
+
+
+def test_mixed_rounds_interleave_fedavg_and_server_sgd_by_hand():
+    """q = 0.5 with η_s = 0.05 ≠ the clients' 0.1: each round is, as drawn, either the
+    uniform average of 3 sampled clients' 2 local steps (hand-written FedAvg) or one SGD
+    step on a server minibatch at η_s, never the one scaled like the other."""
+    import copy
+
+    from tests.helpers import local_sgd
+
+    safari = SAFARI(q=0.5, server_lr=0.05)
+    ours, rounds = _fit([safari])
+    kinds = [safari.is_server_round(r, SEED) for r in range(ROUNDS)]
+    assert any(kinds) and not all(kinds)
+    net = tiny_module(LR).network
+    clients = tiny_clients()
+    x, y = _server_data()
+    sampler = UniformSampler(3)
+    for r, server in enumerate(kinds):
+        if server:
+            loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True,
+                                generator=generator(SEED, "data", r, SERVER_CLIENT))  # fmt: skip
+            bx, by = next(iter(loader))
+            net.zero_grad()
+            torch.nn.functional.cross_entropy(net(bx), by).backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.05 * p.grad
+            continue
+        part = sampler.sample(r, SEED, torch.full((10,), 0.1, dtype=torch.float64))
+        assert rounds[r] == part.clients
+        start = [p.detach().clone() for p in net.parameters()]
+        total = [torch.zeros_like(p) for p in start]
+        for c, w in zip(part.clients, part.weights):
+            local = copy.deepcopy(net)
+            local_sgd(local, clients[c]["train"], 2, LR, 4, SEED, r, c)
+            for t, p, s in zip(total, local.parameters(), start):
+                t += w * (p.detach() - s)
+        with torch.no_grad():
+            for p, s, t in zip(net.parameters(), start, total):
+                p.copy_(s + t)
+    assert max_abs_diff(ours, params_of(net)) <= 1e-6
