@@ -254,3 +254,22 @@ def test_federated_objective_logs_the_p_weighted_client_losses():
     q = torch.as_tensor(callback.surrogate_weights())
     assert metrics["fl/surrogate_loss"].item() == pytest.approx(float(q @ losses), rel=1e-5)
     assert callback.updates_per_client().sum() == 3  # one update per async aggregation
+
+
+def test_fedbuff_on_send_events_by_hand():
+    """FedBuff(c = 2) with fixed times (1, 3, 3) and restart on send, three aggregations
+    worked out by hand: an aggregation happens at the c-th return; a client that sent
+    before it restarted at its own return on the model current then (θ^n), the client
+    whose update filled the buffer restarts on θ^{n+1}; ties go to the lower index."""
+    schedule = FedBuffSchedule(2, ClientTimes(times=[1.0, 3.0, 3.0]), restart="on_send")
+    schedule.reset(3, seed=0)
+    events = []
+    for _ in range(3):
+        event = schedule.plan()
+        events.append((event.time, event.clients, event.versions))
+        schedule.commit(event)
+    assert events == [
+        (3.0, (0, 1), (0, 0)),  # client 0 sent at 1 and restarted then on θ^0
+        (3.0, (0, 2), (0, 0)),  # client 0 again (1 + 1 = 2), client 2 (3, index after 1)
+        (6.0, (0, 1), (1, 1)),  # client 0 restarted at 2 on θ^1; client 1 at 3 on θ^1
+    ]
