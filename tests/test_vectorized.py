@@ -302,3 +302,21 @@ def test_fedem_equals_the_sequential_path():
         assert torch.allclose(entry["fedem_pi"], vec_store[client]["fedem_pi"], atol=1e-5)
     for key, value in vec_metrics.items():
         assert value == pytest.approx(seq_metrics[key], rel=1e-5, abs=1e-6), key
+
+
+def test_clipping_by_norm_leaves_rows_under_the_value_alone():
+    """Per-row total norm: a row over the value is scaled to it, a row under it is left
+    as it is (a clip value that clips every client cannot tell the two apart)."""
+    from lightning_fl.vectorized import clip_gradients_
+
+    a = torch.tensor([[3.0, 0.0], [0.3, 0.0]])  # rows: client 0, client 1
+    b = torch.tensor([[[0.0, 4.0]], [[0.0, 0.4]]])  # row norms with a: 5 and 0.5
+    grads = [a.clone(), b.clone()]
+    clip_gradients_(grads, 1.0, "norm")
+    scale = 1.0 / (5.0 + 1e-6)
+    assert torch.allclose(grads[0][0], a[0] * scale) and torch.allclose(grads[1][0], b[0] * scale)
+    assert torch.equal(grads[0][1], a[1]) and torch.equal(grads[1][1], b[1])
+    grads = [a.clone(), b.clone()]
+    clip_gradients_(grads, 0.35, "value")
+    assert torch.allclose(grads[0], torch.tensor([[0.35, 0.0], [0.3, 0.0]]))
+    assert torch.allclose(grads[1], torch.tensor([[[0.0, 0.35]], [[0.0, 0.35]]]))
