@@ -3,6 +3,7 @@ weighted minibatch gradient and the configuration rule of the data-streams analy
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -508,3 +509,14 @@ def test_iterate_average_is_the_mean_of_the_models_the_rounds_started_from():
     loaded = torch.cat([p.detach().flatten() for p in module.parameters()])
     assert len(starts.models) == 4 and torch.allclose(loaded, expected, atol=1e-6)
     assert not torch.allclose(starts.models[0], starts.models[-1])  # the model did move
+
+
+def test_configuration_objective_by_hand():
+    """ψ(p)/c1 = sqrt(Σ_fresh p_m²) + r·sqrt(Σ_m p_m²/n_m) (Cor. 5.1) on unequal n_m,
+    where dropping the 1/n_m would change the value."""
+    from lightning_fl.streams import configuration_objective
+
+    p, n = np.array([0.5, 0.3, 0.2]), np.array([0.6, 0.3, 0.1])
+    fresh = np.array([False, True, True])
+    expected = math.sqrt(0.3**2 + 0.2**2) + 0.7 * math.sqrt(0.25 / 0.6 + 0.09 / 0.3 + 0.04 / 0.1)
+    assert configuration_objective(p, n, fresh, 0.7) == pytest.approx(expected, rel=1e-12)
