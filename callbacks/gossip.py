@@ -229,7 +229,8 @@ class GossipAveraging(Aggregator):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.clock is not None:
-            pl_module.log("fl/time", self.clock.now, on_epoch=True)
+            now = torch.tensor(float(self.clock.now), dtype=torch.float64)  # not float32
+            pl_module.log("fl/time", now, on_epoch=True, batch_size=1)
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         self.models.load(trainer.strategy.client_store, client, trainer.strategy.federated_tensors)

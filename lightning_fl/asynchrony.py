@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -27,8 +28,14 @@ import numpy as np
 from lightning_fl.seeding import derive_seed
 
 Restart = Literal["at_aggregation", "on_send"]
-#: Two events closer than this (in time units) are simultaneous.
-TIME_TOLERANCE = 1e-9
+
+
+def exact(value: float | int | str | Fraction) -> Fraction:
+    """A time as an exact rational: a float is read as the decimal it prints as (0.1 is
+    1/10), so that times given in decimals add up exactly (0.1 + 0.2 == 0.3)."""
+    if isinstance(value, Fraction):
+        return value
+    return Fraction(repr(float(value))) if isinstance(value, float) else Fraction(value)
 
 
 class ClientTimes:
@@ -70,34 +77,40 @@ class ClientTimes:
         self.heterogeneity, self.distribution = heterogeneity, distribution
         self.times = None if times is None else [float(t) for t in times]
 
-    def means(self, num_clients: int) -> np.ndarray:
-        """τ_i for every client."""
+    def exact_means(self, num_clients: int) -> list[Fraction]:
+        """τ_i for every client, exactly: τ_i = 1 − i·X/(100(M − 1)) as a rational (the
+        authors' ``get_tau_i``), or the given times read as decimals."""
         if self.times is not None:
             if len(self.times) != num_clients:
                 raise ValueError(
                     f"times has {len(self.times)} values but there are {num_clients} clients: "
                     "give one time per client."
                 )
-            return np.asarray(self.times)
+            return [exact(t) for t in self.times]
         if num_clients == 1:
-            return np.ones(1)
-        x = self.heterogeneity / 100.0
-        return 1.0 - np.arange(num_clients) * x / (num_clients - 1)
+            return [Fraction(1)]
+        x = exact(self.heterogeneity) / 100
+        return [1 - i * x / (num_clients - 1) for i in range(num_clients)]
 
-    def draw(self, client: int, start: int, seed: int, means: np.ndarray) -> float:
-        """T_i of ``client``'s ``start``-th piece of work."""
+    def means(self, num_clients: int) -> np.ndarray:
+        """τ_i for every client, as floats (for the aggregation weights)."""
+        return np.array([float(t) for t in self.exact_means(num_clients)])
+
+    def draw(self, client: int, start: int, seed: int, means: list[Fraction]) -> Fraction:
+        """T_i of ``client``'s ``start``-th piece of work, exactly (an exponential draw is
+        the exact value of the float drawn)."""
         if self.distribution == "fixed":
-            return float(means[client])
+            return means[client]
         rng = np.random.default_rng(derive_seed(seed, "client_time", client, start))
-        return float(rng.exponential(means[client]))
+        return Fraction(float(rng.exponential(float(means[client]))))
 
 
 @dataclass(frozen=True)
 class Aggregation:
-    """One server aggregation: at ``time``, the updates of ``clients`` (in order), each
-    computed from the global model version ``versions[k]`` (ρ_i(n))."""
+    """One server aggregation: at ``time`` (exact), the updates of ``clients`` (in order),
+    each computed from the global model version ``versions[k]`` (ρ_i(n))."""
 
-    time: float
+    time: Fraction
     clients: tuple[int, ...]
     versions: tuple[int, ...]
 
@@ -105,7 +118,11 @@ class Aggregation:
 class Schedule:
     """Base class: the simulated clock of one run. Subclasses implement :meth:`_returning`
     (who is aggregated, and when) and say whether participants restart at the aggregation
-    (receiving θ^{n+1}) or as soon as they send (receiving the current θ^n)."""
+    (receiving θ^{n+1}) or as soon as they send (receiving the current θ^n).
+
+    Time is exact: every time is a rational (:class:`fractions.Fraction`), so equal times
+    are equal (ties go to the lower client index), an event at the budget counts, and
+    nothing drifts over 10⁵ aggregations. Checkpoints store times as ``"p/q"`` strings."""
 
     restart: Restart = "at_aggregation"
 
@@ -118,25 +135,26 @@ class Schedule:
     def reset(self, num_clients: int, seed: int) -> None:
         """Every client starts on θ^0 at time 0."""
         self.num_clients, self.seed = num_clients, seed
-        self.means = self.times.means(num_clients)
+        self.exact_means = self.times.exact_means(num_clients)
+        self.means = np.array([float(t) for t in self.exact_means])
         self.starts = np.zeros(num_clients, dtype=np.int64)
         self.version = np.zeros(num_clients, dtype=np.int64)
-        self.ready = np.array([self.times.draw(i, 0, seed, self.means) for i in range(num_clients)])
-        self.now, self.round = 0.0, 0
+        self.ready = [self.times.draw(i, 0, seed, self.exact_means) for i in range(num_clients)]
+        self.now, self.round = Fraction(0), 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "num_clients": self.num_clients, "seed": self.seed, "now": self.now,
+            "num_clients": self.num_clients, "seed": self.seed, "now": str(self.now),
             "round": self.round, "starts": self.starts.tolist(),
-            "version": self.version.tolist(), "ready": self.ready.tolist(),
+            "version": self.version.tolist(), "ready": [str(t) for t in self.ready],
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset(int(state["num_clients"]), int(state["seed"]))
-        self.now, self.round = float(state["now"]), int(state["round"])
+        self.now, self.round = _time(state["now"]), int(state["round"])
         self.starts = np.asarray(state["starts"], dtype=np.int64)
         self.version = np.asarray(state["version"], dtype=np.int64)
-        self.ready = np.asarray(state["ready"], dtype=float)
+        self.ready = [_time(t) for t in state["ready"]]
 
     # ---- events --------------------------------------------------------------------
     def plan(self) -> Aggregation:
@@ -150,13 +168,14 @@ class Schedule:
         for i in event.clients:
             if self.restart == "at_aggregation":
                 begin, version = event.time, self.round + 1
-            elif self.ready[i] >= event.time - TIME_TOLERANCE:  # its send closed the round
+            elif self.ready[i] >= event.time:  # its send closed the round
                 begin, version = event.time, self.round + 1
             else:  # sent at its return time and got the model current then, θ^n
                 begin, version = self.ready[i], self.round
             self.starts[i] += 1
             self.version[i] = version
-            self.ready[i] = begin + self.times.draw(i, int(self.starts[i]), self.seed, self.means)
+            draw = self.times.draw(i, int(self.starts[i]), self.seed, self.exact_means)
+            self.ready[i] = begin + draw
         self.now, self.round = event.time, self.round + 1
 
     def _returning(self) -> tuple[float, list[int]]:
@@ -194,13 +213,14 @@ class Schedule:
         return counts / aggregations
 
     def count_until(self, budget: float) -> tuple[int, np.ndarray]:
-        """(aggregations, updates per client) until simulated time ``budget``, on a copy."""
+        """(aggregations, updates per client) until simulated time ``budget`` (an event
+        at the budget counts), on a copy."""
         dry = self._fresh_copy()
         counts = np.zeros(self.num_clients, dtype=np.int64)
-        n = 0
+        n, budget = 0, exact(budget)
         while True:
             event = dry.plan()
-            if event.time > budget + TIME_TOLERANCE:
+            if event.time > budget:
                 return n, counts
             counts[list(event.clients)] += 1
             dry.commit(event)
@@ -211,8 +231,8 @@ class SyncSchedule(Schedule):
     """Synchronous FedAvg: every client, Δt = max_i T_i (thesis Tab. 4.2, first row);
     d_i = p_i."""
 
-    def _returning(self) -> tuple[float, list[int]]:
-        return float(self.ready.max()), list(range(self.num_clients))
+    def _returning(self) -> tuple[Fraction, list[int]]:
+        return max(self.ready), list(range(self.num_clients))
 
     def time_based_weights(self, p: np.ndarray) -> np.ndarray:
         return p.copy()
@@ -228,9 +248,9 @@ class AsyncSchedule(Schedule):
 
     restart: Restart = "at_aggregation"
 
-    def _returning(self) -> tuple[float, list[int]]:
-        first = int(np.argmin(self.ready))  # argmin takes the lowest index among ties
-        return float(self.ready[first]), [first]
+    def _returning(self) -> tuple[Fraction, list[int]]:
+        first = min(range(self.num_clients), key=lambda i: (self.ready[i], i))  # ties: index
+        return self.ready[first], [first]
 
     def time_based_weights(self, p: np.ndarray) -> np.ndarray:
         return float(np.sum(1.0 / self.means)) * self.means * p
@@ -262,12 +282,13 @@ class FedFixSchedule(Schedule):
             raise ValueError(f"restart must be 'at_aggregation' or 'on_send', got {restart!r}.")
         self.period, self.restart = float(period), restart
 
-    def _returning(self) -> tuple[float, list[int]]:
-        time = (self.round + 1) * self.period
-        return time, [int(i) for i in np.flatnonzero(self.ready <= time + TIME_TOLERANCE)]
+    def _returning(self) -> tuple[Fraction, list[int]]:
+        time = (self.round + 1) * exact(self.period)
+        return time, [i for i in range(self.num_clients) if self.ready[i] <= time]
 
     def time_based_weights(self, p: np.ndarray) -> np.ndarray:
-        return np.ceil(self.means / self.period - TIME_TOLERANCE) * p
+        period = exact(self.period)
+        return np.array([math.ceil(t / period) for t in self.exact_means], dtype=float) * p
 
     def identical_weights(self) -> np.ndarray:
         return np.full(self.num_clients, 1.0 / self.num_clients)
@@ -308,9 +329,10 @@ class FedBuffSchedule(Schedule):
             )
         super().reset(num_clients, seed)
 
-    def _returning(self) -> tuple[float, list[int]]:
-        order = np.lexsort((np.arange(self.num_clients), self.ready))[: self.buffer_size]
-        return float(self.ready[order].max()), [int(i) for i in order]
+    def _returning(self) -> tuple[Fraction, list[int]]:
+        order = sorted(range(self.num_clients), key=lambda i: (self.ready[i], i))
+        order = order[: self.buffer_size]  # the first c returns, ties by index
+        return max(self.ready[i] for i in order), order
 
     def time_based_weights(self, p: np.ndarray) -> np.ndarray:
         frequency = self.participation_frequency()
@@ -323,5 +345,10 @@ class FedBuffSchedule(Schedule):
 def async_aggregations(num_clients: int, times: ClientTimes, budget: float) -> float:
     """The closed form Σ_i T/τ_i of asynchronous aggregations in time T (Tab. 4.2),
     counting each client's returns ⌊T/τ_i⌋ exactly."""
-    means = times.means(num_clients)
-    return float(sum(math.floor(budget / t + TIME_TOLERANCE) for t in means))
+    means, budget = times.exact_means(num_clients), exact(budget)
+    return float(sum(math.floor(budget / t) for t in means))
+
+
+def _time(value: str | float) -> Fraction:
+    """A checkpoint's time: ``"p/q"``, or a float of a checkpoint made before exact time."""
+    return Fraction(value) if isinstance(value, str) else exact(value)

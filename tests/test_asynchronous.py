@@ -273,3 +273,75 @@ def test_fedbuff_on_send_events_by_hand():
         (3.0, (0, 2), (0, 0)),  # client 0 again (1 + 1 = 2), client 2 (3, index after 1)
         (6.0, (0, 1), (1, 1)),  # client 0 restarted at 2 on θ^1; client 1 at 3 on θ^1
     ]
+
+
+# ---- exact simulated time (issue 26, item 1) -------------------------------------------
+
+
+def test_returns_at_the_budget_count_and_the_count_is_the_closed_form():
+    """M = 10 under F80 until T = 10⁴: 212,803 asynchronous aggregations, Σ_i ⌊T/τ_i⌋
+    (float time dropped the returns that fall exactly at T and counted 212,802)."""
+    from fractions import Fraction
+
+    schedule = AsyncSchedule(ClientTimes(80))
+    schedule.reset(10, 0)
+    taus = [1 - Fraction(i * 4, 5 * 9) for i in range(10)]  # τ_i = 1 − i·0.8/9, by hand
+    expected = sum((10_000 / t).__floor__() for t in taus)
+    assert expected == 212_803
+    assert schedule.count_until(10_000)[0] == expected
+    assert async_aggregations(10, ClientTimes(80), 10_000) == expected
+
+
+def test_simultaneous_returns_are_aggregated_in_client_order():
+    """Asynchronous FedAvg under F80 with 20 clients: the n-th aggregation is the n-th
+    element of {(k·τ_i, i)} sorted by time and then client index, with τ_i exact
+    rationals. Many returns coincide (client 0 at 1 and client 19 at 5·τ_19 = 1);
+    float times ordered them by rounding noise (client 19 before client 0)."""
+    from fractions import Fraction
+
+    taus = [1 - Fraction(i * 4, 5 * 19) for i in range(20)]
+    reference = sorted((k * t, i) for i, t in enumerate(taus) for k in range(1, 600))[:3000]
+    ties = sum(1 for a, b in zip(reference, reference[1:]) if a[0] == b[0])
+    assert ties > 100
+    schedule = AsyncSchedule(ClientTimes(80))
+    schedule.reset(20, 0)
+    for time, client in reference:
+        event = schedule.plan()
+        assert (event.time, event.clients) == (time, (client,))
+        schedule.commit(event)
+
+
+def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
+    """Times 0.1 and 0.3 (decimals) meet exactly at 0.3, 0.6 and 0.9, and the returns at
+    the budget T = 0.9 are aggregated: 9 + 3 + 1 + 1 = 14 aggregations, and fl/time is
+    logged in float64."""
+    times = ClientTimes(times=[0.1, 0.3, 0.7, 0.9, 1.1, 2.0])
+    schedule = AsyncSchedule(times)
+    schedule.reset(6, 0)
+    assert schedule.count_until(0.9)[0] == 14 == async_aggregations(6, times, 0.9)
+    events = []
+    for _ in range(14):
+        event = schedule.plan()
+        events.append((float(event.time), event.clients[0]))
+        schedule.commit(event)
+    assert events[2:4] == [(0.3, 0), (0.3, 1)] and events[-3:] == [(0.9, 0), (0.9, 1), (0.9, 3)]
+    _, trainer = _fit([AsynchronousFL(AsyncSchedule(times), time_budget=0.9)], 50)
+    assert trainer.current_epoch == 14
+    assert trainer.callback_metrics["fl/time"].dtype == torch.float64
+    assert trainer.callback_metrics["fl/time"].item() == 0.9
+
+
+def test_exact_time_survives_a_checkpoint():
+    schedule = FedBuffSchedule(3, ClientTimes(70, distribution="exponential"), "on_send")
+    schedule.reset(6, 1)
+    for _ in range(25):
+        schedule.commit(schedule.plan())
+    state = schedule.state_dict()
+    assert all(isinstance(t, str) for t in state["ready"])
+    restored = FedBuffSchedule(3, ClientTimes(70, distribution="exponential"), "on_send")
+    restored.load_state_dict(state)
+    for _ in range(25):
+        a, b = schedule.plan(), restored.plan()
+        assert a == b
+        schedule.commit(a)
+        restored.commit(b)
