@@ -187,26 +187,49 @@ EXPERIMENTS = {
 }  # fmt: skip
 
 
+def _section(recipe: str, seeds: list[int]) -> list[str]:
+    title, variants, extra = EXPERIMENTS[recipe]
+    lines = [f"## {title}", "", f"`recipes/combined/{recipe}.yaml`", "",
+             "| run | test_acc | p10 | " + " | ".join(extra) + " | s/run |",
+             "|---|---|---|" + "---|" * len(extra) + "---|"]  # fmt: skip
+    for label, edit in variants:
+        lines.append(_row(label, _seeded(recipe, edit, seeds, extra), extra))
+        print(lines[-1], flush=True)
+    return lines + [""]
+
+
+def _rerun(recipes: list[str], seeds: list[int], out: Path) -> None:
+    """Replace the sections of ``recipes`` in ``out`` (the rest is kept)."""
+    text = out.read_text()
+    for recipe in recipes:
+        title = f"## {EXPERIMENTS[recipe][0]}"
+        start = text.index(title)
+        end = text.index("\n## ", start + 1) + 1
+        text = text[:start] + "\n".join(_section(recipe, seeds)) + "\n" + text[end:]
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "combined.md"))
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(EXPERIMENTS),
+        help="rerun these experiments and replace their sections in --out",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.only:
+        _rerun(args.only, args.seeds, Path(args.out))
+        return
     lines = ["# Cross-system recipes (recipes/combined/)", "",
              f"`python benchmarks/combined.py --seeds {' '.join(map(str, args.seeds))}`: the mean "
              f"over {len(args.seeds)} seeds (seed of the run, the strategy and the data split), "
              "on the embedded digits, 2-core CPU. Accuracies in %, test_acc is the "
              "sample-weighted mean over clients, p10 the 10th-percentile client. No paper "
              "ran these combinations: the rows leave one system out.", ""]  # fmt: skip
-    for recipe, (title, variants, extra) in EXPERIMENTS.items():
-        lines += [f"## {title}", "", f"`recipes/combined/{recipe}.yaml`", "",
-                  "| run | test_acc | p10 | " + " | ".join(extra) + " | s/run |",
-                  "|---|---|---|" + "---|" * len(extra) + "---|"]  # fmt: skip
-        for label, edit in variants:
-            result = _seeded(recipe, edit, args.seeds, extra)
-            lines.append(_row(label, result, extra))
-            print(lines[-1], flush=True)
-        lines.append("")
+    for recipe in EXPERIMENTS:
+        lines += _section(recipe, args.seeds)
     lines += ["## SCAFFOLD with similarity clustered sampling on 2 processes", "",
               "`recipes/combined/scaffold_similarity_2proc.yaml` (40 clients, 8 per round); "
               "max |Δθ| between the final models of 2 processes and 1.", "",
