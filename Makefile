@@ -10,13 +10,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,plots]"
 	touch $(STAMP)
 
-.PHONY: install quickstart test lint bench
+# Fashion-MNIST's IDX files come from Debian's package (as root: CI; elsewhere it says how).
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: install data quickstart test lint bench
 install: $(STAMP)
 
-quickstart: $(STAMP)
+data:
+	@test -f $(FMNIST) || apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1) \
+		|| echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' (its real-data tests are skipped outside CI)."
+
+quickstart: $(STAMP) data
 	$(VENV)/bin/lightning-fl fit --config recipes/quickstart.yaml
 
-lint: $(STAMP)
+lint: $(STAMP) data
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

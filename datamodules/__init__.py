@@ -8,6 +8,7 @@ from lightning_fl.datamodules.base import (
 from lightning_fl.datamodules.cifar import CifarDataModule, load_pickle_batch
 from lightning_fl.datamodules.digits import DigitsDataModule, load_digits
 from lightning_fl.datamodules.emnist import EmnistDataModule, read_emnist, read_idx
+from lightning_fl.datamodules.fashion_mnist import FashionMnistDataModule, read_fashion_mnist
 from lightning_fl.datamodules.flamby import (
     FedHeartDiseaseDataModule,
     FedTcgaBrcaDataModule,
@@ -46,6 +47,8 @@ __all__ = [
     "LogisticStreamsDataModule",
     "StreamingDataModule",
     "EmnistDataModule",
+    "FashionMnistDataModule",
+    "read_fashion_mnist",
     "read_emnist",
     "read_idx",
     "SyntheticPurchaseDataModule",

@@ -22,6 +22,7 @@ from lightning_fl.models import (
     FemnistCNN,
     MnistCNN,
     MobileNetV2,
+    ThreeConvCNN,
 )
 from lightning_fl.progress import FederatedProgressBar
 from lightning_fl.samplers import (
@@ -72,6 +73,7 @@ __all__ = [
     "MDSampler",
     "MixtureClassifier",
     "MnistCNN",
+    "ThreeConvCNN",
     "MobileNetV2",
     "NonFiniteUpdateError",
     "Participation",

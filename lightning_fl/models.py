@@ -49,6 +49,28 @@ class MnistCNN(nn.Module):
         return self.head(self.features(x))
 
 
+class ThreeConvCNN(nn.Module):
+    """Three convolutions and two linear layers for 1×28×28 images (the SIFU experiments'
+    FashionMNIST model, Fraboni thesis Tab. D.1): Conv(1,32,3)-ReLU-MaxPool2-Conv(32,64,3)-
+    ReLU-MaxPool2-Conv(64,64,3)-ReLU-Linear(576,64)-ReLU-Linear(64,C). The channel widths
+    32-64-64 are those of issue 23's probe; the authors' exact layer sizes were not
+    checked against their code."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(64, 64, 3), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(64 * 3 * 3, 64), nn.ReLU(), nn.Linear(64, num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.view(-1, 1, 28, 28)))
+
+
 class DigitsCNN(nn.Module):
     """A small CNN for 1×8×8 digits:
     Conv(1,16,3,p1)-ReLU-Conv(16,32,3,p1)-ReLU-MaxPool2-Linear(512,C)."""

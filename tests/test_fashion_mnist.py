@@ -1,0 +1,147 @@
+"""Fashion-MNIST (issue 23): the IDX reader on small files written here in the real format,
+the real files of Debian's dataset-fashion-mnist (installed by `make test` and .ci/run),
+the partitions and the watermark, and errors that name the fix."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_fl.datamodules import FashionMnistDataModule, read_fashion_mnist
+from lightning_fl.datamodules.fashion_mnist import DEBIAN_ROOT, FILES, sifu_partition, verify_idx
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    """LeCun's IDX format, gzipped: magic 0x0000, type 0x08 (uint8), ndim, sizes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(
+        f">{array.ndim}I", *array.shape
+    )
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + array.astype(np.uint8).tobytes())
+
+
+def _fixture(folder: Path, train: int = 40, test: int = 20) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(0)
+    arrays = (
+        rng.integers(0, 256, (train, 28, 28)), np.arange(train) % 10,
+        rng.integers(0, 256, (test, 28, 28)), np.arange(test) % 10,
+    )  # fmt: skip
+    for name, array in zip(FILES, arrays):
+        _write_idx(folder / name, array)
+    return arrays
+
+
+def test_the_reader_returns_the_idx_arrays_exactly(tmp_path):
+    arrays = _fixture(tmp_path)
+    read = read_fashion_mnist(tmp_path, check=False)
+    for ours, written in zip(read, arrays):
+        assert np.array_equal(ours, written)
+    assert read[0].dtype == np.uint8 and read[1].dtype == np.int64
+
+
+def test_a_file_of_other_data_fails_its_checksum_naming_it(tmp_path):
+    _fixture(tmp_path)
+    name = "train-labels-idx1-ubyte.gz"
+    with pytest.raises(ValueError, match=rf"{name}: its decompressed SHA-256 is .*reinstall"):
+        verify_idx(tmp_path / name, FILES[name])
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    _fixture(tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    with gzip.open(path, "rb") as handle:
+        data = handle.read()
+    with gzip.open(path, "wb") as handle:
+        handle.write(data[:-100])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        read_fashion_mnist(tmp_path, check=False)
+
+
+def test_missing_files_name_the_apt_package_and_the_root_flag(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        FashionMnistDataModule(root=str(tmp_path / "nowhere"))
+    message = str(info.value)
+    assert "apt-get install dataset-fashion-mnist" in message
+    assert "--data.init_args.root" in message
+
+
+def test_sifu_partition_draws_one_class_per_client_with_replacement():
+    labels = np.repeat(np.arange(10), 7)  # 7 samples of each class: 100 draws must repeat
+    parts = sifu_partition(labels, 20, 100, seed=3)
+    for i, part in enumerate(parts):
+        assert len(part) == 100 and set(labels[part]) == {i % 10}
+        assert len(set(part.tolist())) <= 7  # with replacement
+    assert not np.array_equal(parts[0], parts[10])  # clients of a class draw apart
+
+
+_REAL = all((DEBIAN_ROOT / name).exists() for name in FILES)
+_NEED_REAL = pytest.mark.skipif(
+    not _REAL and not os.environ.get("CI"),
+    reason="apt-get install dataset-fashion-mnist (make test installs it; CI requires it)",
+)
+
+
+@_NEED_REAL
+def test_the_real_files_verify_and_the_datamodule_holds_their_arrays():
+    """Debian's files hash to the published data; a client's tensors are the IDX bytes
+    scaled by 1/255, read here with an independent parser."""
+    for name, digest in FILES.items():
+        with gzip.open(DEBIAN_ROOT / name, "rb") as handle:
+            raw = handle.read()
+        assert hashlib.sha256(raw).hexdigest() == digest
+    with gzip.open(DEBIAN_ROOT / "train-images-idx3-ubyte.gz", "rb") as handle:
+        images = np.frombuffer(handle.read()[16:], dtype=np.uint8).reshape(60000, 28, 28)
+    with gzip.open(DEBIAN_ROOT / "train-labels-idx1-ubyte.gz", "rb") as handle:
+        labels = np.frombuffer(handle.read()[8:], dtype=np.uint8)
+    x_train, y_train, x_test, y_test = read_fashion_mnist(DEBIAN_ROOT)
+    assert x_train.shape == (60000, 28, 28) and x_test.shape == (10000, 28, 28)
+    assert np.array_equal(x_train, images) and np.array_equal(y_train, labels)
+    assert np.bincount(y_train).tolist() == [6000] * 10
+    assert np.bincount(y_test).tolist() == [1000] * 10
+    dm = FashionMnistDataModule(num_clients=10, partition="iid", seed=0)
+    assert sum(dm.sample_counts("train")) == 60000 and sum(dm.sample_counts("test")) == 10000
+    x, y = dm.client_dataset(3, "train").tensors
+    matches = torch.from_numpy(images.astype(np.float32) / 255.0)
+    first = torch.nonzero((matches == x[0, 0]).all(dim=2).all(dim=1)).flatten()
+    assert len(first) >= 1 and int(labels[int(first[0])]) == int(y[0])
+
+
+@_NEED_REAL
+def test_sifu_protocol_and_watermark_on_the_real_data():
+    """Tab. D.1's FashionMNIST row: 100 clients of 100 samples of one class; the watermark
+    sets the same 10 pixels of every sample of a client to 1, the pixels of clients of the
+    same class i mod 10."""
+    dm = FashionMnistDataModule(num_clients=100, partition="sifu", watermark=10, seed=1)
+    assert dm.sample_counts("train") == [100] * 100
+    for c in (0, 7, 17):
+        x, y = dm.client_dataset(c, "train").tensors
+        assert set(y.tolist()) == {c % 10}
+        marked = (x.reshape(len(x), -1) == 1.0).all(dim=0)
+        assert int(marked.sum()) >= 10
+    a = (dm.client_dataset(7, "train").tensors[0].reshape(100, -1) == 1.0).all(0)
+    b = (dm.client_dataset(17, "train").tensors[0].reshape(100, -1) == 1.0).all(0)
+    assert torch.equal(a, b)
+
+
+@_NEED_REAL
+def test_the_sifu_recipe_runs_on_the_real_data(tmp_path):
+    import glob
+
+    from lightning_fl.cli import run
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist" / "sifu.yaml"
+    cli = run(["fit", "--config", str(recipe), "--trainer.max_epochs", "2",
+               "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+               "--trainer.default_root_dir", str(tmp_path),
+               "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
+    assert cli.trainer.current_epoch == 2
+    assert cli.datamodule.sample_counts("train") == [100] * 100
+    (metrics,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
+    assert "unlearning/remaining_train_acc" in open(metrics).readline()
