@@ -71,6 +71,27 @@ class ThreeConvCNN(nn.Module):
         return self.head(self.features(x.view(-1, 1, 28, 28)))
 
 
+class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998) for 1×28×28 images, with ReLU and max-pooling, the
+    backbone of the cache-rule paper's FMNIST experiments (Wang, Bian, Xu §V):
+    Conv(1,6,5,p2)-ReLU-MaxPool2-Conv(6,16,5)-ReLU-MaxPool2-Linear(400,120)-ReLU-
+    Linear(120,84)-ReLU-Linear(84,C)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(),
+            nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.view(-1, 1, 28, 28)))
+
+
 class DigitsCNN(nn.Module):
     """A small CNN for 1×8×8 digits:
     Conv(1,16,3,p1)-ReLU-Conv(16,32,3,p1)-ReLU-MaxPool2-Linear(512,C)."""

@@ -145,3 +145,20 @@ def test_the_sifu_recipe_runs_on_the_real_data(tmp_path):
     assert cli.datamodule.sample_counts("train") == [100] * 100
     (metrics,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
     assert "unlearning/remaining_train_acc" in open(metrics).readline()
+
+
+@_NEED_REAL
+def test_the_cache_rules_recipe_streams_fashion_mnist(tmp_path):
+    """Fashion-MNIST as a stream source: 2 rounds of the cache-rule recipe (LeNet, B_s =
+    150, B = 300, DRSR) fill every client's cache with its first 300 streamed samples."""
+    from lightning_fl.cli import run
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "fashion_mnist" / "cache_rules.yaml"
+    cli = run(["fit", "--config", str(recipe), "--trainer.max_epochs", "2",
+               "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+               "--trainer.default_root_dir", str(tmp_path),
+               "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
+    dm = cli.datamodule
+    assert cli.trainer.current_epoch == 2
+    assert [len(dm.client_dataset(c, "train")) for c in range(10)] == [300] * 10
+    assert "streams/discrepancy" in cli.trainer.callback_metrics
