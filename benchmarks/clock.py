@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_fl.asynchrony import AsyncSchedule, ClientTimes, async_aggregations
+from lightning_fl.systems.asynchrony import AsyncSchedule, ClientTimes, async_aggregations
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_fl.fem_omd import FemOmdGMM, mixture_kl, sample_mixture
 from lightning_fl.plots import plot_curves
+from lightning_fl.systems.fem_omd import FemOmdGMM, mixture_kl, sample_mixture
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

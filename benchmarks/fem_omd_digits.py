@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from lightning_fl import MLP
 from lightning_fl.datamodules.digits import load_digits
-from lightning_fl.fem_omd import FedOMD, FemOmdClassifier
 from lightning_fl.plots import plot_curves
+from lightning_fl.systems.fem_omd import FedOMD, FemOmdClassifier
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 SUBSETS = ((0, 1, 2), (3, 4, 5), (6, 7), (8, 9))

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from lightning_fl.datastore import Datastore, knn_probabilities
+from lightning_fl.systems.datastore import Datastore, knn_probabilities
 
 
 def queries_per_second(store: Datastore, queries: torch.Tensor, repeats: int) -> float:

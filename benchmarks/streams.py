@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from recipe_runs import run_recipe
 
-from lightning_fl.streams import estimate_ratio
+from lightning_fl.systems.streams import estimate_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "streams" / "synthetic_ours.yaml"

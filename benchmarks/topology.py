@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_fl.topology import (
+from lightning_fl.systems.topology import (
     NETWORKS,
     DelayModel,
     SiloNetwork,

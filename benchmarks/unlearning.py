@@ -82,7 +82,7 @@ def main() -> None:
         )
     lines += ["", "## σ sweep (Fig. D.2): SIFU, one request (digit 0), first seed", "",
               "| σ | Ψ* | retraining rounds | forgotten acc |", "|---|---|---|---|"]  # fmt: skip
-    from lightning_fl.unlearning import sensitivity_threshold
+    from lightning_fl.systems.unlearning import sensitivity_threshold
 
     for sigma in (0.0005, 0.005, 0.01, 0.02, 0.03, 0.05, 0.5, 5.0):
         digit_0 = [[c for c in range(0, 100, 10)]]

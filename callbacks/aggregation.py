@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
-from lightning_fl.tensors import TensorList, zeros_like
+from lightning_fl.engine.tensors import TensorList, zeros_like
 
 
 class FedAvg(Aggregator):

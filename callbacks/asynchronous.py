@@ -1,5 +1,5 @@
 """Asynchronous FL with stale client updates (Fraboni, Vidal, Kameni, Lorenzi, JMLR 2023;
-Fraboni thesis ch. 4, Alg. 4), on the simulated clock of :mod:`lightning_fl.asynchrony`."""
+Fraboni thesis ch. 4, Alg. 4), on the simulated clock of :mod:`lightning_fl.systems.asynchrony`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fl.asynchrony import Aggregation, Schedule, exact
 from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
-from lightning_fl.outputs import append_csv, run_dir
-from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
-from lightning_fl.tensors import TensorList, flatten, unflatten
+from lightning_fl.engine.outputs import append_csv, run_dir
+from lightning_fl.engine.tensors import TensorList, flatten, unflatten
+from lightning_fl.systems.asynchrony import Aggregation, Schedule, exact
+from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
 
 class AsynchronousFL(Aggregator):
@@ -31,7 +31,7 @@ class AsynchronousFL(Aggregator):
     a few versions); they are saved in checkpoints with the schedule.
 
     Args:
-        schedule: :class:`~lightning_fl.asynchrony.SyncSchedule`, ``AsyncSchedule``,
+        schedule: :class:`~lightning_fl.systems.asynchrony.SyncSchedule`, ``AsyncSchedule``,
             ``FedFixSchedule`` or ``FedBuffSchedule``, with its client times.
         weights: ``"time_based"`` (the scheme's unbiased d_i: p_i for sync, eq. 4.36 for
             async, eq. 4.40 for FedFix, p_i / participation frequency for FedBuff) or

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Literal
 import lightning.pytorch as pl
 import torch
 
-from lightning_fl.client_store import ClientStore
-from lightning_fl.samplers import ClientSampler, Participation
-from lightning_fl.tensors import TensorList
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.tensors import TensorList
+from lightning_fl.systems.samplers import ClientSampler, Participation
 
 if TYPE_CHECKING:
-    from lightning_fl.tensors import FederatedTensors
+    from lightning_fl.engine.tensors import FederatedTensors
 
 
 @dataclass

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from lightning_fl.callbacks.base import Aggregator, RoundState
-from lightning_fl.local_training import batches, client_loader, evaluation_mode, task_loss
-from lightning_fl.samplers import FullParticipation
-from lightning_fl.tensors import flatten, unflatten
+from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, task_loss
+from lightning_fl.engine.tensors import flatten, unflatten
+from lightning_fl.systems.samplers import FullParticipation
 
 
 def cosine_similarities(updates: Tensor) -> Tensor:

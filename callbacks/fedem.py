@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
-from lightning_fl.local_training import batches, client_loader, evaluation_mode
-from lightning_fl.mixture import MixtureClassifier
+from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
+from lightning_fl.systems.mixture import MixtureClassifier
 
 STORE_KEY = "fedem_pi"
 
@@ -36,7 +36,7 @@ def update_mixture_weights(q: Tensor) -> Tensor:
 
 class FedEM(FederatedCallback):
     """Runs FedEM's client steps around the user's local training of a
-    :class:`~lightning_fl.mixture.MixtureClassifier`.
+    :class:`~lightning_fl.systems.mixture.MixtureClassifier`.
 
     For each participating client t in round k (Alg. 7):
 

@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
-from lightning_fl.tensors import TensorList
+from lightning_fl.engine.tensors import TensorList
 
 
 class FedProx(FederatedCallback):

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
-from lightning_fl.samplers import FullParticipation
-from lightning_fl.seeding import generator
-from lightning_fl.tensors import add_flat_, flatten
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import add_flat_, flatten
+from lightning_fl.systems.samplers import FullParticipation
 
 #: The disguised free-rider's noise scale in round 0, before any global increment exists
 #: (the authors' code).

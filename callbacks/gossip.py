@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from lightning_fl.callbacks.base import Aggregator, RoundState
-from lightning_fl.local_training import PersonalModels
-from lightning_fl.seeding import generator
-from lightning_fl.tensors import flatten, unflatten
-from lightning_fl.topology import MaxPlusClock, SiloTopology
+from lightning_fl.engine.local_training import PersonalModels
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import flatten, unflatten
+from lightning_fl.systems.topology import MaxPlusClock, SiloTopology
 
 STORE_KEY = "gossip_model"
 
@@ -76,7 +76,7 @@ class GossipAveraging(Aggregator):
         edge_probability: p of the Erdős–Rényi graph.
         mixing_matrix: an explicit doubly stochastic W (a nested list), W[s][t] the weight
             client t gives client s; overrides ``graph``.
-        topology: a :class:`~lightning_fl.topology.SiloTopology`: W is the local-degree
+        topology: a :class:`~lightning_fl.systems.topology.SiloTopology`: W is the local-degree
             matrix of its overlay (eqs. 2.12–2.13; STAR averages at its orchestrator), and
             every round's simulated wall-clock time (eq. 2.4) is logged as ``fl/time``.
             Overrides ``graph`` and ``mixing_matrix``.

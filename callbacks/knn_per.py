@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_fl.callbacks.base import FederatedCallback
-from lightning_fl.datastore import Backend, Datastore, knn_probabilities
-from lightning_fl.local_training import batches, client_loader, evaluation_mode
-from lightning_fl.outputs import run_dir
-from lightning_fl.seeding import generator
+from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
+from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.seeding import generator
+from lightning_fl.systems.datastore import Backend, Datastore, knn_probabilities
 
 LAMBDA_GRID = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 

@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
-from lightning_fl.local_training import batches, client_loader, evaluation_mode, sgd
-from lightning_fl.membership import ATTACKS, membership_inference
-from lightning_fl.outputs import run_dir
-from lightning_fl.seeding import generator
+from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, sgd
+from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.seeding import generator
+from lightning_fl.systems.membership import ATTACKS, membership_inference
 
 
 def predict_proba(module: pl.LightningModule, loader: DataLoader | None) -> tuple[Tensor, Tensor]:
@@ -46,7 +46,7 @@ class MembershipInference(FederatedCallback):
       the pooled test data, with the global model;
     - ``.../best``: the strongest attack.
 
-    Attacks (:mod:`lightning_fl.membership`): Song & Mittal's correctness, confidence,
+    Attacks (:mod:`lightning_fl.systems.membership`): Song & Mittal's correctness, confidence,
     entropy and modified-entropy attacks with per-class thresholds, and Yeom et al.'s loss
     threshold; thresholds are fitted on one half of a balanced member/non-member set and
     scored on the other half. Values are averaged over clients (uniformly).
@@ -214,7 +214,7 @@ class _Cycled:
         self.loader, self.steps = loader, steps
 
     def __iter__(self):
-        from lightning_fl.rounds import cycle_batches
+        from lightning_fl.engine.rounds import cycle_batches
 
         return cycle_batches(self.loader, self.steps)
 

@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.callbacks.base import SERVER_CLIENT, Aggregator, RoundState, Weighting
-from lightning_fl.samplers import ClientSampler, Participation
-from lightning_fl.seeding import generator
+from lightning_fl.engine.seeding import generator
+from lightning_fl.systems.samplers import ClientSampler, Participation
 
 
 class SAFARI(Aggregator):

@@ -31,7 +31,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
-from lightning_fl.tensors import TensorList, flatten, unflatten, zeros_like
+from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
 
 STORE_KEY = "scaffold_c"
 

@@ -11,7 +11,7 @@ import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import FederatedCallback
-from lightning_fl.streams import configuration_rule, estimate_constants, estimate_ratio
+from lightning_fl.systems.streams import configuration_rule, estimate_constants, estimate_ratio
 
 Strategy = Literal["uniform", "historical", "fresh", "fixed", "ours"]
 
@@ -25,10 +25,10 @@ class StreamFedAvg(FedAvg):
     - ``"fresh"``: only fresh clients, p_m ∝ n_m among them (p_hist = 0);
     - ``"fixed"``: a given ``p_hist``, split ∝ n_m within each group (the "Optimal" grid);
     - ``"ours"``: p̂* = argmin_p sqrt(Σ_fresh p_m²) + r·sqrt(Σ_m p_m²/n_m) with r = ``ratio``
-      (ĉ2/ĉ1, e.g. from :func:`lightning_fl.streams.estimate_ratio`, Eq. 204), or
+      (ĉ2/ĉ1, e.g. from :func:`lightning_fl.systems.streams.estimate_ratio`, Eq. 204), or
       ``ratio="estimate"``: r̂ from Eq. 204 at the start of the fit, with B̂, Ĝ, D̂ from
       ``estimate_steps`` SGD steps on ``estimate_fraction`` of each historical client's
-      data (:func:`lightning_fl.streams.estimate_constants`, lr: the client optimizer's),
+      data (:func:`lightning_fl.systems.streams.estimate_constants`, lr: the client optimizer's),
       d the model's parameters, N the samples over the horizon; logged as
       ``streams/ratio``.
 

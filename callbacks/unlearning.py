@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.callbacks.objective import client_training_metrics
-from lightning_fl.samplers import ClientSampler, Participation, SamplerWrapper
-from lightning_fl.seeding import generator
-from lightning_fl.tensors import TensorList, add_flat_, flatten, unflatten
-from lightning_fl.unlearning import (
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
+from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
+from lightning_fl.systems.unlearning import (
     BranchHistory,
     ModelVersions,
     check_privacy,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.seeding import derive_seed
+from lightning_fl.engine.seeding import derive_seed
 
 
 class WERMDataset(Dataset):

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from lightning_fl.datamodules.base import FederatedDataModule, InMemoryFederatedDataModule, Split
-from lightning_fl.streams import (
+from lightning_fl.systems.streams import (
     Cache,
     CurrentBatchCache,
     FIFOCache,

@@ -6,7 +6,7 @@ What it adds to LightningCLI:
 
 - ``fit`` tests the final global model (``--test_after_fit false`` skips it);
 - everything a run writes (config.yaml, per-client CSVs, plots, checkpoints) goes to the
-  run's own folder (:func:`lightning_fl.outputs.run_dir`), named on the last line;
+  run's own folder (:func:`lightning_fl.engine.outputs.run_dir`), named on the last line;
 - an error ends with one short line naming the problem (``--traceback`` shows the trace);
 - a quiet console: no Lightning tips or known-harmless warnings, and no progress bar when
   the output is not a terminal (``--trainer.enable_progress_bar true`` brings it back).
@@ -24,7 +24,7 @@ import warnings
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from lightning_fl.outputs import run_dir
+from lightning_fl.engine.outputs import run_dir
 
 #: Warnings that every run would print and no user can act on.
 QUIET_WARNINGS = (
@@ -65,7 +65,7 @@ class FederatedCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads the checkpoint's hyper-parameters before the Trainer loads
         it; a bad file fails here as it would in the Trainer (CheckpointReadError)."""
-        from lightning_fl.strategy import CheckpointReadError
+        from lightning_fl.engine.strategy import CheckpointReadError
 
         try:
             super()._parse_ckpt_path()

@@ -35,7 +35,6 @@ from lightning_fl import (
     SimilarityClusteredSampler,
     UniformSampler,
 )
-from lightning_fl.asynchrony import ClientTimes, FedBuffSchedule
 from lightning_fl.callbacks import (
     APFL,
     DPSGD,
@@ -69,7 +68,8 @@ from lightning_fl.datamodules import (
     ReferenceDataModule,
     StreamingDataModule,
 )
-from lightning_fl.samplers import ExcludedClients
+from lightning_fl.systems.asynchrony import ClientTimes, FedBuffSchedule
+from lightning_fl.systems.samplers import ExcludedClients
 
 IN, HIDDEN, OUT = 6, 8, 3
 NUM_CLIENTS = 6

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fl import MLP, Classifier, FederatedStrategy
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.seeding import derive_seed, generator
+from lightning_fl.engine.seeding import derive_seed, generator
 
 IN, HIDDEN, OUT = 6, 8, 3
 

@@ -19,8 +19,8 @@ from lightning_fl import (
     SyncSchedule,
     UniformSampler,
 )
-from lightning_fl.asynchrony import async_aggregations
 from lightning_fl.callbacks import AsynchronousFL, FedAvg
+from lightning_fl.systems.asynchrony import async_aggregations
 from tests.helpers import (
     local_sgd,
     make_trainer,

@@ -134,7 +134,7 @@ def test_availability_recipe_runs_with_both_selectors(tmp_path):
 
 
 def test_beta_prior_estimators_converge_to_the_chains_pi_and_lambda():
-    from lightning_fl.ca_fed import AvailabilityEstimator
+    from lightning_fl.systems.ca_fed import AvailabilityEstimator
 
     pi, lam = [0.9, 0.1, 0.5, 0.3], [0.0, 0.6, 0.9, -0.2]
     model, estimator = MarkovAvailability(pi, lam), AvailabilityEstimator((1.0, 1.0))
@@ -150,7 +150,7 @@ def test_beta_prior_estimators_converge_to_the_chains_pi_and_lambda():
 
 def test_estimated_error_and_get_by_hand():
     """ε̂ = ⟨gap, w⟩ + 4κ̄² d_TV(α, w)² max gap, w = π⊙q normalized (eqs. 2.31–2.33)."""
-    from lightning_fl.ca_fed import estimated_error, truncate
+    from lightning_fl.systems.ca_fed import estimated_error, truncate
 
     alpha = torch.tensor([0.5, 0.5], dtype=torch.float64)
     pi = torch.tensor([0.9, 0.1], dtype=torch.float64)

@@ -173,7 +173,7 @@ def test_manual_optimization_is_supported_and_matches_automatic():
 def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
     import warnings
 
-    from lightning_fl.divergence import DivergenceWarning
+    from lightning_fl.engine.divergence import DivergenceWarning
 
     with pytest.warns(DivergenceWarning, match="diverging. Lower the learning rate") as record:
         make_trainer(FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10), 3).fit(

@@ -24,9 +24,9 @@ from lightning_fl import (
     UniformSampler,
 )
 from lightning_fl.callbacks import Ditto, FedAvg, Unlearning
-from lightning_fl.composition import REFUSALS, CompositionError, refusal_table
-from lightning_fl.samplers import ExcludedClients
-from lightning_fl.strategy import FederationMismatchError
+from lightning_fl.engine.composition import REFUSALS, CompositionError, refusal_table
+from lightning_fl.engine.strategy import FederationMismatchError
+from lightning_fl.systems.samplers import ExcludedClients
 from tests import composition
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
 
@@ -124,7 +124,7 @@ def test_the_readme_shows_the_refusal_table():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert refusal_table() in readme, "regenerate it: python -m lightning_fl.composition"
+    assert refusal_table() in readme, "regenerate it: python -m lightning_fl.engine.composition"
 
 
 # ---- the defects of issue 24 -----------------------------------------------------------
@@ -348,7 +348,7 @@ def test_a_damaged_checkpoint_fails_the_same_way_from_the_cli(tmp_path):
     half.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint\n" * 50)
-    from lightning_fl.strategy import CheckpointReadError
+    from lightning_fl.engine.strategy import CheckpointReadError
 
     for bad in (half, text):
         with pytest.raises(CheckpointReadError) as info:

@@ -15,7 +15,7 @@ from lightning_fl.callbacks import FedEM, GossipAveraging
 from lightning_fl.callbacks.fedem import STORE_KEY, e_step, update_mixture_weights
 from lightning_fl.callbacks.gossip import erdos_renyi, metropolis_weights
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.seeding import derive_seed, generator
+from lightning_fl.engine.seeding import derive_seed, generator
 from tests.helpers import (
     HIDDEN,
     IN,

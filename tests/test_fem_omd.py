@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_fl.fem_omd import FemOmdGMM, mixture_kl, responsibilities
+from lightning_fl.systems.fem_omd import FemOmdGMM, mixture_kl, responsibilities
 
 
 def _normal(x, mu):
@@ -73,7 +73,7 @@ def test_one_round_of_algorithm_17_by_hand():
     the running average and the OMD step on π."""
     import torch
 
-    from lightning_fl.fem_omd import FemOmdClassifier
+    from lightning_fl.systems.fem_omd import FemOmdClassifier
 
     alg = FemOmdClassifier(_linear, 2, 2, component_lr=0.3, weight_lr=0.7, em_steps=1, seed=4)
     omega = [comp[0].clone().double() for comp in alg.components]  # W_j: [2 classes, 1]
@@ -119,7 +119,7 @@ def test_identical_components_with_uniform_weights_stay_symmetric():
     takes the same step, and every ∇̂_j is −1, so π stays uniform."""
     import torch
 
-    from lightning_fl.fem_omd import FemOmdClassifier
+    from lightning_fl.systems.fem_omd import FemOmdClassifier
 
     alg = FemOmdClassifier(_linear, 3, 1, component_lr=0.1, weight_lr=5.0)
     alg.components = [[alg.components[0][0].clone()] for _ in range(3)]
@@ -132,7 +132,7 @@ def test_identical_components_with_uniform_weights_stay_symmetric():
 def test_fedomd_with_one_client_is_l2_regularized_sgd():
     import torch
 
-    from lightning_fl.fem_omd import FedOMD
+    from lightning_fl.systems.fem_omd import FedOMD
 
     alg = FedOMD(_linear, lr=0.2, l2=0.1, local_steps=1, seed=0)
     w = alg.params[0].clone()
@@ -204,7 +204,7 @@ def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand():
     average at t = 2, 3 and OMD from a non-uniform π, which one round cannot test."""
     import torch
 
-    from lightning_fl.fem_omd import FemOmdClassifier
+    from lightning_fl.systems.fem_omd import FemOmdClassifier
 
     alg = FemOmdClassifier(_linear, 2, 2, component_lr=0.4, weight_lr=0.9, em_steps=2, seed=6)
     omega = [comp[0].clone().double() for comp in alg.components]

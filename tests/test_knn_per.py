@@ -10,7 +10,7 @@ import torch
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import KNNPer
-from lightning_fl.datastore import Datastore, knn_probabilities
+from lightning_fl.systems.datastore import Datastore, knn_probabilities
 from tests.helpers import make_trainer, tiny_clients, tiny_datamodule, tiny_module
 
 

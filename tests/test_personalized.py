@@ -12,7 +12,7 @@ from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import APFL, ClusteredFL, Ditto, FedAvg, FedRep, FineTune, PFedMe
 from lightning_fl.callbacks.clustered import complete_linkage_bipartition
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.seeding import derive_seed, generator
+from lightning_fl.engine.seeding import derive_seed, generator
 from tests.helpers import (
     make_trainer,
     max_abs_diff,

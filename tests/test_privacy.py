@@ -17,7 +17,7 @@ from lightning_fl.datamodules import (
     load_purchase100,
     load_texas100,
 )
-from lightning_fl.membership import attack_signals, best_threshold, membership_inference
+from lightning_fl.systems.membership import attack_signals, best_threshold, membership_inference
 from tests.helpers import make_trainer, max_abs_diff, params_of
 
 
@@ -154,7 +154,7 @@ def test_server_reference_with_w_zero_is_fedavg_and_with_w_one_only_server_data(
     net = MLP(10, (16,), 4)
     from torch.utils.data import DataLoader
 
-    from lightning_fl.seeding import generator
+    from lightning_fl.engine.seeding import generator
 
     loader = DataLoader(
         dm.server_reference(),

@@ -13,7 +13,7 @@ from lightning_fl import ExcludedClients, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import SAFARI, FedAvg
 from lightning_fl.callbacks.base import SERVER_CLIENT
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.seeding import generator
+from lightning_fl.engine.seeding import generator
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_module
 
 LR, ROUNDS, SEED = 0.1, 6, 4

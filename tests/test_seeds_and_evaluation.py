@@ -7,7 +7,7 @@ import torch
 
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import FedAvg, Local, Pooled
-from lightning_fl.evaluation import lower_is_better, summarize
+from lightning_fl.engine.evaluation import lower_is_better, summarize
 from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
 
 

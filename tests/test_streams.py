@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_fl.streams import (
+from lightning_fl.systems.streams import (
     CurrentBatchCache,
     FIFOCache,
     FixedCache,
@@ -339,7 +339,7 @@ def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step()
     D̂ = lr·‖∇L(θ¹)‖, the largest over the clients."""
     import torch
 
-    from lightning_fl.streams import estimate_constants
+    from lightning_fl.systems.streams import estimate_constants
 
     dm = _stream_dm()
     datasets = [dm.client_dataset(c, "train") for c in range(2)]
@@ -356,7 +356,7 @@ def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step()
 def test_ours_with_an_estimated_ratio_runs_from_the_trainer_and_logs_it():
     from lightning_fl import FederatedStrategy
     from lightning_fl.callbacks import StreamFedAvg
-    from lightning_fl.streams import estimate_constants
+    from lightning_fl.systems.streams import estimate_constants
     from tests.helpers import make_trainer
 
     dm = _stream_dm()
@@ -514,7 +514,7 @@ def test_iterate_average_is_the_mean_of_the_models_the_rounds_started_from():
 def test_configuration_objective_by_hand():
     """ψ(p)/c1 = sqrt(Σ_fresh p_m²) + r·sqrt(Σ_m p_m²/n_m) (Cor. 5.1) on unequal n_m,
     where dropping the 1/n_m would change the value."""
-    from lightning_fl.streams import configuration_objective
+    from lightning_fl.systems.streams import configuration_objective
 
     p, n = np.array([0.5, 0.3, 0.2]), np.array([0.6, 0.3, 0.1])
     fresh = np.array([False, True, True])

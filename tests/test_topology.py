@@ -12,7 +12,7 @@ import torch
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import FedAvg, GossipAveraging
-from lightning_fl.topology import (
+from lightning_fl.systems.topology import (
     NETWORKS,
     DelayModel,
     MaxPlusClock,

@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fl import Classifier, FederatedStrategy, FullParticipation, UniformSampler
 from lightning_fl.callbacks import FedAvg, StopAtTarget, Unlearning
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.samplers import ExcludedClients
-from lightning_fl.tensors import flatten
-from lightning_fl.unlearning import BranchHistory, sensitivity_threshold
+from lightning_fl.engine.tensors import flatten
+from lightning_fl.systems.samplers import ExcludedClients
+from lightning_fl.systems.unlearning import BranchHistory, sensitivity_threshold
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
 
 
@@ -153,7 +153,7 @@ def test_removed_clients_training_data_is_never_read_after_the_request():
 def test_fine_tuning_keeps_the_model_and_last_perturbs_it_by_the_overall_sensitivity():
     from lightning.pytorch import Callback
 
-    from lightning_fl.unlearning import noise_for_sensitivity
+    from lightning_fl.systems.unlearning import noise_for_sensitivity
 
     def run(method):
         seen = {}

@@ -27,7 +27,7 @@ from lightning_fl.callbacks import (
     Local,
     Pooled,
 )
-from lightning_fl.vectorized import VectorizationError
+from lightning_fl.engine.vectorized import VectorizationError
 from tests.helpers import HIDDEN, IN, OUT, make_trainer, max_abs_diff, params_of, tiny_datamodule
 
 
@@ -307,7 +307,7 @@ def test_fedem_equals_the_sequential_path():
 def test_clipping_by_norm_leaves_rows_under_the_value_alone():
     """Per-row total norm: a row over the value is scaled to it, a row under it is left
     as it is (a clip value that clips every client cannot tell the two apart)."""
-    from lightning_fl.vectorized import clip_gradients_
+    from lightning_fl.engine.vectorized import clip_gradients_
 
     a = torch.tensor([[3.0, 0.0], [0.3, 0.0]])  # rows: client 0, client 1
     b = torch.tensor([[[0.0, 4.0]], [[0.0, 0.4]]])  # row norms with a: 5 and 0.5

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from lightning_fl.datamodules.base import FederatedDataModule, Split
 
 if TYPE_CHECKING:
-    from lightning_fl.strategy import FederatedStrategy
+    from lightning_fl.engine.strategy import FederatedStrategy
 
 
 @dataclass(frozen=True)

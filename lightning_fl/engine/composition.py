@@ -7,10 +7,10 @@ its invariants or is refused at setup, before any training, by :func:`check` wit
 :class:`CompositionError` that names both plugins, the reason and the fix.
 
 The refused pairs are the table :data:`REFUSALS`, one row per reason. The README's
-composition matrix is printed from it (``python -m lightning_fl.composition``), and the
+composition matrix is printed from it (``python -m lightning_fl.engine.composition``), and the
 matrix test (tests/test_composition.py) trains every pair of plugins and checks that
 exactly the pairs of this table, and the vectorization refusals of
-:mod:`lightning_fl.vectorized`, are refused.
+:mod:`lightning_fl.engine.vectorized`, are refused.
 
 Plugins are matched by class name along the MRO, so a subclass of a plugin is refused
 where its base is.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 if TYPE_CHECKING:
-    from lightning_fl.strategy import FederatedStrategy
+    from lightning_fl.engine.strategy import FederatedStrategy
 
 
 class CompositionError(ValueError):
@@ -163,7 +163,7 @@ REFUSALS: tuple[Refusal, ...] = (
 def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, str]:
     """Every class name (along the MRO) of the run's plugins, mapped to the name of the
     plugin that carries it (the class a user wrote)."""
-    from lightning_fl.samplers import SamplerWrapper
+    from lightning_fl.systems.samplers import SamplerWrapper
 
     chain, sampler = [], strategy.sampler
     while sampler is not None:

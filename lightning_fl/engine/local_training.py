@@ -17,10 +17,10 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_fl.client_store import ClientStore
 from lightning_fl.datamodules.base import Split
-from lightning_fl.seeding import generator
-from lightning_fl.tensors import FederatedTensors, TensorList, flatten, unflatten
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import FederatedTensors, TensorList, flatten, unflatten
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_fl.outputs import append_csv
+from lightning_fl.engine.outputs import append_csv
 
 
 class ClientMetricCapture:

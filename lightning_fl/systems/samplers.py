@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_fl.ca_fed import AvailabilityEstimator, LossFilter, truncate
-from lightning_fl.seeding import generator
+from lightning_fl.engine.seeding import generator
+from lightning_fl.systems.ca_fed import AvailabilityEstimator, LossFilter, truncate
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class ExcludedClients(SamplerWrapper):
 class AvailableClients(ClientSampler):
     """Clients chosen among the available set A_t (CA-Fed's setting, Marfoq thesis §2.2,
     eq. 2.16): the server update is Σ_{k∈A_t} q_k Δ_k, with A_t from ``availability``
-    (:mod:`lightning_fl.availability`) and one of the selectors:
+    (:mod:`lightning_fl.systems.availability`) and one of the selectors:
 
     - ``"unbiased"``: every available client, q_k = α_k / π_k, so that E[1{k ∈ A_t}] q_k =
       α_k under the chain's stationary law and the biased objective (2.17) is Σ α_k F_k;

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lightning_fl.seeding import derive_seed
+from lightning_fl.engine.seeding import derive_seed
 
 Restart = Literal["at_aggregation", "on_send"]
 

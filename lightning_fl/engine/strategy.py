@@ -32,7 +32,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
-from lightning_fl import composition
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import (
     POOLED_CLIENT,
@@ -41,15 +40,15 @@ from lightning_fl.callbacks.base import (
     FederatedCallback,
     RoundState,
 )
-from lightning_fl.client_store import ClientStore
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
-from lightning_fl.divergence import DivergenceMonitor
-from lightning_fl.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
-from lightning_fl.outputs import append_csv, run_dir
-from lightning_fl.rounds import ClientSchedule, EvalRounds, TrainRounds
-from lightning_fl.samplers import ClientSampler, FullParticipation, Participation
-from lightning_fl.seeding import derive_seed, generator, seed_global_rng
-from lightning_fl.tensors import (
+from lightning_fl.engine import composition
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.divergence import DivergenceMonitor
+from lightning_fl.engine.evaluation import ClientMetricCapture, summarize, write_client_metrics_csv
+from lightning_fl.engine.outputs import append_csv, run_dir
+from lightning_fl.engine.rounds import ClientSchedule, EvalRounds, TrainRounds
+from lightning_fl.engine.seeding import derive_seed, generator, seed_global_rng
+from lightning_fl.engine.tensors import (
     FederatedTensors,
     TensorList,
     all_finite,
@@ -57,7 +56,7 @@ from lightning_fl.tensors import (
     unflatten,
     zeros_like,
 )
-from lightning_fl.vectorized import (
+from lightning_fl.engine.vectorized import (
     ClientChunk,
     StackedOptimizer,
     VectorizationError,
@@ -66,6 +65,7 @@ from lightning_fl.vectorized import (
     check_module,
     chunk_positions,
 )
+from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
@@ -143,7 +143,7 @@ class FederatedStrategy(DDPStrategy):
             after this many consecutive rounds with a dropped update, training stops.
         vectorize: train a round's participants together, one local step of every client
             per Lightning step, with ``torch.func`` over stacked client models
-            (:mod:`lightning_fl.vectorized`: what a module must satisfy, which optimizers
+            (:mod:`lightning_fl.engine.vectorized`: what a module must satisfy, which optimizers
             and callbacks are supported). Equal to the sequential run to float round-off.
         max_vectorized_clients: with ``vectorize``, train at most this many clients
             together (a round is split into chunks) to bound memory; None: all of this
@@ -285,7 +285,7 @@ class FederatedStrategy(DDPStrategy):
         trainer.callbacks.sort(key=order)  # stable
         for i, cb in enumerate(trainer.callbacks):
             if type(cb) is TQDMProgressBar:
-                from lightning_fl.progress import FederatedProgressBar
+                from lightning_fl.engine.progress import FederatedProgressBar
 
                 trainer.callbacks[i] = FederatedProgressBar(
                     refresh_rate=cb.refresh_rate, leave=cb._leave

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_fl.seeding import generator
+from lightning_fl.engine.seeding import generator
 
 ATTACKS = ("correctness", "confidence", "entropy", "modified_entropy", "loss")
 _EPS = 1e-30

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_fl.tensors import TensorList
+from lightning_fl.engine.tensors import TensorList
 
 #: LightningModule hooks that run at every local step of the sequential path; the
 #: vectorized step does not call them, so a module that overrides one is refused.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_fl.seeding import generator
+from lightning_fl.engine.seeding import generator
 
 
 class AlwaysAvailable:

@@ -30,7 +30,7 @@ import networkx as nx
 import numpy as np
 from scipy.sparse.csgraph import connected_components
 
-#: The networks shipped with the package (lightning_fl/networks/, Apache-2.0).
+#: The networks shipped with the package (lightning_fl/systems/networks/, Apache-2.0).
 NETWORKS = ("gaia", "amazon_us", "geantdistance", "exodus", "ebone")
 #: Latency of a path: 0.0085 ms per km plus 4 ms once per path [Gue+04], §2.1.4.1.
 MS_PER_KM, PATH_LATENCY_MS = 0.0085, 4.0
@@ -50,7 +50,7 @@ def read_underlay(source: str | Path) -> nx.Graph:
     """
     path = Path(source)
     if str(source) in NETWORKS:
-        path = Path(str(resources.files("lightning_fl") / "networks" / f"{source}.gml"))
+        path = Path(str(resources.files("lightning_fl.systems") / "networks" / f"{source}.gml"))
     if not path.is_file():
         raise TopologyError(
             f"No network file {str(source)!r}: give a GML path or one of {', '.join(NETWORKS)}."
