@@ -12,6 +12,7 @@ from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.objective import FederatedObjective
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
+from lightning_fl.callbacks.plots import FederatedPlots
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
@@ -33,6 +34,7 @@ __all__ = [
     "FedEM",
     "FederatedObjective",
     "FederatedCallback",
+    "FederatedPlots",
     "FedProx",
     "FedRep",
     "FedYogi",

@@ -91,7 +91,7 @@ class MembershipInference(FederatedCallback):
             self._attack(pl_module, trainer, client, "mia")
 
     def on_client_evaluation_end(self, trainer, pl_module, client: int) -> None:
-        if self._active(trainer) and trainer.strategy._eval.get("global") is not None:
+        if self._active(trainer) and trainer.strategy.evaluation.global_tensors is not None:
             self._attack(pl_module, trainer, client, "mia_personal")
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
@@ -122,7 +122,7 @@ class MembershipInference(FederatedCallback):
         self.results[("mia", "reference", -1)] = dict(result.accuracy, best=result.best)
 
     def _report(self, trainer, pl_module) -> None:
-        trainer.strategy.end_client_evaluation()
+        trainer.strategy.evaluation.end_client()
         self._server_attack(trainer, pl_module)
         results = dict(self.results)
         if dist.is_initialized() and trainer.world_size > 1:

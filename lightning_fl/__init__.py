@@ -17,6 +17,7 @@ The tree shows the architecture (README, "How it works"):
 """
 
 from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.federated_state import CheckpointReadError, FederationMismatchError
 from lightning_fl.engine.progress import FederatedProgressBar
 from lightning_fl.engine.strategy import FederatedStrategy, NonFiniteUpdateError
 from lightning_fl.models import (
@@ -78,6 +79,7 @@ __all__ = [
     "MLP",
     "BinaryClassifier",
     "CharLSTM",
+    "CheckpointReadError",
     "CifarCNN",
     "CoxRegression",
     "FederatedTask",
@@ -91,6 +93,7 @@ __all__ = [
     "DigitsCNN",
     "FederatedProgressBar",
     "FederatedStrategy",
+    "FederationMismatchError",
     "FullParticipation",
     "MDSampler",
     "MixtureClassifier",

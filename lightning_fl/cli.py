@@ -65,7 +65,7 @@ class FederatedCLI(LightningCLI):
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads the checkpoint's hyper-parameters before the Trainer loads
         it; a bad file fails here as it would in the Trainer (CheckpointReadError)."""
-        from lightning_fl.engine.strategy import CheckpointReadError
+        from lightning_fl.engine.federated_state import CheckpointReadError
 
         try:
             super()._parse_ckpt_path()

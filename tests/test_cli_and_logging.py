@@ -371,3 +371,21 @@ def test_combined_recipes_run_with_both_systems(recipe, tmp_path):
     if recipe.stem == "knn_per_sifu":
         unlearning = next(c for c in cli.trainer.callbacks if type(c).__name__ == "Unlearning")
         assert unlearning.removed == [0, 1]
+
+
+def test_plots_are_a_callback_that_a_run_can_switch_off(tmp_path):
+    """The figures come from the FederatedPlots callback the strategy installs: with
+    enable_plots=False a run writes its CSV files and no figure; by default it draws the
+    participation and per-client figures once (a user's own instance is not doubled)."""
+    from lightning_fl.callbacks import FederatedPlots
+
+    recipe = ROOT / "recipes" / "quickstart.yaml"
+    off = _fit(recipe, tmp_path / "off", "--trainer.strategy.init_args.enable_plots", "false")
+    assert not any(isinstance(cb, FederatedPlots) for cb in off.trainer.callbacks)
+    assert glob.glob(str(tmp_path / "off/**/client_metrics.csv"), recursive=True)
+    assert glob.glob(str(tmp_path / "off/**/participation.csv"), recursive=True)
+    assert not glob.glob(str(tmp_path / "off/**/*.png"), recursive=True)
+    on = _fit(recipe, tmp_path / "on")
+    assert sum(isinstance(cb, FederatedPlots) for cb in on.trainer.callbacks) == 1
+    names = {Path(p).name for p in glob.glob(str(tmp_path / "on/**/*.png"), recursive=True)}
+    assert {"participation.png", "clients_test_acc.png"} <= names

@@ -25,7 +25,7 @@ from lightning_fl import (
 )
 from lightning_fl.callbacks import Ditto, FedAvg, Unlearning
 from lightning_fl.engine.composition import REFUSALS, CompositionError, refusal_table
-from lightning_fl.engine.strategy import FederationMismatchError
+from lightning_fl.engine.federated_state import FederationMismatchError
 from lightning_fl.systems.samplers import ExcludedClients
 from tests import composition
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
@@ -348,7 +348,7 @@ def test_a_damaged_checkpoint_fails_the_same_way_from_the_cli(tmp_path):
     half.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     text = tmp_path / "notes.ckpt"
     text.write_text("not a checkpoint\n" * 50)
-    from lightning_fl.engine.strategy import CheckpointReadError
+    from lightning_fl.engine.federated_state import CheckpointReadError
 
     for bad in (half, text):
         with pytest.raises(CheckpointReadError) as info:

@@ -122,7 +122,7 @@ def test_personalization_state_survives_resume(name, tmp_path):
 
 
 def test_a_truncated_checkpoint_error_names_the_file(tmp_path):
-    from lightning_fl.engine.strategy import CheckpointReadError
+    from lightning_fl.engine.federated_state import CheckpointReadError
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, filename="{epoch}")
     make_trainer(FederatedStrategy(local_steps=2), 1, [checkpoint], enable_checkpointing=True).fit(

@@ -71,7 +71,9 @@ class TrainRounds:
         # with "Please call `iter(combined_loader)` first".
         trainer = self.strategy.lightning_module.trainer
         try:
-            plan = self.strategy.begin_round(trainer.fit_loop.epoch_progress.current.processed)
+            plan = self.strategy.engine.begin_round(
+                trainer.fit_loop.epoch_progress.current.processed
+            )
         except Exception as err:  # noqa: BLE001 - re-raised unchanged at the first batch
             return _raise(err)
         return self._batches(plan)
@@ -137,6 +139,6 @@ class EvalRounds:
         return self.schedule.total
 
     def __iter__(self) -> Iterator[Any]:
-        self.strategy.begin_evaluation(self.schedule, self.sizes)
+        self.strategy.evaluation.begin(self.schedule, self.sizes)
         for loader in self.loaders:
             yield from loader

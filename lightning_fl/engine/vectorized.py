@@ -32,14 +32,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lightning_fl.engine.seeding import derive_seed, generator
 from lightning_fl.engine.tensors import TensorList
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_fl.engine.round_engine import RoundEngine
+    from lightning_fl.engine.strategy import FederatedStrategy
 
 #: LightningModule hooks that run at every local step of the sequential path; the
 #: vectorized step does not call them, so a module that overrides one is refused.
@@ -599,11 +606,125 @@ def chunk_positions(positions: Sequence[int], size: int | None) -> list[tuple[in
     return [tuple(positions[i : i + size]) for i in range(0, len(positions), size)]
 
 
+class VectorizedClients:
+    """The strategy's vectorized rounds (``vectorize=True``): the set-up checks, and the
+    life cycle of each chunk of clients that train together. Every client of a chunk
+    starts and finishes through the round engine exactly as on the sequential path; in
+    between, one :class:`VectorizedStep` per Lightning step trains the chunk."""
+
+    def __init__(self, strategy: FederatedStrategy, engine: RoundEngine) -> None:
+        self.strategy, self.engine = strategy, engine
+        self.step: VectorizedStep | None = None
+        self.chunk: ClientChunk | None = None
+        self.current: tuple[int, int] | None = None  # (chunk, step) of the training step
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check that the module, optimizer and callbacks can train clients together,
+        build the step, and run the loss once vectorized on the first client's batch."""
+        strategy, module = self.strategy, self.strategy.lightning_module
+        check_module(module)
+        for cb in trainer.callbacks:
+            check_callback(cb)
+        _check_trainer(trainer, strategy)
+        tensors = strategy.federated_tensors
+        optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
+        callbacks = self.engine.ordered_callbacks("on_before_vectorized_optimizer_step")
+
+        def gradient_terms(rows: list[int], params: TensorList, grads: list) -> None:
+            state = self.engine.current_round.state
+            for cb in callbacks:
+                cb.on_before_vectorized_optimizer_step(trainer, module, rows, params, grads, state)
+
+        clip = None
+        if trainer.gradient_clip_val:
+            algorithm = "value" if trainer.gradient_clip_algorithm == "value" else "norm"
+            clip = (float(trainer.gradient_clip_val), algorithm)
+        self.step = VectorizedStep(
+            module, tensors.param_names, tensors.buffer_names, optimizer, gradient_terms, clip
+        )
+        self._check_first_batch_runs()
+
+    def _check_first_batch_runs(self) -> None:
+        strategy = self.strategy
+        dm = strategy.lightning_module.trainer.datamodule
+        dm.set_round(0)  # a stream's caches hold data from the first round on
+        with_data = [c for c, n in enumerate(strategy.training_counts) if n > 0]
+        empty = set(dm.clients_without_data_now(with_data))
+        first = next((c for c in with_data if c not in empty), None)
+        if first is not None and not strategy.aggregator.pools_clients:
+            loader = dm.client_dataloader(
+                dm.client_dataset(first, "train"), "train", generator(strategy.seed, "probe")
+            )
+            self.step.check_runs(strategy.batch_to_device(next(iter(loader))))
+
+    def start_chunk(self, index: int) -> None:
+        """Start every client of chunk ``index`` as the sequential path does (global
+        weights, seeded RNG, ``on_client_start``), and stack their models."""
+        strategy, plan = self.strategy, self.engine.current_round
+        state, positions = plan.state, plan.chunks[index]
+        clients = [plan.schedule.clients[pos] for pos in positions]
+        starts, generators, saved = [], [], []
+        for pos, client in zip(positions, clients):
+            self.engine.start_client(pos)
+            starts.append(strategy.federated_tensors.clone())
+            seed = derive_seed(strategy.seed, "client", state.round_idx, client)
+            generators.append(torch.Generator(device=strategy.root_device).manual_seed(seed))
+            kept = strategy.keep_optimizer_state
+            saved.append(strategy.client_store.get(client, "optimizer_0") if kept else None)
+        self.chunk = ClientChunk(clients, starts, strategy.federated_tensors.num_params, generators)
+        self.step.optimizer.reset(self.chunk.params, saved)
+        self.engine.call("on_vectorized_clients_start", clients, state)
+        trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
+        contexts, stacked_state = [], []
+        for cb in self.engine.ordered_callbacks("vectorized_client_state"):
+            stacked = cb.vectorized_client_state(trainer, module, clients, state)
+            if stacked is not None:
+                contexts.append(lambda rows, cb=cb: cb.vectorized_client_context(module, rows))
+                stacked_state.append(stacked)
+        self.step.client_contexts, self.step.client_state = contexts, stacked_state
+
+    def train_step(self, batch: dict[str, Any]) -> None:
+        """One local step of the chunk's clients that still have batches."""
+        losses, metrics, sizes = self.step(self.chunk, batch["rows"], batch["batches"])
+        self.strategy.lightning_module._log_vectorized_training_step(losses, metrics, sizes)
+        self.strategy.divergence.observe(losses)
+
+    def finish_chunk(self, index: int) -> None:
+        """Finish every client of chunk ``index`` as the sequential path does, its trained
+        model loaded into the module."""
+        chunk, strategy = self.chunk, self.strategy
+        for row, pos in enumerate(self.engine.current_round.chunks[index]):
+            strategy.federated_tensors.load_(chunk.row(row))
+            optimizer_state = None
+            if strategy.keep_optimizer_state:
+                optimizer_state = [self.step.optimizer.state_of(row)]
+            self.engine.finish_client(pos, optimizer_state)
+        self.chunk = None
+
+
+def _check_trainer(trainer: pl.Trainer, strategy: FederatedStrategy) -> None:
+    """32-bit precision and exactly one optimizer."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    if type(strategy.precision_plugin) is not Precision:
+        raise VectorizationError(
+            f"vectorize=True runs in 32-bit precision; got "
+            f"{type(strategy.precision_plugin).__name__}. Use Trainer(precision='32-true'), "
+            "or vectorize=False."
+        )
+    if len(trainer.optimizers) != 1:
+        raise VectorizationError(
+            f"vectorize=True needs exactly one optimizer, got {len(trainer.optimizers)}. "
+            "Return one from configure_optimizers, or use vectorize=False."
+        )
+
+
 __all__ = [
     "ClientChunk",
     "ClientDropout",
     "StackedOptimizer",
     "VectorizationError",
+    "VectorizedClients",
     "VectorizedStep",
     "check_callback",
     "check_module",

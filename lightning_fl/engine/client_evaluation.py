@@ -1,0 +1,160 @@
+"""Validation and test client by client (DESIGN.md, "One round is one Lightning
+epoch", step 6), and the epoch's report over clients.
+
+Each client's batches run with its personalized model where a callback keeps one (the
+callbacks' ``on_client_evaluation_start``), and the global model is restored after it.
+At each client boundary the metric capture reads the client's own means; at the epoch's
+end every rank's clients are gathered, summarized (weighted and uniform means, bottom
+decile, seen and unseen clients apart), logged, and written to ``client_metrics.csv``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.loggers import WandbLogger
+
+from lightning_fl.callbacks.base import FederatedCallback
+from lightning_fl.engine.evaluation import (
+    ClientMetricCapture,
+    summarize,
+    write_client_metrics_csv,
+)
+from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.rounds import ClientSchedule
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.strategy import FederatedStrategy
+
+#: {metric: {client: (mean, num_samples)}}
+PerClient = dict[str, dict[int, tuple[float, float]]]
+
+
+class ClientEvaluation:
+    """One evaluation epoch of ``strategy``'s rank: which client's batches run now, and
+    the capture of each client's metrics. ``global_tensors`` is the global model kept
+    while personalized models are evaluated (None when no callback personalizes)."""
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+        self.capture = ClientMetricCapture()
+        self.schedule: ClientSchedule | None = None
+        self.open_client: int | None = None
+        self.global_tensors: list | None = None
+        self.sizes: dict[int, int] = {}
+        #: the last epoch's gathered per-client values: (stage, per_client, unseen)
+        self.last_report: tuple[str, PerClient, set[int]] | None = None
+
+    def begin(self, schedule: ClientSchedule, sizes: dict[int, int] | None = None) -> None:
+        """Start an epoch over ``schedule`` (``sizes``: each client's sample count)."""
+        personalizes = any(
+            type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
+            and not cb.evaluation_observer
+            for cb in self.strategy.federated_callbacks
+        )
+        self.schedule, self.open_client, self.sizes = schedule, None, sizes or {}
+        self.global_tensors = self.strategy.federated_tensors.clone() if personalizes else None
+        self.capture.reset()
+
+    def step(self, step: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the module's evaluation ``step``, switching clients at their first batch."""
+        batch_idx = kwargs["batch_idx"] if "batch_idx" in kwargs else args[1]
+        pos, local_step = self.schedule.locate(batch_idx)
+        if local_step == 0:
+            self.end_client()
+            self.open_client = self.schedule.clients[pos]
+            self.strategy.engine.call("on_client_evaluation_start", self.open_client)
+        output = step(*args, **kwargs)
+        if batch_idx == self.schedule.total - 1:
+            # Close the last client now: Lightning syncs (in place) the logged sums over
+            # ranks before the epoch-end hooks run.
+            self.end_client()
+        return output
+
+    def end_client(self) -> None:
+        """Capture the open client's metrics, run ``on_client_evaluation_end`` and restore
+        the global model."""
+        client = self.open_client
+        if client is None:
+            return
+        module = self.strategy.lightning_module
+        unseen = client in set(module.trainer.datamodule.unseen_clients)
+        sums = module.pop_evaluation_sums() if hasattr(module, "pop_evaluation_sums") else None
+        self.capture.close_client(
+            module.trainer._results, client, exclude=unseen, module_sums=sums,
+            num_samples=self.sizes.get(client),
+        )  # fmt: skip
+        self.strategy.engine.call("on_client_evaluation_end", client)
+        if self.global_tensors is not None:
+            self.strategy.federated_tensors.load_(self.global_tensors)
+        self.open_client = None
+
+    def report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The epoch's report: every rank's clients summarized and logged (seen and
+        unseen apart), ``client_metrics.csv`` and W&B histograms written by rank 0."""
+        self.end_client()
+        if trainer.sanity_checking:
+            return
+        per_client, summed = self._gather(trainer)
+        unseen = set(trainer.datamodule.unseen_clients)
+        _log_summaries(pl_module, per_client, summed, unseen)
+        self.last_report = (stage, per_client, unseen)
+        if per_client and trainer.is_global_zero:
+            # no trainer.log_dir here: it is a collective, and only rank 0 writes
+            path = os.path.join(run_dir(trainer), "client_metrics.csv")
+            write_client_metrics_csv(path, stage, trainer.current_epoch, per_client)
+        for logger in trainer.loggers if trainer.is_global_zero else []:
+            if isinstance(logger, WandbLogger):
+                _log_histograms(logger, trainer, per_client)
+
+    def _gather(self, trainer: pl.Trainer) -> tuple[PerClient, set[str]]:
+        """Every rank's per-client values and the names of the summed metrics."""
+        capture = self.capture
+        per_client = {k: dict(v) for k, v in capture.per_client.items() if v}
+        summed = set(capture.summed_names)
+        if dist.is_initialized() and trainer.world_size > 1:
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, (per_client, summed))
+            per_client = {}
+            for part, names in parts:
+                summed |= names
+                for name, values in part.items():
+                    per_client.setdefault(name, {}).update(values)
+        return per_client, summed
+
+
+def _log_summaries(
+    pl_module: pl.LightningModule, per_client: PerClient, summed: set[str], unseen: set[int]
+) -> None:
+    for name, values in per_client.items():
+        groups = {
+            name: {c: v for c, v in values.items() if c not in unseen},
+            f"{name}/unseen": {c: v for c, v in values.items() if c in unseen},
+        }
+        for prefix, group in groups.items():
+            if not group:
+                continue
+            summary = summarize(group, name)
+            for key, value in summary.items():
+                # the same on every rank: syncing only averages equal values
+                pl_module.log(f"{prefix}/{key}", value, sync_dist=True)
+            if name in summed and prefix == name:
+                # a FederatedTask's metric, summed per client instead of logged every
+                # batch: its epoch value is the seen clients' sample-weighted mean, from
+                # every rank's clients (no count averaging over ranks)
+                pl_module.log(name, summary["weighted"], sync_dist=True, prog_bar=True)
+
+
+def _log_histograms(logger: WandbLogger, trainer: pl.Trainer, per_client: PerClient) -> None:
+    import wandb
+
+    logger.experiment.log(
+        {
+            f"{name}/clients": wandb.Histogram([v for v, _ in values.values()])
+            for name, values in per_client.items()
+        }
+        | {"trainer/global_step": trainer.global_step},
+    )

@@ -1,0 +1,110 @@
+"""The round driver: the callback through which Lightning's loop ends clients and rounds.
+
+Lightning's data fetcher reads one batch ahead, so a client cannot be finished when its
+loader runs out: the driver finishes it after its last optimizer step
+(``on_train_batch_end``), and ends the round after the last one. It also logs the round's
+summaries (``fl/round``, ``fl/participants``, ...), appends ``participation.csv``, reports
+evaluation epochs over clients and carries the federated state in checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fl.callbacks.base import RoundState
+from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
+from lightning_fl.engine.outputs import append_csv, run_dir
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.strategy import FederatedStrategy
+
+
+class RoundDriver(pl.Callback):
+    """Installed first by :class:`~lightning_fl.FederatedStrategy`."""
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+
+    @property
+    def state_key(self) -> str:
+        return "_RoundDriver"  # the checkpoint key since the first release: old ones resume
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.divergence.reset()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        engine = self.strategy.engine
+        plan = engine.current_round
+        if plan.chunks is not None:
+            self._end_chunk_step(batch_idx)
+            return
+        pos, step = engine.current_client  # located by the strategy's batch start
+        padding = plan.is_padding(pos)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not padding and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self.strategy.divergence.observe(loss)
+        if step == plan.schedule.num_batches[pos] - 1:
+            if not padding:
+                engine.finish_client(pos)
+            if pos == len(plan.schedule.clients) - 1:
+                self._end_round()
+
+    def _end_chunk_step(self, batch_idx: int) -> None:
+        """Vectorized clients: finish a chunk after its last step, the round after the
+        last chunk (or the rank's idle steps)."""
+        plan = self.strategy.engine.current_round
+        chunk, step = plan.steps.locate(batch_idx)
+        if step == plan.steps.num_batches[chunk] - 1:
+            if chunk < len(plan.chunks):
+                self.strategy.vectorized.finish_chunk(chunk)
+            if chunk == len(plan.steps.clients) - 1:
+                self._end_round()
+
+    def _end_round(self) -> None:
+        state = self.strategy.engine.end_round()
+        self.strategy.divergence.end_round(state.round_idx)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self.strategy
+        state = strategy.engine.current_round.state
+        pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
+        pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
+        pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
+        for name, value in strategy.sampler.round_metrics().items():
+            pl_module.log(name, value, on_epoch=True)
+        dm = trainer.datamodule
+        if type(dm).clients_without_data_now is not FederatedDataModule.clients_without_data_now:
+            skipped = float(strategy.engine.planner.skipped_now)
+            pl_module.log("fl/skipped_empty", skipped, on_epoch=True)
+        if trainer.is_global_zero and trainer.loggers:
+            _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.evaluation.report(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.evaluation.report(trainer, pl_module, "test")
+
+    def state_dict(self) -> dict[str, Any]:
+        return federated_state_dict(self.strategy)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        load_federated_state_dict(self.strategy, state_dict)
+
+
+def _append_participation(path: str, state: RoundState) -> None:
+    """One row per participant of the round: round, client, aggregation weight ω_i, and
+    whether its update was dropped (NaN/Inf; with several processes, the drops rank 0 saw:
+    every rank's are counted in ``fl/dropped_updates``). Client −1 is the pooled
+    baseline's virtual client, −3 the server (SAFARI's server rounds)."""
+    participation = zip(state.participation.clients, state.participation.weights)
+    rows = (
+        [state.round_idx, client, f"{weight:.10g}", int(client in state.dropped)]
+        for client, weight in participation
+    )
+    append_csv(path, ["round", "client", "weight", "dropped"], rows)

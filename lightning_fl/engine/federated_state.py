@@ -1,0 +1,136 @@
+"""What a checkpoint holds beyond Lightning's own state, and the checks on resume.
+
+The federated state is the round, the seed, the federation it belongs to, every rank's
+client store (gathered into one file), the sampler's state and the count of consecutive
+rounds with dropped updates. It travels in checkpoints as the round driver callback's
+state, so Lightning saves and restores it with everything else.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_fl.engine.planning import client_training_counts
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.strategy import FederatedStrategy
+
+
+class FederationMismatchError(ValueError):
+    """A checkpoint is resumed with a federation (clients, sample counts, partition seed)
+    other than the one it was made with."""
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint file could not be read (truncated, not a checkpoint, or refused by
+    ``weights_only`` loading)."""
+
+    @classmethod
+    def of(cls, path: Any, err: BaseException) -> CheckpointReadError:
+        """The error for ``path``, whose loading raised ``err``: the file, what is wrong
+        and what to do, without torch's advice to load it with ``weights_only=False``."""
+        if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
+            what = "not a checkpoint, or one holding objects that safe weights_only loading refuses"
+        else:
+            text = str(err).strip()
+            what = text.splitlines()[0] if text else type(err).__name__
+            what = what.split(". ")[0]
+        return cls(
+            f"{path}: cannot be read as a checkpoint ({what}). It may be truncated (an "
+            "interrupted save or copy) or not a Lightning checkpoint of this library: "
+            "resume from another one, e.g. the previous round's."
+        )
+
+
+def federated_state_dict(strategy: FederatedStrategy) -> dict[str, Any]:
+    """The federated state of ``strategy``'s run, with every rank's clients."""
+    store = strategy.client_store.state_dict()
+    if dist.is_initialized() and strategy.world_size > 1:  # every rank's clients, in one file
+        parts: list[Any] = [None] * strategy.world_size
+        dist.all_gather_object(
+            parts, {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}
+        )
+        store = {c: e for part in parts for c, e in part.items()}
+    return {
+        "round": strategy.lightning_module.trainer.current_epoch,
+        "seed": strategy.seed,
+        "federation": federation(strategy),
+        "client_store": store,
+        "sampler": strategy.sampler.state_dict(),
+        "consecutive_bad_rounds": strategy.engine.consecutive_bad_rounds,
+    }
+
+
+def load_federated_state_dict(strategy: FederatedStrategy, state: dict[str, Any]) -> None:
+    """Restore ``state`` into ``strategy``: this rank's clients only, after the federation
+    check; a changed seed is allowed with a warning."""
+    check_federation(strategy, state.get("federation"))
+    num_clients = strategy.lightning_module.trainer.datamodule.num_clients
+    if state.get("seed", strategy.seed) != strategy.seed:
+        warnings.warn(
+            f"Resuming with seed {strategy.seed} from a checkpoint made with seed "
+            f"{state['seed']}: the resumed run will differ from the original.",
+            stacklevel=2,
+        )
+    strategy.client_store.load_state_dict(
+        {
+            c: e
+            for c, e in state["client_store"].items()
+            if strategy.owner(int(c)) == strategy.global_rank and int(c) < num_clients
+        }
+    )
+    strategy.sampler.load_state_dict(state["sampler"])
+    strategy.engine.consecutive_bad_rounds = state["consecutive_bad_rounds"]
+
+
+def federation(strategy: FederatedStrategy) -> dict[str, Any]:
+    """What identifies the federation a checkpoint belongs to: the datamodule's class,
+    its number of clients, every client's training sample count, and its partition
+    seed (the datamodule's ``seed`` hyper-parameter, where it has one)."""
+    dm = strategy.lightning_module.trainer.datamodule
+    hparams = getattr(dm, "hparams", {}) or {}
+    return {
+        "datamodule": type(dm).__name__,
+        "num_clients": dm.num_clients,
+        "train_counts": client_training_counts(dm),
+        "partition_seed": hparams.get("seed"),
+    }
+
+
+def check_federation(strategy: FederatedStrategy, saved: dict[str, Any] | None) -> None:
+    """Refuse to resume a checkpoint of another federation (see the strategy's
+    ``allow_new_federation``)."""
+    if saved is None:
+        return
+    now = federation(strategy)
+    differ = [k for k in ("datamodule", "num_clients", "partition_seed") if saved[k] != now[k]]
+    before, after = saved["train_counts"], now["train_counts"]
+    if saved["num_clients"] == now["num_clients"] and before != after:
+        changed = [c for c, (a, b) in enumerate(zip(before, after)) if a != b]
+        differ.append(f"train_counts (clients {changed[:10]})")
+    if not differ:
+        return
+    said = "; ".join(
+        f"{k}: saved {saved[k]!r}, now {now[k]!r}" if k in saved else k for k in differ
+    )
+    if not strategy.allow_new_federation:
+        raise FederationMismatchError(
+            f"The checkpoint was made with another federation ({said}): its client "
+            "state, sampler and stream state belong to those clients. Resume with the "
+            "datamodule settings it was made with, or pass "
+            "FederatedStrategy(allow_new_federation=True) to keep only what fits."
+        )
+    warnings.warn(
+        f"Resuming on another federation ({said}): client state of clients that no "
+        "longer exist is dropped (allow_new_federation=True).",
+        stacklevel=3,
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,260 @@
+"""Who trains a round on this rank, with which loaders, in which order of steps.
+
+DESIGN.md, "One round is one Lightning epoch", steps 1–2: the sampler chooses the
+participants and their weights from (seed, round); each participant's loader is seeded
+with (seed, "data", round, client); every rank steps through a round of the same length
+(idle steps for a rank with fewer local batches).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lightning_fl.callbacks.base import POOLED_CLIENT, SERVER_CLIENT, RoundState
+from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.rounds import ClientSchedule
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import zeros_like
+from lightning_fl.engine.vectorized import chunk_positions
+from lightning_fl.systems.samplers import Participation
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.strategy import FederatedStrategy
+
+#: Pseudo-client of the idle batches that give every rank a round of the same length.
+PADDING = -2
+#: The round sum that carries the participants' updates to a sampler that needs them.
+SAMPLER_UPDATES = "sampler_updates"
+
+
+@dataclass
+class RoundPlan:
+    """One round of this rank: its clients in order (``schedule``), their loaders, the
+    hooks' state and, with vectorized clients, the chunks of schedule positions that train
+    together. ``steps`` is the schedule of Lightning steps: one per client batch, or one
+    per chunk step (idle steps for a rank with fewer, as a trailing PADDING entry)."""
+
+    schedule: ClientSchedule
+    loaders: list[DataLoader]
+    state: RoundState
+    steps: ClientSchedule
+    chunks: list[tuple[int, ...]] | None = None
+
+    def is_padding(self, pos: int) -> bool:
+        """Whether schedule position ``pos`` is this rank's idle batches."""
+        return self.schedule.clients[pos] == PADDING
+
+
+class RoundPlanner:
+    """Plans rounds for one rank of ``strategy``: reads its sampler, aggregator, seed,
+    local work (K steps or E epochs) and datamodule; keeps only its warnings' state."""
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+        self.skipped_now = 0  # participants skipped this round for want of data
+        self._warned_empty = False
+        self._warned_skipped = False
+
+    @property
+    def datamodule(self) -> FederatedDataModule:
+        return self.strategy.lightning_module.trainer.datamodule
+
+    def plan(self, round_idx: int) -> RoundPlan:
+        """The participants of ``round_idx`` and this rank's loaders and steps."""
+        strategy, dm = self.strategy, self.datamodule
+        dm.set_round(round_idx)
+        counts = strategy.training_counts
+        self._warn_clients_without_data(counts)
+        p = strategy.aggregator.target_weights(counts)
+        participation = self._participants(round_idx, p)
+        # Only this rank's participants need loaders, unless local_epochs makes the other
+        # ranks' batch counts depend on their loaders' lengths.
+        mine = [
+            i
+            for i, c in enumerate(participation.clients)
+            if strategy.owner(c) == strategy.global_rank
+        ]
+        needed = mine if strategy.local_steps is not None else range(len(participation.clients))
+        built = {i: self._loader(participation.clients[i], round_idx) for i in needed}
+        batches = [self._num_batches(c, built.get(i)) for i, c in enumerate(participation.clients)]
+        per_rank: list[list[int]] = [[] for _ in range(strategy.world_size)]
+        for c, n in zip(participation.clients, batches):
+            per_rank[strategy.owner(c)].append(n)
+        schedule, steps, chunks = self._schedules(
+            [participation.clients[i] for i in mine], [batches[i] for i in mine], per_rank
+        )
+        state = self._round_state(round_idx, participation, counts, p, schedule)
+        return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks)
+
+    def _warn_clients_without_data(self, counts: list[int]) -> None:
+        unseen = set(self.datamodule.unseen_clients)
+        empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]
+        if empty and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(
+                f"Skipping {len(empty)} client(s) with no training data: {empty[:10]}"
+                + ("..." if len(empty) > 10 else ""),
+                stacklevel=4,
+            )
+
+    def _participants(self, round_idx: int, p: torch.Tensor) -> Participation:
+        """The aggregator's participation (the sampler's, or its own), without the clients
+        that have no data this round."""
+        sampler = self.strategy.sampler
+        if sampler.needs_losses:
+            sampler.losses = lambda clients: self._probe_losses(clients, round_idx)
+        participation = self.strategy.aggregator.participation(
+            round_idx, self.strategy.seed, p, sampler
+        )
+        return self._skip_clients_without_data(participation, round_idx)
+
+    def _skip_clients_without_data(
+        self, participation: Participation, round_idx: int
+    ) -> Participation:
+        """Drop the participants with no training data this round (a stream client outside
+        its window): their update counts as zero, the others' weights are kept (the
+        data-streams analysis's convention for absent clients). Counted in
+        ``fl/skipped_empty``; the first time, a warning names them."""
+        empty = set(self.datamodule.clients_without_data_now(participation.clients))
+        self.skipped_now = len(empty)
+        if not empty:
+            return participation
+        if not self._warned_skipped:
+            self._warned_skipped = True
+            warnings.warn(
+                f"Round {round_idx}: clients {sorted(empty)[:10]} have no training data this "
+                "round (outside their arrival window) and are skipped; fl/skipped_empty "
+                "counts them every round.",
+                stacklevel=5,
+            )
+        kept = [(c, w) for c, w in zip(participation.clients, participation.weights)
+                if c not in empty]  # fmt: skip
+        return Participation(tuple(c for c, _ in kept), tuple(w for _, w in kept))
+
+    @torch.no_grad()
+    def _probe_losses(self, clients: list[int], round_idx: int) -> list[float]:
+        """The current global model's training loss on one batch of each of ``clients``
+        (CA-Fed's report from every available client, thesis Alg. 6): each rank computes
+        its own clients', summed over ranks. The batch is the first of a loader shuffled
+        with (seed, "loss_probe", round, client)."""
+        strategy, dm, module = self.strategy, self.datamodule, self.strategy.lightning_module
+        losses = torch.zeros(len(clients), dtype=torch.float64, device=strategy.root_device)
+        for i, client in enumerate(clients):
+            if strategy.owner(client) != strategy.global_rank:
+                continue
+            loader = dm.client_dataloader(
+                dm.client_dataset(client, "train"), "train",
+                generator(strategy.seed, "loss_probe", round_idx, client),
+            )  # fmt: skip
+            batch = strategy.batch_to_device(next(iter(loader)))
+            losses[i] = float(module.loss_and_metrics(batch)[0])
+        if dist.is_initialized() and strategy.world_size > 1:
+            dist.all_reduce(losses)
+        return losses.cpu().tolist()
+
+    def _loader(self, client: int, round_idx: int) -> DataLoader:
+        """A participant's training loader, shuffled with (seed, "data", round, client)."""
+        dm = self.datamodule
+        if client == POOLED_CLIENT:
+            dataset = dm.pooled_dataset("train")
+        elif client == SERVER_CLIENT:
+            dataset = dm.server_dataset()
+        else:
+            dataset = dm.client_dataset(client, "train")
+        rng = generator(self.strategy.seed, "data", round_idx, client)
+        return dm.client_dataloader(dataset, "train", rng)
+
+    def _num_batches(self, client: int, loader: DataLoader | None) -> int:
+        """A participant's local batches: K, E passes over its loader, or the server's one
+        SGD step (SAFARI, Alg. 1 line 10)."""
+        if client == SERVER_CLIENT:
+            return 1
+        if self.strategy.local_steps is not None:
+            return self.strategy.local_steps
+        try:
+            return self.strategy.local_epochs * len(loader)
+        except TypeError as err:
+            raise TypeError(
+                "local_epochs needs client loaders with a length; use local_steps for "
+                "iterable-style client datasets."
+            ) from err
+
+    def _schedules(
+        self, clients: list[int], batches: list[int], per_rank: list[list[int]]
+    ) -> tuple[ClientSchedule, ClientSchedule, list[tuple[int, ...]] | None]:
+        """This rank's client schedule, its schedule of Lightning steps and, with
+        vectorized clients, its chunks; padded to the longest rank's number of steps."""
+        if not self.strategy.vectorize:
+            longest = max(map(sum, per_rank))
+            if longest > sum(batches):
+                clients, batches = [*clients, PADDING], [*batches, longest - sum(batches)]
+            schedule = ClientSchedule(tuple(clients), tuple(batches))
+            return schedule, schedule, None
+        size = self.strategy.max_vectorized_clients
+        chunks = chunk_positions(range(len(clients)), size)
+        steps = [max(batches[p] for p in chunk) for chunk in chunks]
+        longest = max(_chunked_steps(counts, size) for counts in per_rank)
+        step_ids = list(range(len(chunks)))
+        if longest > sum(steps):
+            step_ids.append(PADDING)
+            steps.append(longest - sum(steps))
+        schedule = ClientSchedule(tuple(clients), tuple(batches))
+        return schedule, ClientSchedule(tuple(step_ids), tuple(steps)), chunks
+
+    def _round_state(
+        self,
+        round_idx: int,
+        participation: Participation,
+        counts: list[int],
+        p: torch.Tensor,
+        schedule: ClientSchedule,
+    ) -> RoundState:
+        """What the round's hooks see: θ^t, a zero update sum, the weights and, for a
+        sampler that needs them, a row per participant for their updates."""
+        strategy = self.strategy
+        model = strategy.federated_tensors
+        global_tensors = model.clone()
+        local_steps = {c: n for c, n in zip(schedule.clients, schedule.num_batches) if c != PADDING}
+        state = RoundState(
+            round_idx=round_idx,
+            participation=participation,
+            global_tensors=global_tensors,
+            update_sum=zeros_like(global_tensors),
+            model=model,
+            store=strategy.client_store,
+            num_clients=self.datamodule.num_clients,
+            sample_counts=counts,
+            target_weights=p,
+            local_steps=local_steps,
+        )
+        if strategy.sampler.needs_updates:  # rows of every rank, summed by the all-reduce
+            size = sum(t.numel() for t in global_tensors)
+            rows = torch.zeros(len(participation.clients), size, device=strategy.root_device)
+            state.extra_sums[SAMPLER_UPDATES] = [rows]
+        return state
+
+
+def _chunked_steps(batches: list[int], size: int | None) -> int:
+    """Lightning steps of a rank whose clients have ``batches`` local batches each, with
+    vectorized clients in chunks of at most ``size``: the longest client of every chunk."""
+    chunks = chunk_positions(range(len(batches)), size)
+    return sum(max(batches[p] for p in chunk) for chunk in chunks)
+
+
+def client_training_counts(dm: FederatedDataModule) -> list[int]:
+    """Training samples per client; unseen (held-out) clients count 0."""
+    counts = dm.sample_counts("train")
+    for c in dm.unseen_clients:
+        counts[c] = 0
+    if sum(counts) == 0:
+        raise ValueError(
+            "Every client has an empty training set: there is nothing to train on. "
+            "Check the datamodule's split fractions and data path."
+        )
+    return counts

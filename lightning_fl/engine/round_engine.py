@@ -1,0 +1,174 @@
+"""The round's life cycle on one rank (DESIGN.md, "One round is one Lightning epoch",
+steps 3–5).
+
+At a client's first batch the global weights θ^t are loaded in place, its optimizer
+state is reset (or restored) and the callbacks apply its persistent state; after its last
+optimizer step, its update Δ_i = θ_i − θ^t is folded into Σ ω_i Δ_i (or dropped if it is
+not finite); after the last participant, one all-reduce sums the round over ranks and the
+one aggregator callback writes θ^{t+1}.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
+from lightning_fl.engine.planning import SAMPLER_UPDATES, RoundPlan, RoundPlanner
+from lightning_fl.engine.seeding import derive_seed, seed_global_rng
+from lightning_fl.engine.tensors import all_finite, flatten, unflatten
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.strategy import FederatedStrategy
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive rounds had NaN or Inf client updates."""
+
+
+class RoundEngine:
+    """Runs the rounds of one rank of ``strategy``: plans each round (a
+    :class:`RoundPlanner`), starts and finishes its clients, and ends it. Holds the round
+    in progress (``current_round``, ``current_client``) and the count of consecutive
+    rounds with dropped updates (checkpointed)."""
+
+    def __init__(self, strategy: FederatedStrategy) -> None:
+        self.strategy = strategy
+        self.planner = RoundPlanner(strategy)
+        self.current_round: RoundPlan | None = None
+        self.current_client: tuple[int, int] | None = None  # (position, local step)
+        self.consecutive_bad_rounds = 0
+
+    def begin_round(self, round_idx: int) -> RoundPlan:
+        """Plan ``round_idx`` and run the ``on_round_start`` hooks. A round without
+        participants is ended at once when the aggregator aggregates empty rounds (its
+        clock still advances)."""
+        self.current_round = self.planner.plan(round_idx)
+        self.call("on_round_start", self.current_round.state)
+        aggregator = self.strategy.aggregator
+        if (
+            not self.current_round.state.participation.clients
+            and aggregator.aggregates_empty_rounds
+        ):
+            self.end_round()
+        return self.current_round
+
+    def start_client(self, pos: int) -> None:
+        """Load θ^t, seed the global RNG with (seed, "client", round, client), reset or
+        restore the client's optimizer state and run ``on_client_start``."""
+        strategy, state = self.strategy, self.current_round.state
+        client = self.current_round.schedule.clients[pos]
+        strategy.federated_tensors.load_(state.global_tensors)
+        seed = derive_seed(strategy.seed, "client", state.round_idx, client)
+        seed_global_rng(seed, strategy.root_device)
+        for i, optimizer in enumerate(strategy.lightning_module.trainer.optimizers):
+            optimizer.state.clear()
+            saved = (
+                strategy.client_store.get(client, f"optimizer_{i}")
+                if strategy.keep_optimizer_state
+                else None
+            )
+            if saved is not None:
+                optimizer.load_state_dict(
+                    {"state": saved, "param_groups": optimizer.state_dict()["param_groups"]}
+                )
+        self.call("on_client_start", client, state)
+
+    def finish_client(self, pos: int, optimizer_states: list[dict] | None = None) -> None:
+        """Fold the client's update into the weighted sum (after its last optimizer step).
+        ``optimizer_states``: the client's optimizer states to keep (default: those of the
+        module's optimizers)."""
+        strategy, state = self.strategy, self.current_round.state
+        client = self.current_round.schedule.clients[pos]
+        update = strategy.federated_tensors.minus(state.global_tensors)
+        trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
+        for cb in strategy.federated_callbacks:
+            update = cb.transform_update(trainer, module, client, update, state)
+        if not all_finite(update):
+            state.dropped.append(client)
+            warnings.warn(
+                f"Round {state.round_idx}: client {client} sent an update with NaN or Inf; "
+                "it is dropped from this round.",
+                stacklevel=2,
+            )
+            return
+        torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
+        state.accepted.append(client)
+        if SAMPLER_UPDATES in state.extra_sums:
+            row = state.participation.clients.index(client)
+            state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
+        if strategy.keep_optimizer_state:
+            if optimizer_states is None:
+                optimizer_states = [
+                    copy.deepcopy(optimizer.state_dict()["state"])
+                    for optimizer in trainer.optimizers
+                ]
+            for i, optimizer_state in enumerate(optimizer_states):
+                strategy.client_store.set(client, f"optimizer_{i}", optimizer_state)
+        self.call("on_client_end", client, update, state)
+
+    def end_round(self) -> RoundState:
+        """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
+        strategy, state = self.strategy, self.current_round.state
+        dropped = self._all_reduce_round(state)
+        self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0
+        if self.consecutive_bad_rounds >= strategy.max_consecutive_bad_rounds:
+            raise NonFiniteUpdateError(
+                f"{self.consecutive_bad_rounds} consecutive rounds had NaN/Inf client updates "
+                f"(last: clients {state.dropped}). Lower the learning rate, clip gradients "
+                "(Trainer(gradient_clip_val=...)) or check the data; raise "
+                "max_consecutive_bad_rounds to tolerate more."
+            )
+        strategy.aggregator.aggregate(
+            strategy.lightning_module.trainer, strategy.lightning_module, state
+        )
+        strategy.federated_tensors.load_(state.global_tensors)
+        if SAMPLER_UPDATES in state.extra_sums:
+            rows = state.extra_sums[SAMPLER_UPDATES][0]
+            sent = torch.nonzero(rows.any(dim=1)).flatten().tolist()  # not dropped
+            clients = tuple(state.participation.clients[i] for i in sent)
+            strategy.sampler.observe(clients, rows[sent], state.num_clients)
+        self.call("on_round_end", state)
+        return state
+
+    def _all_reduce_round(self, state: RoundState) -> int:
+        """Sum the weighted updates, the callbacks' round sums and the number of dropped
+        updates over all ranks in one all-reduce; returns the total dropped."""
+        strategy = self.strategy
+        if not (dist.is_initialized() and strategy.world_size > 1):
+            return len(state.dropped)
+        sums = [state.update_sum, *state.extra_sums.values()]
+        dropped = torch.tensor([float(len(state.dropped))], device=strategy.root_device)
+        buffer = torch.cat([flatten(s) for s in sums] + [dropped])
+        dist.all_reduce(buffer)
+        offset = 0
+        for part in sums:
+            size = sum(t.numel() for t in part)
+            torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
+            offset += size
+        return int(buffer[-1].item())
+
+    def call(self, hook: str, *args: Any) -> None:
+        """Run ``hook`` on every federated callback, the aggregator first: it decides
+        which model a client starts from (a cluster's, a gossip neighbour's, its own).
+        Evaluation observers (membership inference) run before everyone in the client
+        evaluation hooks: at the start they see the global model, at the end the
+        personalized one."""
+        module = self.strategy.lightning_module
+        for cb in self.ordered_callbacks(hook):
+            getattr(cb, hook)(module.trainer, module, *args)
+
+    def ordered_callbacks(self, hook: str) -> list[FederatedCallback]:
+        """The federated callbacks in the order ``hook`` runs on them (see :meth:`call`)."""
+        evaluation = hook.startswith("on_client_evaluation")
+
+        def order(cb: FederatedCallback) -> int:
+            if evaluation and cb.evaluation_observer:
+                return 0  # observers see the model before and after personalization
+            return 1 if isinstance(cb, Aggregator) else 2
+
+        return sorted(self.strategy.federated_callbacks, key=order)  # stable
