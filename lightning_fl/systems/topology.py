@@ -12,7 +12,8 @@ Pieces, each a pure function of its inputs:
   :func:`tree_cycle_time` the tree shortcut (Lemma C.2) and :func:`simulate` the max-plus
   recurrence (eq. 2.4, the time simulator of Alg. 5);
 - :func:`star`, :func:`mst`, :func:`delta_mbst` and :func:`ring` build the overlays of
-  Table 2.1, and :func:`matcha_cycle_time` the MATCHA baseline;
+  Table 2.1, and :func:`matcha_cycle_time` the MATCHA baseline (Misra–Gries matchings,
+  the SDP of Wang et al. 2019 eq. 5 for their activation probabilities);
 - :func:`local_degree_weights` is the consensus matrix of eqs. 2.12–2.13.
 
 Units: milliseconds for time, bits for the model, bit/s for capacities.
@@ -20,6 +21,7 @@ Units: milliseconds for time, bits for the model, bit/s for capacities.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +127,10 @@ class SiloNetwork:
     upload_bps: np.ndarray
     download_bps: np.ndarray
     underlay: np.ndarray
+    #: the underlay's links and G_c's silo pairs (i, j) in the order the GML file and
+    #: the shortest-path search first give them: MATCHA's edge colouring follows it
+    link_order: tuple[tuple[int, int], ...] = ()
+    pair_order: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_silos(self) -> int:
@@ -153,6 +159,7 @@ class SiloNetwork:
         latency = np.zeros((n, n))
         bandwidth = np.full((n, n), np.inf)
         linked = np.zeros((n, n), dtype=bool)
+        link_order = tuple((index[u], index[v]) for u, v in graph.edges)
         for u, v, data in graph.edges(data=True):
             linked[index[u], index[v]] = linked[index[v], index[u]] = True
             if core_bps is None and not float(data.get("capacity", 0)) > 0:
@@ -162,6 +169,11 @@ class SiloNetwork:
                 )
         if core_bps is not None and not core_bps > 0:
             raise TopologyError(f"core_bps must be > 0 bit/s, got {core_bps}.")
+        pairs = [
+            (index[source], index[target])
+            for source in graph.nodes
+            for target in _discovery_order(graph, source)
+        ]
         for source, paths in nx.all_pairs_dijkstra_path(graph, weight="distance"):
             for target, path in paths.items():
                 if source == target:
@@ -173,7 +185,33 @@ class SiloNetwork:
                 latency[i, j] = MS_PER_KM * km + PATH_LATENCY_MS
                 bandwidth[i, j] = slowest / len(links)
         access = _per_silo(access_bps, n, "access_bps")
-        return cls(names, latency, bandwidth, access, access.copy(), linked)
+        return cls(
+            names, latency, bandwidth, access, access.copy(), linked, link_order, tuple(pairs)
+        )
+
+
+def _discovery_order(graph: nx.Graph, source: object) -> list[object]:
+    """The nodes other than ``source`` in the order Dijkstra's search on distance first
+    reaches them (neighbours relaxed in adjacency order, ties popped first-pushed): the
+    order in which the authors' code (networkx 2) adds G_c's pairs."""
+    reached, done = {source: 0.0}, set()
+    order: list[object] = []
+    heap = [(0.0, 0, source)]
+    pushes = 1
+    while heap:
+        d, _, node = heapq.heappop(heap)
+        if node in done:
+            continue
+        done.add(node)
+        for neighbour, data in graph.adj[node].items():
+            length = d + float(data["distance"])
+            if neighbour not in done and (neighbour not in reached or length < reached[neighbour]):
+                if neighbour not in reached:
+                    order.append(neighbour)
+                reached[neighbour] = length
+                heapq.heappush(heap, (length, pushes, neighbour))
+                pushes += 1
+    return order
 
 
 @dataclass(frozen=True)
@@ -502,17 +540,133 @@ def ring(network: SiloNetwork, model: DelayModel) -> Overlay:
     return min(directions, key=lambda pair: pair[0])[1]
 
 
-def matchings(edges: np.ndarray) -> list[list[tuple[int, int]]]:
-    """A decomposition of an undirected graph's edges into matchings (greedy colouring of
-    the line graph, networkx; at most 2Δ − 1 matchings, MATCHA uses Misra–Gries's Δ + 1)."""
-    graph = nx.Graph()
-    n = len(edges)
-    graph.add_edges_from((i, j) for i in range(n) for j in range(i + 1, n) if edges[i, j])
-    colours = nx.greedy_color(nx.line_graph(graph), strategy="largest_first")
-    groups: dict[int, list[tuple[int, int]]] = {}
-    for edge, colour in sorted(colours.items()):
-        groups.setdefault(colour, []).append(tuple(sorted(edge)))
-    return [groups[c] for c in sorted(groups)]
+class _EdgeColouring:
+    """Misra & Gries's edge colouring (Inf. Process. Lett. 41, 1992) of a simple graph with
+    Δ + 1 colours, the decomposition MATCHA draws its matchings from (Wang et al. 2019,
+    §3). Neighbours are kept, and scanned, in the order their edges were added, and the
+    smallest free colour is taken at every choice, so the colouring is a function of the
+    edge order."""
+
+    def __init__(self, n: int, edges: Sequence[tuple[int, int]]) -> None:
+        self.adjacency: list[dict[int, int | None]] = [{} for _ in range(n)]
+        for u, v in edges:
+            if u != v:
+                self.adjacency[u].setdefault(v, None)
+                self.adjacency[v].setdefault(u, None)
+        self.colours = range(max((len(a) for a in self.adjacency), default=0) + 1)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """Every edge once, node by node in adjacency order (networkx's edge order)."""
+        seen: set[int] = set()
+        out = []
+        for u, neighbours in enumerate(self.adjacency):
+            out.extend((u, v) for v in neighbours if v not in seen)
+            seen.add(u)
+        return out
+
+    def _free(self, node: int, colour: int | None) -> bool:
+        return colour not in self.adjacency[node].values()
+
+    def _set(self, u: int, v: int, colour: int | None) -> None:
+        self.adjacency[u][v] = self.adjacency[v][u] = colour
+
+    def _fan(self, u: int, v: int) -> list[int]:
+        """A maximal fan of u from v: distinct neighbours F with (u, F[0]) uncoloured and
+        the colour of (u, F[i+1]) free on F[i]."""
+        fan = [v]
+        grown = True
+        while grown:
+            grown = False
+            for node, colour in self.adjacency[u].items():
+                if colour is not None and node not in fan and self._free(fan[-1], colour):
+                    fan.append(node)
+                    grown = True
+                    break
+        return fan
+
+    def _cd_path(self, u: int, c: int, d: int) -> list[tuple[int, int]]:
+        """The maximal path from u whose edges alternate the colours d, c, d, ..."""
+        path, node, colour = [], u, d
+        while True:
+            nxt = next((w for w, col in self.adjacency[node].items() if col == colour), None)
+            if nxt is None:
+                return path
+            path.append((node, nxt))
+            node, colour = nxt, (c if colour == d else d)
+
+    def colour(self) -> list[list[tuple[int, int]]]:
+        """The colour classes 0..Δ in colour order (a class may be empty)."""
+        for u, v in self.edges():
+            if self.adjacency[u][v] is None:
+                self._colour_edge(u, v)
+        classes: list[list[tuple[int, int]]] = [[] for _ in self.colours]
+        for u, v in self.edges():
+            classes[self.adjacency[u][v]].append((u, v))
+        return classes
+
+    def _colour_edge(self, u: int, v: int) -> None:
+        fan = self._fan(u, v)
+        c = next(col for col in self.colours if self._free(u, col))
+        d = next(col for col in self.colours if self._free(fan[-1], col))
+        path = self._cd_path(u, c, d)
+        on_path = {node for edge in path for node in edge}
+        sub_fan = [v]
+        for node in fan[1:]:
+            if self.adjacency[u][node] == d:
+                break
+            sub_fan.append(node)
+        if sub_fan[-1] in on_path:
+            sub_fan = fan
+        for a, b in path:  # invert the cd-path
+            self._set(a, b, d if self.adjacency[a][b] == c else c)
+        for i in range(len(sub_fan) - 1):  # rotate the fan
+            self._set(u, sub_fan[i], self.adjacency[u][sub_fan[i + 1]])
+        self._set(u, sub_fan[-1], d)
+
+
+def misra_gries_matchings(n: int, edges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """The Δ + 1 matchings of MATCHA's decomposition of the graph on ``n`` nodes with
+    ``edges`` (in the order given: Misra–Gries's colouring depends on it)."""
+    return _EdgeColouring(n, edges).colour()
+
+
+def _laplacian(matching: Sequence[tuple[int, int]], n: int) -> np.ndarray:
+    laplacian = np.zeros((n, n))
+    for i, j in matching:
+        laplacian[i, j] = laplacian[j, i] = -1.0
+        laplacian[i, i] += 1.0
+        laplacian[j, j] += 1.0
+    return laplacian
+
+
+def matcha_probabilities(
+    matchings_: Sequence[Sequence[tuple[int, int]]], n: int, budget: float
+) -> np.ndarray:
+    """MATCHA's activation probabilities (Wang et al. 2019, eq. 5): the p that maximizes
+    the algebraic connectivity λ₂ of the expected Laplacian Σ_j p_j L_j subject to
+    0 ≤ p_j ≤ 1 and Σ_j p_j ≤ C_b·m, as the SDP max γ s.t. γI − β11ᵀ ⪯ Σ_j p_j L_j.
+    Needs cvxpy (``pip install 'lightning-fl[topology]'``)."""
+    try:
+        import cvxpy as cp
+    except ImportError:
+        raise TopologyError(
+            "MATCHA's SDP probabilities need cvxpy: pip install 'lightning-fl[topology]', "
+            "or pass probabilities='uniform' (p = C_b for every matching)."
+        ) from None
+    laplacians = [_laplacian(m, n) for m in matchings_]
+    m = len(laplacians)
+    p, gamma, beta = cp.Variable(m), cp.Variable(), cp.Variable()
+    expected = sum(p[j] * laplacians[j] for j in range(m))
+    constraints = [
+        p >= 0,
+        p <= 1,
+        cp.sum(p) <= budget * m,
+        gamma * np.eye(n) - beta * np.ones((n, n)) << expected,
+    ]
+    cp.Problem(cp.Maximize(gamma), constraints).solve()
+    if p.value is None:
+        raise TopologyError(f"MATCHA's SDP found no solution for {n} silos and {m} matchings.")
+    return np.clip(np.asarray(p.value, dtype=float), 0.0, 1.0)
 
 
 def matcha_cycle_time(
@@ -522,37 +676,48 @@ def matcha_cycle_time(
     base: str = "connectivity",
     rounds: int = 1000,
     seed: int = 0,
+    probabilities: str = "sdp",
 ) -> float:
     """The mean round time of MATCHA (Wang et al. 2019) with communication budget C_b:
-    each round activates every matching of the base graph independently with probability
-    C_b (redrawn while none is active) and lasts as long as its slowest arc under eq. 2.3
-    with the degrees of the active subgraph, as the authors' simulator measures it.
-    ``base="connectivity"`` starts from G_c (MATCHA), ``"underlay"`` from the physical
-    links (MATCHA⁺).
+    the base graph is split into the Δ + 1 matchings of Misra–Gries's colouring; each
+    round activates matching j independently with probability p_j (redrawn while none is
+    active) and lasts as long as its slowest arc under eq. 2.3 with the degrees of the
+    active subgraph, as the authors' simulator measures it.
 
-    MATCHA proper tunes one probability per matching by an SDP that maximizes the
-    expected graph's algebraic connectivity under Σ p = C_b·(#matchings); this uses the
-    uniform p = C_b, which meets the same budget.
+    ``base="connectivity"`` starts from G_c (MATCHA), ``"underlay"`` from the physical
+    links (MATCHA⁺), each in the order the authors' code builds its graph.
+    ``probabilities="sdp"`` solves MATCHA's SDP (:func:`matcha_probabilities`, cvxpy);
+    ``"uniform"`` uses p_j = C_b, which meets the same budget. The activations are
+    numpy's legacy ``RandomState(seed).binomial`` draws, the authors' generator. The
+    mean is over ``rounds`` rounds (the authors' code divides their sum by rounds − 1).
     """
     if not 0.0 < budget <= 1.0:
         raise TopologyError(f"budget must be in (0, 1], got {budget}.")
     n = network.num_silos
     if base == "connectivity":
-        edges = ~np.eye(n, dtype=bool)
+        order = network.pair_order or [(i, j) for i in range(n) for j in range(n) if i != j]
     elif base == "underlay":
-        edges = network.underlay
+        order = network.link_order or list(zip(*np.nonzero(np.triu(network.underlay))))
     else:
         raise TopologyError(f"base must be 'connectivity' or 'underlay', got {base!r}.")
-    groups = matchings(edges)
-    rng = np.random.default_rng(seed)
+    groups = misra_gries_matchings(n, order)
+    if probabilities == "sdp":
+        p = matcha_probabilities(groups, n, budget)
+    elif probabilities == "uniform":
+        p = np.full(len(groups), budget)
+    else:
+        raise TopologyError(f"probabilities must be 'sdp' or 'uniform', got {probabilities!r}.")
+    rng = np.random.RandomState(seed)
     total = 0.0
     for _ in range(rounds):
-        active = rng.random(len(groups)) < budget
+        active = rng.binomial(1, p).astype(bool)
         while not active.any():
-            active = rng.random(len(groups)) < budget
+            active = rng.binomial(1, p).astype(bool)
         arcs = _undirected_arcs([e for g, on in zip(groups, active) if on for e in g], n)
-        delays = model.arc_delays(network, arcs)
-        total += float(delays[arcs].max())
+        if arcs.any():
+            total += float(model.arc_delays(network, arcs)[arcs].max())
+        else:  # only empty colour classes drawn: the round is the computation alone
+            total += float(model.compute(n).max())
     return total / rounds
 
 
