@@ -2,6 +2,13 @@
 digits, against the fair-only variability band.
 
     python benchmarks/free_riders.py [--inits 8] [--rounds 100] [--epochs 5]
+    python benchmarks/free_riders.py --ninety [--inits 4]
+
+--ninety (issue 26 item 6): 45 free-riders (90% of the declared samples) under the
+thesis's E = 20 budgets (the authors' get_n_iter: 100 rounds iid, 150 shards, 3× with 45
+free-riders), plain and disguised σ with γ ∈ {0.5, 1, 2}, FedAvg, against the fair-only
+band at the same E; reports the round at which the fair clients' training loss first
+enters the band, if it does. Writes benchmarks/results/free_riders_90.md.
 
 recipes/robustness/digits_free_riders.yaml's setting (5 fair clients, logistic
 regression, batch 100, lr 0.01) for iid and shards (4 label shards per client) splits,
@@ -29,17 +36,24 @@ ATTACKS = [("plain", 1.0), ("disguised", 1.0), ("disguised", 3.0)]
 ROUND_FACTOR = {0: 1, 1: 1, 5: 2, 45: 3}
 
 
-def fit(split: str, prox: bool, riders: int, mode: str, coef: float, init: int, args) -> dict:
+#: the authors' get_n_iter at E = 20 for MNIST: rounds without free-riders
+THESIS_E20_ROUNDS = {"iid": 100, "shards": 150}
+
+
+def fit(
+    split: str, prox: bool, riders: int, mode: str, coef: float, init: int, args,
+    gamma: float = 1.0, rounds: int | None = None,
+) -> dict:  # fmt: skip
     def edit(config):
         trainer = config["trainer"]
-        trainer["max_epochs"] = args.rounds * ROUND_FACTOR[riders]
+        trainer["max_epochs"] = (rounds or args.rounds) * ROUND_FACTOR[riders]
         trainer["strategy"]["init_args"]["local_epochs"] = args.epochs
         data = config["data"]["init_args"]
         data["partition"] = "shards" if split == "shards" else "iid"
         data["shards_per_client"] = 4
         callbacks = trainer["callbacks"]
         attack, detector = callbacks[1], callbacks[2]
-        attack["init_args"].update(num_free_riders=riders, mode=mode, coef=coef)
+        attack["init_args"].update(num_free_riders=riders, mode=mode, coef=coef, gamma=gamma)
         if riders == 0:
             callbacks.remove(detector)
         if prox:
@@ -65,8 +79,12 @@ def main() -> None:
     parser.add_argument("--inits", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--ninety", action="store_true", help="issue 26 item 6 (see above)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.ninety:
+        ninety(args)
+        return
     lines = ["# Free-riders on digits: 5 fair clients, logistic regression",
              "", f"`python benchmarks/free_riders.py`: E = {args.epochs} local epochs, "
              f"{args.rounds} rounds (2× with 5 free-riders, 3× with 45, as the authors' "
@@ -100,6 +118,42 @@ def main() -> None:
     lines += ["", "![training loss of the fair clients](free_riders.png)", ""]
     text = "\n".join(lines) + "\n"
     (RESULTS / "free_riders.md").write_text(text)
+    print(text)
+
+
+def ninety(args) -> None:
+    """45 free-riders under the thesis's E = 20 budgets (see the module docstring)."""
+    args.epochs = 20
+    lines = ["# Free-riders at 90% under the thesis's budgets (digits, 5 fair clients)", "",
+             "`python benchmarks/free_riders.py --ninety`: E = 20 local epochs, FedAvg; "
+             f"fair-only band over {args.inits} initializations at the authors' E = 20 "
+             "budget (100 rounds iid, 150 shards); 45 free-riders (90% of the declared "
+             "samples) over 3× that budget, plain and disguised σ·t^−γ. 'Enters the band': "
+             "the first evaluated round (every 5) at which the fair clients' federated "
+             "training loss is at most the band's highest final loss.", "",
+             "| split | run | rounds | final test acc | acc in band | final train loss | "
+             "enters the loss band at round |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for split in ("iid", "shards"):
+        rounds = THESIS_E20_ROUNDS[split]
+        band = [fit(split, False, 0, "plain", 1.0, i, args, rounds=rounds)
+                for i in range(args.inits)]  # fmt: skip
+        low, high = min(r["acc"] for r in band), max(r["acc"] for r in band)
+        loss_low, loss_high = min(r["loss"] for r in band), max(r["loss"] for r in band)
+        lines.append(f"| {split} | fair only (band) | {rounds} | {low:.3f}–{high:.3f} | — | "
+                     f"{loss_low:.3f}–{loss_high:.3f} | — |")  # fmt: skip
+        for mode, gamma in (("plain", 1.0), ("disguised", 0.5), ("disguised", 1.0),
+                            ("disguised", 2.0)):  # fmt: skip
+            run = fit(split, False, 45, mode, 1.0, 0, args, gamma=gamma, rounds=rounds)
+            label = "45 plain" if mode == "plain" else f"45 disguised σ, γ = {gamma:g}"
+            inside = "yes" if low - 1e-9 <= run["acc"] <= high + 1e-9 else "no"
+            enters = next((k for k, v in run["curve"] if v <= loss_high), None)
+            lines.append(
+                f"| {split} | {label} | {3 * rounds} | {run['acc']:.3f} | {inside} | "
+                f"{run['loss']:.3f} | {enters if enters is not None else 'never'} |"
+            )
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "free_riders_90.md").write_text(text)
     print(text)
 
 
