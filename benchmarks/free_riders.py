@@ -52,7 +52,8 @@ def fit(
         data["partition"] = "shards" if split == "shards" else "iid"
         data["shards_per_client"] = 4
         callbacks = trainer["callbacks"]
-        attack, detector = callbacks[1], callbacks[2]
+        attack, detector = (next(c for c in callbacks if c["class_path"].endswith(name))
+                            for name in (".FreeRiders", ".FreeRiderDetector"))  # fmt: skip
         attack["init_args"].update(num_free_riders=riders, mode=mode, coef=coef, gamma=gamma)
         if riders == 0:
             callbacks.remove(detector)

@@ -131,3 +131,27 @@ def test_bad_free_rider_settings_are_refused():
                            [FedAvg(), FreeRiders(1)])  # fmt: skip
     with pytest.raises(ValueError, match="FreeRiders cannot be combined with UniformSampler"):
         trainer.fit(module, datamodule=tiny_datamodule(num_clients=5))
+
+
+def test_the_recipes_documented_flags_reach_the_free_riders(tmp_path):
+    """recipes/robustness/digits_free_riders.yaml documents
+    ``--trainer.callbacks.init_args.mode plain``: LightningCLI applies it to the last
+    callback, which must be FreeRiders (it was ModelCheckpoint, whose ``mode`` it broke)."""
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_fl.callbacks import FreeRiders
+    from lightning_fl.cli import run
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/robustness/digits_free_riders.yaml"
+    cli = run(
+        ["fit", "--config", str(recipe), "--trainer.max_epochs", "1",
+         "--trainer.callbacks.init_args.mode", "plain", "--trainer.callbacks.init_args.gamma",
+         "2.0", "--trainer.default_root_dir", str(tmp_path),
+         "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    )  # fmt: skip
+    (riders,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, FreeRiders)]
+    assert (riders.mode, riders.gamma) == ("plain", 2.0)
+    (checkpoint,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+    assert checkpoint.mode == "min"
