@@ -32,7 +32,6 @@ from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback
 from lightning_fl.callbacks.plots import FederatedPlots
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
-from lightning_fl.engine import composition
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.divergence import DivergenceMonitor
@@ -298,6 +297,10 @@ class FederatedStrategy(DDPStrategy):
         _check_trainer(trainer)
         self._federated_tensors = FederatedTensors(self.lightning_module)
         aggregator = self.aggregator  # validates the callbacks early
+        # imported here, so that `python -m lightning_fl.engine.composition` (the README's
+        # refusal table) runs without runpy's warning about a module imported twice
+        from lightning_fl.engine import composition
+
         composition.check(self, trainer)
         if fitting:
             self._train_counts = client_training_counts(trainer.datamodule)  # once per fit
