@@ -3,6 +3,11 @@ AISTATS 2023, §5, Tables 2 and 4) on P1's Synthetic task, from
 recipes/streams/synthetic_ours.yaml.
 
     python benchmarks/streams.py [--seeds 0 1 2] [--part weights caches sweeps]
+    python benchmarks/streams.py --part epsilon sizes [--epsilons 0.1 0.3 1]
+
+--part epsilon / sizes (issue 26 item 4): the strategies against the client drift ε and
+against the stream's size, which the paper leaves open (benchmarks/results/
+streams_epsilon.md).
 
 10 historical and 40 fresh clients (5 new samples per round, current batch only, 40
 rounds), N_hist/N ∈ {5%, 20%, 50%} through the historical clients' sizes. Strategies:
@@ -38,12 +43,21 @@ PAPER = {  # Fresh, Historical, Uniform, Ours, Optimal; r̂; p̂_hist
 T_95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
-def accuracy(share: float, seed: int, strategy: str, **kw) -> float:
-    historical_samples = round(FRESH_SAMPLES * share / (1 - share) / 10)
+def accuracy(
+    share: float, seed: int, strategy: str, epsilon: float = 1.0, rate: int = 5,
+    rounds: int = 40, **kw,
+) -> float:  # fmt: skip
+    """The recipe's test accuracy (%) with N_hist/N = ``share``, client drift ``epsilon``
+    and ``rate`` fresh samples per client and round over ``rounds`` rounds."""
+    fresh = 40 * rate * rounds
+    historical_samples = max(1, round(fresh * share / (1 - share) / 10))
 
     def edit(config):
+        config["trainer"]["max_epochs"] = rounds
+        config["data"]["init_args"].update(rate=rate, rounds=rounds)
         source = config["data"]["init_args"]["source"]["init_args"]
-        source.update(historical_samples=historical_samples, seed=seed)
+        source.update(historical_samples=historical_samples, seed=seed, epsilon=epsilon,
+                      fresh_samples=rate * rounds)  # fmt: skip
         config["data"]["init_args"]["seed"] = seed
         aggregator = config["trainer"]["callbacks"][-1]["init_args"]
         aggregator.clear()
@@ -51,6 +65,53 @@ def accuracy(share: float, seed: int, strategy: str, **kw) -> float:
 
     cli, _ = run_recipe(RECIPE, edit, seed)
     return 100 * float(cli.trainer.callback_metrics["test_acc"])
+
+
+def epsilon_probe(seeds: list[int], epsilons: list[float]) -> list[str]:
+    """Issue 26 item 4: the client drift ε of D.1.1 (θ_m ~ N(θ_0, ε²I)), which the paper
+    does not give, against the gaps between the strategies."""
+    lines = ["# P1's Synthetic task against the client drift ε (the paper leaves ε open)", "",
+             f"`python benchmarks/streams.py --part epsilon`, seeds {seeds}: test accuracy (%, "
+             "mean ± 95%) of each strategy; the paper's row in brackets. Historical − "
+             "Uniform is the gap the paper shows (−14.6 points at 5%, −8.2 at 20%).", "",
+             "| N_hist/N | ε | Fresh | Historical | Uniform | Ours | Historical − Uniform |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for share in (0.05, 0.2):
+        ratio = estimate_ratio(0.7, 0.4, 1.9, 21, round(FRESH_SAMPLES / (1 - share)), 40)
+        paper = PAPER[share]
+        for epsilon in epsilons:
+            runs = {name: [accuracy(share, s, name, epsilon) for s in seeds]
+                    for name in ("fresh", "historical", "uniform")}  # fmt: skip
+            runs["ours"] = [accuracy(share, s, "ours", epsilon, ratio=ratio) for s in seeds]
+            cells = [f"{summary(runs[k])} [{paper[i]}]"
+                     for i, k in enumerate(("fresh", "historical", "uniform", "ours"))]  # fmt: skip
+            gap = statistics.mean(runs["historical"]) - statistics.mean(runs["uniform"])
+            lines.append(f"| {share:.0%} | {epsilon:g} | " + " | ".join(cells) + f" | {gap:+.1f} |")
+            print(lines[-1], flush=True)
+    return [*lines, ""]
+
+
+def size_probe(seeds: list[int], epsilon: float) -> list[str]:
+    """Issue 26 item 4: the stream's size (fresh samples per client and round, rounds),
+    which the paper does not give, against the gap Historical − Uniform."""
+    lines = ["", f"## The stream's size at ε = {epsilon:g}", "",
+             "N is the total number of training samples over the horizon (fresh: 40 clients × "
+             "rate × rounds; historical: N_hist/N of it over 10 clients).", "",
+             "| N_hist/N | rate × rounds | N | Fresh | Historical | Uniform | "
+             "Historical − Uniform |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for share in (0.05, 0.2):
+        paper = PAPER[share]
+        for rate, rounds in ((5, 40), (1, 20), (1, 5)):
+            runs = {name: [accuracy(share, s, name, epsilon, rate, rounds) for s in seeds]
+                    for name in ("fresh", "historical", "uniform")}  # fmt: skip
+            total = round(40 * rate * rounds / (1 - share))
+            cells = [f"{summary(runs[k])} [{paper[i]}]"
+                     for i, k in enumerate(("fresh", "historical", "uniform"))]  # fmt: skip
+            gap = statistics.mean(runs["historical"]) - statistics.mean(runs["uniform"])
+            lines.append(f"| {share:.0%} | {rate} × {rounds} | {total} | " + " | ".join(cells)
+                         + f" | {gap:+.1f} |")  # fmt: skip
+            print(lines[-1], flush=True)
+    return [*lines, ""]
 
 
 def summary(values: list[float]) -> str:
@@ -140,8 +201,19 @@ def main() -> None:
                         help="the recipe of the cache-rule comparison")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "streams.md",
                         help="where the caches and sweeps parts are appended")  # fmt: skip
+    parser.add_argument("--epsilons", type=float, nargs="+", default=[0.1, 0.3, 1.0])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if "epsilon" in args.part or "sizes" in args.part:
+        lines = epsilon_probe(args.seeds, args.epsilons) if "epsilon" in args.part else []
+        if "sizes" in args.part:
+            lines += size_probe(args.seeds, args.epsilons[0])
+        text = "\n".join(lines) + "\n"
+        out = RESULTS / "streams_epsilon.md"
+        with open(out, "w" if "epsilon" in args.part else "a") as handle:
+            handle.write(text)
+        print(text)
+        return
     if args.cache_recipe != CACHE_RECIPE:
         args.part = ["caches"]
     if "weights" not in args.part:
