@@ -93,9 +93,12 @@ class RoundPlanner:
         return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks)
 
     def _warn_clients_without_data(self, counts: list[int]) -> None:
+        """Once per fit: the clients that have no training data at all."""
+        if self._warned_empty:
+            return
         unseen = set(self.datamodule.unseen_clients)
         empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]
-        if empty and not self._warned_empty:
+        if empty:
             self._warned_empty = True
             warnings.warn(
                 f"Skipping {len(empty)} client(s) with no training data: {empty[:10]}"
