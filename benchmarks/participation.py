@@ -33,13 +33,30 @@ TABLE_4 = {  # Synthetic LEAF: (local η, server η̄)
 }
 
 
-def run(selector: str, seed: int, rounds: int, data_root: str, kappa2: float = 1.0) -> dict:
+def run(
+    selector: str,
+    seed: int,
+    rounds: int,
+    data_root: str,
+    kappa2: float = 1.0,
+    rates: tuple[float, float] | None = None,
+    sampler_args: dict | None = None,
+    vectorize: bool = False,
+) -> dict:
+    """One run of the recipe with ``selector``, its Table 4 rates unless ``rates`` = (η, η̄)
+    is given, and ``sampler_args`` merged into the sampler's (an availability model, the
+    estimator's settings); ``vectorize`` trains the round's clients under vmap (equal to
+    the sequential run to float round-off). Returns the final test and validation accuracies, the
+    time-averaged validation accuracy and the mean number of clients per round."""
+
     def edit(config):
-        lr, server_lr = TABLE_4[selector]
+        lr, server_lr = rates or TABLE_4[selector]
         config["trainer"]["max_epochs"] = rounds
         sampler = config["trainer"]["strategy"]["init_args"]["sampler"]["init_args"]
         sampler.update(selector=selector, kappa2=kappa2)
         sampler["availability"]["init_args"]["seed"] = seed
+        sampler.update(sampler_args or {})
+        config["trainer"]["strategy"]["init_args"]["vectorize"] = vectorize
         config["trainer"]["callbacks"][0]["init_args"]["server_lr"] = server_lr
         config["model"]["init_args"]["lr"] = lr
         config["data"]["init_args"]["root"] = data_root  # the same data for every seed
@@ -49,6 +66,7 @@ def run(selector: str, seed: int, rounds: int, data_root: str, kappa2: float = 1
     participants = [float(r["fl/participants"]) for r in rows if r.get("fl/participants")]
     return {
         "final": float(cli.trainer.callback_metrics["test_acc"]),
+        "validation": accuracy[-1],
         "average": statistics.mean(accuracy),
         "clients": statistics.mean(participants),
     }

@@ -148,6 +148,28 @@ def test_beta_prior_estimators_converge_to_the_chains_pi_and_lambda():
     )
 
 
+def test_history_feeds_the_estimator_the_chains_first_rounds_and_shifts_training():
+    """t′ rounds of history (Fig. 2.14): after the first draw the estimator has seen the
+    chains' rounds 0..t′ (its π̂ is the Beta-prior count over them) and training round t
+    is the chains' round t′ + t; a sampler without history starts at round 0."""
+    pi, lam, n, seed, history = [0.9, 0.1, 0.5, 0.3], [0.0, 0.6, 0.9, -0.2], 4, 7, 25
+    chains = MarkovAvailability(pi, lam)
+    sampler = AvailableClients(MarkovAvailability(pi, lam), "adafed", estimate=True,
+                               history=history)  # fmt: skip
+    p = torch.full((n,), 0.25, dtype=torch.float64)
+    trace = torch.stack([chains.available(t, seed, n) for t in range(history + 3)]).double()
+    for t in range(3):
+        drawn = sampler.sample(t, seed, p)
+        assert set(drawn.clients) == set(torch.nonzero(trace[history + t]).flatten().tolist())
+        seen = trace[: history + t + 1]
+        expected = (seen.sum(0) + 1) / (len(seen) + 2)  # Beta(1, 1)
+        assert torch.allclose(sampler.estimator.availability(), expected)
+    plain = AvailableClients(MarkovAvailability(pi, lam), "adafed")
+    assert set(plain.sample(0, seed, p).clients) == set(torch.nonzero(trace[0]).flatten().tolist())
+    with pytest.raises(ValueError, match="history"):
+        AvailableClients(chains, history=-1)
+
+
 def test_estimated_error_and_get_by_hand():
     """ε̂ = ⟨gap, w⟩ + 4κ̄² d_TV(α, w)² max gap, w = π⊙q normalized (eqs. 2.31–2.33)."""
     from lightning_fl.systems.ca_fed import estimated_error, truncate

@@ -240,7 +240,10 @@ class AvailableClients(ClientSampler):
 
     α is the aggregator's target weights p. π and λ are the availability model's
     (``estimate=False``, the thesis's oracle runs) or Beta-prior estimates from the
-    observed sets (``estimate=True``, ``prior`` = (n, m)). The weights are not normalized
+    observed sets (``estimate=True``, ``prior`` = (n, m)); with ``history`` = t′ the
+    estimator first sees t′ rounds of the same chains before training starts (the thesis's
+    estimator experiment, Fig. 2.14: training round t is the chains' round t′ + t). The
+    weights are not normalized
     per round (except AdaFed's): the server learning rate η̄ is the aggregator's
     ``server_lr``. A round with no available client trains nobody.
     """
@@ -259,8 +262,13 @@ class AvailableClients(ClientSampler):
         loss_beta: float = 1.0,
         estimate: bool = False,
         prior: tuple[float, float] = (1.0, 1.0),
+        history: int = 0,
     ) -> None:
         super().__init__(renormalize=False)
+        if history < 0:
+            raise ValueError(
+                f"history (t′, rounds observed before training) must be >= 0, got {history}."
+            )
         if selector not in self.SELECTORS:
             raise ValueError(
                 f"selector must be one of {', '.join(self.SELECTORS)}; got {selector!r}."
@@ -274,7 +282,7 @@ class AvailableClients(ClientSampler):
         self.availability, self.selector = availability, selector
         self.min_availability, self.clients_per_round = min_availability, clients_per_round
         self.smoothness, self.kappa2, self.tolerance = smoothness, kappa2, tolerance
-        self.estimate = estimate
+        self.estimate, self.history = estimate, history
         self.estimator = AvailabilityEstimator(prior)
         self.filter = LossFilter(loss_beta)
         self.needs_losses = selector == "ca_fed"
@@ -296,7 +304,10 @@ class AvailableClients(ClientSampler):
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         p = _check_target_weights(p)
         n = len(p)
-        available = self.availability.available(round_idx, seed, n) & (p > 0)
+        if self.estimator.rounds == 0:  # t′ rounds seen before training (0 by default)
+            for past in range(self.history):
+                self.estimator.observe(self.availability.available(past, seed, n) & (p > 0))
+        available = self.availability.available(self.history + round_idx, seed, n) & (p > 0)
         self.estimator.observe(available)
         pi, lam = self._activity(n)
         q = p / pi
