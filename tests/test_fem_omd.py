@@ -199,15 +199,20 @@ def test_three_rounds_of_algorithm_15_with_two_em_steps_by_hand():
     assert abs(pi[0][0] - 1 / 3) > 1e-3  # π moved away from uniform
 
 
-def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand():
+@pytest.mark.parametrize("averaging", ["restart", "polyak", "none"])
+def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand(averaging):
     """Alg. 17 over three rounds with K = 2 EM steps per round, carried by hand: the running
-    average at t = 2, 3 and OMD from a non-uniform π, which one round cannot test."""
+    average at t = 2, 3 and OMD from a non-uniform π, which one round cannot test; under
+    each reading of lines 7 and 12 (where the round's SGD starts, what is averaged)."""
     import torch
 
     from lightning_fl.systems.fem_omd import FemOmdClassifier
 
-    alg = FemOmdClassifier(_linear, 2, 2, component_lr=0.4, weight_lr=0.9, em_steps=2, seed=6)
+    alg = FemOmdClassifier(
+        _linear, 2, 2, component_lr=0.4, weight_lr=0.9, em_steps=2, seed=6, averaging=averaging
+    )
     omega = [comp[0].clone().double() for comp in alg.components]
+    chain = [w.clone() for w in omega]
     pi = torch.full((2, 2), 0.5, dtype=torch.float64)
     gen = torch.Generator().manual_seed(2)
 
@@ -218,7 +223,8 @@ def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand():
     for t in (1, 2, 3):
         samples = [(torch.randn(4, 1, generator=gen) + c, torch.randint(0, 2, (4,), generator=gen))
                    for c in range(2)]  # fmt: skip
-        local_pi, shared = pi.clone(), [w.clone() for w in omega]
+        local_pi = pi.clone()
+        shared = [w.clone() for w in (chain if averaging == "polyak" else omega)]
         for _ in range(2):
             updated = []
             for c, (x, y) in enumerate(samples):
@@ -234,7 +240,11 @@ def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand():
                 updated.append(steps)
             shared = [sum(local_pi[c, j] * updated[c][j] for c in range(2)) / local_pi[:, j].sum()
                       for j in range(2)]  # fmt: skip
-        omega = [(t * omega[j] + shared[j]) / (t + 1) for j in range(2)]
+        chain = shared
+        if averaging == "none":
+            omega = shared
+        else:
+            omega = [(t * omega[j] + shared[j]) / (t + 1) for j in range(2)]
         new_pi = []
         for c, (x, y) in enumerate(samples):
             lik = torch.stack([torch.exp(-losses(w, x, y)) for w in omega])

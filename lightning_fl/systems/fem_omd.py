@@ -9,6 +9,7 @@ mixture whose weights change every round: Algorithm 15 for Gaussian mixtures
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 import torch
@@ -149,8 +150,8 @@ class FemOmdClassifier:
        E-step w_{j,i} ∝ π̃_j exp(−ℓ(h_{ω̃_j}; z_i)) (eq. 4.44), π̃_j = Σ_i w_{j,i}/n (4.45),
        one SGD step ω̃_{c,j} = ω̃_j − η_ω Σ_i w_{j,i} ∇ℓ(h_{ω̃_j}; z_i) (4.46), and the
        server's weighted synchronisation ω̃_j = Σ_c π̃_{c,j} ω̃_{c,j} / Σ_c π̃_{c,j} (line 10);
-    2. the running average ω_{t+1} = (t ω_t + ω̃^(K+1)) / (t + 1) (line 12, read with ω_t
-       on the right as in Alg. 15);
+    2. the running average of line 12, ω_{t+1} = (t ω_t + ω̃^(K+1)) / (t + 1), printed with
+       ω_{t+1} on the right; ``averaging`` chooses the reading (below);
     3. OMD with the negative entropy on each client's weights (lines 13–15):
        π_{t+1,c,j} ∝ π_{t,c,j} exp(−η_π ∇̂_{t,c,j}), ∇̂_{t,c,j} = −mean_i P̌_{ω_{t+1,j}}(z_i) /
        Σ_l π_{t,c,l} P̌_{ω_{t+1,l}}(z_i).
@@ -169,9 +170,20 @@ class FemOmdClassifier:
         weight_lr: η_π (theory: sqrt(log m)/(G sqrt(T))).
         em_steps: K.
         seed: the components' initialization.
-        running_average: line 12's running average of the components (the algorithm);
-            False plays the synchronized ω̃^(K+1) directly (an ablation: the average makes
-            the components' step size decay as 1/t).
+        averaging: the reading of lines 7 and 12 (issue 26 item 3):
+
+            - ``"restart"``: ω_t on the right of line 12 (as in Alg. 15) and line 7's
+              ω̃^(1)_t = ω_t: each round's SGD step starts from the played average, so the
+              components' step is η_ω/(t + 1) and they stall after a few dozen rounds
+              (the printed algorithm; for GMMs, Alg. 15, the K EM steps contract to the
+              round's estimate whatever the start, and this average is of estimates);
+            - ``"polyak"``: the SGD chain goes on from its own last synchronized iterate
+              (ω̃^(1)_{t+1} = ω̃^(K+1)_t, the tilde index t + 1 of lines 10 and 12) and line
+              12 averages the chain, ω_{t+1} = (t ω_t + ω̃_{t+1}) / (t + 1): the played
+              components are the Polyak–Ruppert average of SGD iterates, the online-to-batch
+              reading under which a discriminative component converges;
+            - ``"none"``: the synchronized ω̃^(K+1) is played (an ablation; the same as
+              ``"restart"`` with η_ω growing as t + 1).
     """
 
     def __init__(
@@ -183,8 +195,10 @@ class FemOmdClassifier:
         weight_lr: float = 0.1,
         em_steps: int = 1,
         seed: int = 0,
-        running_average: bool = True,
+        averaging: Literal["restart", "polyak", "none"] = "restart",
     ) -> None:
+        if averaging not in ("restart", "polyak", "none"):
+            raise ValueError(f"averaging must be 'restart', 'polyak' or 'none', got {averaging!r}.")
         if not component_lr > 0 or not weight_lr > 0:
             raise ValueError("component_lr and weight_lr must be > 0.")
         if em_steps < 1 or num_components < 1 or num_clients < 1:
@@ -196,7 +210,9 @@ class FemOmdClassifier:
         self.components = [[p.detach().clone() for p in net.parameters()] for net in networks]
         self.weights = torch.full((num_clients, num_components), 1.0 / num_components)
         self.component_lr, self.weight_lr, self.em_steps = component_lr, weight_lr, em_steps
-        self.running_average = running_average
+        self.averaging = averaging
+        #: the SGD chain ω̃ that ``"polyak"`` averages (it starts at ω_1)
+        self.chain = [[p.clone() for p in comp] for comp in self.components]
         self.round = 0
 
     def component_losses(self, components, x, y) -> torch.Tensor:
@@ -213,7 +229,8 @@ class FemOmdClassifier:
         """One round, after every client has played."""
         m = len(self.components)
         local_weights = self.weights.clone()
-        shared = [[p.clone() for p in comp] for comp in self.components]
+        start = self.chain if self.averaging == "polyak" else self.components
+        shared = [[p.clone() for p in comp] for comp in start]  # line 7
         for _ in range(self.em_steps):
             local = []
             for c, (x, y) in enumerate(samples):
@@ -240,7 +257,8 @@ class FemOmdClassifier:
                  for k in range(len(shared[j]))]
                 for j in range(m)
             ]  # fmt: skip
-        t = self.round + 1 if self.running_average else 0
+        self.chain = shared
+        t = 0 if self.averaging == "none" else self.round + 1
         self.components = [
             [(t * old + new) / (t + 1) for old, new in zip(comp, comp_new)]
             for comp, comp_new in zip(self.components, shared)
