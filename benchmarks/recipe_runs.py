@@ -39,3 +39,18 @@ def run_recipe(recipe: Path, edit: Callable[[dict], None], seed: int | None = No
 def callback_of(cli, name: str):
     """The trainer's callback of class ``name``."""
     return next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == name)
+
+
+READING = "<!-- reading: kept when the script rewrites the file -->"
+
+
+def write_keeping_reading(path: Path, text: str) -> str:
+    """Write a results file's generated ``text`` and keep what follows the READING marker
+    in the file already there (the hand-written reading of the numbers)."""
+    path = Path(path)
+    kept = ""
+    if path.exists() and READING in path.read_text():
+        kept = path.read_text().split(READING, 1)[1]
+    text = text.rstrip() + "\n\n" + READING + (kept if kept.strip() else "\n")
+    path.write_text(text)
+    return text

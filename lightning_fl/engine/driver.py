@@ -77,6 +77,8 @@ class RoundDriver(pl.Callback):
         pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
         for name, value in strategy.sampler.round_metrics().items():
             pl_module.log(name, value, on_epoch=True)
+        if strategy.vectorized.compile_seconds is not None:
+            pl_module.log("fl/compile_seconds", strategy.vectorized.compile_seconds, on_epoch=True)
         dm = trainer.datamodule
         if type(dm).clients_without_data_now is not FederatedDataModule.clients_without_data_now:
             skipped = float(strategy.engine.planner.skipped_now)

@@ -34,13 +34,17 @@ class FederatedProgressBar(TQDMProgressBar):
             getattr(strategy, "current_round", None),
             getattr(strategy, "current_client", None),
         )
-        chunk = getattr(strategy, "current_chunk", None)
+        vectorized = getattr(strategy, "vectorized", None)
+        chunk = getattr(vectorized, "current", None)
         if trainer.training and plan is not None and plan.chunks is not None and chunk:
             index, step = chunk
             if index < len(plan.chunks):  # clients i–j of n, trained together
                 first, last = plan.chunks[index][0], plan.chunks[index][-1]
                 metrics["clients"] = f"{first + 1}–{last + 1}/{len(plan.schedule.clients)}"
                 metrics["step"] = f"{step + 1}/{plan.steps.num_batches[index]}"
+            seconds = getattr(vectorized, "compile_seconds", None)
+            if seconds is not None:  # compile=True: the time spent compiling so far
+                metrics["compile"] = f"{seconds:.1f}s"
         elif trainer.training and plan is not None and where is not None:
             pos, step = where
             metrics["client"] = f"{pos + 1}/{len(plan.schedule.clients)}"

@@ -472,6 +472,8 @@ class VectorizedStep:
         self.optimizer = optimizer
         self.gradient_terms, self.clip = gradient_terms, clip
         self.dropout = ClientDropout(module)
+        #: the compiled loss and gradients (``compile=True``), or None: eager
+        self.compiled: Any = None
         #: per-client module state: one context factory per callback that has some, and
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
         self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
@@ -580,14 +582,17 @@ class VectorizedStep:
                 ),
             )  # fmt: skip
             masks = self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
-        try:
-            loss, metrics = vmap(self._client_loss, randomness="error")(
-                params, buffers, batch, masks, client_state
-            )
-        except RuntimeError as err:
-            raise _not_vmappable(err) from err
-        wanted = [params[j] for j in self.optimizer.trainable]
-        found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
+        if self.compiled is not None:
+            loss, metrics, found = self.compiled(params, buffers, batch, key)
+        else:
+            try:
+                loss, metrics = vmap(self._client_loss, randomness="error")(
+                    params, buffers, batch, masks, client_state
+                )
+            except RuntimeError as err:
+                raise _not_vmappable(err) from err
+            wanted = [params[j] for j in self.optimizer.trainable]
+            found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         grads: list[Tensor | None] = [None] * len(params)
         for j, g in zip(self.optimizer.trainable, found):
             grads[j] = torch.zeros_like(params[j]) if g is None else g
@@ -626,6 +631,8 @@ class VectorizedClients:
         for cb in trainer.callbacks:
             check_callback(cb)
         _check_trainer(trainer, strategy)
+        if strategy.compile:
+            _check_compilable(module, trainer.callbacks)
         tensors = strategy.federated_tensors
         optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
         callbacks = self.engine.ordered_callbacks("on_before_vectorized_optimizer_step")
@@ -642,7 +649,24 @@ class VectorizedClients:
         self.step = VectorizedStep(
             module, tensors.param_names, tensors.buffer_names, optimizer, gradient_terms, clip
         )
+        if strategy.compile:
+            from lightning_fl.engine.compiled import CompiledGradients
+
+            backend = "inductor" if strategy.compile is True else str(strategy.compile)
+            self.step.compiled = CompiledGradients(
+                lambda params, buffers, batch: self.step._client_loss(
+                    params, buffers, batch, None, []
+                ),
+                optimizer.trainable,
+                backend,
+            )
         self._check_first_batch_runs()
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Seconds spent compiling so far (None without ``compile``)."""
+        compiled = self.step.compiled if self.step is not None else None
+        return None if compiled is None else compiled.seconds
 
     def _check_first_batch_runs(self) -> None:
         strategy = self.strategy
@@ -700,6 +724,28 @@ class VectorizedClients:
                 optimizer_state = [self.step.optimizer.state_of(row)]
             self.engine.finish_client(pos, optimizer_state)
         self.chunk = None
+
+
+def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
+    """What the compiled step cannot run (:mod:`lightning_fl.engine.compiled`)."""
+    from lightning_fl.callbacks.base import FederatedCallback
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Dropout) and sub.p > 0:
+            raise VectorizationError(
+                f"compile=True: {name} is an nn.Dropout with p={sub.p}, whose per-client "
+                "masks are drawn outside the compiled graph. Use compile=False, or p=0."
+            )
+    for cb in callbacks:
+        own = getattr(type(cb), "vectorized_client_state", None)
+        if (
+            isinstance(cb, FederatedCallback)
+            and own is not FederatedCallback.vectorized_client_state
+        ):
+            raise VectorizationError(
+                f"compile=True: the callback {type(cb).__name__} installs per-client module "
+                "state around the loss (vectorized_client_state). Use compile=False."
+            )
 
 
 def _check_trainer(trainer: pl.Trainer, strategy: FederatedStrategy) -> None:
