@@ -155,7 +155,9 @@ class FederatedCallback(pl.Callback):
         """Vectorized clients: the counterpart of ``on_before_optimizer_step``. ``params``
         and ``grads`` are stacked over the clients at chunk ``rows`` (dimension 0);
         change ``grads`` in place. A parameter the optimizer does not train has no
-        gradient (None)."""
+        gradient (None). A term that depends on the data reads the rows' stacked batch
+        and per-client generators from ``trainer.strategy.vectorized.step`` (``batch``,
+        ``generators``; DP-SGD)."""
 
     def on_client_evaluation_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int

@@ -237,9 +237,16 @@ class DPSGD(FederatedCallback):
 
     The private gradient replaces the batch's gradient before other callbacks add their
     data-independent terms (FedProx, SCAFFOLD: ``replaces_gradient``).
+
+    Vectorized clients (``vectorize=True``): per-sample gradients of every client row at
+    once (a vmap over the rows of a vmap over the samples), clipped per sample, and each
+    row's noise drawn from that client's generator, seeded with (seed, round, client) as
+    the sequential path seeds the global one, in the same order (parameter by parameter):
+    the result equals the sequential run's. WERM's two-source batches are refused there.
     """
 
     replaces_gradient = True
+    supports_vectorized_clients = True
 
     def __init__(
         self,
@@ -320,6 +327,48 @@ class DPSGD(FederatedCallback):
         for key, p in pl_module.named_parameters():
             if key in total:
                 p.grad = total[key].to(p.dtype)
+
+    def on_before_vectorized_optimizer_step(
+        self, trainer, pl_module, rows, params, grads, state: RoundState
+    ) -> None:
+        """(Σ_i clip_C(g_{c,i}) + N(0, σ²C²)) / B for every client row c at once."""
+        strategy = trainer.strategy
+        step = strategy.vectorized.step
+        if isinstance(step.batch, dict):
+            from lightning_fl.engine.vectorized import VectorizationError
+
+            raise VectorizationError(
+                "DPSGD with WERM's {'train', 'reference'} batches runs client by client: "
+                "use FederatedStrategy(vectorize=False)."
+            )
+        x, y = step.batch
+        names = strategy.federated_tensors.param_names
+        buffers = dict(pl_module.named_buffers())
+
+        def loss_of_one(tensors, xi, yi):
+            named = dict(zip(names, tensors))
+            out = torch.func.functional_call(pl_module, (named, buffers), (xi.unsqueeze(0),))
+            return pl_module.criterion(out, yi.unsqueeze(0))
+
+        per_sample = torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0, 0))
+        sample_grads = torch.func.vmap(per_sample)(list(params), x, y)  # [rows, B, ...] each
+        count, size = len(rows), y.shape[1]
+        norms = torch.sqrt(sum(g.reshape(count, size, -1).pow(2).sum(-1) for g in sample_grads))
+        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
+        summed = [torch.einsum("rb,rb...->r...", factor, g) for g in sample_grads]
+        for row, gen in enumerate(step.generators):
+            for total in summed:
+                noise = torch.normal(
+                    0.0, self.sigma * self.clip, size=total[row].shape, generator=gen,
+                    device=total.device,
+                )  # fmt: skip
+                total[row] += noise
+        for j, total in enumerate(summed):
+            if grads[j] is not None:
+                grads[j].copy_((total / size).to(grads[j].dtype))
+        chunk = strategy.vectorized.chunk
+        for row in rows:
+            self._record(strategy, chunk.clients[row], "train", self.sigma, size)
 
     def _record(self, strategy, client: int, source: str, sigma: float, batch_size: int) -> None:
         """Count one noisy step of ``source`` for ``client``. The sampling rate is the

@@ -320,3 +320,30 @@ def test_clipping_by_norm_leaves_rows_under_the_value_alone():
     clip_gradients_(grads, 0.35, "value")
     assert torch.allclose(grads[0], torch.tensor([[0.35, 0.0], [0.3, 0.0]]))
     assert torch.allclose(grads[1], torch.tensor([[[0.0, 0.35]], [[0.0, 0.35]]]))
+
+
+@pytest.mark.parametrize("extra", [[], [FedProx(mu=0.5)]])
+def test_dpsgd_equals_the_sequential_path_noise_included(extra):
+    """Per-sample clipping inside each client row and each client's noise from its own
+    (seed, round, client) generator: the same model as client by client (a noise drawn
+    from a shared generator, or clipping over the whole chunk, would differ by the noise
+    scale), the same privacy accounting, and a model that differs from no noise."""
+    from lightning_fl.callbacks import DPSGD
+
+    def run(vectorize, sigma=0.5):
+        callbacks = [DPSGD(noise_multiplier=sigma, max_grad_norm=0.5)]
+        callbacks += [FedProx(mu=cb.mu) for cb in extra]
+        return _fit(vectorize, callbacks, module=_module(dropout=0.0))
+
+    (seq, seq_trainer), (vec, vec_trainer) = run(False), run(True)
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    no_noise, _ = run(True, sigma=0.0)
+    assert max_abs_diff(params_of(vec), params_of(no_noise)) > 1e-2
+    a = seq_trainer.strategy.client_store.state_dict()
+    b = vec_trainer.strategy.client_store.state_dict()
+    for client in a:
+        for key in ("dp_train_steps", "dp_train_rate", "dp_train_sigma"):
+            assert a[client][key] == b[client][key], (client, key)
+    assert float(seq_trainer.callback_metrics["dp/epsilon"]) == pytest.approx(
+        float(vec_trainer.callback_metrics["dp/epsilon"])
+    )

@@ -474,6 +474,11 @@ class VectorizedStep:
         self.dropout = ClientDropout(module)
         #: the compiled loss and gradients (``compile=True``), or None: eager
         self.compiled: Any = None
+        #: during the callbacks' gradient terms: the stacked batch of the rows being
+        #: stepped and their generators (seeded per client as the sequential path seeds
+        #: the global one), for callbacks whose gradient depends on the data (DP-SGD)
+        self.batch: Any = None
+        self.generators: list[torch.Generator] = []
         #: per-client module state: one context factory per callback that has some, and
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
         self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
@@ -596,6 +601,7 @@ class VectorizedStep:
         grads: list[Tensor | None] = [None] * len(params)
         for j, g in zip(self.optimizer.trainable, found):
             grads[j] = torch.zeros_like(params[j]) if g is None else g
+        self.batch, self.generators = batch, generators
         self.gradient_terms(group_rows, [p.detach() for p in params], grads)
         stepped = [grads[j] for j in self.optimizer.trainable]
         if self.clip is not None:
