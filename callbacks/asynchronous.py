@@ -47,6 +47,8 @@ class AsynchronousFL(Aggregator):
     order; use the default FullParticipation sampler (the schedule decides who returns).
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     aggregates_empty_rounds = True  # FedFix windows with no return still advance the clock
 
     def __init__(

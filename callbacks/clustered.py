@@ -58,6 +58,8 @@ class ClusteredFL(Aggregator):
     Cluster models live in this callback's checkpoint state (4·d bytes per cluster).
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     requires_task_loss = True
 
     def __init__(

@@ -44,6 +44,8 @@ class FreeRiders(FederatedCallback):
         seed: the noise's seed, mixed with the round and the free-rider's id.
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     def __init__(
         self,
         num_free_riders: int,
@@ -161,6 +163,8 @@ class FreeRiderDetector(FederatedCallback):
     Needs :class:`FreeRiders` in the same run (it reads the free-riders' updates there);
     single process.
     """
+
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     def __init__(self, z: float = 3.0) -> None:
         if not z > 0:

@@ -59,6 +59,8 @@ class KNNPer(FederatedCallback):
     ``squared_distance=True`` with ``scale=p`` gives the latter.
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     def __init__(
         self,
         k: int = 10,

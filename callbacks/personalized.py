@@ -53,6 +53,8 @@ class FineTune(FederatedCallback):
     clients are treated alike. ``stages`` says when: the paper fine-tunes once, after
     training (``("test",)``)."""
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     requires_task_loss = True
 
     def __init__(
@@ -84,6 +86,8 @@ class Ditto(FederatedCallback):
             {10, 1, 0.1, 0.01}).
         personal_lr: η_p. personal_epochs: passes per participation.
     """
+
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     requires_task_loss = True
 

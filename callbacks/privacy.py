@@ -57,6 +57,8 @@ class MembershipInference(FederatedCallback):
     with validation) and test, and writes ``<log_dir>/membership_inference.csv``.
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     evaluation_observer = True
 
     def __init__(

@@ -30,6 +30,8 @@ class SAFARI(Aggregator):
     Combine with :class:`~lightning_fl.ExcludedClients` for incomplete participation.
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     def __init__(
         self, q: float, server_lr: float | None = None, weighting: Weighting = "uniform"
     ) -> None:

@@ -128,6 +128,8 @@ class Unlearning(FederatedCallback):
     lower is better, SCRATCH is the reference), ``unlearning/branch``.
     """
 
+    supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
+
     requires_task_loss = True
 
     def __init__(

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_fl import Classifier, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import (
+    APFL,
     SCAFFOLD,
     Ditto,
     FedAdagrad,
@@ -52,9 +53,10 @@ def _fit(vectorize: bool, callbacks=(), rounds: int = 3, chunk=None, module=None
         "max_vectorized_clients": chunk,
     }
     strategy_kw.update(kw.pop("strategy", {}))
+    datamodule = kw.pop("datamodule", tiny_datamodule)()
     module = module or _module()
     trainer = make_trainer(FederatedStrategy(**strategy_kw), rounds, list(callbacks), **kw)
-    trainer.fit(module, datamodule=tiny_datamodule())
+    trainer.fit(module, datamodule=datamodule)
     return module, trainer
 
 
@@ -226,7 +228,7 @@ def _bad(kind: str):
     if kind == "hook":
         return _StepHook(network=_network()), []
     if kind == "callback":
-        return _module(), [Ditto(lam=0.1, personal_lr=0.05)]
+        return _module(), [APFL(alpha=0.5, local_lr=0.05)]
     if kind == "plain_callback":
         return _module(), [_AfterBackward()]
     if kind == "rmsprop":
@@ -239,7 +241,7 @@ MESSAGES = {
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
-    "callback": "Ditto does not support vectorized clients",
+    "callback": "APFL does not support vectorized clients",
     "plain_callback": "overrides on_after_backward",
     "rmsprop": "RMSprop",
 }
@@ -347,3 +349,57 @@ def test_dpsgd_equals_the_sequential_path_noise_included(extra):
     assert float(seq_trainer.callback_metrics["dp/epsilon"]) == pytest.approx(
         float(vec_trainer.callback_metrics["dp/epsilon"])
     )
+
+
+def _opted_in():
+    from lightning_fl import ClientTimes, FedBuffSchedule, FullParticipation
+    from lightning_fl.callbacks import (
+        SAFARI,
+        AsynchronousFL,
+        ClusteredFL,
+        FineTune,
+        FreeRiderDetector,
+        FreeRiders,
+        KNNPer,
+        MembershipInference,
+        Unlearning,
+    )
+    from tests.composition import tiny_federation  # it has server data, for SAFARI
+
+    full = {"sampler": FullParticipation()}
+    return {
+        # clients start from stale model versions: FedBuff with buffer 3, heterogeneous times
+        "asynchronous": (lambda: [AsynchronousFL(FedBuffSchedule(3, ClientTimes(50.0)))], full),
+        "ditto": (lambda: [Ditto(lam=0.1, personal_lr=0.05)], {}),
+        "finetune": (lambda: [FineTune(lr=0.05)], {}),
+        "knn_per": (lambda: [KNNPer(k=2, backend="torch")], {}),
+        "free_riders": (lambda: [FreeRiders(2, "disguised"), FreeRiderDetector()], full),
+        "unlearning": (lambda: [Unlearning("sifu", sigma=0.1, requests={2: [0]})], {}),
+        "safari": (lambda: [SAFARI(q=0.5)], {"datamodule": tiny_federation}),  # server: -3
+        "clustered": (lambda: [ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=1)], full),
+        "membership": (lambda: [MembershipInference()], {}),
+    }
+
+
+@pytest.mark.parametrize("name", ["asynchronous", "ditto", "finetune", "knn_per", "free_riders",
+                                  "unlearning", "safari", "clustered", "membership"])  # fmt: skip
+def test_callbacks_without_per_step_hooks_equal_the_sequential_path(name):
+    """Callbacks that act at client start and end, at aggregation or at evaluation train
+    their clients vectorized as sequentially: the global model after 5 rounds and the
+    (personalized) test metrics are equal (AsynchronousFL's clients start from stale
+    versions; Ditto trains its personal models at client end; SIFU forgets at round 2)."""
+    make, strategy = _opted_in()[name]
+    data = strategy.pop("datamodule", tiny_datamodule)
+    runs = []
+    for vectorize in (False, True):
+        steps = {"local_steps": 3, "local_epochs": None, **strategy}
+        module, trainer = _fit(vectorize, make(), 5, module=_module(dropout=0.0), strategy=steps,
+                               datamodule=data)  # fmt: skip
+        trainer.test(module, datamodule=data(), verbose=False)
+        runs.append((params_of(module), _epoch_metrics(trainer)))
+    (seq, seq_metrics), (vec, vec_metrics) = runs
+    assert max_abs_diff(seq, vec) <= 1e-5
+    tested = {k: v for k, v in seq_metrics.items() if k.startswith("test")}
+    assert tested
+    for key, value in tested.items():
+        assert vec_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
