@@ -98,10 +98,13 @@ def test_the_progress_bar_shows_the_chunk_and_the_compile_time():
     assert seen[0]["clients"].endswith("/6") and seen[0]["step"] == "1/" + seen[0]["step"][2:]
 
 
-@pytest.mark.parametrize("kind", ["dropout", "fedem"])
+@pytest.mark.parametrize("kind", ["dropout", "batchnorm", "fedem"])
 def test_what_cannot_be_compiled_is_refused_at_setup(kind):
     if kind == "dropout":
         module, callbacks, match = _module(dropout=0.3), [], "nn.Dropout with p=0.3"
+    elif kind == "batchnorm":
+        net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, OUT))
+        module, callbacks, match = Classifier(network=net), [], "BatchNorm1d"
     else:
         from lightning_fl import MLP, MixtureClassifier
 

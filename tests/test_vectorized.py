@@ -219,7 +219,8 @@ class _AfterBackward(__import__("lightning").pytorch.Callback):
 
 def _bad(kind: str):
     if kind == "batchnorm":
-        net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, OUT))
+        norm = nn.BatchNorm1d(HIDDEN, momentum=None)  # a cumulative average
+        net = nn.Sequential(nn.Linear(IN, HIDDEN), norm, nn.Linear(HIDDEN, OUT))
         return Classifier(network=net), []
     if kind == "dropout2d":
         return Classifier(network=nn.Sequential(nn.Linear(IN, OUT), nn.Dropout1d(0.2))), []
@@ -237,7 +238,7 @@ def _bad(kind: str):
 
 
 MESSAGES = {
-    "batchnorm": "BatchNorm1d",
+    "batchnorm": "BatchNorm1d with momentum=None",
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
@@ -403,3 +404,41 @@ def test_callbacks_without_per_step_hooks_equal_the_sequential_path(name):
     assert tested
     for key, value in tested.items():
         assert vec_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def _no_single_batches():
+    """Unequal clients (4..12 samples, batch 4: short batches of 2 and 3, clients that run
+    out of batches) but no batch of one sample, which BatchNorm cannot train on."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import tiny_clients
+
+    clients = tiny_clients(6)
+    for client, n in zip(clients, (8, 6, 12, 7, 10, 4)):
+        x, y = client["train"]
+        client["train"] = (x[:n], y[:n])
+    return InMemoryFederatedDataModule(clients, batch_size=4)
+
+
+def test_batchnorm_keeps_per_client_running_statistics():
+    """BatchNorm's running mean and variance are stacked buffers, one row per client,
+    updated in place inside vmap (rows that ran out of batches keep theirs): the global
+    model, the aggregated statistics and the test metrics equal the sequential run's."""
+    runs = []
+    for vectorize in (False, True):
+        torch.manual_seed(1)
+        net = nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT)
+        )
+        module = Classifier(network=net, lr=0.1)
+        _, trainer = _fit(vectorize, module=module, rounds=3, datamodule=_no_single_batches)
+        trainer.test(module, datamodule=_no_single_batches(), verbose=False)
+        norm = module.network[1]
+        runs.append((params_of(module), [norm.running_mean.clone(), norm.running_var.clone()],
+                     _epoch_metrics(trainer)))  # fmt: skip
+    (seq, seq_stats, seq_metrics), (vec, vec_stats, vec_metrics) = runs
+    assert max_abs_diff(seq, vec) <= 1e-5
+    assert max_abs_diff(seq_stats, vec_stats) <= 1e-5
+    assert float(seq_stats[1].sub(1).abs().max()) > 1e-3  # the statistics moved
+    for key, value in seq_metrics.items():
+        if key.startswith("test"):
+            assert vec_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key

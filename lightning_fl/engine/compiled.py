@@ -16,12 +16,13 @@ The first call of each new (rows, batch shape) is timed as compile time
 (:attr:`CompiledGradients.seconds`), logged per round as ``fl/compile_seconds`` and shown
 in the progress bar. Inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``, by default
 under the system's temporary folder) make a second run of the same recipe compile
-faster; ``benchmarks/overhead.py --compiled`` measures both.
+faster; ``benchmarks/overhead.py`` prints the compile time of each repeat.
 
-Not compiled (refused at setup with the reason): ``nn.Dropout`` with p > 0 (its masks
-come from per-client generators outside the graph) and callbacks with per-client module
-state (``vectorized_client_state``: kNN-Per's and FedRep's contexts are Python context
-managers around the loss).
+Not compiled (refused at setup with the reason): BatchNorm (its running statistics change
+in place inside the gradient transform), ``nn.Dropout`` with p > 0 (its masks come from
+per-client generators outside the graph) and callbacks with per-client module state
+(``vectorized_client_state``: FedEM's context is a Python context manager around the
+loss).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ per-client state. The result equals the sequential path's, client by client:
 What a module must satisfy (checked at setup, refused with a message naming the fix):
 it is a :class:`~lightning_fl.FederatedTask` (the loss lives in ``loss_and_metrics``),
 its loss and metrics are tensor functions of the batch (no ``.item()``, ``float()`` or
-Python control flow on tensor values), it has no BatchNorm (running statistics would be
-per-client mutable buffers; use GroupNorm or LayerNorm), its only randomness is
+Python control flow on tensor values), a BatchNorm has a momentum (its running statistics
+are per-client stacked buffers, updated in place; ``momentum=None``'s step count is an
+integer buffer the clients would share), its only randomness is
 ``nn.Dropout`` modules, and it overrides none of the per-step hooks (``training_step``,
 ``on_before_optimizer_step``, ...), which the vectorized step does not call.
 """
@@ -107,10 +108,11 @@ def check_module(module: nn.Module) -> None:
                 "of the sequential path and is not called by the vectorized step."
             )
     for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.momentum is None:
             raise _refuse(
-                f"{name} is a {type(sub).__name__}: its running statistics would be "
-                "per-client buffers changed in place. Use GroupNorm or LayerNorm."
+                f"{name} is a {type(sub).__name__} with momentum=None: its cumulative "
+                "average counts steps in num_batches_tracked, an integer buffer the "
+                "clients share. Give it a momentum (the default 0.1)."
             )
         dropout_like = isinstance(sub, nn.modules.dropout._DropoutNd)
         if dropout_like and type(sub) is not nn.Dropout and sub.p > 0:
@@ -517,7 +519,7 @@ class VectorizedStep:
             return t.detach().unsqueeze(0).expand(2, *t.shape)
 
         params = [pair(named[n[len("task.") :]]) for n in self.param_names]
-        buffers = [pair(named_buffers[n[len("task.") :]]) for n in self.buffer_names]
+        buffers = [pair(named_buffers[n[len("task.") :]]).clone() for n in self.buffer_names]
         batches = stack_batches([batch, batch])
         states = [[pair(t[0]) for t in tensors] for tensors in self.client_state]
         try:
@@ -607,6 +609,9 @@ class VectorizedStep:
         if self.clip is not None:
             clip_gradients_(stepped, *self.clip)
         self.optimizer.step(chunk.params, stepped, index)
+        if index is not None:  # the rows' running statistics (BatchNorm), updated in place
+            for full, rows in zip(chunk.tensors[chunk.num_params :], buffers):
+                full[index] = rows
         return loss.detach(), {n: v.detach() for n, v in metrics.items()}
 
 
@@ -737,6 +742,12 @@ def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
     from lightning_fl.callbacks.base import FederatedCallback
 
     for name, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
+            raise VectorizationError(
+                f"compile=True: {name} is a {type(sub).__name__}, whose running statistics "
+                "change in place inside the gradient transform, which torch.compile cannot "
+                "trace. Use compile=False (the eager vectorized path keeps them per client)."
+            )
         if isinstance(sub, nn.Dropout) and sub.p > 0:
             raise VectorizationError(
                 f"compile=True: {name} is an nn.Dropout with p={sub.p}, whose per-client "
