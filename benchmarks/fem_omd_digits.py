@@ -25,7 +25,9 @@ whole training pool; the average over clients R̄'_T / T is printed, and the cur
 
 FEM-OMD: K = 1, η_ω = 0.05, η_π = sqrt(log m / T) (the theory's rate with G = 1), under the
 readings "restart" (the printed algorithm), "polyak" and "none". FedOMD: one local step,
-lr 0.05, λ = 1e-4. Writes benchmarks/results/fem_omd_<dataset>.md and .png.
+lr 0.05, λ = 1e-4. ``--mixtures fixed`` draws each client's π*_c once instead of every
+round (a probe of the protocol's reading). Writes benchmarks/results/fem_omd_<dataset>.md
+(``_fixed.md``) and .png.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def draw(rng, weights, count, pools):
     return np.concatenate([pool.take(k) for pool, k in zip(pools, counts) if k])
 
 
-def run(dataset: str, rounds: int, seed: int) -> dict[str, np.ndarray]:
+def run(dataset: str, rounds: int, seed: int, mixtures: str = "per-round") -> dict[str, np.ndarray]:
     x, y, train_idx, test_idx, make_network = load(dataset, seed)
     best = optimum(make_network, x, y, train_idx, seed)
     m = len(SUBSETS)
@@ -134,8 +136,9 @@ def run(dataset: str, rounds: int, seed: int) -> dict[str, np.ndarray]:
         for split, idx in (("train", train_idx), ("test", test_idx))
     }
     regret = {name: np.zeros((rounds, CLIENTS)) for name in algorithms}
+    fixed = rng.dirichlet(np.full(m, 0.1), size=CLIENTS) if mixtures == "fixed" else None
     for t in range(rounds):
-        truth = rng.dirichlet(np.full(m, 0.1), size=CLIENTS)
+        truth = fixed if mixtures == "fixed" else rng.dirichlet(np.full(m, 0.1), size=CLIENTS)
         train = [draw(rng, truth[c], N_TRAIN, pools["train"]) for c in range(CLIENTS)]
         test = [draw(rng, truth[c], N_TEST, pools["test"]) for c in range(CLIENTS)]
         with torch.no_grad():
@@ -162,10 +165,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=["digits", "fashion_mnist"], default="digits")
     parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument(
+        "--mixtures",
+        choices=["per-round", "fixed"],
+        default="per-round",
+        help="π*_{t,c} drawn afresh every round (the thesis's text) or once per client",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    runs = [run(args.dataset, args.rounds, seed) for seed in args.seeds]
+    runs = [run(args.dataset, args.rounds, seed, args.mixtures) for seed in args.seeds]
     names = list(runs[0])
     mean = {name: np.mean([r[name] for r in runs], axis=0) for name in names}
     checkpoints = [t for t in (10, 100, 300, 1000, 3000) if t <= args.rounds]
@@ -174,9 +183,10 @@ def main() -> None:
     lines = [
         f"# FEM-OMD for classifiers against FedOMD on {label[args.dataset]} (Alg. 17)", "",
         f"`python benchmarks/fem_omd_digits.py --dataset {args.dataset} --rounds "
-        f"{args.rounds} --seeds {' '.join(map(str, args.seeds))}`: m = 4 class subsets, "
-        f"C = {CLIENTS}, n = {N_TRAIN}, n' = {N_TEST}, π* ~ Dir(0.1) each round (see the "
-        "script's docstring). Average regret R̄'_T / T in accuracy (h* minus the played "
+        f"{args.rounds} --seeds {' '.join(map(str, args.seeds))} --mixtures {args.mixtures}`: "
+        f"m = 4 class subsets, C = {CLIENTS}, n = {N_TRAIN}, n' = {N_TEST}, π*_{{t,c}} ~ "
+        f"Dir(0.1) {'each round' if args.mixtures == 'per-round' else 'once per client'} "
+        "(see the script's docstring). Average regret R̄'_T / T in accuracy (h* minus the played "
         f"model), mean over {len(args.seeds)} seeds; lower is better, and a curve falling "
         "towards 0 is the sub-linear regime. The last column is the regret per round over "
         f"the last {tail} rounds, (R̄'_T − R̄'_{{T−{tail}}}) / {tail}: it tends to 0 in the "
@@ -190,10 +200,11 @@ def main() -> None:
         recent = (mean[name][-1] - mean[name][-1 - tail]) / tail
         lines.append(f"| {name} | {row} | {recent:.3f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    text = write_keeping_reading(RESULTS / f"fem_omd_{args.dataset}.md", "\n".join(lines))
+    stem = f"fem_omd_{args.dataset}" + ("_fixed" if args.mixtures == "fixed" else "")
+    text = write_keeping_reading(RESULTS / f"{stem}.md", "\n".join(lines))
     print(text)
     curves = {name: smoothed(mean[name]) for name in names}
-    path = str(RESULTS / f"fem_omd_{args.dataset}.png")
+    path = str(RESULTS / f"{stem}.png")
     plot_curves({"": curves}, path, "time step t", "average regret R̄'_t (accuracy)")
 
 
