@@ -7,6 +7,11 @@ launcher starts the other ranks). It prints the wall time of the training rounds
 ``on_train_start`` to ``on_train_end`` on rank 0: process start-up and set-up excluded),
 the speed-up against 1 process and the simulated clients per second (clients trained /
 wall time). Both runs use one thread per process.
+
+``--profile``: where each rank's time goes (issue 25 item 4): seconds in its own clients'
+steps, in idle (padding) steps while the other rank trains, and in the round's end (the
+all-reduce and aggregation, which waits for the slowest rank), the steps each rank trained,
+and the mean over rounds of max/mean of the ranks' steps (1 = balanced).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(devices: int, rounds: int) -> None:
+def worker(devices: int, rounds: int, profile: bool = False) -> None:
     import lightning.pytorch as pl
     import torch
     from overhead import BATCH, LR, PER_ROUND, STEPS, cnn_data
@@ -42,10 +47,60 @@ def worker(devices: int, rounds: int) -> None:
     torch.manual_seed(0)
     module = Classifier(network=MnistCNN(10), lr=LR)
     dm = InMemoryFederatedDataModule([{"train": d} for d in cnn_data()], batch_size=BATCH)
+
+    class RankProfile(pl.Callback):
+        """Seconds per rank in its clients' steps, in idle steps and in the round's end."""
+
+        def __init__(self) -> None:
+            self.busy = self.idle = self.end = 0.0
+            self.steps, self.imbalance = 0, []
+
+        def setup(self, trainer, pl_module, stage) -> None:
+            engine = trainer.strategy.engine
+            end_round = engine.end_round
+
+            def timed_end_round(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return end_round(*args, **kwargs)
+                finally:
+                    self.end += time.perf_counter() - start
+
+            engine.end_round = timed_end_round
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self._last = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._start, self._end_before = time.perf_counter(), self.end
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            plan = trainer.strategy.current_round
+            pos = plan.schedule.locate(batch_idx)[0]
+            # the round's end may run inside this batch's hooks: counted apart
+            seconds = time.perf_counter() - self._start - (self.end - self._end_before)
+            if plan.is_padding(pos):
+                self.idle += seconds
+            else:
+                self.busy += seconds
+                self.steps += 1
+            if batch_idx == 0:
+                per_rank = [0] * trainer.world_size
+                for c in plan.state.participation.clients:
+                    per_rank[trainer.strategy.owner(c)] += 1
+                self.imbalance.append(max(per_rank) / (sum(per_rank) / len(per_rank)))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            mean = sum(self.imbalance) / max(len(self.imbalance), 1)
+            print(f"RANK {trainer.global_rank}: own steps {self.busy:.2f} s ({self.steps} "
+                  f"steps), idle steps {self.idle:.2f} s, round ends {self.end:.2f} s; "
+                  f"clients max/mean over ranks {mean:.2f}", flush=True)  # fmt: skip
+
+    extra = [RankProfile()] if profile else []
     trainer = pl.Trainer(
         max_epochs=rounds, accelerator="cpu", devices=devices,
         strategy=FederatedStrategy(sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0),
-        callbacks=[FedAvg(weighting="uniform"), RoundsTimer()], logger=False,
+        callbacks=[FedAvg(weighting="uniform"), RoundsTimer(), *extra], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
@@ -57,19 +112,23 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="where each rank's time goes")
     args = parser.parse_args()
     if args.worker:
-        worker(args.devices[0], args.rounds)
+        worker(args.devices[0], args.rounds, args.profile)
         return
     from overhead import PER_ROUND
 
     times = {}
     for n in args.devices:
         command = [sys.executable, __file__, "--worker", "--devices", str(n)]
+        command += ["--profile"] if args.profile else []
         out = subprocess.run(
             [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
         ).stdout
         times[n] = float(re.search(r"FIT_SECONDS ([\d.]+)", out).group(1))
+        for line in sorted(set(re.findall(r"RANK \d+: .*", out))):
+            print(f"  {n} process(es), {line}", flush=True)
         clients_per_s = PER_ROUND * args.rounds / times[n]
         speedup = times[args.devices[0]] / times[n]
         print(

@@ -23,6 +23,8 @@ class FedAvg(Aggregator):
     With η_g = 1 and Σ ω_i = 1 this is θ^{t+1} = Σ ω_i θ_i^{t+1} (Fraboni thesis Alg. 9).
     """
 
+    keeps_client_state = False  # server-side state only
+
     supports_vectorized_clients = True
 
     def __init__(self, weighting: Weighting = "samples", server_lr: float = 1.0) -> None:
@@ -40,6 +42,8 @@ class FedAvg(Aggregator):
 
 class _StatefulServerOptimizer(Aggregator):
     """Server optimizer state is kept across rounds and saved in checkpoints."""
+
+    keeps_client_state = False  # server-side state only
 
     supports_vectorized_clients = True
 

@@ -68,6 +68,10 @@ class FederatedCallback(pl.Callback):
     #: goes in :meth:`on_before_vectorized_optimizer_step`. Unsupported callbacks are
     #: refused at setup.
     supports_vectorized_clients: bool = False
+    #: Whether the callback keeps per-client state between rounds (in the client store,
+    #: on the rank that owns the client). Only when no callback does may several
+    #: processes split each round's participants by their steps instead of by owner.
+    keeps_client_state: bool = True
     #: Whether the callback computes the module's loss outside ``training_step`` (local
     #: training of a personal model, evaluation on training data) through its
     #: ``loss_and_metrics(batch)``; a module without it is refused at setup.

@@ -16,6 +16,8 @@ from lightning_fl.engine.tensors import TensorList
 
 
 class FedProx(FederatedCallback):
+    keeps_client_state = False  # the anchor is this round's global model
+
     def __init__(self, mu: float = 0.01) -> None:
         if mu < 0:
             raise ValueError(f"FedProx mu must be >= 0, got {mu}.")

@@ -190,3 +190,44 @@ def test_vectorized_clients_on_two_processes_equal_the_sequential_run(tmp_path):
              "--trainer.strategy.init_args.max_vectorized_clients", "3"))  # fmt: skip
     one, two = _weights(tmp_path / "sequential"), _weights(tmp_path / "vectorized")
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+
+
+def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=None):
+    from types import SimpleNamespace
+
+    from lightning_fl.engine.planning import RoundPlanner
+    from tests.helpers import tiny_datamodule
+
+    trainer = SimpleNamespace(callbacks=callbacks, datamodule=datamodule or tiny_datamodule())
+    strategy = SimpleNamespace(
+        world_size=world_size,
+        owner=lambda c: c % world_size,
+        keep_optimizer_state=keep_optimizer_state,
+        lightning_module=SimpleNamespace(trainer=trainer),
+    )
+    return RoundPlanner(strategy)
+
+
+def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
+    """Longest processing time first: 10 equal clients split 5/5 whatever their ids (by
+    owner, clients 0, 2, 4, 6, 8 would all train on rank 0); unequal steps end within
+    one client's steps of each other; with a stateful plugin, client state or streams,
+    each client trains where its state lives (its owner)."""
+    from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
+    from lightning_fl.datamodules import StreamingDataModule
+    from tests.helpers import tiny_datamodule
+
+    planner = _planner(2, [FedAvg(), FedProx(mu=0.1)])
+    even = [0, 2, 4, 6, 8, 10, 12, 14, 16, 18]
+    ranks = planner.ranks(even, [5] * 10)
+    assert ranks.count(0) == ranks.count(1) == 5
+    steps = [9, 1, 4, 7, 3, 3, 8]
+    ranks = planner.ranks(list(range(7)), steps)
+    loads = [sum(s for s, r in zip(steps, ranks) if r == k) for k in (0, 1)]
+    # by hand, longest first: 9 → r0, 8 → r1, 7 → r1 (8 < 9), 4 → r0, 3 → r0, 3 → r1, 1 → r0
+    assert ranks == [0, 0, 0, 1, 0, 1, 1] and loads == [17, 18]
+    by_owner = [c % 2 for c in even]
+    assert _planner(2, [SCAFFOLD()]).ranks(even, [5] * 10) == by_owner
+    assert _planner(2, [FedAvg()], keep_optimizer_state=True).ranks(even, [5] * 10) == by_owner
+    streams = StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=2)
+    assert _planner(2, [FedAvg()], datamodule=streams).ranks(even, [5] * 10) == by_owner

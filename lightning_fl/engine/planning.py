@@ -9,6 +9,7 @@ with (seed, "data", round, client); every rank steps through a round of the same
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,7 @@ class RoundPlanner:
         self.skipped_now = 0  # participants skipped this round for want of data
         self._warned_empty = False
         self._warned_skipped = False
+        self._balanced: bool | None = None
 
     @property
     def datamodule(self) -> FederatedDataModule:
@@ -73,24 +75,57 @@ class RoundPlanner:
         self._warn_clients_without_data(counts)
         p = strategy.aggregator.target_weights(counts)
         participation = self._participants(round_idx, p)
-        # Only this rank's participants need loaders, unless local_epochs makes the other
-        # ranks' batch counts depend on their loaders' lengths.
-        mine = [
-            i
-            for i, c in enumerate(participation.clients)
-            if strategy.owner(c) == strategy.global_rank
-        ]
-        needed = mine if strategy.local_steps is not None else range(len(participation.clients))
-        built = {i: self._loader(participation.clients[i], round_idx) for i in needed}
-        batches = [self._num_batches(c, built.get(i)) for i, c in enumerate(participation.clients)]
+        clients = participation.clients
+        # Only this rank's participants need loaders, unless local_epochs makes every
+        # participant's batch count depend on its loader's length.
+        built = {}
+        if strategy.local_steps is None:
+            built = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
+        batches = [self._num_batches(c, built.get(i)) for i, c in enumerate(clients)]
+        ranks = self.ranks(clients, batches)
+        mine = [i for i, r in enumerate(ranks) if r == strategy.global_rank]
+        for i in mine:
+            if i not in built:
+                built[i] = self._loader(clients[i], round_idx)
         per_rank: list[list[int]] = [[] for _ in range(strategy.world_size)]
-        for c, n in zip(participation.clients, batches):
-            per_rank[strategy.owner(c)].append(n)
+        for r, n in zip(ranks, batches):
+            per_rank[r].append(n)
         schedule, steps, chunks = self._schedules(
             [participation.clients[i] for i in mine], [batches[i] for i in mine], per_rank
         )
         state = self._round_state(round_idx, participation, counts, p, schedule)
         return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks)
+
+    def ranks(self, clients: Sequence[int], batches: Sequence[int]) -> list[int]:
+        """The rank that trains each participant this round: its owner (client %
+        world_size, where its state lives), or, when nothing keeps per-client state
+        (:meth:`balanced`), the least loaded rank, taking the participants by decreasing
+        number of steps (longest processing time first; ties to the earlier participant
+        and the lower rank), so that ranks finish the round together."""
+        strategy = self.strategy
+        if strategy.world_size == 1 or not self.balanced():
+            return [strategy.owner(c) for c in clients]
+        load = [0] * strategy.world_size
+        ranks = [0] * len(clients)
+        for i in sorted(range(len(clients)), key=lambda i: (-batches[i], i)):
+            rank = min(range(strategy.world_size), key=lambda r: (load[r], r))
+            ranks[i] = rank
+            load[rank] += batches[i]
+        return ranks
+
+    def balanced(self) -> bool:
+        """Whether participants may train on any rank: no callback keeps per-client state
+        (``keeps_client_state``), clients keep no optimizer state, and the datamodule has
+        no per-client stream state (``set_round``)."""
+        if self._balanced is None:
+            from lightning_fl.callbacks.base import FederatedCallback
+
+            trainer = self.strategy.lightning_module.trainer
+            stateful = [cb for cb in trainer.callbacks
+                        if isinstance(cb, FederatedCallback) and cb.keeps_client_state]  # fmt: skip
+            streams = type(self.datamodule).set_round is not FederatedDataModule.set_round
+            self._balanced = not (stateful or streams or self.strategy.keep_optimizer_state)
+        return self._balanced
 
     def _warn_clients_without_data(self, counts: list[int]) -> None:
         """Once per fit: the clients that have no training data at all."""

@@ -64,9 +64,11 @@ class FederatedStrategy(DDPStrategy):
     clients and rounds and carries the federated state in checkpoints.
 
     The model is never wrapped in DistributedDataParallel. Rank k owns the clients with
-    ``client % world_size == k``, trains the round's participants it owns and keeps their
-    client state; ranks with fewer local batches get idle batches so that every rank steps
-    through rounds of the same length. Each round ends with one all-reduce of the weighted
+    ``client % world_size == k`` and keeps their client state. It trains the round's
+    participants it owns, or, when no plugin keeps per-client state (FedAvg, the server
+    optimizers, FedProx; no kept optimizer state, no streams), a share of the participants
+    balanced by their numbers of steps (``RoundPlanner.ranks``). Ranks with fewer local
+    batches get idle batches so that every rank steps through rounds of the same length. Each round ends with one all-reduce of the weighted
     update sums (gloo on CPU, NCCL on GPU). With one process no process group is created.
 
     Args:
