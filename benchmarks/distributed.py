@@ -11,7 +11,9 @@ wall time). Both runs use one thread per process.
 ``--profile``: where each rank's time goes (issue 25 item 4): seconds in its own clients'
 steps, in idle (padding) steps while the other rank trains, and in the round's end (the
 all-reduce and aggregation, which waits for the slowest rank), the steps each rank trained,
-and the mean over rounds of max/mean of the ranks' steps (1 = balanced).
+and the mean over rounds of max/mean of the clients per rank under the owner split
+(1 = balanced). ``--by-owner`` trains every client on its owner rank (client %
+world_size), the split before participants were balanced by steps.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(devices: int, rounds: int, profile: bool = False) -> None:
+def worker(devices: int, rounds: int, profile: bool = False, by_owner: bool = False) -> None:
     import lightning.pytorch as pl
     import torch
     from overhead import BATCH, LR, PER_ROUND, STEPS, cnn_data
@@ -47,6 +49,11 @@ def worker(devices: int, rounds: int, profile: bool = False) -> None:
     torch.manual_seed(0)
     module = Classifier(network=MnistCNN(10), lr=LR)
     dm = InMemoryFederatedDataModule([{"train": d} for d in cnn_data()], batch_size=BATCH)
+
+    if by_owner:  # the split before issue 25: every client trains on client % world_size
+        from lightning_fl.engine.planning import RoundPlanner
+
+        RoundPlanner.balanced = lambda self: False
 
     class RankProfile(pl.Callback):
         """Seconds per rank in its clients' steps, in idle steps and in the round's end."""
@@ -94,7 +101,7 @@ def worker(devices: int, rounds: int, profile: bool = False) -> None:
             mean = sum(self.imbalance) / max(len(self.imbalance), 1)
             print(f"RANK {trainer.global_rank}: own steps {self.busy:.2f} s ({self.steps} "
                   f"steps), idle steps {self.idle:.2f} s, round ends {self.end:.2f} s; "
-                  f"clients max/mean over ranks {mean:.2f}", flush=True)  # fmt: skip
+                  f"owner split's clients max/mean {mean:.2f}", flush=True)  # fmt: skip
 
     extra = [RankProfile()] if profile else []
     trainer = pl.Trainer(
@@ -113,9 +120,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--profile", action="store_true", help="where each rank's time goes")
+    parser.add_argument(
+        "--by-owner", action="store_true", help="train every client on its owner rank"
+    )
     args = parser.parse_args()
     if args.worker:
-        worker(args.devices[0], args.rounds, args.profile)
+        worker(args.devices[0], args.rounds, args.profile, args.by_owner)
         return
     from overhead import PER_ROUND
 
@@ -123,6 +133,7 @@ def main() -> None:
     for n in args.devices:
         command = [sys.executable, __file__, "--worker", "--devices", str(n)]
         command += ["--profile"] if args.profile else []
+        command += ["--by-owner"] if args.by_owner else []
         out = subprocess.run(
             [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
         ).stdout
