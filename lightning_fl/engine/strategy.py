@@ -68,8 +68,9 @@ class FederatedStrategy(DDPStrategy):
     participants it owns, or, when no plugin keeps per-client state (FedAvg, the server
     optimizers, FedProx; no kept optimizer state, no streams), a share of the participants
     balanced by their numbers of steps (``RoundPlanner.ranks``). Ranks with fewer local
-    batches get idle batches so that every rank steps through rounds of the same length. Each round ends with one all-reduce of the weighted
-    update sums (gloo on CPU, NCCL on GPU). With one process no process group is created.
+    batches get idle batches so that every rank steps through rounds of the same length.
+    Each round ends with one all-reduce of the weighted update sums (gloo on CPU, NCCL on
+    GPU). With one process no process group is created.
 
     Args:
         sampler: chooses the participants of each round (default: every client).
