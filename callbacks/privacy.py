@@ -303,14 +303,21 @@ class DPSGD(FederatedCallback):
 
         return torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
 
+    def clipped_sum(self, grads: list[Tensor], rows: bool = False) -> list[Tensor]:
+        """Σ_i clip_C(g_i): each sample's gradient (over all parameters) scaled to norm at
+        most C, summed over the samples, dimension 0 of ``grads``, or dimension 1 with
+        ``rows`` (one sum per client row)."""
+        lead = grads[0].shape[: 2 if rows else 1]
+        norms = torch.sqrt(sum(g.reshape(*lead, -1).pow(2).sum(-1) for g in grads))
+        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
+        spec = "rb,rb...->r..." if rows else "i,i...->..."
+        return [torch.einsum(spec, factor, g) for g in grads]
+
     def private_gradient(self, module, x: Tensor, y: Tensor, sigma: float) -> dict[str, Tensor]:
         """(Σ_i clip_C(g_i) + N(0, σ²C²)) / B."""
         grads = self.per_sample_gradients(module, x, y)
-        norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in grads.values()))
-        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
         out = {}
-        for name, g in grads.items():
-            summed = torch.einsum("i,i...->...", factor, g)
+        for name, summed in zip(grads, self.clipped_sum(list(grads.values()))):
             noise = torch.normal(0.0, sigma * self.clip, size=summed.shape, device=summed.device)
             out[name] = (summed + noise) / len(x)
         return out
@@ -354,10 +361,8 @@ class DPSGD(FederatedCallback):
 
         per_sample = torch.func.vmap(torch.func.grad(loss_of_one), in_dims=(None, 0, 0))
         sample_grads = torch.func.vmap(per_sample)(list(params), x, y)  # [rows, B, ...] each
-        count, size = len(rows), y.shape[1]
-        norms = torch.sqrt(sum(g.reshape(count, size, -1).pow(2).sum(-1) for g in sample_grads))
-        factor = (self.clip / (norms + 1e-6)).clamp(max=1.0)
-        summed = [torch.einsum("rb,rb...->r...", factor, g) for g in sample_grads]
+        size = y.shape[1]
+        summed = self.clipped_sum(list(sample_grads), rows=True)
         for row, gen in enumerate(step.generators):
             for total in summed:
                 noise = torch.normal(

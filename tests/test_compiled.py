@@ -43,25 +43,20 @@ def _fit(compile, callbacks=(), rounds: int = 3, module=None, steps=None, **kw):
 @pytest.mark.parametrize(
     "name, callbacks, optim",
     [
-        ("sgd", [], {}),
-        ("momentum + fedprox", [FedProx(mu=0.5)], {"momentum": 0.9}),
-        ("scaffold", [SCAFFOLD()], {}),
+        ("sgd", list, {}),
+        ("momentum + fedprox", lambda: [FedProx(mu=0.5)], {"momentum": 0.9}),
+        ("scaffold", lambda: [SCAFFOLD()], {}),
     ],
 )
 def test_compiled_step_equals_the_eager_vectorized_path(name, callbacks, optim):
     """To 1e-5 after three rounds: the gradient terms, optimizer and aggregation run on
     the compiled gradients as on the eager ones (a wrong row, a dropped client or a
     gradient of the summed loss scaled by the rows would be far off)."""
-    eager, _ = _fit(False, callbacks, module=_module(**optim))
-    fresh = [type(cb)(**_arguments(cb)) for cb in callbacks]
-    compiled, trainer = _fit("aot_eager", fresh, module=_module(**optim))
+    eager, _ = _fit(False, callbacks(), module=_module(**optim))
+    compiled, trainer = _fit("aot_eager", callbacks(), module=_module(**optim))
     assert max_abs_diff(params_of(eager), params_of(compiled)) <= 1e-5
     assert max_abs_diff(params_of(compiled), params_of(_module(**optim))) > 1e-2  # it trained
     assert trainer.strategy.vectorized.compile_seconds > 0
-
-
-def _arguments(callback) -> dict:
-    return {"mu": callback.mu} if isinstance(callback, FedProx) else {}
 
 
 def test_compiled_runs_are_deterministic_and_log_the_compile_time(tmp_path):
@@ -95,7 +90,7 @@ def test_the_progress_bar_shows_the_chunk_and_the_compile_time():
 
     _fit("aot_eager", [Spy()], rounds=1, enable_progress_bar=True)
     assert seen and all({"clients", "step", "compile"} <= set(m) for m in seen)
-    assert seen[0]["clients"].endswith("/6") and seen[0]["step"] == "1/" + seen[0]["step"][2:]
+    assert seen[0]["clients"].endswith("/6") and seen[0]["step"].startswith("1/")
 
 
 @pytest.mark.parametrize("kind", ["dropout", "batchnorm", "fedem"])

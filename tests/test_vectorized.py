@@ -325,8 +325,8 @@ def test_clipping_by_norm_leaves_rows_under_the_value_alone():
     assert torch.allclose(grads[1], torch.tensor([[[0.0, 0.35]], [[0.0, 0.35]]]))
 
 
-@pytest.mark.parametrize("extra", [[], [FedProx(mu=0.5)]])
-def test_dpsgd_equals_the_sequential_path_noise_included(extra):
+@pytest.mark.parametrize("prox_mu", [None, 0.5])
+def test_dpsgd_equals_the_sequential_path_noise_included(prox_mu):
     """Per-sample clipping inside each client row and each client's noise from its own
     (seed, round, client) generator: the same model as client by client (a noise drawn
     from a shared generator, or clipping over the whole chunk, would differ by the noise
@@ -335,7 +335,7 @@ def test_dpsgd_equals_the_sequential_path_noise_included(extra):
 
     def run(vectorize, sigma=0.5):
         callbacks = [DPSGD(noise_multiplier=sigma, max_grad_norm=0.5)]
-        callbacks += [FedProx(mu=cb.mu) for cb in extra]
+        callbacks += [] if prox_mu is None else [FedProx(mu=prox_mu)]
         return _fit(vectorize, callbacks, module=_module(dropout=0.0))
 
     (seq, seq_trainer), (vec, vec_trainer) = run(False), run(True)

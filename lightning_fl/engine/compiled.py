@@ -57,7 +57,7 @@ class CompiledGradients:
     ) -> None:
         self.trainable = list(trainable)
         self.backend = backend
-        trainable_set = set(self.trainable)
+        trainable_set = self._trainable_set = set(self.trainable)
 
         def per_client(wanted: TensorList, others: TensorList, buffers: TensorList, batch: Any):
             params, w, o = [], iter(wanted), iter(others)
@@ -77,7 +77,7 @@ class CompiledGradients:
     ) -> tuple[Tensor, dict[str, Tensor], list[Tensor]]:
         """(losses [rows], metrics {name: [rows]}, gradients of the trainable parameters)."""
         wanted = [params[j].detach() for j in self.trainable]
-        others = [p.detach() for j, p in enumerate(params) if j not in set(self.trainable)]
+        others = [p.detach() for j, p in enumerate(params) if j not in self._trainable_set]
         shape = (len(wanted[0]) if wanted else 0, key)
         first = shape not in self._seen
         start = time.perf_counter()

@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_fl.callbacks.base import POOLED_CLIENT, SERVER_CLIENT, RoundState
+from lightning_fl.callbacks.base import (
+    POOLED_CLIENT,
+    SERVER_CLIENT,
+    FederatedCallback,
+    RoundState,
+)
 from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine.rounds import ClientSchedule
 from lightning_fl.engine.seeding import generator
@@ -118,8 +123,6 @@ class RoundPlanner:
         (``keeps_client_state``), clients keep no optimizer state, and the datamodule has
         no per-client stream state (``set_round``)."""
         if self._balanced is None:
-            from lightning_fl.callbacks.base import FederatedCallback
-
             trainer = self.strategy.lightning_module.trainer
             stateful = [cb for cb in trainer.callbacks
                         if isinstance(cb, FederatedCallback) and cb.keeps_client_state]  # fmt: skip

@@ -753,12 +753,9 @@ def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
                 f"compile=True: {name} is an nn.Dropout with p={sub.p}, whose per-client "
                 "masks are drawn outside the compiled graph. Use compile=False, or p=0."
             )
+    base = FederatedCallback.vectorized_client_state
     for cb in callbacks:
-        own = getattr(type(cb), "vectorized_client_state", None)
-        if (
-            isinstance(cb, FederatedCallback)
-            and own is not FederatedCallback.vectorized_client_state
-        ):
+        if isinstance(cb, FederatedCallback) and type(cb).vectorized_client_state is not base:
             raise VectorizationError(
                 f"compile=True: the callback {type(cb).__name__} installs per-client module "
                 "state around the loss (vectorized_client_state). Use compile=False."

@@ -243,9 +243,8 @@ class AvailableClients(ClientSampler):
     observed sets (``estimate=True``, ``prior`` = (n, m)); with ``history`` = t′ the
     estimator first sees t′ rounds of the same chains before training starts (the thesis's
     estimator experiment, Fig. 2.14: training round t is the chains' round t′ + t). The
-    weights are not normalized
-    per round (except AdaFed's): the server learning rate η̄ is the aggregator's
-    ``server_lr``. A round with no available client trains nobody.
+    weights are not normalized per round (except AdaFed's): the server learning rate η̄ is
+    the aggregator's ``server_lr``. A round with no available client trains nobody.
     """
 
     SELECTORS = ("unbiased", "more_available", "adafed", "f3ast", "ca_fed")
