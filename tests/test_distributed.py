@@ -231,3 +231,23 @@ def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
     assert _planner(2, [FedAvg()], keep_optimizer_state=True).ranks(even, [5] * 10) == by_owner
     streams = StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=2)
     assert _planner(2, [FedAvg()], datamodule=streams).ranks(even, [5] * 10) == by_owner
+
+
+def test_ranks_pad_to_the_same_number_of_fused_training_steps():
+    """With 3 local steps per Lightning step and chunks of 2, rank 0's clients of 5, 7 and
+    2 steps take ⌈7/3⌉ + ⌈2/3⌉ = 4 Lightning steps and rank 1's client of 9 takes 3, so
+    rank 1 gets one idle step: both ranks step through rounds of the same length."""
+    from types import SimpleNamespace
+
+    from lightning_fl.engine.planning import PADDING, RoundPlanner
+
+    strategy = SimpleNamespace(
+        vectorize=True, max_vectorized_clients=2, local_steps_per_training_step=3
+    )
+    planner = RoundPlanner(strategy)
+    per_rank = [[5, 7, 2], [9]]
+    _, steps0, chunks0 = planner._schedules([0, 2, 4], [5, 7, 2], per_rank)
+    _, steps1, chunks1 = planner._schedules([1], [9], per_rank)
+    assert chunks0 == [(0, 1), (2,)] and steps0.num_batches == (3, 1)
+    assert chunks1 == [(0,)] and steps1.clients == (0, PADDING)
+    assert steps1.num_batches == (3, 1) and steps0.total == steps1.total == 4

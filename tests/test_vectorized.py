@@ -159,6 +159,69 @@ def test_chunks_equal_one_chunk_and_local_steps_work():
     assert max_abs_diff(params_of(whole), params_of(seq)) <= 1e-5
 
 
+@pytest.mark.parametrize("fused", [3, None])
+def test_several_local_steps_per_training_step_equal_one(fused):
+    """A Lightning step that runs 3 (or all) local steps of a chunk trains exactly what
+    one local step per Lightning step trains: unequal clients (masked rows and short last
+    batches under local_epochs), dropout, chunks of 4, SCAFFOLD's correction; the epoch
+    metrics are the same, and Lightning counts its own steps."""
+    kw = {"chunk": 4, "rounds": 3}
+    one, one_trainer = _fit(True, [SCAFFOLD()], **kw)
+    several, trainer = _fit(
+        True, [SCAFFOLD()], strategy={"local_steps_per_training_step": fused}, **kw
+    )
+    assert all(torch.equal(a, b) for a, b in zip(params_of(one), params_of(several)))
+    assert _epoch_metrics(trainer) == pytest.approx(_epoch_metrics(one_trainer), abs=1e-6)
+    if fused is None:  # one Lightning step per chunk: 2 chunks (6 clients, 4 + 2) a round
+        assert trainer.global_step == 3 * 2
+    else:
+        assert one_trainer.global_step > trainer.global_step >= one_trainer.global_step / 3
+    seq, _ = _fit(False, [SCAFFOLD()], rounds=3)
+    assert max_abs_diff(params_of(seq), params_of(several)) <= 1e-5
+
+
+def test_several_local_steps_per_training_step_need_vectorize_and_round_schedules():
+    with pytest.raises(ValueError, match="set vectorize=True as well"):
+        FederatedStrategy(local_steps_per_training_step=4)
+    with pytest.raises(ValueError, match="must be >= 1 or None"):
+        FederatedStrategy(vectorize=True, local_steps_per_training_step=0)
+
+    class PerStepSchedule(Classifier):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": decay, "interval": "step"},
+            }
+
+    torch.manual_seed(1)
+    with pytest.raises(VectorizationError, match="StepLR learning-rate scheduler steps every"):
+        _fit(True, rounds=1, module=PerStepSchedule(network=_network()))
+
+
+def test_the_progress_bar_shows_the_local_steps_of_each_training_step():
+    """With 3 local steps per Lightning step, the bar shows the span each step covers:
+    1–3, 4–6, ... of the chunk's local steps."""
+    from lightning_fl.engine.progress import FederatedProgressBar
+
+    seen = []
+
+    class Spy(FederatedProgressBar):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(self.get_metrics(trainer, pl_module)["step"])
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    strategy = FederatedStrategy(
+        sampler=UniformSampler(6), local_steps=7, seed=3, vectorize=True,
+        local_steps_per_training_step=3,
+    )  # fmt: skip
+    make_trainer(strategy, 1, [Spy()], enable_progress_bar=True).fit(
+        _module(dropout=0.0), datamodule=tiny_datamodule()
+    )
+    assert seen == ["1–3/7", "4–6/7", "7/7"]
+
+
 def test_dropout_masks_follow_the_clients_seeds():
     """With dropout the run still equals the sequential one, and differs from a run
     without dropout: the masks are drawn, per client, as the sequential path draws them."""

@@ -44,7 +44,8 @@ class RoundPlan:
     """One round of this rank: its clients in order (``schedule``), their loaders, the
     hooks' state and, with vectorized clients, the chunks of schedule positions that train
     together. ``steps`` is the schedule of Lightning steps: one per client batch, or one
-    per chunk step (idle steps for a rank with fewer, as a trailing PADDING entry)."""
+    per ``local_steps_per_training_step`` local steps of a chunk (idle steps for a rank
+    with fewer, as a trailing PADDING entry)."""
 
     schedule: ClientSchedule
     loaders: list[DataLoader]
@@ -55,6 +56,10 @@ class RoundPlan:
     def is_padding(self, pos: int) -> bool:
         """Whether schedule position ``pos`` is this rank's idle batches."""
         return self.schedule.clients[pos] == PADDING
+
+    def chunk_local_steps(self, chunk: int) -> int:
+        """Local steps of chunk ``chunk``: those of its longest client."""
+        return max(self.schedule.num_batches[pos] for pos in self.chunks[chunk])
 
 
 class RoundPlanner:
@@ -237,10 +242,13 @@ class RoundPlanner:
                 clients, batches = [*clients, PADDING], [*batches, longest - sum(batches)]
             schedule = ClientSchedule(tuple(clients), tuple(batches))
             return schedule, schedule, None
-        size = self.strategy.max_vectorized_clients
+        size, fused = (
+            self.strategy.max_vectorized_clients,
+            self.strategy.local_steps_per_training_step,
+        )
         chunks = chunk_positions(range(len(clients)), size)
-        steps = [max(batches[p] for p in chunk) for chunk in chunks]
-        longest = max(_chunked_steps(counts, size) for counts in per_rank)
+        steps = [_fused(max(batches[p] for p in chunk), fused) for chunk in chunks]
+        longest = max(_chunked_steps(counts, size, fused) for counts in per_rank)
         step_ids = list(range(len(chunks)))
         if longest > sum(steps):
             step_ids.append(PADDING)
@@ -281,11 +289,18 @@ class RoundPlanner:
         return state
 
 
-def _chunked_steps(batches: list[int], size: int | None) -> int:
+def _fused(local_steps: int, fused: int | None) -> int:
+    """Lightning steps that run ``local_steps`` local steps, ``fused`` at a time (None: all
+    in one)."""
+    return 1 if fused is None else -(-local_steps // fused)
+
+
+def _chunked_steps(batches: list[int], size: int | None, fused: int | None) -> int:
     """Lightning steps of a rank whose clients have ``batches`` local batches each, with
-    vectorized clients in chunks of at most ``size``: the longest client of every chunk."""
+    vectorized clients in chunks of at most ``size``: the longest client of every chunk,
+    ``fused`` local steps per Lightning step."""
     chunks = chunk_positions(range(len(batches)), size)
-    return sum(max(batches[p] for p in chunk) for chunk in chunks)
+    return sum(_fused(max(batches[p] for p in chunk), fused) for chunk in chunks)
 
 
 def client_training_counts(dm: FederatedDataModule) -> list[int]:

@@ -41,7 +41,11 @@ class FederatedProgressBar(TQDMProgressBar):
             if index < len(plan.chunks):  # clients i–j of n, trained together
                 first, last = plan.chunks[index][0], plan.chunks[index][-1]
                 metrics["clients"] = f"{first + 1}–{last + 1}/{len(plan.schedule.clients)}"
-                metrics["step"] = f"{step + 1}/{plan.steps.num_batches[index]}"
+                local = plan.chunk_local_steps(index)
+                fused = getattr(strategy, "local_steps_per_training_step", 1) or local
+                low, high = step * fused + 1, min((step + 1) * fused, local)
+                span = f"{low}" if low == high else f"{low}–{high}"
+                metrics["step"] = f"{span}/{local}"
             seconds = getattr(vectorized, "compile_seconds", None)
             if seconds is not None:  # compile=True: the time spent compiling so far
                 metrics["compile"] = f"{seconds:.1f}s"

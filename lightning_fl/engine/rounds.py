@@ -78,10 +78,9 @@ class TrainRounds:
             return _raise(err)
         return self._batches(plan)
 
-    @staticmethod
-    def _batches(plan) -> Iterator[Any]:
+    def _batches(self, plan) -> Iterator[Any]:
         if plan.chunks is not None:
-            yield from TrainRounds._chunk_batches(plan)
+            yield from self._chunk_batches(plan, self.strategy.local_steps_per_training_step)
             return
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
@@ -90,16 +89,23 @@ class TrainRounds:
             yield ()
 
     @staticmethod
-    def _chunk_batches(plan) -> Iterator[Any]:
-        """Vectorized clients: per step of a chunk, the next batch of each of its clients
-        that has one left (``{"rows": [...], "batches": [...]}``, rows of the chunk), each
-        client's batches exactly those of the sequential path."""
+    def _chunk_batches(plan, fused: int | None) -> Iterator[Any]:
+        """Vectorized clients: per Lightning step, ``fused`` local steps of a chunk (None:
+        all of them). A local step is the next batch of each of the chunk's clients that
+        has one left (``{"rows": [...], "batches": [...]}``, rows of the chunk), each
+        client's batches exactly those of the sequential path; a Lightning step's batch is
+        ``{"local_steps": [step, ...]}``."""
         counts = plan.schedule.num_batches
-        for chunk, steps in zip(plan.chunks, plan.steps.num_batches):
+        for index, chunk in enumerate(plan.chunks):
             streams = [cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk]
-            for step in range(steps):
-                rows = [row for row, pos in enumerate(chunk) if counts[pos] > step]
-                yield {"rows": rows, "batches": [next(streams[row]) for row in rows]}
+            local = plan.chunk_local_steps(index)
+            per_call = local if fused is None else fused
+            for first in range(0, local, per_call):
+                steps = []
+                for step in range(first, min(first + per_call, local)):
+                    rows = [row for row, pos in enumerate(chunk) if counts[pos] > step]
+                    steps.append({"rows": rows, "batches": [next(streams[r]) for r in rows]})
+                yield {"local_steps": steps}
         for _ in range(plan.steps.total - sum(plan.steps.num_batches[: len(plan.chunks)])):
             yield ()
 

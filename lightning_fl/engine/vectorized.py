@@ -719,10 +719,13 @@ class VectorizedClients:
         self.step.client_contexts, self.step.client_state = contexts, stacked_state
 
     def train_step(self, batch: dict[str, Any]) -> None:
-        """One local step of the chunk's clients that still have batches."""
-        losses, metrics, sizes = self.step(self.chunk, batch["rows"], batch["batches"])
-        self.strategy.lightning_module._log_vectorized_training_step(losses, metrics, sizes)
-        self.strategy.divergence.observe(losses)
+        """The Lightning step's local steps of the chunk's clients that still have
+        batches (``local_steps_per_training_step`` of them)."""
+        module = self.strategy.lightning_module
+        for step in batch["local_steps"]:
+            losses, metrics, sizes = self.step(self.chunk, step["rows"], step["batches"])
+            module._log_vectorized_training_step(losses, metrics, sizes)
+            self.strategy.divergence.observe(losses)
 
     def finish_chunk(self, index: int) -> None:
         """Finish every client of chunk ``index`` as the sequential path does, its trained
@@ -763,7 +766,7 @@ def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
 
 
 def _check_trainer(trainer: pl.Trainer, strategy: FederatedStrategy) -> None:
-    """32-bit precision and exactly one optimizer."""
+    """32-bit precision, exactly one optimizer, and learning-rate schedules per round."""
     from lightning.pytorch.plugins.precision import Precision
 
     if type(strategy.precision_plugin) is not Precision:
@@ -777,6 +780,14 @@ def _check_trainer(trainer: pl.Trainer, strategy: FederatedStrategy) -> None:
             f"vectorize=True needs exactly one optimizer, got {len(trainer.optimizers)}. "
             "Return one from configure_optimizers, or use vectorize=False."
         )
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == "step":
+            raise VectorizationError(
+                f"vectorize=True: the {type(config.scheduler).__name__} learning-rate "
+                "scheduler steps every Lightning step, which trains every client of a chunk "
+                "one or more local steps, not one client one step as the sequential path "
+                "does. Step it per round (interval 'epoch'), or use vectorize=False."
+            )
 
 
 __all__ = [
