@@ -1,7 +1,7 @@
 """SAFARI against FedAvg under incomplete participation (seed paper 004, Table 1) on the
-embedded digits.
+embedded digits or on Fashion-MNIST.
 
-    python benchmarks/safari.py [--seeds 0 1 2] [--q 0.5]
+    python benchmarks/safari.py [--seeds 0 1 2] [--q 0.5] [--dataset digits|fashion_mnist]
 
 recipes/participation/safari.yaml's setting (10 clients holding p classes each, s = 4
 never take part, 5 of the other 6 per round, multinomial logistic regression, SGD
@@ -9,7 +9,10 @@ lr 0.1, batch 64, one local epoch, 150 rounds) for server sets of 50, 100, 500 a
 digits and p ∈ {10, 5, 2, 1}: the test accuracy of SAFARI minus that of FedAvg (the same
 run with q = 1), in points, mean over seeds, beside the paper's MNIST Table 1. Then
 SAFARI's accuracy against q for p = 1 and 1000 server digits. Writes
-benchmarks/results/safari_q<q>.md. ``--grid`` runs FedAvg's p × s grid instead
+benchmarks/results/safari_q<q>.md. ``--dataset fashion_mnist`` runs
+recipes/fashion_mnist/safari.yaml instead: the paper's own sizes (10 clients of about
+6,000 images, logistic regression on 784 pixels) on Fashion-MNIST, written to
+safari_fashion_mnist_q<q>.md. ``--grid`` runs FedAvg's p × s grid on the digits instead
 (safari_fedavg_grid.md).
 """
 
@@ -21,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from recipe_runs import write_keeping_reading
 
 from lightning_fl.cli import run
 
@@ -34,10 +38,16 @@ PAPER = {  # Table 1, MNIST, s = 4: SAFARI − FedAvg in points, "-" = no differ
 }
 
 
-def accuracy(server: int, classes: int, q: float, seed: int) -> float:
+RECIPES = {
+    "digits": ROOT / "recipes" / "participation" / "safari.yaml",
+    "fashion_mnist": ROOT / "recipes" / "fashion_mnist" / "safari.yaml",
+}
+
+
+def accuracy(server: int, classes: int, q: float, seed: int, dataset: str = "digits") -> float:
     with tempfile.TemporaryDirectory() as workdir:
         cli = run(
-            ["fit", "--config", str(ROOT / "recipes" / "participation" / "safari.yaml"),
+            ["fit", "--config", str(RECIPES[dataset]),
              "--seed_everything", str(seed), "--trainer.strategy.init_args.seed", str(seed),
              "--data.init_args.seed", str(seed), "--data.init_args.server_samples", str(server),
              "--data.init_args.shards_per_client", str(classes),
@@ -91,17 +101,24 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--q", type=float, default=0.5)
     parser.add_argument("--grid", action="store_true", help="only FedAvg's p × s grid")
+    parser.add_argument("--dataset", choices=list(RECIPES), default="digits")
     args = parser.parse_args()
+    data = "digits" if args.dataset == "digits" else "Fashion-MNIST images"
+
+    def acc(server: int, classes: int, q: float, seed: int) -> float:
+        return accuracy(server, classes, q, seed, args.dataset)
+
     if args.grid:
         fedavg_grid(args.seeds)
         return
     torch.set_num_threads(1)
     lines = [
-        f"SAFARI (q = {args.q}) minus FedAvg, test accuracy in points, digits, s = 4, mean over "
-        f"seeds {args.seeds}; `python benchmarks/safari.py`. Paper (MNIST) in brackets; "
-        "p = classes per client (shards of one class each).",
+        f"SAFARI (q = {args.q}) minus FedAvg, test accuracy in points, {args.dataset}, s = 4, "
+        f"mean over seeds {args.seeds}; `python benchmarks/safari.py --dataset {args.dataset} "
+        f"--q {args.q}`. Paper (MNIST) in brackets; p = classes per client (shards of one "
+        "class each).",
         "",
-        "| server digits | " + " | ".join(f"p = {p}" for p in CLASSES) + " |",
+        f"| server {data} | " + " | ".join(f"p = {p}" for p in CLASSES) + " |",
         "|---|" + "---|" * len(CLASSES),
     ]
     fedavg_row = []
@@ -110,8 +127,8 @@ def main() -> None:
         for j, classes in enumerate(CLASSES):
             diffs, base = [], []
             for seed in args.seeds:
-                fedavg = accuracy(size, classes, 1.0, seed)
-                diffs.append(accuracy(size, classes, args.q, seed) - fedavg)
+                fedavg = acc(size, classes, 1.0, seed)
+                diffs.append(acc(size, classes, args.q, seed) - fedavg)
                 base.append(fedavg)
             cells.append(f"{statistics.mean(diffs):+.2f} ({PAPER[size][j]})")
             if size == SIZES[-1]:
@@ -120,18 +137,19 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += [
         "",
-        "FedAvg's own accuracy with 1000 server digits held out: "
+        f"FedAvg's own accuracy with 1000 server {data} held out: "
         + ", ".join(f"p = {p}: {a}" for p, a in zip(CLASSES, fedavg_row)),
         "",
     ]
-    lines += ["SAFARI against q (p = 1, 1000 server digits, mean over seeds):", "",
+    lines += [f"SAFARI against q (p = 1, 1000 server {data}, mean over seeds):", "",
               "| q | test accuracy |", "|---|---|"]  # fmt: skip
     for q in [1.0, 0.95, 0.9, 0.75, 0.5, 0.0]:
-        mean = statistics.mean(accuracy(1000, 1, q, seed) for seed in args.seeds)
+        mean = statistics.mean(acc(1000, 1, q, seed) for seed in args.seeds)
         lines.append(f"| {q} | {mean:.2f} |")
         print(lines[-1], flush=True)
-    out = ROOT / "benchmarks" / "results" / f"safari_q{args.q}.md"
-    out.write_text("\n".join(lines) + "\n")
+    suffix = "" if args.dataset == "digits" else f"_{args.dataset}"
+    out = ROOT / "benchmarks" / "results" / f"safari{suffix}_q{args.q}.md"
+    write_keeping_reading(out, "\n".join(lines))
     print(f"wrote {out}")
 
 

@@ -130,6 +130,12 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         watermark: if > 0, that many fixed pixels of every sample of client i set to 1
             (positions seeded 42 + i mod 10: the thesis's §5.5.3 check).
         image: 1×28×28 images (default) or 784 features.
+        server_samples: training images drawn at random (seeded) before the split among
+            clients, as the server's own training data (``server_dataset``: SAFARI's
+            auxiliary set, i.i.d. from the global distribution, disjoint from the clients').
+        normalize: (mean, std) applied to the pixels in [0, 1] after the watermark, as
+            torchvision's ``Normalize``; the SIFU authors' code uses (0.5, 0.5). None:
+            pixels stay in [0, 1].
     """
 
     def __init__(
@@ -144,6 +150,8 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         val_fraction: float = 0.0,
         watermark: int = 0,
         image: bool = True,
+        normalize: tuple[float, float] | None = None,
+        server_samples: int = 0,
         unseen_fraction: float = 0.0,
         seed: int = 0,
         batch_size: int = 20,
@@ -157,8 +165,22 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
         if watermark < 0:
             raise ValueError(f"watermark must be >= 0 pixels, got {watermark}.")
+        if normalize is not None and (len(normalize) != 2 or not normalize[1] > 0):
+            raise ValueError(
+                f"normalize must be (mean, std) with std > 0, got {normalize!r}; "
+                "for example [0.5, 0.5]."
+            )
         folder = fashion_mnist_folder(root, download)
         x_train, y_train, x_test, y_test = read_fashion_mnist(folder)
+        if not 0 <= server_samples < len(y_train):
+            raise ValueError(
+                f"server_samples must be in [0, {len(y_train)}), got {server_samples}: the "
+                f"training set holds {len(y_train)} images."
+            )
+        order = np.random.default_rng([seed, 17]).permutation(len(y_train))
+        held, kept = order[:server_samples], np.sort(order[server_samples:])
+        server_images, server_labels = x_train[held], y_train[held]
+        x_train, y_train = x_train[kept], y_train[kept]
 
         def parts(labels: np.ndarray, offset: int) -> list[np.ndarray]:
             if partition == "sifu":
@@ -170,6 +192,12 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
             x = torch.from_numpy(images.astype(np.float32) / 255.0)
             return x.unsqueeze(1) if image else x.reshape(len(x), -1)
 
+        def scaled(x: torch.Tensor) -> torch.Tensor:
+            return x if normalize is None else (x - normalize[0]) / normalize[1]
+
+        server = None
+        if server_samples:
+            server = (scaled(tensors(server_images)), torch.from_numpy(server_labels))
         xs, ys = tensors(x_train), torch.from_numpy(y_train)
         xt, yt = tensors(x_test), torch.from_numpy(y_test)
         clients = []
@@ -185,7 +213,7 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
                     k: (watermarked(x, c, watermark, 1.0) if len(x) else x, y)
                     for k, (x, y) in client.items()
                 }
-            clients.append(client)
-        super().__init__(clients, batch_size, eval_batch_size)
+            clients.append({k: (scaled(x), y) for k, (x, y) in client.items()})
+        super().__init__(clients, batch_size, eval_batch_size, server=server)
         self.hold_out(unseen_fraction)
         self.save_hyperparameters()

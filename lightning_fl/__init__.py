@@ -33,7 +33,7 @@ from lightning_fl.models import (
     LeNet5,
     MnistCNN,
     MobileNetV2,
-    ThreeConvCNN,
+    SifuFashionCNN,
 )
 from lightning_fl.systems.asynchrony import (
     AsyncSchedule,
@@ -99,11 +99,11 @@ __all__ = [
     "MixtureClassifier",
     "LeNet5",
     "MnistCNN",
-    "ThreeConvCNN",
     "MobileNetV2",
     "NonFiniteUpdateError",
     "Participation",
     "SampleSizeClusteredSampler",
+    "SifuFashionCNN",
     "SimilarityClusteredSampler",
     "SiloTopology",
     "UniformSampler",

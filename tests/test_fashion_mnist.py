@@ -128,6 +128,16 @@ def test_sifu_protocol_and_watermark_on_the_real_data():
     a = (dm.client_dataset(7, "train").tensors[0].reshape(100, -1) == 1.0).all(0)
     b = (dm.client_dataset(17, "train").tensors[0].reshape(100, -1) == 1.0).all(0)
     assert torch.equal(a, b)
+    # the SIFU authors' Normalize(0.5, 0.5), after the watermark: marked pixels stay 1
+    normalized = FashionMnistDataModule(
+        num_clients=100, partition="sifu", watermark=10, seed=1, normalize=(0.5, 0.5)
+    )
+    x, _ = dm.client_dataset(7, "train").tensors
+    z, _ = normalized.client_dataset(7, "train").tensors
+    assert torch.equal(z, (x - 0.5) / 0.5) and float(z.min()) == -1.0
+    assert (z.reshape(100, -1)[:, a] == 1.0).all()
+    with pytest.raises(ValueError, match="normalize must be \\(mean, std\\) with std > 0"):
+        FashionMnistDataModule(num_clients=10, normalize=(0.5, 0.0))
 
 
 @_NEED_REAL
@@ -162,3 +172,18 @@ def test_the_cache_rules_recipe_streams_fashion_mnist(tmp_path):
     assert cli.trainer.current_epoch == 2
     assert [len(dm.client_dataset(c, "train")) for c in range(10)] == [300] * 10
     assert "streams/discrepancy" in cli.trainer.callback_metrics
+
+
+@_NEED_REAL
+def test_server_samples_are_held_out_before_the_split():
+    """SAFARI's auxiliary set: 500 training images drawn before the split, so the clients
+    hold the other 59,500 and every class's 6,000 images are counted once."""
+    dm = FashionMnistDataModule(num_clients=10, partition="shards", shards_per_client=1,
+                                server_samples=500, seed=0, image=False)  # fmt: skip
+    x, y = dm.server_dataset().tensors
+    assert x.shape == (500, 784) and sum(dm.sample_counts("train")) == 59500
+    labels = torch.cat([y, *(dm.client_dataset(c, "train").tensors[1] for c in range(10))])
+    assert torch.bincount(labels).tolist() == [6000] * 10
+    assert len(set(y.tolist())) == 10
+    with pytest.raises(ValueError, match="server_samples must be in"):
+        FashionMnistDataModule(num_clients=10, server_samples=60000)
