@@ -93,7 +93,13 @@ class GossipAveraging(Aggregator):
     For the Erdős–Rényi graph the paper builds W with the fast-mixing Markov chain rule
     [BDX03], an SDP; this uses Metropolis–Hastings weights, which satisfy the same
     Assumption 15 on a connected graph.
+
+    Vectorized clients: each row starts from its client's own model (``on_client_start``)
+    and steps with its client's learning-rate factor (the stacked optimizer's
+    ``lr_scale``), so a vectorized round equals the sequential one.
     """
+
+    supports_vectorized_clients = True
 
     def __init__(
         self,
@@ -184,6 +190,13 @@ class GossipAveraging(Aggregator):
         if self.step_scale == "samples":
             counts = state.sample_counts
             self._lr_scale = len(self.nodes) * counts[client] / sum(counts)
+
+    def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
+        if self.step_scale == "samples":
+            counts, total = state.sample_counts, sum(state.sample_counts)
+            scale = [len(self.nodes) * counts[c] / total for c in clients]
+            optimizer = trainer.strategy.vectorized.step.optimizer
+            optimizer.lr_scale = torch.tensor(scale, device=trainer.strategy.root_device)
 
     def _hook_optimizers(self, trainer) -> None:
         """Scale the learning rate only inside each optimizer step (torch step pre- and

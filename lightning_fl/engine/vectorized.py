@@ -149,7 +149,12 @@ class StackedOptimizer:
     weight decay). Learning rates and other settings are read from the optimizer's
     param groups at every step, so LR schedulers keep working. The state of one client
     converts to and from the optimizer's own ``state_dict()["state"]`` format, which
-    ``keep_optimizer_state`` stores."""
+    ``keep_optimizer_state`` stores.
+
+    ``lr_scale`` (one factor per row of the chunk, or None) multiplies each client's
+    learning rate, as a sequential callback that scales the param groups' ``lr`` around
+    its client's optimizer steps does (GossipAveraging's (n_t/n)·T·η); it is reset to
+    None when a chunk starts, so callbacks set it in ``on_vectorized_clients_start``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> None:
         if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
@@ -174,6 +179,7 @@ class StackedOptimizer:
             if id(p) in index_of and p.requires_grad
         ]
         self.state: list[dict[str, Tensor]] = []
+        self.lr_scale: Tensor | None = None
 
     @property
     def trainable(self) -> list[int]:
@@ -184,7 +190,7 @@ class StackedOptimizer:
         """Fresh state for the stacked ``params`` (rows = clients), or each client's saved
         ``state_dict()["state"]``."""
         rows = len(saved)
-        self.state = []
+        self.state, self.lr_scale = [], None
         for j, _, index in self.slots:
             p = params[j]
             if self.kind == "sgd":
@@ -231,14 +237,18 @@ class StackedOptimizer:
     def step(self, params: TensorList, grads: TensorList, rows: Tensor | None) -> None:
         """One step of the clients ``rows`` (None: every row); ``grads[k]`` is the stacked
         gradient of the k-th trainable parameter, ``rows`` only."""
+        scale = self.lr_scale
+        if scale is not None and rows is not None:
+            scale = scale[rows]
+        adamw = type(self.optimizer) is torch.optim.AdamW
         for (j, group, _), entry, grad in zip(self.slots, self.state, grads):
             full = params[j]
             p = full if rows is None else full[rows]
             local = entry if rows is None else {k: v[rows] for k, v in entry.items()}
             if self.kind == "sgd":
-                p = _sgd_update(p, grad, local, group)
+                p = _sgd_update(p, grad, local, group, scale)
             else:
-                p = _adam_update(p, grad, local, group, type(self.optimizer) is torch.optim.AdamW)
+                p = _adam_update(p, grad, local, group, adamw, scale)
             if rows is not None:
                 full[rows] = p
                 for k, v in local.items():
@@ -250,8 +260,11 @@ def _rows_view(values: Tensor, like: Tensor) -> Tensor:
     return values.view(-1, *([1] * (like.dim() - 1)))
 
 
-def _sgd_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
-    """torch.optim.SGD's rule (single-tensor path), in place on ``p`` and ``state``."""
+def _sgd_update(
+    p: Tensor, grad: Tensor, state: dict, group: dict, scale: Tensor | None = None
+) -> Tensor:
+    """torch.optim.SGD's rule (single-tensor path), in place on ``p`` and ``state``; each
+    row's learning rate times ``scale`` (None: 1)."""
     lr, momentum = group["lr"], group["momentum"]
     dampening, weight_decay = group["dampening"], group["weight_decay"]
     if weight_decay != 0:
@@ -262,18 +275,24 @@ def _sgd_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
         buf.copy_(torch.where(_rows_view(has, buf), running, grad))  # first step: buf = grad
         has.fill_(True)
         grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+    if scale is not None:
+        grad = grad * _rows_view(scale.to(grad.dtype), grad)
     return p.add_(grad, alpha=-lr)
 
 
-def _adam_update(p: Tensor, grad: Tensor, state: dict, group: dict, decoupled: bool) -> Tensor:
-    """torch.optim.Adam / AdamW's rule (single-tensor path) with a step count per row."""
+def _adam_update(
+    p: Tensor, grad: Tensor, state: dict, group: dict, decoupled: bool, scale: Tensor | None = None
+) -> Tensor:
+    """torch.optim.Adam / AdamW's rule (single-tensor path) with a step count per row; each
+    row's learning rate times ``scale`` (None: 1)."""
     lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
     weight_decay = group["weight_decay"]
     decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
+    rows = None if scale is None else _rows_view(scale.to(p.dtype), p)
     state["step"] += 1
     if weight_decay != 0:
         if decoupled:
-            p.mul_(1 - lr * weight_decay)
+            p.mul_(1 - lr * weight_decay if rows is None else 1 - lr * rows * weight_decay)
         else:
             grad = grad.add(p, alpha=weight_decay)
     state["exp_avg"].lerp_(grad, 1 - beta1)
@@ -282,6 +301,8 @@ def _adam_update(p: Tensor, grad: Tensor, state: dict, group: dict, decoupled: b
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step).sqrt()
     step_size = _rows_view((lr / bias_correction1).to(p.dtype), p)
+    if rows is not None:
+        step_size = step_size * rows
     denom = (state["exp_avg_sq"].sqrt() / _rows_view(bias_correction2_sqrt.to(p.dtype), p)).add_(
         eps
     )
