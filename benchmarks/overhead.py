@@ -20,6 +20,10 @@ starts), median time per round, peak resident memory and the client store's size
 the rounds, for the sequential path and the vectorized one (several chunk sizes). Each
 configuration runs in its own process, so that its peak memory is its own.
 
+``--plugins``: FedEM (3 components) and DP-SGD on the mlp workload, vectorized (one local
+step, or a round, per Lightning step) against their own sequential runs (issue 25's
+targets: at most 0.5×).
+
 ``--anatomy``: microseconds per local step of the mlp workload in a bare PyTorch loop, a
 plain Lightning Trainer (no FL), lightning_fl's sequential path and the hand-written FL
 loop: what Lightning's per-step machinery costs and what the FL layer adds to it.
@@ -270,8 +274,12 @@ class _RoundClock(pl.Callback):
         self.rounds.append(time.perf_counter() - self._start)
 
 
-def scale_one(per_round: int, vectorize: bool, chunk: int | None, rounds: int) -> dict:
-    """One configuration of the FEMNIST-scale run (in this process)."""
+def scale_one(
+    per_round: int, vectorize: bool, chunk: int | None, rounds: int, compiled: bool = False
+) -> dict:
+    """One configuration of the FEMNIST-scale run (in this process); ``compiled``: the
+    compiled vectorized step with each chunk's local steps in one Lightning step (the
+    compile time is the first round's extra, reported apart)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     made = time.perf_counter()
@@ -287,7 +295,8 @@ def scale_one(per_round: int, vectorize: bool, chunk: int | None, rounds: int) -
     module = Classifier(network=MLP(SCALE_FEATURES, (200,), SCALE_CLASSES), lr=LR)
     strategy = FederatedStrategy(
         sampler=UniformSampler(per_round), local_steps=STEPS, seed=0, vectorize=vectorize,
-        max_vectorized_clients=chunk,
+        max_vectorized_clients=chunk, compile=compiled,
+        local_steps_per_training_step=None if compiled else 1,
     )  # fmt: skip
     start = time.perf_counter()
     clock = _RoundClock(start)
@@ -302,6 +311,7 @@ def scale_one(per_round: int, vectorize: bool, chunk: int | None, rounds: int) -
         "data_s": data_s,
         "setup_s": clock.setup_s,
         "round_s": statistics.median(clock.rounds),
+        "compile_s": strategy.vectorized.compile_seconds or 0.0,
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "store_entries": len(strategy.client_store.state_dict()),
     }
@@ -309,28 +319,81 @@ def scale_one(per_round: int, vectorize: bool, chunk: int | None, rounds: int) -
 
 def scale(rounds: int) -> list[str]:
     configs = [
-        (100, False, None), (100, True, None),
-        (1000, False, None), (1000, True, 100), (1000, True, 250), (1000, True, None),
+        (100, False, None, False), (100, True, None, False), (100, True, None, True),
+        (1000, False, None, False), (1000, True, 100, False), (1000, True, 250, False),
+        (1000, True, None, False), (1000, True, 250, True),
     ]  # fmt: skip
     lines = [
         "| clients per round | path | chunk | data generation (s) | set-up (s) | per round (s) "
-        "| peak RSS (GiB) | client store entries |",
-        "|---|---|---|---|---|---|---|---|",
+        "| compile (s) | peak RSS (GiB) | client store entries |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for per_round, vectorize, chunk in configs:
+    for per_round, vectorize, chunk, compiled in configs:
         args = [sys.executable, __file__, "--scale-one", str(per_round), str(int(vectorize)),
-                str(chunk or 0), "--rounds", str(rounds)]  # fmt: skip
+                str(chunk or 0), str(int(compiled)), "--rounds", str(rounds)]  # fmt: skip
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        path = "vectorized" if vectorize else "sequential"
+        path = "sequential"
+        if vectorize:
+            path = "vectorized compiled, a chunk per training step" if compiled else "vectorized"
         line = (
             f"| {per_round} | {path} | {chunk or ('all' if vectorize else '-')} "
             f"| {r['data_s']:.2f} | {r['setup_s']:.2f} | {r['round_s']:.2f} "
-            f"| {r['peak_rss_gib']:.2f} | {r['store_entries']} |"
+            f"| {r['compile_s']:.1f} | {r['peak_rss_gib']:.2f} | {r['store_entries']} |"
         )
         print(line, flush=True)
         lines.append(line)
+    return lines
+
+
+# ------------------------------------------------------------------ plugins vectorized
+def run_plugin(name: str, data, vectorize: bool, fused: int | None = 1) -> float:
+    """Seconds of Trainer.fit for the mlp workload with FedEM (3 components, a
+    MixtureClassifier of the 60-128-10 MLP) or DP-SGD (noise 1.0, clip 1.0)."""
+    from lightning_fl.callbacks import DPSGD, FedEM
+    from lightning_fl.systems.mixture import MixtureClassifier
+
+    torch.manual_seed(0)
+    if name == "FedEM":
+        module = MixtureClassifier(MLP(60, (128,), 10), num_components=3, lr=LR)
+        callbacks = [FedEM()]
+    else:
+        module = Classifier(network=MLP(60, (128,), 10), lr=LR)
+        callbacks = [FedAvg(weighting="uniform"), DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)]
+    dm = InMemoryFederatedDataModule([{"train": d} for d in data], batch_size=BATCH)
+    strategy = FederatedStrategy(
+        sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0, vectorize=vectorize,
+        local_steps_per_training_step=fused,
+    )  # fmt: skip
+    trainer = pl.Trainer(
+        max_epochs=ROUNDS, accelerator=ACCELERATOR, strategy=strategy, callbacks=callbacks,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=dm)
+    return time.perf_counter() - start
+
+
+def plugins(repeats: int) -> list[str]:
+    """Issue 25's plugin targets: FedEM (3 components) and DP-SGD vectorized over clients
+    against their own sequential runs, median of ``repeats`` interleaved runs."""
+    data = mlp_data()
+    paths = {"sequential": (False, 1), "vectorized": (True, 1), "vectorized, a round per "
+             "training step": (True, None)}  # fmt: skip
+    lines = []
+    for name in ("FedEM", "DPSGD"):
+        times: dict[str, list[float]] = {label: [] for label in paths}
+        for _ in range(repeats):
+            for label, (vectorize, fused) in paths.items():
+                times[label].append(run_plugin(name, data, vectorize, fused))
+        base = statistics.median(times["sequential"])
+        for label in paths:
+            ours = statistics.median(times[label])
+            line = f"{name}: {label} {ours:.3f} s, ratio to sequential {ours / base:.3f}"
+            print(line, flush=True)
+            lines.append(line)
     return lines
 
 
@@ -352,7 +415,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", action="store_true", help="the FEMNIST-scale run")
     parser.add_argument("--anatomy", action="store_true", help="µs per step of each loop")
-    parser.add_argument("--scale-one", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--scale-one", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--plugins", action="store_true", help="FedEM and DP-SGD, vectorized against sequential"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --scale runs")
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
     parser.add_argument("--out", help="also write the lines to this file")
@@ -360,14 +426,17 @@ def main() -> None:
     ACCELERATOR = args.accelerator
     torch.set_num_threads(1)
     if args.scale_one:
-        per_round, vectorize, chunk = args.scale_one
-        print(json.dumps(scale_one(per_round, bool(vectorize), chunk or None, args.rounds)))
+        per_round, vectorize, chunk, compiled = args.scale_one
+        result = scale_one(per_round, bool(vectorize), chunk or None, args.rounds, bool(compiled))
+        print(json.dumps(result))
         return
     lines = [f"Machine: {machine()}", ""]
     if args.scale:
         lines += scale(args.rounds)
     elif args.anatomy:
         lines += anatomy(args.repeats)
+    elif args.plugins:
+        lines += plugins(args.repeats)
     else:
         lines += overhead(args.workloads, args.repeats)
     if args.out:
