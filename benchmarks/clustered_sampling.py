@@ -131,7 +131,7 @@ def main() -> None:
         f"`python benchmarks/clustered_sampling.py --dataset {args.dataset}`. 100 one-class "
         f"clients, m = 10, 50 local steps, lr 0.01, batch 50, MLP {inputs}-50-10.",
         "",
-        "| sampler | distinct digits per round (mean) | training loss (last 50 rounds) "
+        "| sampler | distinct classes per round (mean) | training loss (last 50 rounds) "
         "| validation accuracy (mean of the last 10 checks, every 5 rounds) "
         "| final test accuracy |",
         "|---|---|---|---|---|",
