@@ -258,11 +258,16 @@ class FedRep(FederatedCallback):
     client store; a client without one starts from the global head. An unseen client
     trains a head on the frozen body before its evaluation.
 
+    Vectorized clients: each client's head is loaded and trained when it starts, as on
+    the sequential path; the chunk then trains the bodies together, the frozen head left
+    out of the stacked optimizer's step (its ``frozen`` positions).
+
     Args:
         head: names of the head's modules (default: the last ``nn.Linear``).
     """
 
     requires_task_loss = True
+    supports_vectorized_clients = True
 
     key = "fedrep_head"
 
@@ -308,6 +313,7 @@ class FedRep(FederatedCallback):
                 torch._foreach_copy_(head, saved)
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        self._release(pl_module)  # vectorized clients start one after another, then train
         self._load_head(state.store, client, pl_module)
         self._train_head(trainer, pl_module, client, state.round_idx)
         for p in self.head_parameters(pl_module):

@@ -180,11 +180,20 @@ class StackedOptimizer:
         ]
         self.state: list[dict[str, Tensor]] = []
         self.lr_scale: Tensor | None = None
+        #: positions of trainable parameters frozen for the current chunk (the module's
+        #: ``requires_grad`` after the clients started: FedRep's head), never stepped
+        self.frozen: set[int] = set()
 
     @property
     def trainable(self) -> list[int]:
         """Positions of the parameters this optimizer updates."""
         return [j for j, _, _ in self.slots]
+
+    @property
+    def stepped(self) -> list[int]:
+        """Positions of the parameters the current chunk's steps update: the trainable ones
+        less the frozen ones."""
+        return [j for j, _, _ in self.slots if j not in self.frozen]
 
     def reset(self, params: TensorList, saved: Sequence[dict | None]) -> None:
         """Fresh state for the stacked ``params`` (rows = clients), or each client's saved
@@ -236,12 +245,15 @@ class StackedOptimizer:
     @torch.no_grad()
     def step(self, params: TensorList, grads: TensorList, rows: Tensor | None) -> None:
         """One step of the clients ``rows`` (None: every row); ``grads[k]`` is the stacked
-        gradient of the k-th trainable parameter, ``rows`` only."""
+        gradient of the k-th :attr:`stepped` parameter, ``rows`` only. A frozen parameter
+        is left alone, its state included (torch skips a parameter without gradient)."""
         scale = self.lr_scale
         if scale is not None and rows is not None:
             scale = scale[rows]
         adamw = type(self.optimizer) is torch.optim.AdamW
-        for (j, group, _), entry, grad in zip(self.slots, self.state, grads):
+        active = [(slot, entry) for slot, entry in zip(self.slots, self.state)
+                  if slot[0] not in self.frozen]  # fmt: skip
+        for ((j, group, _), entry), grad in zip(active, grads, strict=True):
             full = params[j]
             p = full if rows is None else full[rows]
             local = entry if rows is None else {k: v[rows] for k, v in entry.items()}
@@ -588,7 +600,7 @@ class VectorizedStep:
         all_rows = group_rows == list(range(len(chunk.clients)))
         index = None if all_rows else torch.tensor(group_rows, device=chunk.tensors[0].device)
         tensors = chunk.tensors if index is None else [t[index] for t in chunk.tensors]
-        trainable = set(self.optimizer.trainable)
+        trainable = set(self.optimizer.stepped)
         params = [
             t.detach().requires_grad_(j in trainable)
             for j, t in enumerate(tensors[: chunk.num_params])
@@ -619,14 +631,16 @@ class VectorizedStep:
                 )
             except RuntimeError as err:
                 raise _not_vmappable(err) from err
-            wanted = [params[j] for j in self.optimizer.trainable]
+            wanted = [params[j] for j in self.optimizer.stepped]
             found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         grads: list[Tensor | None] = [None] * len(params)
-        for j, g in zip(self.optimizer.trainable, found):
+        if self.compiled is not None:  # it differentiates every trainable parameter
+            found = [g for j, g in zip(self.optimizer.trainable, found) if j in trainable]
+        for j, g in zip(self.optimizer.stepped, found, strict=True):
             grads[j] = torch.zeros_like(params[j]) if g is None else g
         self.batch, self.generators = batch, generators
         self.gradient_terms(group_rows, [p.detach() for p in params], grads)
-        stepped = [grads[j] for j in self.optimizer.trainable]
+        stepped = [grads[j] for j in self.optimizer.stepped]
         if self.clip is not None:
             clip_gradients_(stepped, *self.clip)
         self.optimizer.step(chunk.params, stepped, index)
@@ -730,6 +744,10 @@ class VectorizedClients:
         self.chunk = ClientChunk(clients, starts, strategy.federated_tensors.num_params, generators)
         self.step.optimizer.reset(self.chunk.params, saved)
         self.engine.call("on_vectorized_clients_start", clients, state)
+        params = strategy.federated_tensors.params
+        self.step.optimizer.frozen = {
+            j for j in self.step.optimizer.trainable if not params[j].requires_grad
+        }
         trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
         contexts, stacked_state = [], []
         for cb in self.engine.ordered_callbacks("vectorized_client_state"):
