@@ -122,13 +122,18 @@ def summary(values: list[float]) -> str:
     return f"{mean:.1f} ± {half:.1f}"
 
 
-def cache_rules(seeds: list[int], recipe: Path = CACHE_RECIPE) -> list[str]:
-    """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one)."""
+def cache_rules(
+    seeds: list[int], recipe: Path = CACHE_RECIPE, lr: float | None = None
+) -> list[str]:
+    """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one), at the recipe's
+    learning rate or ``lr`` (the paper does not give its own)."""
     if recipe == CACHE_RECIPE:
         title = "a drifting digits stream"
         setting = "10 clients with 3 label shards, B_s = 5, B = 20, 30 rounds"
     else:
         title, setting = recipe.name, "its header gives the setting"
+    if lr is not None:
+        title, setting = f"{title}, lr {lr}", f"{setting}; client learning rate {lr}"
     lines = ["", f"## Cache rules on {title} (Wang, Bian, Xu, Fig. 3–4)", "",
              f"{recipe.relative_to(ROOT)}, seeds {seeds}: {setting}. FULL trains on each "
              "client's whole data. Test accuracy (mean ± 95%) and the accumulated discrepancy "
@@ -137,6 +142,8 @@ def cache_rules(seeds: list[int], recipe: Path = CACHE_RECIPE) -> list[str]:
     for rule in ("full", "drsr", "srsr", "fifo", "lazy"):
 
         def edit(config, rule=rule):
+            if lr is not None:
+                config["model"]["init_args"]["lr"] = lr
             data = config["data"]["init_args"]
             if rule == "full":
                 data["historical"] = data["source"]["init_args"]["num_clients"]
@@ -202,6 +209,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "streams.md",
                         help="where the caches and sweeps parts are appended")  # fmt: skip
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.1, 0.3, 1.0])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[None],
+                        help="client learning rates of the cache-rule comparison")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "epsilon" in args.part or "sizes" in args.part:
@@ -219,7 +228,8 @@ def main() -> None:
     if "weights" not in args.part:
         parts = []
         if "caches" in args.part:
-            parts += cache_rules(args.seeds, args.cache_recipe.resolve())
+            for lr in args.lrs:
+                parts += cache_rules(args.seeds, args.cache_recipe.resolve(), lr)
         if "sweeps" in args.part:
             parts += cache_sweeps(args.seeds)
         text = "\n".join(parts) + "\n"

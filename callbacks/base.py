@@ -68,6 +68,9 @@ class FederatedCallback(pl.Callback):
     #: goes in :meth:`on_before_vectorized_optimizer_step`. Unsupported callbacks are
     #: refused at setup.
     supports_vectorized_clients: bool = False
+    #: Why a callback that does not support vectorized clients cannot: the refusal at
+    #: setup says it.
+    not_vectorized_because: str = ""
     #: Whether the callback keeps per-client state between rounds (in the client store,
     #: on the rank that owns the client). Only when no callback does may several
     #: processes split each round's participants by their steps instead of by owner.

@@ -176,6 +176,11 @@ class APFL(_BatchHook):
     α v + (1−α) w^T; an unseen client trains v for ``adapt_epochs`` with w frozen.
     """
 
+    not_vectorized_because = (
+        "it trains a second, personal model in the same local step and mixes it into the "
+        "loss, a step the stacked optimizer does not take"
+    )
+
     requires_task_loss = True
 
     v_key, alpha_key = "apfl_v", "apfl_alpha"
@@ -355,6 +360,11 @@ class PFedMe(_BatchHook):
     ``server_lr=β``. Clients are evaluated with their last θ̂; an unseen client runs one
     pass of this local procedure from the global model.
     """
+
+    not_vectorized_because = (
+        "every local step first runs an inner loop that solves for the personalized "
+        "model, which the vectorized step does not run"
+    )
 
     requires_task_loss = True
 

@@ -172,6 +172,10 @@ class ServerReference(FederatedCallback):
     ``server_reference()``.
     """
 
+    not_vectorized_because = (
+        "its batches hold two sources (training and reference data) weighted in one loss"
+    )
+
     requires_task_loss = True
 
     def __init__(self, w: float = 0.5, batch_size: int | None = None) -> None:

@@ -305,7 +305,7 @@ MESSAGES = {
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
-    "callback": "APFL does not support vectorized clients",
+    "callback": "APFL does not support vectorized clients: it trains a second, personal model",
     "plain_callback": "overrides on_after_backward",
     "rmsprop": "RMSprop",
 }

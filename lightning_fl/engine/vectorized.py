@@ -131,7 +131,11 @@ def check_callback(callback: Any) -> None:
     name = type(callback).__name__
     if isinstance(callback, FederatedCallback):
         if not callback.supports_vectorized_clients:
-            raise _refuse(f"the callback {name} does not support vectorized clients.")
+            reason = callback.not_vectorized_because
+            raise _refuse(
+                f"the callback {name} does not support vectorized clients"
+                + (f": {reason}." if reason else ".")
+            )
         return
     for hook in PER_STEP_CALLBACK_HOOKS:
         if getattr(type(callback), hook) is not getattr(Callback, hook):
