@@ -60,8 +60,9 @@ class FedEM(FederatedCallback):
 
     def __init__(self) -> None:
         self._reference: torch.nn.ModuleList | None = None
-        #: (log π_t^{k−1}, log π_t^k) of this round's started clients, for vectorized clients
-        self._started: dict[int, tuple[Tensor, Tensor]] = {}
+        #: (log π_t^{k−1}, log π_t^k, θ_t^{k−1}) of this round's started clients, for
+        #: vectorized clients (θ^{k−1} differs between clients under GossipAveraging)
+        self._started: dict[int, tuple[Tensor, Tensor, list[Tensor]]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(pl_module, MixtureClassifier):
@@ -88,10 +89,11 @@ class FedEM(FederatedCallback):
         pi = update_mixture_weights(q)
         state.store.set(client, STORE_KEY, pi.cpu())
         pl_module.log_mixture_weights = torch.log(pi)
-        self._started[client] = (log_prior, pl_module.log_mixture_weights)
-        pl_module.responsibilities = self._responsibilities(
-            pl_module, self._frozen_copy(pl_module), log_prior
-        )
+        reference = self._frozen_copy(pl_module)
+        if trainer.strategy.vectorize:
+            tensors = [t.detach().clone() for t in _tensors(reference)]
+            self._started[client] = (log_prior, pl_module.log_mixture_weights, tensors)
+        pl_module.responsibilities = self._responsibilities(pl_module, reference, log_prior)
 
     @staticmethod
     def _responsibilities(module: MixtureClassifier, reference, log_prior: Tensor):
@@ -104,22 +106,38 @@ class FedEM(FederatedCallback):
         return responsibilities
 
     def vectorized_client_state(self, trainer, pl_module, clients, state) -> list[Tensor]:
-        """log π_t^{k−1} (the E-step prior of q) and log π_t^k (the mixture of the
-        training accuracy) of every client of the chunk, by row."""
-        priors, weights = zip(*(self._started[c] for c in clients))
+        """log π_t^{k−1} (the E-step prior of q), log π_t^k (the mixture of the training
+        accuracy) and the frozen components θ_t^{k−1} of q of every client of the chunk,
+        by row."""
+        priors, weights, references = zip(*(self._started[c] for c in clients))
         device = pl_module.device
-        return [torch.stack(priors).to(device), torch.stack(weights).to(device)]
+        stacked = [torch.stack(column).to(device) for column in zip(*references)]
+        return [torch.stack(priors).to(device), torch.stack(weights).to(device), *stacked]
 
     @contextmanager
     def vectorized_client_context(self, pl_module, tensors: list[Tensor]):
         saved = pl_module.log_mixture_weights, pl_module.responsibilities
-        log_prior, log_pi = tensors
+        log_prior, log_pi, *reference = tensors
         pl_module.log_mixture_weights = log_pi
-        pl_module.responsibilities = self._responsibilities(pl_module, self._reference, log_prior)
+        components = self._functional_components(reference)
+        pl_module.responsibilities = self._responsibilities(pl_module, components, log_prior)
         try:
             yield
         finally:
             pl_module.log_mixture_weights, pl_module.responsibilities = saved
+
+    def _functional_components(self, tensors: list[Tensor]) -> list:
+        """The frozen components as functions of one client's θ^{k−1} (``tensors``, in
+        the order of :func:`_tensors`), for the vmapped loss."""
+        names = [name for name, _ in _named_tensors(self._reference)]
+        components = []
+        for k, component in enumerate(self._reference):
+            prefix = f"{k}."
+            own = {n[len(prefix) :]: t for n, t in zip(names, tensors) if n.startswith(prefix)}
+            components.append(
+                lambda x, c=component, own=own: torch.func.functional_call(c, own, (x,))
+            )
+        return components
 
     def _frozen_copy(self, module: MixtureClassifier) -> torch.nn.ModuleList:
         """θ^{k−1}, in eval mode, for the per-batch responsibilities."""
@@ -159,3 +177,11 @@ class FedEM(FederatedCallback):
 
 
 __all__ = ["FedEM", "e_step", "update_mixture_weights"]
+
+
+def _named_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _tensors(module: torch.nn.Module) -> list[Tensor]:
+    return [t for _, t in _named_tensors(module)]
