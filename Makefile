@@ -29,7 +29,7 @@ lint: $(STAMP) data
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	WANDB_MODE=offline $(PY) -m pytest -q
+	WANDB_MODE=offline $(PY) -m pytest -q -n auto --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -49,7 +49,11 @@ def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -
     """A quiet CPU Trainer; files it writes (per-client CSVs, plots) go to a temporary
     folder unless ``default_root_dir`` is given."""
     options = dict(
-        default_root_dir=os.path.join(tempfile.gettempdir(), "lightning-fl-tests"),
+        default_root_dir=os.path.join(  # one folder per pytest-xdist worker
+            tempfile.gettempdir(),
+            "lightning-fl-tests",
+            os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        ),
         max_epochs=rounds,
         strategy=strategy,
         callbacks=list(callbacks),
