@@ -57,6 +57,10 @@ class StreamingDataModule(FederatedDataModule):
         drift: if > 0, a non-stationary label stream (P2's setting, :func:`drifting_order`)
             with this many short-term label distributions per client; 0: a stationary
             stream (a random order).
+        drift_concentration: the Dirichlet concentration α of the short-term label
+            distributions u^j ~ Dir(α) (the paper does not give how it draws them; 0.5:
+            concentrated, often one class at a time; larger: closer to the client's
+            long-term distribution).
         seed: the streams' and caches' seed.
         fresh_rounds: if set, every fresh client is available for this many consecutive
             rounds only (P1's FEMNIST: 1, Shakespeare: 2): its whole training set arrives
@@ -80,6 +84,7 @@ class StreamingDataModule(FederatedDataModule):
         theta: float = 2 / 3,
         rounds: int = 100,
         drift: int = 0,
+        drift_concentration: float = 0.5,
         seed: int = 0,
         full_batch: bool = False,
         fresh_rounds: int | None = None,
@@ -91,6 +96,9 @@ class StreamingDataModule(FederatedDataModule):
         self.fresh_rounds = fresh_rounds
         if drift < 0:
             raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
+        if not drift_concentration > 0:
+            raise ValueError(f"drift_concentration must be > 0, got {drift_concentration}.")
+        self.drift_concentration = drift_concentration
         if rate < 1:
             raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
         capacity = rate if capacity is None else capacity
@@ -141,7 +149,7 @@ class StreamingDataModule(FederatedDataModule):
             labels = _labels(data, size)
             rng = np.random.default_rng([self.seed, 7, c])
             order = rng.permutation(size) if not self.drift else drifting_order(
-                labels, self.drift, self.rate, rng
+                labels, self.drift, self.rate, rng, self.drift_concentration
             )  # fmt: skip
             self._streams.append(order)
             self._labels.append(labels)
@@ -251,19 +259,24 @@ def _labels(data: Dataset | None, size: int) -> np.ndarray:
 
 
 def drifting_order(
-    labels: np.ndarray, states: int, rate: int, rng: np.random.Generator
+    labels: np.ndarray,
+    states: int,
+    rate: int,
+    rng: np.random.Generator,
+    concentration: float = 0.5,
 ) -> np.ndarray:
     """A non-stationary label stream (Wang, Bian, Xu §V, which leaves the details open; our
-    choices): ``states`` short-term label distributions u^j ~ Dir(0.5) over the client's
-    own classes; a Markov chain over them with P(i → j) ∝ exp(−KL(u^i ‖ u^j)) (close
-    distributions follow each other; the chain's stationary law gives the long-term
-    distribution π = Σ_j ρ_j u^j); each round draws ``rate`` labels from the current u^j
-    and takes, for each, the next unseen sample of that class. Returns the samples'
-    order; when a class runs out, its draws go to the classes that still have samples."""
+    choices): ``states`` short-term label distributions u^j ~ Dir(α), α =
+    ``concentration``, over the client's own classes; a Markov chain over them with
+    P(i → j) ∝ exp(−KL(u^i ‖ u^j)) (close distributions follow each other; the chain's
+    stationary law gives the long-term distribution π = Σ_j ρ_j u^j); each round draws
+    ``rate`` labels from the current u^j and takes, for each, the next unseen sample of
+    that class. Returns the samples' order; when a class runs out, its draws go to the
+    classes that still have samples."""
     classes = np.unique(labels)
     if len(classes) == 0:
         return np.zeros(0, dtype=np.int64)
-    short = rng.dirichlet(np.full(len(classes), 0.5), size=states) + 1e-9
+    short = rng.dirichlet(np.full(len(classes), concentration), size=states) + 1e-9
     short /= short.sum(axis=1, keepdims=True)
     kl = np.sum(short[:, None, :] * np.log(short[:, None, :] / short[None, :, :]), axis=2)
     transition = np.exp(-kl)

@@ -300,6 +300,30 @@ def test_drifting_stream_visits_every_sample_once_with_changing_label_mixes():
     assert mixes.std(axis=0).max() > 1.0  # short-term distributions differ from round to round
 
 
+def test_drift_concentration_sets_how_far_short_term_mixes_stray():
+    """Dir(α) short-term distributions: a large α keeps each round's label mix near the
+    client's long-term one, a small α concentrates rounds on few classes (the rounds'
+    class shares vary more); α must be positive."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+    from lightning_fl.datamodules.streaming import drifting_order
+
+    labels = np.repeat([1, 4, 7], 2000)
+
+    def spread(concentration):
+        spreads = []
+        for seed in range(5):
+            order = drifting_order(labels, 10, 30, np.random.default_rng(seed), concentration)
+            mixes = np.array([np.bincount(labels[order[i : i + 30]], minlength=8)[[1, 4, 7]]
+                              for i in range(0, 3000, 30)])  # fmt: skip
+            spreads.append(mixes.std(axis=0).mean())
+        return np.mean(spreads)
+
+    assert spread(0.5) > 1.5 * spread(20.0)
+    with pytest.raises(ValueError, match="drift_concentration must be > 0"):
+        StreamingDataModule(LogisticStreamsDataModule(num_clients=3, historical=1), drift=2,
+                            drift_concentration=0.0)  # fmt: skip
+
+
 def test_cache_rules_recipe_runs_every_rule(tmp_path):
     from pathlib import Path
 
