@@ -123,10 +123,14 @@ def summary(values: list[float]) -> str:
 
 
 def cache_rules(
-    seeds: list[int], recipe: Path = CACHE_RECIPE, lr: float | None = None
+    seeds: list[int],
+    recipe: Path = CACHE_RECIPE,
+    lr: float | None = None,
+    concentration: float | None = None,
 ) -> list[str]:
     """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one), at the recipe's
-    learning rate or ``lr`` (the paper does not give its own)."""
+    learning rate or ``lr`` and the recipe's drift concentration α or ``concentration``
+    (the paper gives neither)."""
     if recipe == CACHE_RECIPE:
         title = "a drifting digits stream"
         setting = "10 clients with 3 label shards, B_s = 5, B = 20, 30 rounds"
@@ -134,6 +138,9 @@ def cache_rules(
         title, setting = recipe.name, "its header gives the setting"
     if lr is not None:
         title, setting = f"{title}, lr {lr}", f"{setting}; client learning rate {lr}"
+    if concentration is not None:
+        title = f"{title}, α {concentration}"
+        setting = f"{setting}; short-term distributions Dir(α = {concentration})"
     lines = ["", f"## Cache rules on {title} (Wang, Bian, Xu, Fig. 3–4)", "",
              f"{recipe.relative_to(ROOT)}, seeds {seeds}: {setting}. FULL trains on each "
              "client's whole data. Test accuracy (mean ± 95%) and the accumulated discrepancy "
@@ -145,6 +152,8 @@ def cache_rules(
             if lr is not None:
                 config["model"]["init_args"]["lr"] = lr
             data = config["data"]["init_args"]
+            if concentration is not None:
+                data["drift_concentration"] = concentration
             if rule == "full":
                 data["historical"] = data["source"]["init_args"]["num_clients"]
                 config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:1]
@@ -211,6 +220,8 @@ def main() -> None:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.1, 0.3, 1.0])
     parser.add_argument("--lrs", type=float, nargs="+", default=[None],
                         help="client learning rates of the cache-rule comparison")  # fmt: skip
+    parser.add_argument("--concentrations", type=float, nargs="+", default=[None],
+                        help="Dir(α) of the short-term label distributions")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "epsilon" in args.part or "sizes" in args.part:
@@ -229,7 +240,8 @@ def main() -> None:
         parts = []
         if "caches" in args.part:
             for lr in args.lrs:
-                parts += cache_rules(args.seeds, args.cache_recipe.resolve(), lr)
+                for alpha in args.concentrations:
+                    parts += cache_rules(args.seeds, args.cache_recipe.resolve(), lr, alpha)
         if "sweeps" in args.part:
             parts += cache_sweeps(args.seeds)
         text = "\n".join(parts) + "\n"
