@@ -85,7 +85,8 @@ class FederatedStrategy(DDPStrategy):
         max_consecutive_bad_rounds: a client update with NaN or Inf is dropped and logged;
             after this many consecutive rounds with a dropped update, training stops.
         vectorize: train a round's participants together, one local step of every client
-            per Lightning step, with ``torch.func`` over stacked client models
+            per Lightning step (or ``local_steps_per_training_step``), with ``torch.func``
+            over stacked client models
             (:mod:`lightning_fl.engine.vectorized`: what a module must satisfy, which optimizers
             and callbacks are supported). Equal to the sequential run to float round-off.
         compile: with ``vectorize``, compile the step's per-client loss and gradients

@@ -1,5 +1,6 @@
 """Vectorized clients: a round's participants train together, one local step of every
-client per Lightning step (``FederatedStrategy(vectorize=True)``).
+client per Lightning step, or ``local_steps_per_training_step`` of them
+(``FederatedStrategy(vectorize=True)``).
 
 The client models are stacked along a leading client dimension. Each step runs the
 user's ``loss_and_metrics(batch)`` under ``torch.func.vmap`` with ``functional_call``
