@@ -16,6 +16,7 @@ import torch
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
     label_partition,
+    server_split,
     split_fractions,
 )
 
@@ -70,13 +71,7 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         if watermark < 0:
             raise ValueError(f"watermark must be >= 0 pixels, got {watermark}.")
         x, y = load_digits()
-        if not 0 <= server_samples < len(y):
-            raise ValueError(
-                f"server_samples must be in [0, {len(y)}), got {server_samples}: the digits "
-                f"hold {len(y)} samples."
-            )
-        order = np.random.default_rng([seed, 17]).permutation(len(y))
-        held, kept = order[:server_samples], np.sort(order[server_samples:])
+        held, kept = server_split(len(y), server_samples, seed, "the digits")
         server = None
         if server_samples:
             server_x = torch.from_numpy(x[held])

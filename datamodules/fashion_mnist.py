@@ -23,7 +23,7 @@ import torch
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule
 from lightning_fl.datamodules.digits import watermarked
 from lightning_fl.datamodules.emnist import CACHE, read_idx
-from lightning_fl.datamodules.partition import label_partition, split_fractions
+from lightning_fl.datamodules.partition import label_partition, server_split, split_fractions
 
 DEBIAN_ROOT = Path("/usr/share/datasets/fashion-mnist")
 URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
@@ -172,13 +172,7 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
             )
         folder = fashion_mnist_folder(root, download)
         x_train, y_train, x_test, y_test = read_fashion_mnist(folder)
-        if not 0 <= server_samples < len(y_train):
-            raise ValueError(
-                f"server_samples must be in [0, {len(y_train)}), got {server_samples}: the "
-                f"training set holds {len(y_train)} images."
-            )
-        order = np.random.default_rng([seed, 17]).permutation(len(y_train))
-        held, kept = order[:server_samples], np.sort(order[server_samples:])
+        held, kept = server_split(len(y_train), server_samples, seed, "the training images")
         server_images, server_labels = x_train[held], y_train[held]
         x_train, y_train = x_train[kept], y_train[kept]
 

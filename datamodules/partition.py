@@ -145,6 +145,19 @@ def split_fractions(
     return [np.sort(part) for part in np.split(shuffled, cuts)]
 
 
+def server_split(size: int, server_samples: int, seed: int, what: str) -> tuple[np.ndarray, ...]:
+    """(held, kept): ``server_samples`` indices of ``size`` drawn at random with (seed, 17)
+    for the server's own data (SAFARI's auxiliary set), and the others, sorted, for the
+    clients. ``what`` names the data in the error for an impossible size."""
+    if not 0 <= server_samples < size:
+        raise ValueError(
+            f"server_samples must be in [0, {size}), got {server_samples}: {what} hold(s) "
+            f"{size} samples."
+        )
+    order = np.random.default_rng([seed, 17]).permutation(size)
+    return order[:server_samples], np.sort(order[server_samples:])
+
+
 def grouped_dirichlet_partition(
     labels, num_clients: int, alpha: float, num_groups: int, seed: int
 ) -> list[np.ndarray]:
