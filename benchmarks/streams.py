@@ -127,6 +127,7 @@ def cache_rules(
     recipe: Path = CACHE_RECIPE,
     lr: float | None = None,
     concentration: float | None = None,
+    rounds: int | None = None,
 ) -> list[str]:
     """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one), at the recipe's
     learning rate or ``lr`` and the recipe's drift concentration α or ``concentration``
@@ -141,6 +142,8 @@ def cache_rules(
     if concentration is not None:
         title = f"{title}, α {concentration}"
         setting = f"{setting}; short-term distributions Dir(α = {concentration})"
+    if rounds is not None:
+        title, setting = f"{title}, {rounds} rounds", f"{setting}; {rounds} rounds"
     lines = ["", f"## Cache rules on {title} (Wang, Bian, Xu, Fig. 3–4)", "",
              f"{recipe.relative_to(ROOT)}, seeds {seeds}: {setting}. FULL trains on each "
              "client's whole data. Test accuracy (mean ± 95%) and the accumulated discrepancy "
@@ -154,6 +157,8 @@ def cache_rules(
             data = config["data"]["init_args"]
             if concentration is not None:
                 data["drift_concentration"] = concentration
+            if rounds is not None:
+                config["trainer"]["max_epochs"] = data["rounds"] = rounds
             if rule == "full":
                 data["historical"] = data["source"]["init_args"]["num_clients"]
                 config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:1]
@@ -222,6 +227,7 @@ def main() -> None:
                         help="client learning rates of the cache-rule comparison")  # fmt: skip
     parser.add_argument("--concentrations", type=float, nargs="+", default=[None],
                         help="Dir(α) of the short-term label distributions")  # fmt: skip
+    parser.add_argument("--rounds", type=int, help="rounds of the cache-rule comparison")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "epsilon" in args.part or "sizes" in args.part:
@@ -241,7 +247,9 @@ def main() -> None:
         if "caches" in args.part:
             for lr in args.lrs:
                 for alpha in args.concentrations:
-                    parts += cache_rules(args.seeds, args.cache_recipe.resolve(), lr, alpha)
+                    parts += cache_rules(
+                        args.seeds, args.cache_recipe.resolve(), lr, alpha, args.rounds
+                    )
         if "sweeps" in args.part:
             parts += cache_sweeps(args.seeds)
         text = "\n".join(parts) + "\n"
