@@ -128,6 +128,7 @@ def cache_rules(
     lr: float | None = None,
     concentration: float | None = None,
     rounds: int | None = None,
+    local_steps: int | None = None,
 ) -> list[str]:
     """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one), at the recipe's
     learning rate or ``lr`` and the recipe's drift concentration α or ``concentration``
@@ -144,6 +145,8 @@ def cache_rules(
         setting = f"{setting}; short-term distributions Dir(α = {concentration})"
     if rounds is not None:
         title, setting = f"{title}, {rounds} rounds", f"{setting}; {rounds} rounds"
+    if local_steps is not None:
+        title, setting = f"{title}, K {local_steps}", f"{setting}; {local_steps} local steps"
     lines = ["", f"## Cache rules on {title} (Wang, Bian, Xu, Fig. 3–4)", "",
              f"{recipe.relative_to(ROOT)}, seeds {seeds}: {setting}. FULL trains on each "
              "client's whole data. Test accuracy (mean ± 95%) and the accumulated discrepancy "
@@ -159,6 +162,8 @@ def cache_rules(
                 data["drift_concentration"] = concentration
             if rounds is not None:
                 config["trainer"]["max_epochs"] = data["rounds"] = rounds
+            if local_steps is not None:
+                config["trainer"]["strategy"]["init_args"]["local_steps"] = local_steps
             if rule == "full":
                 data["historical"] = data["source"]["init_args"]["num_clients"]
                 config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:1]
@@ -228,6 +233,7 @@ def main() -> None:
     parser.add_argument("--concentrations", type=float, nargs="+", default=[None],
                         help="Dir(α) of the short-term label distributions")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="rounds of the cache-rule comparison")
+    parser.add_argument("--local-steps", type=int, help="local steps of the cache-rule runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "epsilon" in args.part or "sizes" in args.part:
@@ -248,8 +254,9 @@ def main() -> None:
             for lr in args.lrs:
                 for alpha in args.concentrations:
                     parts += cache_rules(
-                        args.seeds, args.cache_recipe.resolve(), lr, alpha, args.rounds
-                    )
+                        args.seeds, args.cache_recipe.resolve(), lr, alpha, args.rounds,
+                        args.local_steps,
+                    )  # fmt: skip
         if "sweeps" in args.part:
             parts += cache_sweeps(args.seeds)
         text = "\n".join(parts) + "\n"
