@@ -60,6 +60,9 @@ class FedEM(FederatedCallback):
 
     def __init__(self) -> None:
         self._reference: torch.nn.ModuleList | None = None
+        #: per component of the frozen copy: its tensors' positions in :func:`_tensors`
+        #: and their names inside the component, for the vmapped loss
+        self._component_slots: list[list[tuple[int, str]]] = []
         #: (log π_t^{k−1}, log π_t^k, θ_t^{k−1}) of this round's started clients, for
         #: vectorized clients (θ^{k−1} differs between clients under GossipAveraging)
         self._started: dict[int, tuple[Tensor, Tensor, list[Tensor]]] = {}
@@ -129,11 +132,9 @@ class FedEM(FederatedCallback):
     def _functional_components(self, tensors: list[Tensor]) -> list:
         """The frozen components as functions of one client's θ^{k−1} (``tensors``, in
         the order of :func:`_tensors`), for the vmapped loss."""
-        names = [name for name, _ in _named_tensors(self._reference)]
         components = []
-        for k, component in enumerate(self._reference):
-            prefix = f"{k}."
-            own = {n[len(prefix) :]: t for n, t in zip(names, tensors) if n.startswith(prefix)}
+        for component, slots in zip(self._reference, self._component_slots):
+            own = {name: tensors[i] for i, name in slots}
             components.append(
                 lambda x, c=component, own=own: torch.func.functional_call(c, own, (x,))
             )
@@ -143,10 +144,12 @@ class FedEM(FederatedCallback):
         """θ^{k−1}, in eval mode, for the per-batch responsibilities."""
         if self._reference is None:
             self._reference = copy.deepcopy(module.network).eval().requires_grad_(False)
+            self._component_slots = [[] for _ in self._reference]
+            for i, (name, _) in enumerate(_named_tensors(self._reference)):
+                k, inner = name.split(".", 1)
+                self._component_slots[int(k)].append((i, inner))
         with torch.no_grad():
-            live = [*module.network.parameters(), *module.network.buffers()]
-            frozen = [*self._reference.parameters(), *self._reference.buffers()]
-            torch._foreach_copy_(frozen, live)
+            torch._foreach_copy_(_tensors(self._reference), _tensors(module.network))
         return self._reference
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
@@ -176,12 +179,12 @@ class FedEM(FederatedCallback):
         pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
 
 
-__all__ = ["FedEM", "e_step", "update_mixture_weights"]
-
-
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
 def _tensors(module: torch.nn.Module) -> list[Tensor]:
     return [t for _, t in _named_tensors(module)]
+
+
+__all__ = ["FedEM", "e_step", "update_mixture_weights"]

@@ -186,15 +186,18 @@ class GossipAveraging(Aggregator):
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, trainer.strategy.federated_tensors)
-        self._lr_scale = 1.0
-        if self.step_scale == "samples":
-            counts = state.sample_counts
-            self._lr_scale = len(self.nodes) * counts[client] / sum(counts)
+        self._lr_scale = self._step_factor(client, state)
+
+    def _step_factor(self, client: int, state: RoundState) -> float:
+        """Client t's learning-rate factor: T·n_t/n with ``step_scale="samples"``, else 1."""
+        if self.step_scale != "samples":
+            return 1.0
+        counts = state.sample_counts
+        return len(self.nodes) * counts[client] / sum(counts)
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         if self.step_scale == "samples":
-            counts, total = state.sample_counts, sum(state.sample_counts)
-            scale = [len(self.nodes) * counts[c] / total for c in clients]
+            scale = [self._step_factor(c, state) for c in clients]
             optimizer = trainer.strategy.vectorized.step.optimizer
             optimizer.lr_scale = torch.tensor(scale, device=trainer.strategy.root_device)
 

@@ -174,7 +174,8 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         x_train, y_train, x_test, y_test = read_fashion_mnist(folder)
         held, kept = server_split(len(y_train), server_samples, seed, "the training images")
         server_images, server_labels = x_train[held], y_train[held]
-        x_train, y_train = x_train[kept], y_train[kept]
+        if server_samples:  # kept is every index otherwise: no copy of the 47 MB array
+            x_train, y_train = x_train[kept], y_train[kept]
 
         def parts(labels: np.ndarray, offset: int) -> list[np.ndarray]:
             if partition == "sifu":
