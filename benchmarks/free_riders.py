@@ -3,6 +3,13 @@ digits, against the fair-only variability band.
 
     python benchmarks/free_riders.py [--inits 8] [--rounds 100] [--epochs 5]
     python benchmarks/free_riders.py --ninety [--inits 4]
+    python benchmarks/free_riders.py --dataset fashion_mnist [--inits 5] [--algorithms fedavg]
+
+--dataset fashion_mnist (issue 23): recipes/fashion_mnist/free_riders.yaml, the authors'
+MNIST setting on Fashion-MNIST (5 fair clients of 600 training and 300 test images,
+logistic regression, lr 1e-3, batch 100, E = 5) with their E = 5 budgets (get_n_iter: 200
+rounds iid, 300 shards, ×2 with 5 free-riders, ×3 with 45). Writes
+benchmarks/results/free_riders_fashion_mnist.md and .png.
 
 --ninety (issue 26 item 6): 45 free-riders (90% of the declared samples) under the
 thesis's E = 20 budgets (the authors' get_n_iter: 100 rounds iid, 150 shards, 3× with 45
@@ -29,7 +36,10 @@ import torch
 from recipe_runs import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "robustness" / "digits_free_riders.yaml"
+RECIPES = {
+    "digits": ROOT / "recipes" / "robustness" / "digits_free_riders.yaml",
+    "fashion_mnist": ROOT / "recipes" / "fashion_mnist" / "free_riders.yaml",
+}
 RESULTS = ROOT / "benchmarks" / "results"
 ATTACKS = [("plain", 1.0), ("disguised", 1.0), ("disguised", 3.0)]
 #: the authors' get_n_iter: 2× the rounds with 5 free-riders, 3× with 45
@@ -38,6 +48,8 @@ ROUND_FACTOR = {0: 1, 1: 1, 5: 2, 45: 3}
 
 #: the authors' get_n_iter at E = 20 for MNIST: rounds without free-riders
 THESIS_E20_ROUNDS = {"iid": 100, "shards": 150}
+#: the authors' get_n_iter at E = 5 for MNIST: rounds without free-riders
+THESIS_E5_ROUNDS = {"iid": 200, "shards": 300}
 
 
 def fit(
@@ -46,7 +58,7 @@ def fit(
 ) -> dict:  # fmt: skip
     def edit(config):
         trainer = config["trainer"]
-        trainer["max_epochs"] = (rounds or args.rounds) * ROUND_FACTOR[riders]
+        trainer["max_epochs"] = (rounds or args.rounds[split]) * ROUND_FACTOR[riders]
         trainer["strategy"]["init_args"]["local_epochs"] = args.epochs
         data = config["data"]["init_args"]
         data["partition"] = "shards" if split == "shards" else "iid"
@@ -62,7 +74,7 @@ def fit(
                               "init_args": {"mu": 1.0}})  # fmt: skip
         config["seed_everything"] = init  # the initialization; data and batches stay fixed
 
-    cli, rows = run_recipe(RECIPE, edit)
+    cli, rows = run_recipe(RECIPES[args.dataset], edit)
     losses = [(int(r["epoch"]), float(r["fl/federated_loss"])) for r in rows
               if r.get("fl/federated_loss")]  # fmt: skip
     last = {k: float(v) for r in rows for k, v in r.items() if v}
@@ -78,18 +90,42 @@ def fit(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inits", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds without free-riders (default: 100 on digits; the "
+        "authors' 200 iid and 300 shards on fashion_mnist)",
+    )
+    parser.add_argument("--dataset", choices=sorted(RECIPES), default="digits")
+    parser.add_argument(
+        "--algorithms", nargs="+", choices=["fedavg", "fedprox"], default=["fedavg", "fedprox"]
+    )
+    parser.add_argument(
+        "--attacks",
+        nargs="+",
+        choices=["plain", "disguised1", "disguised3"],
+        default=["plain", "disguised1", "disguised3"],
+    )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--ninety", action="store_true", help="issue 26 item 6 (see above)")
     args = parser.parse_args()
+    fashion = args.dataset == "fashion_mnist"
+    args.rounds = ({"iid": args.rounds, "shards": args.rounds} if args.rounds
+                   else THESIS_E5_ROUNDS if fashion else {"iid": 100, "shards": 100})  # fmt: skip
+    attacks = [a for a, key in zip(ATTACKS, ("plain", "disguised1", "disguised3"))
+               if key in args.attacks]  # fmt: skip
     torch.set_num_threads(1)
     if args.ninety:
         ninety(args)
         return
-    lines = ["# Free-riders on digits: 5 fair clients, logistic regression",
-             "", f"`python benchmarks/free_riders.py`: E = {args.epochs} local epochs, "
-             f"{args.rounds} rounds (2× with 5 free-riders, 3× with 45, as the authors' "
-             f"get_n_iter), fair-only band over {args.inits} initializations "
+    title = ("Fashion-MNIST (the authors' MNIST setting; the dataset differs)" if fashion
+             else "digits")  # fmt: skip
+    rounds = " and ".join(f"{r} rounds {split}" for split, r in args.rounds.items())
+    lines = [f"# Free-riders on {title}: 5 fair clients, logistic regression",
+             "", f"`python benchmarks/free_riders.py --dataset {args.dataset}`: E = "
+             f"{args.epochs} local epochs, {rounds} (2× with 5 free-riders, 3× with 45, as "
+             f"the authors' get_n_iter), fair-only band over {args.inits} initializations "
              "(min–max). Accuracy and loss are the fair clients' (test accuracy, "
              "federated training loss Σ p_j L_j). Detection: share of free-riders flagged / "
              "share of fair clients flagged in the last round.", "",
@@ -97,16 +133,17 @@ def main() -> None:
              "detected / false alarms |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     curves = {}
     for split in ("iid", "shards"):
-        for prox in (False, True):
+        for prox in [a == "fedprox" for a in args.algorithms]:
             name = "FedProx (μ = 1)" if prox else "FedAvg"
             band = [fit(split, prox, 0, "plain", 1.0, init, args) for init in range(args.inits)]
             low, high = min(r["acc"] for r in band), max(r["acc"] for r in band)
             loss_low, loss_high = min(r["loss"] for r in band), max(r["loss"] for r in band)
             lines.append(f"| {split} | {name} | 0 (band) | — | {low:.3f}–{high:.3f} | — | "
                          f"{loss_low:.3f}–{loss_high:.3f} | — |")  # fmt: skip
+            print(lines[-1], flush=True)
             curves[(split, prox, 0, "band")] = band
             for riders in (1, 5, 45):
-                for mode, coef in ATTACKS:
+                for mode, coef in attacks:
                     run = fit(split, prox, riders, mode, coef, 0, args)
                     label = "plain" if mode == "plain" else f"disguised {coef:g}σ"
                     inside = "yes" if low - 1e-9 <= run["acc"] <= high + 1e-9 else "no"
@@ -114,11 +151,13 @@ def main() -> None:
                         f"| {split} | {name} | {riders} | {label} | {run['acc']:.3f} | {inside} "
                         f"| {run['loss']:.3f} | {run['detect']:.2f} / {run['false']:.2f} |"
                     )
+                    print(lines[-1], flush=True)
                     curves[(split, prox, riders, label)] = [run]
-    _plot(curves)
-    lines += ["", "![training loss of the fair clients](free_riders.png)", ""]
+    stem = "free_riders" if not fashion else "free_riders_fashion_mnist"
+    _plot(curves, stem)
+    lines += ["", f"![training loss of the fair clients]({stem}.png)", ""]
     text = "\n".join(lines) + "\n"
-    (RESULTS / "free_riders.md").write_text(text)
+    (RESULTS / f"{stem}.md").write_text(text)
     print(text)
 
 
@@ -158,7 +197,7 @@ def ninety(args) -> None:
     print(text)
 
 
-def _plot(curves: dict) -> None:
+def _plot(curves: dict, stem: str) -> None:
     try:
         import matplotlib
 
@@ -168,6 +207,8 @@ def _plot(curves: dict) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     for ax, split in zip(axes, ("iid", "shards")):
+        if (split, False, 0, "band") not in curves:
+            continue
         band = curves[(split, False, 0, "band")]
         rounds = [k for k, _ in band[0]["curve"]]
         lows = [min(r["curve"][i][1] for r in band) for i in range(len(rounds))]
@@ -175,6 +216,8 @@ def _plot(curves: dict) -> None:
         ax.fill_between(rounds, lows, highs, alpha=0.3, color="grey", label="fair only")
         for riders in (1, 5, 45):
             for label in ("plain", "disguised 1σ"):
+                if (split, False, riders, label) not in curves:
+                    continue
                 (run,) = curves[(split, False, riders, label)]
                 style = dict(ls="-" if label == "plain" else "--", label=f"{riders} {label}")
                 ax.plot([k for k, _ in run["curve"]], [v for _, v in run["curve"]], **style)
@@ -184,7 +227,7 @@ def _plot(curves: dict) -> None:
     axes[0].set_ylabel("fair clients' training loss")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "free_riders.png", dpi=110)
+    fig.savefig(RESULTS / f"{stem}.png", dpi=110)
 
 
 if __name__ == "__main__":

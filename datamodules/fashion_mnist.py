@@ -23,7 +23,12 @@ import torch
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule
 from lightning_fl.datamodules.digits import watermarked
 from lightning_fl.datamodules.emnist import CACHE, read_idx
-from lightning_fl.datamodules.partition import label_partition, server_split, split_fractions
+from lightning_fl.datamodules.partition import (
+    label_partition,
+    random_subset,
+    server_split,
+    split_fractions,
+)
 
 DEBIAN_ROOT = Path("/usr/share/datasets/fashion-mnist")
 URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
@@ -136,6 +141,10 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         normalize: (mean, std) applied to the pixels in [0, 1] after the watermark, as
             torchvision's ``Normalize``; the SIFU authors' code uses (0.5, 0.5). None:
             pixels stay in [0, 1].
+        train_samples, test_samples: if set, only that many training (after the server's
+            draw) and test images, drawn at random (seeded) before the split among
+            clients: the free-rider authors' MNIST files hold 5 clients × 600 training and
+            300 test images (Fraboni et al. AISTATS 2021, §6; their ``mnist_iid.py``).
     """
 
     def __init__(
@@ -152,6 +161,8 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         image: bool = True,
         normalize: tuple[float, float] | None = None,
         server_samples: int = 0,
+        train_samples: int | None = None,
+        test_samples: int | None = None,
         unseen_fraction: float = 0.0,
         seed: int = 0,
         batch_size: int = 20,
@@ -174,8 +185,12 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         x_train, y_train, x_test, y_test = read_fashion_mnist(folder)
         held, kept = server_split(len(y_train), server_samples, seed, "the training images")
         server_images, server_labels = x_train[held], y_train[held]
-        if server_samples:  # kept is every index otherwise: no copy of the 47 MB array
+        kept = kept[random_subset(len(kept), train_samples, seed, "train_samples")]
+        if len(kept) < len(y_train):  # otherwise every index: no copy of the 47 MB array
             x_train, y_train = x_train[kept], y_train[kept]
+        if test_samples is not None:
+            tested = random_subset(len(y_test), test_samples, seed + 1, "test_samples")
+            x_test, y_test = x_test[tested], y_test[tested]
 
         def parts(labels: np.ndarray, offset: int) -> list[np.ndarray]:
             if partition == "sifu":

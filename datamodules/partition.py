@@ -158,6 +158,18 @@ def server_split(size: int, server_samples: int, seed: int, what: str) -> tuple[
     return order[:server_samples], np.sort(order[server_samples:])
 
 
+def random_subset(size: int, count: int | None, seed: int, what: str) -> np.ndarray:
+    """``count`` of ``size`` indices drawn at random without replacement with (seed, 23),
+    sorted; every index when ``count`` is None. ``what`` names the data in the error."""
+    if count is None:
+        return np.arange(size)
+    if not 1 <= count <= size:
+        raise ValueError(
+            f"{what}: asked for {count} samples, but there are {size}; use 1 to {size}."
+        )
+    return np.sort(np.random.default_rng([seed, 23]).permutation(size)[:count])
+
+
 def grouped_dirichlet_partition(
     labels, num_clients: int, alpha: float, num_groups: int, seed: int
 ) -> list[np.ndarray]:

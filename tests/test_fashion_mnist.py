@@ -209,3 +209,34 @@ def test_the_safari_recipe_runs_on_the_real_data(tmp_path):
     clients = {int(r["client"]) for r in csv.DictReader(open(participation))}
     assert clients and clients <= {*range(6), -3}  # the 4 excluded never take part
     assert cli.trainer.global_step == 2  # a round per Lightning step
+
+
+@_NEED_REAL
+def test_train_and_test_samples_draw_distinct_real_images_before_the_split():
+    """The free-rider authors' MNIST files on Fashion-MNIST: 5 clients × 600 training and
+    300 test images, drawn without replacement from the IDX arrays (each row is a real
+    image with its own label, none twice), another seed drawing others; a count larger
+    than the data names both numbers."""
+    x_train, y_train, x_test, y_test = read_fashion_mnist(DEBIAN_ROOT)
+
+    def rows(images, labels):
+        return {(bytes(i.tobytes()), int(y)) for i, y in zip(images, labels)}
+
+    def drawn(dm, split):
+        xs, ys = zip(*(dm.client_dataset(c, split).tensors for c in range(5)))
+        x = (torch.cat(xs) * 255).round().to(torch.uint8).reshape(-1, 28, 28).numpy()
+        return rows(x, torch.cat(ys).numpy())
+
+    dm = FashionMnistDataModule(num_clients=5, partition="iid", train_samples=3000,
+                                test_samples=1500, image=False, seed=0)  # fmt: skip
+    assert dm.sample_counts("train") == [600] * 5 and dm.sample_counts("test") == [300] * 5
+    train, test = drawn(dm, "train"), drawn(dm, "test")
+    assert len(train) == 3000 and train <= rows(x_train, y_train)
+    assert len(test) == 1500 and test <= rows(x_test, y_test)
+    other = FashionMnistDataModule(num_clients=5, partition="iid", train_samples=3000,
+                                   image=False, seed=1)  # fmt: skip
+    assert drawn(other, "train") != train and sum(other.sample_counts("test")) == 10000
+    with pytest.raises(
+        ValueError, match="train_samples: asked for 60001 samples, but there are 60000"
+    ):
+        FashionMnistDataModule(num_clients=5, train_samples=60001)
