@@ -174,12 +174,13 @@ class APFL(_BatchHook):
     ``adaptive_alpha``, α ← α − η_α ⟨v − w, ∇f(v̄; ξ)⟩ clipped to [0, 1].
     v starts from the first global model the client receives. Clients are evaluated with
     α v + (1−α) w^T; an unseen client trains v for ``adapt_epochs`` with w frozen.
+
+    Vectorized clients: the chunk's local models and mixing weights are stacked by row,
+    and every vectorized step takes each row's v (and α) step at its own v̄ on its own
+    batch, with the dropout masks the sequential path would draw next.
     """
 
-    not_vectorized_because = (
-        "it trains a second, personal model in the same local step and mixes it into the "
-        "loss, a step the stacked optimizer does not take"
-    )
+    supports_vectorized_clients = True
 
     requires_task_loss = True
 
@@ -205,6 +206,9 @@ class APFL(_BatchHook):
         )
         self._v: TensorList | None = None
         self._a = alpha
+        #: vectorized clients: the chunk's v and α, stacked by row
+        self._rows_v: TensorList = []
+        self._rows_alpha: Tensor | None = None
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         params = _params(pl_module)
@@ -229,7 +233,48 @@ class APFL(_BatchHook):
         w = [p.detach().clone() for p in _params(pl_module)]
         self._step(pl_module, self._batch, w)
 
+    def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
+        """Stack the chunk's v (a client without one: its starting model) and α by row."""
+        starts = trainer.strategy.vectorized.chunk.params
+        rows_v = []
+        for row, client in enumerate(clients):
+            start = [t[row] for t in starts]
+            v = _load_params(state.store, client, self.v_key, start)
+            rows_v.append([t.clone() for t in start] if v is None else v)
+        self._rows_v = [torch.stack(column) for column in zip(*rows_v)]
+        alphas = [float(state.store.get(c, self.alpha_key, self.alpha)) for c in clients]
+        self._rows_alpha = torch.tensor(alphas, dtype=torch.float64)
+
+    @torch.no_grad()
+    def on_before_vectorized_optimizer_step(
+        self, trainer, pl_module, rows, params, grads, state: RoundState
+    ) -> None:
+        """:meth:`_step` for every row at once: the gradient at each row's own v̄ (the
+        stacked ``params`` are each row's w before its step)."""
+        strategy = trainer.strategy
+        index = torch.tensor(rows)
+        v = [t[index.to(t.device)] for t in self._rows_v]
+        alpha = self._rows_alpha[index]
+
+        def per_row(values: Tensor, like: Tensor) -> Tensor:  # as Python floats scale
+            return values.to(like.dtype).reshape(-1, *[1] * (like.dim() - 1)).to(like.device)
+
+        mixed = [per_row(alpha, vi) * vi + per_row(1 - alpha, vi) * wi for vi, wi in zip(v, params)]
+        g = strategy.vectorized.step.gradients_at(strategy.vectorized.chunk, rows, mixed)
+        if self.adaptive_alpha:
+            slope = sum(
+                ((vi - wi) * gi).reshape(len(rows), -1).sum(1).double().cpu()
+                for vi, wi, gi in zip(v, params, g)
+            )
+            self._rows_alpha[index] = (alpha - self.alpha_lr * slope).clamp(0.0, 1.0)
+        for full, vi, gi in zip(self._rows_v, v, g):
+            full[index.to(full.device)] = vi + per_row(-self.local_lr * alpha, gi) * gi
+
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
+        if trainer.strategy.vectorize:  # this client's row of the stacked chunk
+            row = trainer.strategy.vectorized.chunk.clients.index(client)
+            self._v = [t[row] for t in self._rows_v]
+            self._a = float(self._rows_alpha[row])
         _store_params(state.store, client, self.v_key, self._v)
         state.store.set(client, self.alpha_key, self._a)
 

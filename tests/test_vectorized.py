@@ -26,6 +26,7 @@ from lightning_fl.callbacks import (
     FedProx,
     FedYogi,
     Local,
+    PFedMe,
     Pooled,
 )
 from lightning_fl.engine.vectorized import VectorizationError
@@ -292,7 +293,7 @@ def _bad(kind: str):
     if kind == "hook":
         return _StepHook(network=_network()), []
     if kind == "callback":
-        return _module(), [APFL(alpha=0.5, local_lr=0.05)]
+        return _module(), [PFedMe()]
     if kind == "plain_callback":
         return _module(), [_AfterBackward()]
     if kind == "rmsprop":
@@ -305,7 +306,7 @@ MESSAGES = {
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
-    "callback": "APFL does not support vectorized clients: it trains a second, personal model",
+    "callback": "PFedMe does not support vectorized clients: every local step first runs",
     "plain_callback": "overrides on_after_backward",
     "rmsprop": "RMSprop",
 }
@@ -445,6 +446,37 @@ def test_fedrep_equals_the_sequential_path():
     for client, entry in seq_store.items():
         for a, b in zip(entry["fedrep_head"], vec_store[client]["fedrep_head"], strict=True):
             assert float((a - b).abs().max()) <= 1e-5, client
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_apfl_equals_the_sequential_path(adaptive):
+    """APFL (Alg. 1): each row's v steps at its own v̄ = αv + (1−α)w on its own batch, w
+    before its step, with dropout masks drawn after the user step's, and (adaptive) its
+    own α: the global model, every stored v and α equal the sequential run's over 3
+    rounds, with unequal clients in chunks of 4. Mixing with the last row's α, or taking
+    the gradient at w, fails it."""
+    runs = []
+    for vectorize in (False, True):
+        module = _module(momentum=0.5)
+        callbacks = [APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=adaptive, alpha_lr=0.05)]
+        _, trainer = _fit(vectorize, callbacks, module=module, chunk=4)
+        runs.append((params_of(module), trainer.strategy.client_store.state_dict()))
+    (seq, seq_store), (vec, vec_store) = runs
+    assert max_abs_diff(seq, vec) <= 1e-5
+    assert seq_store.keys() == vec_store.keys() and len(seq_store) >= 6
+    alphas = set()
+    for client, entry in seq_store.items():
+        assert float((entry[APFL.v_key] - vec_store[client][APFL.v_key]).abs().max()) <= 1e-5
+        assert vec_store[client][APFL.alpha_key] == pytest.approx(entry[APFL.alpha_key], abs=1e-6)
+        alphas.add(round(entry[APFL.alpha_key], 6))
+    assert (len(alphas) > 1) == adaptive  # each client's own α moves
+
+
+def test_apfl_with_batchnorm_is_refused_under_vectorize():
+    net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, OUT))
+    torch.manual_seed(1)
+    with pytest.raises(VectorizationError, match="running statistics .*GroupNorm"):
+        _fit(True, [APFL()], rounds=1, module=Classifier(network=net))
 
 
 def test_clipping_by_norm_leaves_rows_under_the_value_alone():

@@ -567,6 +567,43 @@ class VectorizedStep:
         except RuntimeError as err:
             raise _not_vmappable(err) from err
 
+    def gradients_at(self, chunk: ClientChunk, rows: list[int], params: TensorList) -> TensorList:
+        """The vectorized ``grads_at``: ∇ of each row's loss at its own stacked ``params``
+        (every parameter), on the batch being stepped, with the rows' per-client state and
+        new dropout masks drawn from their generators, the sequential path's next draws of
+        the global RNG. For callbacks that take a second gradient per local step (APFL).
+        Only from ``on_before_vectorized_optimizer_step``; refused for modules with
+        running statistics, which a second forward pass would update."""
+        if chunk.num_params < len(chunk.tensors):
+            raise _refuse(
+                "a callback takes a second gradient at every local step, and the module has "
+                "running statistics (BatchNorm) that this second forward pass would update "
+                "per client. Use GroupNorm or LayerNorm."
+            )
+        index = torch.tensor(rows, device=params[0].device)
+        client_state = [[t[index] for t in tensors] for tensors in self.client_state]
+        batch = self.batch
+        masks: list[Tensor] = []
+        if self.dropout.active():
+            first = tree_map(lambda t: t[0], batch)
+            calls = self.dropout.shapes(
+                batch_shape_key(first),
+                lambda: self._client_loss(
+                    [p[0] for p in params], [], first, None,
+                    [[t[0] for t in tensors] for tensors in client_state],
+                ),
+            )  # fmt: skip
+            masks = self.dropout.masks(calls, self.generators, params[0].dtype, params[0].device)
+
+        def loss(tensors, one_batch, one_masks, one_state):
+            return self._client_loss(tensors, [], one_batch, one_masks, one_state)[0]
+
+        with torch.enable_grad():
+            grads = vmap(torch.func.grad(loss), randomness="error")(
+                [p.detach() for p in params], batch, masks, client_state
+            )
+        return [g.detach() for g in grads]
+
     def __call__(
         self,
         chunk: ClientChunk,
