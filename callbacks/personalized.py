@@ -404,12 +404,13 @@ class PFedMe(_BatchHook):
     decay) at learning rate η. The server step w ← (1−β)w + β·avg(w_i) is FedAvg with
     ``server_lr=β``. Clients are evaluated with their last θ̂; an unseen client runs one
     pass of this local procedure from the global model.
+
+    Vectorized clients: the K inner steps run for every row at once
+    (``VectorizedStep.gradients_at``, new dropout masks at each, as the sequential path
+    draws them), and each row's gradient is replaced by λ(w − θ̂).
     """
 
-    not_vectorized_because = (
-        "every local step first runs an inner loop that solves for the personalized "
-        "model, which the vectorized step does not run"
-    )
+    supports_vectorized_clients = True
 
     requires_task_loss = True
 
@@ -435,12 +436,13 @@ class PFedMe(_BatchHook):
                     "with momentum 0 and weight_decay 0."
                 )
 
-    def personalize(self, module, batch, w: TensorList) -> TensorList:
-        """θ̂(w; ξ) by K proximal gradient steps from w."""
+    def personalize(self, module, batch, w: TensorList, gradient=None) -> TensorList:
+        """θ̂(w; ξ) by K proximal gradient steps from w; ``gradient(θ)``: ∇f(θ; ξ)
+        (default: the module's loss on ``batch``)."""
         theta = [t.clone() for t in w]
         params = _params(module)
         for _ in range(self.inner_steps):
-            grads = grads_at(module, params, theta, batch)
+            grads = grads_at(module, params, theta, batch) if gradient is None else gradient(theta)
             prox = torch._foreach_mul(torch._foreach_sub(theta, w), self.lam)
             torch._foreach_add_(grads, prox)
             torch._foreach_add_(theta, grads, alpha=-self.personal_lr)
@@ -455,7 +457,32 @@ class PFedMe(_BatchHook):
         for p, wi, ti in zip(params, w, self._theta):
             p.grad = self.lam * (wi - ti)
 
+    def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
+        self._rows_theta = [torch.zeros_like(t) for t in trainer.strategy.vectorized.chunk.params]
+        self._rows_stepped: set[int] = set()
+
+    @torch.no_grad()
+    def on_before_vectorized_optimizer_step(
+        self, trainer, pl_module, rows, params, grads, state: RoundState
+    ) -> None:
+        """:meth:`on_before_optimizer_step` for every row at once (``params``: each row's w)."""
+        vectorized = trainer.strategy.vectorized
+        theta = self.personalize(
+            pl_module, None, list(params),
+            lambda values: vectorized.step.gradients_at(vectorized.chunk, rows, values),
+        )  # fmt: skip
+        index = torch.tensor(rows, device=params[0].device)
+        for g, full, wi, ti in zip(grads, self._rows_theta, params, theta):
+            if g is not None:
+                g.copy_(self.lam * (wi - ti))
+            full[index] = ti
+        self._rows_stepped.update(rows)
+
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
+        if trainer.strategy.vectorize:  # this client's row, if it took a step
+            row = trainer.strategy.vectorized.chunk.clients.index(client)
+            stepped = row in self._rows_stepped
+            self._theta = [t[row] for t in self._rows_theta] if stepped else None
         if self._theta is not None:
             _store_params(state.store, client, self.key, self._theta)
         self._theta = None

@@ -28,6 +28,7 @@ from lightning_fl.callbacks import (
     Local,
     PFedMe,
     Pooled,
+    ServerReference,
 )
 from lightning_fl.engine.vectorized import VectorizationError
 from tests.helpers import HIDDEN, IN, OUT, make_trainer, max_abs_diff, params_of, tiny_datamodule
@@ -293,7 +294,7 @@ def _bad(kind: str):
     if kind == "hook":
         return _StepHook(network=_network()), []
     if kind == "callback":
-        return _module(), [PFedMe()]
+        return _module(), [ServerReference()]
     if kind == "plain_callback":
         return _module(), [_AfterBackward()]
     if kind == "rmsprop":
@@ -306,7 +307,7 @@ MESSAGES = {
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
-    "callback": "PFedMe does not support vectorized clients: every local step first runs",
+    "callback": "ServerReference does not support vectorized clients",
     "plain_callback": "overrides on_after_backward",
     "rmsprop": "RMSprop",
 }
@@ -470,6 +471,26 @@ def test_apfl_equals_the_sequential_path(adaptive):
         assert vec_store[client][APFL.alpha_key] == pytest.approx(entry[APFL.alpha_key], abs=1e-6)
         alphas.add(round(entry[APFL.alpha_key], 6))
     assert (len(alphas) > 1) == adaptive  # each client's own α moves
+
+
+def test_pfedme_equals_the_sequential_path():
+    """pFedMe (Alg. 1): the K inner steps toward θ̂ run for every row at once, new dropout
+    masks at each, and w steps along λ(w − θ̂): the global model and every stored θ̂ equal
+    the sequential run's over 3 rounds, with unequal clients in chunks of 4. Keeping the
+    user step's gradient, or drawing the inner steps' masks from another generator,
+    fails it."""
+    runs = []
+    for vectorize in (False, True):
+        module = _module()
+        callbacks = [PFedMe(lam=5.0, personal_lr=0.05, inner_steps=3)]
+        _, trainer = _fit(vectorize, callbacks, module=module, chunk=4)
+        runs.append((params_of(module), trainer.strategy.client_store.state_dict()))
+    (seq, seq_store), (vec, vec_store) = runs
+    assert max_abs_diff(seq, vec) <= 1e-5
+    assert seq_store.keys() == vec_store.keys() and len(seq_store) >= 6
+    for client, entry in seq_store.items():
+        diff = (entry[PFedMe.key] - vec_store[client][PFedMe.key]).abs().max()
+        assert float(diff) <= 1e-5, client
 
 
 def test_apfl_with_batchnorm_is_refused_under_vectorize():
