@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, sgd
 from lightning_fl.engine.outputs import run_dir
-from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.systems.membership import ATTACKS, membership_inference
 
 
@@ -167,14 +167,13 @@ class ServerReference(FederatedCallback):
 
     The server's local work is plain SGD at the module's learning rate for the strategy's
     ``local_steps`` (or one pass over the reference data with ``local_epochs``), from the
-    round's global model; its reference order is seeded from (seed, round). Needs
+    round's global model; its reference order and its dropout masks are seeded from
+    (seed, round), so vectorized clients give the same model as sequential ones. Needs
     ``ReferenceDataModule(reference="server")`` or any datamodule with
     ``server_reference()``.
     """
 
-    not_vectorized_because = (
-        "its batches hold two sources (training and reference data) weighted in one loss"
-    )
+    supports_vectorized_clients = True  # the server trains at round start, sequentially
 
     requires_task_loss = True
 
@@ -201,6 +200,9 @@ class ServerReference(FederatedCallback):
         steps = strategy.local_steps
         model = strategy.federated_tensors
         params = list(pl_module.parameters())
+        # its own dropout draws, as a client's: not what the last client left in the RNG
+        seed_global_rng(derive_seed(strategy.seed, "server_reference", state.round_idx),
+                        pl_module.device)  # fmt: skip
         if steps is None:
             sgd(pl_module, params, loader, pl_module.hparams.lr, epochs=strategy.local_epochs)
         else:

@@ -30,6 +30,7 @@ from lightning_fl.callbacks import (
     Pooled,
     ServerReference,
 )
+from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.engine.vectorized import VectorizationError
 from tests.helpers import HIDDEN, IN, OUT, make_trainer, max_abs_diff, params_of, tiny_datamodule
 
@@ -282,6 +283,10 @@ class _AfterBackward(__import__("lightning").pytorch.Callback):
         pass
 
 
+class _Unvectorized(FederatedCallback):
+    not_vectorized_because = "it is a test's callback that says it cannot"
+
+
 def _bad(kind: str):
     if kind == "batchnorm":
         norm = nn.BatchNorm1d(HIDDEN, momentum=None)  # a cumulative average
@@ -294,7 +299,7 @@ def _bad(kind: str):
     if kind == "hook":
         return _StepHook(network=_network()), []
     if kind == "callback":
-        return _module(), [ServerReference()]
+        return _module(), [_Unvectorized()]
     if kind == "plain_callback":
         return _module(), [_AfterBackward()]
     if kind == "rmsprop":
@@ -307,7 +312,7 @@ MESSAGES = {
     "dropout2d": "Dropout1d",
     "item": "cannot run under torch.func.vmap",
     "hook": "overrides on_before_optimizer_step",
-    "callback": "ServerReference does not support vectorized clients",
+    "callback": "_Unvectorized does not support vectorized clients: it is a test's",
     "plain_callback": "overrides on_after_backward",
     "rmsprop": "RMSprop",
 }
@@ -491,6 +496,22 @@ def test_pfedme_equals_the_sequential_path():
     for client, entry in seq_store.items():
         diff = (entry[PFedMe.key] - vec_store[client][PFedMe.key]).abs().max()
         assert float(diff) <= 1e-5, client
+
+
+def test_server_reference_equals_the_sequential_path():
+    """WERM with the reference data at the server: the server trains at round start with
+    its own seeded dropout masks (not whatever the previous round's last client left in
+    the global RNG, which differs between the paths), then the clients train together:
+    the global model equals the sequential run's over 3 rounds."""
+    from tests.composition import tiny_reference_federation
+
+    runs = []
+    for vectorize in (False, True):
+        module = _module()
+        _fit(vectorize, [ServerReference(w=0.3)], module=module, chunk=4,
+             datamodule=tiny_reference_federation)  # fmt: skip
+        runs.append(params_of(module))
+    assert max_abs_diff(*runs) <= 1e-5
 
 
 def test_apfl_with_batchnorm_is_refused_under_vectorize():
