@@ -13,7 +13,9 @@ steps, in idle (padding) steps while the other rank trains, and in the round's e
 all-reduce and aggregation, which waits for the slowest rank), the steps each rank trained,
 and the mean over rounds of max/mean of the clients per rank under the owner split
 (1 = balanced). ``--by-owner`` trains every client on its owner rank (client %
-world_size), the split before participants were balanced by steps.
+world_size), the split before participants were balanced by steps. ``--vectorize``: the
+same workload with ``FederatedStrategy(vectorize=True)``, each rank stacking its own share
+of the round's clients (not with ``--profile``, whose per-step hooks count client steps).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def worker(devices: int, rounds: int, profile: bool = False, by_owner: bool = False) -> None:
+def worker(
+    devices: int, rounds: int, profile: bool = False, by_owner: bool = False,
+    vectorize: bool = False,
+) -> None:  # fmt: skip
     import lightning.pytorch as pl
     import torch
     from overhead import BATCH, LR, PER_ROUND, STEPS, cnn_data
@@ -106,7 +111,8 @@ def worker(devices: int, rounds: int, profile: bool = False, by_owner: bool = Fa
     extra = [RankProfile()] if profile else []
     trainer = pl.Trainer(
         max_epochs=rounds, accelerator="cpu", devices=devices,
-        strategy=FederatedStrategy(sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0),
+        strategy=FederatedStrategy(sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0,
+                                   vectorize=vectorize),
         callbacks=[FedAvg(weighting="uniform"), RoundsTimer(), *extra], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
@@ -123,9 +129,12 @@ def main() -> None:
     parser.add_argument(
         "--by-owner", action="store_true", help="train every client on its owner rank"
     )
+    parser.add_argument("--vectorize", action="store_true", help="vectorized clients per rank")
     args = parser.parse_args()
+    if args.vectorize and args.profile:
+        parser.error("--profile counts sequential client steps; drop it with --vectorize.")
     if args.worker:
-        worker(args.devices[0], args.rounds, args.profile, args.by_owner)
+        worker(args.devices[0], args.rounds, args.profile, args.by_owner, args.vectorize)
         return
     from overhead import PER_ROUND
 
@@ -134,6 +143,7 @@ def main() -> None:
         command = [sys.executable, __file__, "--worker", "--devices", str(n)]
         command += ["--profile"] if args.profile else []
         command += ["--by-owner"] if args.by_owner else []
+        command += ["--vectorize"] if args.vectorize else []
         out = subprocess.run(
             [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
         ).stdout
@@ -143,7 +153,8 @@ def main() -> None:
         clients_per_s = PER_ROUND * args.rounds / times[n]
         speedup = times[args.devices[0]] / times[n]
         print(
-            f"cnn, {n} process(es): {times[n]:.3f} s, speed-up {speedup:.2f}x, "
+            f"cnn{', vectorized' if args.vectorize else ''}, {n} process(es): "
+            f"{times[n]:.3f} s, speed-up {speedup:.2f}x, "
             f"{clients_per_s:.2f} clients/s ({PER_ROUND} clients x {args.rounds} rounds)",
             flush=True,
         )
