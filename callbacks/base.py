@@ -75,6 +75,12 @@ class FederatedCallback(pl.Callback):
     #: on the rank that owns the client). Only when no callback does may several
     #: processes split each round's participants by their steps instead of by owner.
     keeps_client_state: bool = True
+    #: Whether all of that per-client state lives in the client store, read when a client
+    #: starts and written when it ends (nothing kept in the callback itself): then a
+    #: client may train on another rank than its owner, and the strategy moves its
+    #: entries there for the round and back at the round's end, so that several
+    #: processes still split the participants by their steps.
+    client_state_in_store: bool = False
     #: Whether the callback computes the module's loss outside ``training_step`` (local
     #: training of a personal model, evaluation on training data) through its
     #: ``loss_and_metrics(batch)``; a module without it is refused at setup.

@@ -23,6 +23,8 @@ class Local(Aggregator):
     ``*/unseen/*`` metrics are chance level, not a Local result.
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     supports_vectorized_clients = True
 
     models = PersonalModels(STORE_KEY)

@@ -56,6 +56,8 @@ class FedEM(FederatedCallback):
     update on its training data (§3.5.6, Table 3.3).
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     supports_vectorized_clients = True
 
     def __init__(self) -> None:

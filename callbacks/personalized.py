@@ -87,6 +87,8 @@ class Ditto(FederatedCallback):
         personal_lr: η_p. personal_epochs: passes per participation.
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     requires_task_loss = True
@@ -179,6 +181,8 @@ class APFL(_BatchHook):
     and every vectorized step takes each row's v (and α) step at its own v̄ on its own
     batch, with the dropout masks the sequential path would draw next.
     """
+
+    client_state_in_store = True  # it moves with the client (several processes)
 
     supports_vectorized_clients = True
 
@@ -316,6 +320,8 @@ class FedRep(FederatedCallback):
         head: names of the head's modules (default: the last ``nn.Linear``).
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     requires_task_loss = True
     supports_vectorized_clients = True
 
@@ -409,6 +415,8 @@ class PFedMe(_BatchHook):
     (``VectorizedStep.gradients_at``, new dropout masks at each, as the sequential path
     draws them), and each row's gradient is replaced by λ(w − θ̂).
     """
+
+    client_state_in_store = True  # it moves with the client (several processes)
 
     supports_vectorized_clients = True
 

@@ -254,6 +254,8 @@ class DPSGD(FederatedCallback):
     the result equals the sequential run's. WERM's two-source batches are refused there.
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     replaces_gradient = True
     supports_vectorized_clients = True
 

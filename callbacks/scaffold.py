@@ -42,6 +42,8 @@ class SCAFFOLD(FederatedCallback):
         ``"target"`` for c ← c + Σ_{i∈S} p_i Δc_i with the aggregator's weights p_i.
     """
 
+    client_state_in_store = True  # it moves with the client (several processes)
+
     def __init__(self, control_weighting: Literal["uniform", "target"] = "uniform") -> None:
         if control_weighting not in ("uniform", "target"):
             raise ValueError(

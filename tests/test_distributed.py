@@ -211,9 +211,11 @@ def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=
 def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
     """Longest processing time first: 10 equal clients split 5/5 whatever their ids (by
     owner, clients 0, 2, 4, 6, 8 would all train on rank 0); unequal steps end within
-    one client's steps of each other; with a stateful plugin, client state or streams,
-    each client trains where its state lives (its owner)."""
-    from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
+    one client's steps of each other; state kept in the client store (SCAFFOLD's c_i, an
+    optimizer state) moves with its client, so those split by steps too; a client drawn
+    twice trains on one rank; with a plugin whose state stays on its owner (Clustered
+    FL's) or streams, each client trains where its state lives (its owner)."""
+    from lightning_fl.callbacks import SCAFFOLD, ClusteredFL, FedAvg, FedProx
     from lightning_fl.datamodules import StreamingDataModule
     from tests.helpers import tiny_datamodule
 
@@ -226,9 +228,14 @@ def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
     loads = [sum(s for s, r in zip(steps, ranks) if r == k) for k in (0, 1)]
     # by hand, longest first: 9 → r0, 8 → r1, 7 → r1 (8 < 9), 4 → r0, 3 → r0, 3 → r1, 1 → r0
     assert ranks == [0, 0, 0, 1, 0, 1, 1] and loads == [17, 18]
+    assert _planner(2, [SCAFFOLD()]).ranks(list(range(7)), steps) == ranks
+    kept = _planner(2, [FedAvg()], keep_optimizer_state=True)
+    assert kept.ranks(list(range(7)), steps) == ranks
+    # client 3 drawn twice (3 + 4 steps): one rank, by its total of 7; by hand: 3 (7) → r0,
+    # 5 (6) → r1, 2 (5) → r1 (6 < 7), 1 (2) → r0 (7 < 11)
+    assert planner.ranks([5, 3, 1, 3, 2], [6, 3, 2, 4, 5]) == [1, 0, 0, 0, 1]
     by_owner = [c % 2 for c in even]
-    assert _planner(2, [SCAFFOLD()]).ranks(even, [5] * 10) == by_owner
-    assert _planner(2, [FedAvg()], keep_optimizer_state=True).ranks(even, [5] * 10) == by_owner
+    assert _planner(2, [ClusteredFL()]).ranks(even, [5] * 10) == by_owner
     streams = StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=2)
     assert _planner(2, [FedAvg()], datamodule=streams).ranks(even, [5] * 10) == by_owner
 

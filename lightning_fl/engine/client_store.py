@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 
 class ClientStore:
@@ -29,6 +31,15 @@ class ClientStore:
     def clients(self) -> list[int]:
         return sorted(self._state)
 
+    def pop(self, client: int) -> dict[str, Any]:
+        """Remove and return ``client``'s entries (empty if it has none)."""
+        return self._state.pop(client, {})
+
+    def put(self, client: int, entries: dict[str, Any]) -> None:
+        """Set ``client``'s entries to ``entries`` (nothing for none)."""
+        if entries:
+            self._state[client] = dict(entries)
+
     def nbytes(self) -> int:
         return sum(
             v.numel() * v.element_size()
@@ -42,3 +53,23 @@ class ClientStore:
 
     def load_state_dict(self, state: dict[int, dict[str, Any]]) -> None:
         self._state = {int(c): dict(entries) for c, entries in state.items()}
+
+
+def move_client_states(
+    store: ClientStore, moves: dict[int, tuple[int, int]], rank: int, world_size: int
+) -> None:
+    """Move each client's entries from one rank's store to another's: ``moves`` maps a
+    client to (the rank that holds its entries, the rank that needs them), the same on
+    every rank, and every rank calls this together (one ``all_gather_object``, tensors
+    sent on the CPU). Ranks that only send drop the entries; the receiver holds them."""
+    moving = {c: ends for c, ends in moves.items() if ends[0] != ends[1]}
+    if not moving:
+        return
+    outgoing = {c: store.pop(c) for c, (src, _) in moving.items() if src == rank}
+    outgoing = tree_map(lambda v: v.cpu() if isinstance(v, Tensor) else v, outgoing)
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, outgoing)
+    for part in parts:
+        for client, entries in part.items():
+            if moving[client][1] == rank:
+                store.put(client, entries)

@@ -24,6 +24,7 @@ from lightning_fl.callbacks.base import (
     RoundState,
 )
 from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.client_store import move_client_states
 from lightning_fl.engine.rounds import ClientSchedule
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import zeros_like
@@ -52,6 +53,9 @@ class RoundPlan:
     state: RoundState
     steps: ClientSchedule
     chunks: list[tuple[int, ...]] | None = None
+    #: the participants whose client-store entries came from their owner rank to the rank
+    #: that trains them this round: client → (owner, trainer); they go back at its end
+    moved: dict[int, tuple[int, int]] | None = None
 
     def is_padding(self, pos: int) -> bool:
         """Whether schedule position ``pos`` is this rank's idle batches."""
@@ -93,6 +97,7 @@ class RoundPlanner:
             built = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
         batches = [self._num_batches(c, built.get(i)) for i, c in enumerate(clients)]
         ranks = self.ranks(clients, batches)
+        moved = self._move_states_in(clients, ranks)
         mine = [i for i, r in enumerate(ranks) if r == strategy.global_rank]
         for i in mine:
             if i not in built:
@@ -104,35 +109,73 @@ class RoundPlanner:
             [participation.clients[i] for i in mine], [batches[i] for i in mine], per_rank
         )
         state = self._round_state(round_idx, participation, counts, p, schedule)
-        return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks)
+        return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks, moved)
 
     def ranks(self, clients: Sequence[int], batches: Sequence[int]) -> list[int]:
         """The rank that trains each participant this round: its owner (client %
-        world_size, where its state lives), or, when nothing keeps per-client state
+        world_size, where its state lives), or, when every per-client state can move
         (:meth:`balanced`), the least loaded rank, taking the participants by decreasing
         number of steps (longest processing time first; ties to the earlier participant
-        and the lower rank), so that ranks finish the round together."""
+        and the lower rank), so that ranks finish the round together. A client drawn
+        several times (sampling with replacement) trains every time on one rank, in
+        order, as on one process."""
         strategy = self.strategy
         if strategy.world_size == 1 or not self.balanced():
             return [strategy.owner(c) for c in clients]
+        positions: dict[int, list[int]] = {}
+        for i, client in enumerate(clients):
+            positions.setdefault(client, []).append(i)
+        work = {c: sum(batches[i] for i in group) for c, group in positions.items()}
         load = [0] * strategy.world_size
         ranks = [0] * len(clients)
-        for i in sorted(range(len(clients)), key=lambda i: (-batches[i], i)):
+        for client in sorted(positions, key=lambda c: (-work[c], positions[c][0])):
             rank = min(range(strategy.world_size), key=lambda r: (load[r], r))
-            ranks[i] = rank
-            load[rank] += batches[i]
+            for i in positions[client]:
+                ranks[i] = rank
+            load[rank] += work[client]
         return ranks
 
+    def _move_states_in(
+        self, clients: Sequence[int], ranks: Sequence[int]
+    ) -> dict[int, tuple[int, int]] | None:
+        """Bring the client-store entries of the participants that train away from their
+        owner to the rank that trains them (:meth:`return_states` takes them back)."""
+        strategy = self.strategy
+        if strategy.world_size == 1 or not (self.balanced() and self.moves_state()):
+            return None
+        moved = {c: (strategy.owner(c), r) for c, r in zip(clients, ranks)
+                 if c >= 0 and strategy.owner(c) != r}  # fmt: skip
+        move_client_states(strategy.client_store, moved, strategy.global_rank, strategy.world_size)
+        return moved
+
+    def return_states(self, plan: RoundPlan) -> None:
+        """At the round's end, every moved participant's entries back to its owner."""
+        if plan.moved is not None:
+            back = {c: (trainer, owner) for c, (owner, trainer) in plan.moved.items()}
+            strategy = self.strategy
+            move_client_states(
+                strategy.client_store, back, strategy.global_rank, strategy.world_size
+            )
+
+    def moves_state(self) -> bool:
+        """Whether a client trained away from its owner needs its store entries there: a
+        callback keeps them, or clients keep their optimizer state."""
+        trainer = self.strategy.lightning_module.trainer
+        kept = any(isinstance(cb, FederatedCallback) and cb.keeps_client_state
+                   for cb in trainer.callbacks)  # fmt: skip
+        return kept or self.strategy.keep_optimizer_state
+
     def balanced(self) -> bool:
-        """Whether participants may train on any rank: no callback keeps per-client state
-        (``keeps_client_state``), clients keep no optimizer state, and the datamodule has
+        """Whether participants may train on any rank: every callback that keeps
+        per-client state keeps all of it in the client store (``client_state_in_store``:
+        it moves with the client; so does a kept optimizer state), and the datamodule has
         no per-client stream state (``set_round``)."""
         if self._balanced is None:
             trainer = self.strategy.lightning_module.trainer
-            stateful = [cb for cb in trainer.callbacks
-                        if isinstance(cb, FederatedCallback) and cb.keeps_client_state]  # fmt: skip
+            fixed = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)
+                     and cb.keeps_client_state and not cb.client_state_in_store]  # fmt: skip
             streams = type(self.datamodule).set_round is not FederatedDataModule.set_round
-            self._balanced = not (stateful or streams or self.strategy.keep_optimizer_state)
+            self._balanced = not (fixed or streams)
         return self._balanced
 
     def _warn_clients_without_data(self, counts: list[int]) -> None:
