@@ -16,6 +16,9 @@ and the mean over rounds of max/mean of the clients per rank under the owner spl
 world_size), the split before participants were balanced by steps. ``--vectorize``: the
 same workload with ``FederatedStrategy(vectorize=True)``, each rank stacking its own share
 of the round's clients (not with ``--profile``, whose per-step hooks count client steps).
+``--scaffold``: with SCAFFOLD, whose control variates c_i live in the client store and move
+to the rank that trains the client for the round (``--by-owner``: the owner split, which
+such runs used before the state moved).
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def worker(
     devices: int, rounds: int, profile: bool = False, by_owner: bool = False,
-    vectorize: bool = False,
+    vectorize: bool = False, scaffold: bool = False,
 ) -> None:  # fmt: skip
     import lightning.pytorch as pl
     import torch
     from overhead import BATCH, LR, PER_ROUND, STEPS, cnn_data
 
     from lightning_fl import Classifier, FederatedStrategy, MnistCNN, UniformSampler
-    from lightning_fl.callbacks import FedAvg
+    from lightning_fl.callbacks import SCAFFOLD, FedAvg
     from lightning_fl.datamodules import InMemoryFederatedDataModule
 
     class RoundsTimer(pl.Callback):
@@ -113,7 +116,8 @@ def worker(
         max_epochs=rounds, accelerator="cpu", devices=devices,
         strategy=FederatedStrategy(sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0,
                                    vectorize=vectorize),
-        callbacks=[FedAvg(weighting="uniform"), RoundsTimer(), *extra], logger=False,
+        callbacks=[FedAvg(weighting="uniform"), RoundsTimer(), *extra,
+                   *([SCAFFOLD()] if scaffold else [])], logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
@@ -130,11 +134,13 @@ def main() -> None:
         "--by-owner", action="store_true", help="train every client on its owner rank"
     )
     parser.add_argument("--vectorize", action="store_true", help="vectorized clients per rank")
+    parser.add_argument("--scaffold", action="store_true", help="with SCAFFOLD's client state")
     args = parser.parse_args()
     if args.vectorize and args.profile:
         parser.error("--profile counts sequential client steps; drop it with --vectorize.")
     if args.worker:
-        worker(args.devices[0], args.rounds, args.profile, args.by_owner, args.vectorize)
+        worker(args.devices[0], args.rounds, args.profile, args.by_owner, args.vectorize,
+               args.scaffold)  # fmt: skip
         return
     from overhead import PER_ROUND
 
@@ -144,6 +150,7 @@ def main() -> None:
         command += ["--profile"] if args.profile else []
         command += ["--by-owner"] if args.by_owner else []
         command += ["--vectorize"] if args.vectorize else []
+        command += ["--scaffold"] if args.scaffold else []
         out = subprocess.run(
             [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
         ).stdout
@@ -153,7 +160,8 @@ def main() -> None:
         clients_per_s = PER_ROUND * args.rounds / times[n]
         speedup = times[args.devices[0]] / times[n]
         print(
-            f"cnn{', vectorized' if args.vectorize else ''}, {n} process(es): "
+            f"cnn{', vectorized' if args.vectorize else ''}"
+            f"{', SCAFFOLD' if args.scaffold else ''}, {n} process(es): "
             f"{times[n]:.3f} s, speed-up {speedup:.2f}x, "
             f"{clients_per_s:.2f} clients/s ({PER_ROUND} clients x {args.rounds} rounds)",
             flush=True,
