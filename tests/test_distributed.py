@@ -213,9 +213,9 @@ def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
     owner, clients 0, 2, 4, 6, 8 would all train on rank 0); unequal steps end within
     one client's steps of each other; state kept in the client store (SCAFFOLD's c_i, an
     optimizer state) moves with its client, so those split by steps too; a client drawn
-    twice trains on one rank; with a plugin whose state stays on its owner (Clustered
-    FL's) or streams, each client trains where its state lives (its owner)."""
-    from lightning_fl.callbacks import SCAFFOLD, ClusteredFL, FedAvg, FedProx
+    twice trains on one rank; with a plugin whose state stays on its owner (gossip's
+    personal models) or streams, each client trains where its state lives (its owner)."""
+    from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx, GossipAveraging
     from lightning_fl.datamodules import StreamingDataModule
     from tests.helpers import tiny_datamodule
 
@@ -235,7 +235,8 @@ def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
     # 5 (6) → r1, 2 (5) → r1 (6 < 7), 1 (2) → r0 (7 < 11)
     assert planner.ranks([5, 3, 1, 3, 2], [6, 3, 2, 4, 5]) == [1, 0, 0, 0, 1]
     by_owner = [c % 2 for c in even]
-    assert _planner(2, [ClusteredFL()]).ranks(even, [5] * 10) == by_owner
+    gossip = GossipAveraging(edge_probability=0.6, seed=1)
+    assert _planner(2, [gossip]).ranks(even, [5] * 10) == by_owner
     streams = StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=2)
     assert _planner(2, [FedAvg()], datamodule=streams).ranks(even, [5] * 10) == by_owner
 
