@@ -129,6 +129,7 @@ def cache_rules(
     concentration: float | None = None,
     rounds: int | None = None,
     local_steps: int | None = None,
+    recycle: bool = False,
 ) -> list[str]:
     """P2's comparison (Fig. 3–4) on ``recipe`` (default: the digits one), at the recipe's
     learning rate or ``lr`` and the recipe's drift concentration α or ``concentration``
@@ -147,6 +148,10 @@ def cache_rules(
         title, setting = f"{title}, {rounds} rounds", f"{setting}; {rounds} rounds"
     if local_steps is not None:
         title, setting = f"{title}, K {local_steps}", f"{setting}; {local_steps} local steps"
+    if recycle:
+        title = f"{title}, recycled stream"
+        setting = (f"{setting}; a stationary stream over the whole horizon (a class that runs "
+                   "out starts again from a new permutation of its samples)")  # fmt: skip
     lines = ["", f"## Cache rules on {title} (Wang, Bian, Xu, Fig. 3–4)", "",
              f"{recipe.relative_to(ROOT)}, seeds {seeds}: {setting}. FULL trains on each "
              "client's whole data. Test accuracy (mean ± 95%) and the accumulated discrepancy "
@@ -164,6 +169,8 @@ def cache_rules(
                 config["trainer"]["max_epochs"] = data["rounds"] = rounds
             if local_steps is not None:
                 config["trainer"]["strategy"]["init_args"]["local_steps"] = local_steps
+            if recycle:
+                data["recycle"] = True
             if rule == "full":
                 data["historical"] = data["source"]["init_args"]["num_clients"]
                 config["trainer"]["callbacks"] = config["trainer"]["callbacks"][:1]
@@ -234,6 +241,11 @@ def main() -> None:
                         help="Dir(α) of the short-term label distributions")  # fmt: skip
     parser.add_argument("--rounds", type=int, help="rounds of the cache-rule comparison")
     parser.add_argument("--local-steps", type=int, help="local steps of the cache-rule runs")
+    parser.add_argument(
+        "--recycle",
+        action="store_true",
+        help="a stationary stream that never runs out (recycle=True)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if "epsilon" in args.part or "sizes" in args.part:
@@ -255,7 +267,7 @@ def main() -> None:
                 for alpha in args.concentrations:
                     parts += cache_rules(
                         args.seeds, args.cache_recipe.resolve(), lr, alpha, args.rounds,
-                        args.local_steps,
+                        args.local_steps, args.recycle,
                     )  # fmt: skip
         if "sweeps" in args.part:
             parts += cache_sweeps(args.seeds)

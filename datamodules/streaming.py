@@ -61,6 +61,12 @@ class StreamingDataModule(FederatedDataModule):
             distributions u^j ~ Dir(α) (the paper does not give how it draws them; 0.5:
             concentrated, often one class at a time; larger: closer to the client's
             long-term distribution).
+        recycle: with ``drift``, a stationary stream over the whole ``rounds`` horizon
+            (the cache-rule paper's, whose long-term distribution is the chain's
+            stationary law): a class whose samples have all been streamed starts again
+            from a new permutation of them, so every round's labels follow the current
+            u^j. False: draws of an exhausted class go to the classes that still have
+            samples, and the stream ends with the client's data.
         seed: the streams' and caches' seed.
         fresh_rounds: if set, every fresh client is available for this many consecutive
             rounds only (P1's FEMNIST: 1, Shakespeare: 2): its whole training set arrives
@@ -85,6 +91,7 @@ class StreamingDataModule(FederatedDataModule):
         rounds: int = 100,
         drift: int = 0,
         drift_concentration: float = 0.5,
+        recycle: bool = False,
         seed: int = 0,
         full_batch: bool = False,
         fresh_rounds: int | None = None,
@@ -99,6 +106,12 @@ class StreamingDataModule(FederatedDataModule):
         if not drift_concentration > 0:
             raise ValueError(f"drift_concentration must be > 0, got {drift_concentration}.")
         self.drift_concentration = drift_concentration
+        if recycle and not drift:
+            raise ValueError(
+                "recycle applies to drifting streams: set drift (e.g. 10 short-term "
+                "distributions) or leave recycle false."
+            )
+        self.recycle = recycle
         if rate < 1:
             raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
         capacity = rate if capacity is None else capacity
@@ -148,8 +161,9 @@ class StreamingDataModule(FederatedDataModule):
             size = 0 if data is None else len(data)
             labels = _labels(data, size)
             rng = np.random.default_rng([self.seed, 7, c])
+            length = self.rounds * self.rate if self.recycle else None
             order = rng.permutation(size) if not self.drift else drifting_order(
-                labels, self.drift, self.rate, rng, self.drift_concentration
+                labels, self.drift, self.rate, rng, self.drift_concentration, length
             )  # fmt: skip
             self._streams.append(order)
             self._labels.append(labels)
@@ -264,6 +278,7 @@ def drifting_order(
     rate: int,
     rng: np.random.Generator,
     concentration: float = 0.5,
+    length: int | None = None,
 ) -> np.ndarray:
     """A non-stationary label stream (Wang, Bian, Xu §V, which leaves the details open; our
     choices): ``states`` short-term label distributions u^j ~ Dir(α), α =
@@ -272,7 +287,9 @@ def drifting_order(
     stationary law gives the long-term distribution π = Σ_j ρ_j u^j); each round draws
     ``rate`` labels from the current u^j and takes, for each, the next unseen sample of
     that class. Returns the samples' order; when a class runs out, its draws go to the
-    classes that still have samples."""
+    classes that still have samples. With ``length``: exactly that many samples, every
+    label drawn from the current u^j, a class that runs out starting again from a new
+    permutation of its samples (a stationary stream of any horizon)."""
     classes = np.unique(labels)
     if len(classes) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -283,13 +300,15 @@ def drifting_order(
     transition /= transition.sum(axis=1, keepdims=True)
     pools = {int(c): list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
     order, state = [], int(rng.integers(states))
-    while any(pools.values()):
+    while any(pools.values()) if length is None else len(order) < length:
         for cls in rng.choice(classes, size=rate, p=short[state]):
+            if length is not None and not pools[int(cls)]:
+                pools[int(cls)] = list(rng.permutation(np.flatnonzero(labels == cls)))
             pool = pools[int(cls)] or next((p for p in pools.values() if p), [])
             if pool:
                 order.append(pool.pop())
         state = int(rng.choice(states, p=transition[state]))
-    return np.asarray(order, dtype=np.int64)
+    return np.asarray(order[:length], dtype=np.int64)
 
 
 class LogisticStreamsDataModule(InMemoryFederatedDataModule):

@@ -300,6 +300,30 @@ def test_drifting_stream_visits_every_sample_once_with_changing_label_mixes():
     assert mixes.std(axis=0).max() > 1.0  # short-term distributions differ from round to round
 
 
+def test_a_recycled_drifting_stream_runs_the_whole_horizon_on_its_label_draws():
+    """recycle (a stationary stream of any horizon): exactly rounds·rate samples; until a
+    class first runs out it is the plain stream, sample for sample; then that class
+    starts again from a new permutation of its samples (each pass over it visits every
+    sample once), instead of its draws going to the other classes, so a small class
+    keeps its share of the rounds."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+    from lightning_fl.datamodules.streaming import drifting_order
+
+    labels = np.repeat([1, 4, 7], [30, 100, 100])
+    plain = drifting_order(labels, 10, 6, np.random.default_rng(0))
+    recycled = drifting_order(labels, 10, 6, np.random.default_rng(0), length=690)
+    assert len(plain) == 230 and len(recycled) == 690
+    small = np.flatnonzero(labels[recycled] == 1)
+    first_out = small[29]  # the draw that takes class 1's last unseen sample
+    assert np.array_equal(recycled[: first_out + 1], plain[: first_out + 1])
+    passes = recycled[small[: 30 * (len(small) // 30)]].reshape(-1, 30)
+    assert len(passes) >= 3 and all(sorted(p) == list(range(30)) for p in passes)
+    assert np.sum(labels[plain[first_out + 1 :]] == 1) == 0  # the plain stream lost it
+    with pytest.raises(ValueError, match="recycle applies to drifting streams"):
+        StreamingDataModule(LogisticStreamsDataModule(num_clients=3, historical=1),
+                            recycle=True)  # fmt: skip
+
+
 def test_drift_concentration_sets_how_far_short_term_mixes_stray():
     """Dir(α) short-term distributions: a large α keeps each round's label mix near the
     client's long-term one, a small α concentrates rounds on few classes (the rounds'
