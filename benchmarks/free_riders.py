@@ -33,7 +33,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from recipe_runs import run_recipe
+from recipe_runs import run_recipe, write_keeping_reading
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {
@@ -156,8 +156,7 @@ def main() -> None:
     stem = "free_riders" if not fashion else "free_riders_fashion_mnist"
     _plot(curves, stem)
     lines += ["", f"![training loss of the fair clients]({stem}.png)", ""]
-    text = "\n".join(lines) + "\n"
-    (RESULTS / f"{stem}.md").write_text(text)
+    text = write_keeping_reading(RESULTS / f"{stem}.md", "\n".join(lines) + "\n")
     print(text)
 
 
