@@ -109,6 +109,11 @@ def main() -> None:
     )
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--ninety", action="store_true", help="issue 26 item 6 (see above)")
+    parser.add_argument(
+        "--budget-probe",
+        action="store_true",
+        help="fair-only runs of share × budget rounds (iid, initialization 0)",
+    )
     args = parser.parse_args()
     fashion = args.dataset == "fashion_mnist"
     args.rounds = ({"iid": args.rounds, "shards": args.rounds} if args.rounds
@@ -116,6 +121,9 @@ def main() -> None:
     attacks = [a for a, key in zip(ATTACKS, ("plain", "disguised1", "disguised3"))
                if key in args.attacks]  # fmt: skip
     torch.set_num_threads(1)
+    if args.budget_probe:
+        budget_probe(args)
+        return
     if args.ninety:
         ninety(args)
         return
@@ -158,6 +166,25 @@ def main() -> None:
     lines += ["", f"![training loss of the fair clients]({stem}.png)", ""]
     text = write_keeping_reading(RESULTS / f"{stem}.md", "\n".join(lines) + "\n")
     print(text)
+
+
+def budget_probe(args) -> None:
+    """A plain free-rider returns the global model, so FedAvg's step is the fair clients'
+    average update times their declared share: a run is worth (share × budget) fair-only
+    rounds. Prints those fair-only runs beside the free-rider runs they should equal."""
+    base = args.rounds["iid"]
+    for label, riders, rounds, fair_rounds in (
+        ("1 free-rider", 1, base, round(5 / 6 * base)),
+        ("45 free-riders", 45, base, round(0.1 * 3 * base)),
+    ):  # fmt: skip
+        attacked = fit("iid", False, riders, "plain", 1.0, 0, args, rounds=rounds)
+        fair = fit("iid", False, 0, "plain", 1.0, 0, args, rounds=fair_rounds)
+        print(f"| {label}, {rounds * ROUND_FACTOR[riders]} rounds | {attacked['acc']:.3f} | "
+              f"{attacked['loss']:.3f} |\n| fair only, {fair_rounds} rounds | {fair['acc']:.3f} "
+              f"| {fair['loss']:.3f} |", flush=True)  # fmt: skip
+    longer = fit("iid", False, 1, "plain", 1.0, 0, args, rounds=round(6 / 5 * base))
+    print(f"| 1 free-rider, {round(6 / 5 * base)} rounds | {longer['acc']:.3f} | "
+          f"{longer['loss']:.3f} |", flush=True)  # fmt: skip
 
 
 def ninety(args) -> None:
