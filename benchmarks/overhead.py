@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -350,8 +351,9 @@ def scale(rounds: int) -> list[str]:
 # ------------------------------------------------------------------ plugins vectorized
 def run_plugin(name: str, data, vectorize: bool, fused: int | None = 1) -> float:
     """Seconds of Trainer.fit for the mlp workload with FedEM (3 components, a
-    MixtureClassifier of the 60-128-10 MLP) or DP-SGD (noise 1.0, clip 1.0)."""
-    from lightning_fl.callbacks import DPSGD, FedEM
+    MixtureClassifier of the 60-128-10 MLP), DP-SGD (noise 1.0, clip 1.0), APFL (adaptive
+    α) or pFedMe (λ = 15, K = 5 inner steps)."""
+    from lightning_fl.callbacks import APFL, DPSGD, FedEM, PFedMe
     from lightning_fl.systems.mixture import MixtureClassifier
 
     torch.manual_seed(0)
@@ -360,7 +362,12 @@ def run_plugin(name: str, data, vectorize: bool, fused: int | None = 1) -> float
         callbacks = [FedEM()]
     else:
         module = Classifier(network=MLP(60, (128,), 10), lr=LR)
-        callbacks = [FedAvg(weighting="uniform"), DPSGD(noise_multiplier=1.0, max_grad_norm=1.0)]
+        plugin = {
+            "DPSGD": lambda: DPSGD(noise_multiplier=1.0, max_grad_norm=1.0),
+            "APFL": lambda: APFL(alpha=0.5, local_lr=LR, adaptive_alpha=True),
+            "pFedMe": lambda: PFedMe(lam=15.0, personal_lr=LR, inner_steps=5),
+        }[name]()
+        callbacks = [FedAvg(weighting="uniform"), plugin]
     dm = InMemoryFederatedDataModule([{"train": d} for d in data], batch_size=BATCH)
     strategy = FederatedStrategy(
         sampler=UniformSampler(PER_ROUND), local_steps=STEPS, seed=0, vectorize=vectorize,
@@ -376,14 +383,15 @@ def run_plugin(name: str, data, vectorize: bool, fused: int | None = 1) -> float
     return time.perf_counter() - start
 
 
-def plugins(repeats: int) -> list[str]:
-    """Issue 25's plugin targets: FedEM (3 components) and DP-SGD vectorized over clients
-    against their own sequential runs, median of ``repeats`` interleaved runs."""
+def plugins(repeats: int, names: Sequence[str] = ("FedEM", "DPSGD")) -> list[str]:
+    """Issue 25's plugin targets: FedEM (3 components) and DP-SGD (and APFL, pFedMe)
+    vectorized over clients against their own sequential runs, median of ``repeats``
+    interleaved runs."""
     data = mlp_data()
     paths = {"sequential": (False, 1), "vectorized": (True, 1), "vectorized, a round per "
              "training step": (True, None)}  # fmt: skip
     lines = []
-    for name in ("FedEM", "DPSGD"):
+    for name in names:
         times: dict[str, list[float]] = {label: [] for label in paths}
         for _ in range(repeats):
             for label, (vectorize, fused) in paths.items():
@@ -417,7 +425,10 @@ def main() -> None:
     parser.add_argument("--anatomy", action="store_true", help="µs per step of each loop")
     parser.add_argument("--scale-one", nargs=4, type=int, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--plugins", action="store_true", help="FedEM and DP-SGD, vectorized against sequential"
+        "--plugins",
+        nargs="*",
+        choices=["FedEM", "DPSGD", "APFL", "pFedMe"],
+        help="these plugins (none named: FedEM and DPSGD), vectorized against sequential",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --scale runs")
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
@@ -435,8 +446,8 @@ def main() -> None:
         lines += scale(args.rounds)
     elif args.anatomy:
         lines += anatomy(args.repeats)
-    elif args.plugins:
-        lines += plugins(args.repeats)
+    elif args.plugins is not None:
+        lines += plugins(args.repeats, args.plugins or ("FedEM", "DPSGD"))
     else:
         lines += overhead(args.workloads, args.repeats)
     if args.out:
