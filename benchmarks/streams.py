@@ -184,6 +184,8 @@ def cache_rules(
             values = [float(r["streams/accumulated_discrepancy"]) for r in rows
                       if r.get("streams/accumulated_discrepancy")]  # fmt: skip
             totals.append(values[-1] if values else float("nan"))
+            print(f"RUN {rule} seed {seed}: acc {accuracies[-1]:.2f} "
+                  f"discrepancy {totals[-1]:.2f}", flush=True)  # fmt: skip
         total = "—" if rule == "full" else f"{statistics.mean(totals):.1f}"
         lines.append(f"| {rule.upper()} | {summary(accuracies)} | {total} |")
     return lines + ["", "The paper's claim: DRSR ≈ SRSR > FIFO > LAZY in accuracy, DRSR's "
