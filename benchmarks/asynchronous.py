@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 
 import torch
-from recipe_runs import callback_of, run_recipe
+from recipe_runs import callback_of, run_recipe, write_keeping_reading
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "asynchronous"
@@ -236,8 +236,7 @@ def main() -> None:
         lines += convex(args.seeds)
     if "schemes" in args.part:
         lines += schemes(args.seeds, args.clients)
-    text = "\n".join(lines) + "\n"
-    (RESULTS / f"asynchronous{_suffix()}.md").write_text(text)
+    text = write_keeping_reading(RESULTS / f"asynchronous{_suffix()}.md", "\n".join(lines))
     print(text)
 
 
