@@ -215,6 +215,8 @@ class APFL(_BatchHook):
         self._rows_alpha: Tensor | None = None
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        if trainer.strategy.vectorize:  # the chunk's v and α are stacked at its start
+            return
         params = _params(pl_module)
         v = _load_params(state.store, client, self.v_key, params)
         self._v = [p.detach().clone() for p in params] if v is None else v
@@ -256,12 +258,12 @@ class APFL(_BatchHook):
         """:meth:`_step` for every row at once: the gradient at each row's own v̄ (the
         stacked ``params`` are each row's w before its step)."""
         strategy = trainer.strategy
-        index = torch.tensor(rows)
-        v = [t[index.to(t.device)] for t in self._rows_v]
-        alpha = self._rows_alpha[index]
+        index = torch.tensor(rows, device=params[0].device)
+        v = [t[index] for t in self._rows_v]
+        alpha = self._rows_alpha[index.cpu()]
 
         def per_row(values: Tensor, like: Tensor) -> Tensor:  # as Python floats scale
-            return values.to(like.dtype).reshape(-1, *[1] * (like.dim() - 1)).to(like.device)
+            return values.to(like.device, like.dtype).reshape(-1, *[1] * (like.dim() - 1))
 
         mixed = [per_row(alpha, vi) * vi + per_row(1 - alpha, vi) * wi for vi, wi in zip(v, params)]
         g = strategy.vectorized.step.gradients_at(strategy.vectorized.chunk, rows, mixed)
@@ -270,9 +272,9 @@ class APFL(_BatchHook):
                 ((vi - wi) * gi).reshape(len(rows), -1).sum(1).double().cpu()
                 for vi, wi, gi in zip(v, params, g)
             )
-            self._rows_alpha[index] = (alpha - self.alpha_lr * slope).clamp(0.0, 1.0)
+            self._rows_alpha[index.cpu()] = (alpha - self.alpha_lr * slope).clamp(0.0, 1.0)
         for full, vi, gi in zip(self._rows_v, v, g):
-            full[index.to(full.device)] = vi + per_row(-self.local_lr * alpha, gi) * gi
+            full[index] = vi + per_row(-self.local_lr * alpha, gi) * gi
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         if trainer.strategy.vectorize:  # this client's row of the stacked chunk
@@ -431,6 +433,9 @@ class PFedMe(_BatchHook):
             raise ValueError("pFedMe needs lam > 0 and inner_steps >= 1.")
         self.lam, self.personal_lr, self.inner_steps = lam, personal_lr, inner_steps
         self._theta: TensorList | None = None
+        #: vectorized clients: the chunk's last θ̂ by row, and the rows that took a step
+        self._rows_theta: TensorList = []
+        self._rows_stepped: set[int] = set()
 
     def on_fit_start(self, trainer, pl_module) -> None:
         for optimizer in trainer.optimizers:
@@ -467,7 +472,7 @@ class PFedMe(_BatchHook):
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         self._rows_theta = [torch.zeros_like(t) for t in trainer.strategy.vectorized.chunk.params]
-        self._rows_stepped: set[int] = set()
+        self._rows_stepped = set()
 
     @torch.no_grad()
     def on_before_vectorized_optimizer_step(

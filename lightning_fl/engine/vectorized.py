@@ -567,6 +567,29 @@ class VectorizedStep:
         except RuntimeError as err:
             raise _not_vmappable(err) from err
 
+    def _dropout_masks(
+        self,
+        key: tuple,
+        params: TensorList,
+        buffers: TensorList,
+        batch: Any,
+        client_state: list[list[Tensor]],
+        generators: list[torch.Generator],
+    ) -> list[Tensor]:
+        """The stacked rows' next dropout masks, drawn from their ``generators`` (none
+        without dropout); the masks' shapes are probed once per batch shape ``key``."""
+        if not self.dropout.active():
+            return []
+        first = tree_map(lambda t: t[0], batch)
+        calls = self.dropout.shapes(
+            key,
+            lambda: self._client_loss(
+                [p[0] for p in params], [b[0] for b in buffers], first, None,
+                [[t[0] for t in tensors] for tensors in client_state],
+            ),
+        )  # fmt: skip
+        return self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
+
     def gradients_at(self, chunk: ClientChunk, rows: list[int], params: TensorList) -> TensorList:
         """The vectorized ``grads_at``: ∇ of each row's loss at its own stacked ``params``
         (every parameter), on the batch being stepped, with the rows' per-client state and
@@ -583,17 +606,8 @@ class VectorizedStep:
         index = torch.tensor(rows, device=params[0].device)
         client_state = [[t[index] for t in tensors] for tensors in self.client_state]
         batch = self.batch
-        masks: list[Tensor] = []
-        if self.dropout.active():
-            first = tree_map(lambda t: t[0], batch)
-            calls = self.dropout.shapes(
-                batch_shape_key(first),
-                lambda: self._client_loss(
-                    [p[0] for p in params], [], first, None,
-                    [[t[0] for t in tensors] for tensors in client_state],
-                ),
-            )  # fmt: skip
-            masks = self.dropout.masks(calls, self.generators, params[0].dtype, params[0].device)
+        key = batch_shape_key(tree_map(lambda t: t[0], batch))
+        masks = self._dropout_masks(key, params, [], batch, client_state, self.generators)
 
         def loss(tensors, one_batch, one_masks, one_state):
             return self._client_loss(tensors, [], one_batch, one_masks, one_state)[0]
@@ -653,17 +667,7 @@ class VectorizedStep:
         client_state = [
             [t if index is None else t[index] for t in tensors] for tensors in self.client_state
         ]
-        masks: list[Tensor] = []
-        if self.dropout.active():
-            first = tree_map(lambda t: t[0], batch)
-            calls = self.dropout.shapes(
-                key,
-                lambda: self._client_loss(
-                    [p[0] for p in params], [b[0] for b in buffers], first, None,
-                    [[t[0] for t in tensors] for tensors in client_state],
-                ),
-            )  # fmt: skip
-            masks = self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
+        masks = self._dropout_masks(key, params, buffers, batch, client_state, generators)
         if self.compiled is not None:
             loss, metrics, found = self.compiled(params, buffers, batch, key)
         else:
