@@ -291,7 +291,7 @@ def _trainer(setup: Setup, rounds: int, root: str, extra: list, **kw) -> pl.Trai
         default_root_dir=root, max_epochs=rounds, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0, accelerator="cpu",
-        strategy=FederatedStrategy(sampler=setup.sampler, **strategy),
+        strategy=FederatedStrategy(sampler=setup.sampler, enable_plots=False, **strategy),
         callbacks=[*setup.callbacks, *extra],
     )  # fmt: skip
     options.update(kw)

@@ -46,8 +46,10 @@ def tiny_module(lr: float = 0.1, seed: int = 1) -> Classifier:
 
 
 def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -> pl.Trainer:
-    """A quiet CPU Trainer; files it writes (per-client CSVs, plots) go to a temporary
-    folder unless ``default_root_dir`` is given."""
+    """A quiet CPU Trainer; files it writes (per-client CSVs) go to a temporary folder
+    unless ``default_root_dir`` is given. No figures (a third of a small test's time): the
+    plot tests run recipes."""
+    strategy.enable_plots = False
     options = dict(
         default_root_dir=os.path.join(  # one folder per pytest-xdist worker
             tempfile.gettempdir(),

@@ -1,5 +1,10 @@
 """Several processes: the same recipe on 2 gloo processes equals the 1-process run, resumes
-exactly, and a crashed rank ends the run with a clear error instead of a hang."""
+exactly, and a crashed rank ends the run with a clear error instead of a hang.
+
+The 2-process runs of the recipes share one torchrun launch (tests/recipes_distributed.py:
+Python's and Lightning's start-up, about 10 s a process here, is paid once), and their
+1-process references run in the test's own process; the crash tests start through
+Lightning's own launcher (``--trainer.devices 2``), as a user does."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ SCAFFOLD = str(ROOT / "recipes" / "scaffold.yaml")
 def _cli(
     workdir: Path, *args: str, timeout: int = 600, test: bool = False
 ) -> subprocess.CompletedProcess:
+    """``lightning-fl fit`` in a new process (Lightning's own launcher starts the others)."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
@@ -32,6 +38,24 @@ def _cli(
     )  # fmt: skip
 
 
+def _one_process(workdir: Path, *args: str) -> None:
+    """``lightning-fl fit`` on 1 process, in this one (one thread, as each rank has)."""
+    from unittest import mock
+
+    from lightning_fl.cli import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with mock.patch.object(sys, "argv", ["lightning-fl"]):  # not pytest's arguments
+            options = ["--trainer.devices", "1", "--trainer.enable_progress_bar", "false",
+                       "--trainer.default_root_dir", str(workdir),
+                       "--trainer.logger.init_args.save_dir", str(workdir)]  # fmt: skip
+            run(["fit", *args, *options], exit_on_error=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _weights(workdir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
     (path,) = glob.glob(str(workdir / "**" / name), recursive=True)
     return torch.load(path, weights_only=True)["state_dict"]
@@ -41,60 +65,141 @@ def _ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-SIMILARITY = str(ROOT / "recipes" / "clustered_sampling_similarity.yaml")
+def _recipe(*parts: str) -> str:
+    return str(ROOT.joinpath("recipes", *parts))
 
 
-@pytest.mark.parametrize("recipe", [QUICKSTART, SIMILARITY], ids=["quickstart", "similarity"])
-def test_two_processes_equal_one_process(tmp_path, recipe):
+SIMILARITY = _recipe("clustered_sampling_similarity.yaml")
+NO_TEST = ("--test_after_fit", "false")
+#: Each case's arguments; on 2 processes they run in one torchrun launch (the fixture
+#: below), on 1 process in the test that compares.
+CASES: dict[str, list[str]] = {
+    "quickstart": ["--config", QUICKSTART, "--trainer.max_epochs", "5", *NO_TEST],
+    "similarity": ["--config", SIMILARITY, "--trainer.max_epochs", "5", *NO_TEST],
+    "scaffold": ["--config", SCAFFOLD, "--trainer.limit_val_batches", "0",
+                 "--trainer.max_epochs", "4", *NO_TEST],
+    "scaffold_first": ["--config", SCAFFOLD, "--trainer.limit_val_batches", "0",
+                       "--trainer.max_epochs", "2", *NO_TEST],
+    "scaffold_resumed": ["--config", SCAFFOLD, "--trainer.limit_val_batches", "0",
+                         "--trainer.max_epochs", "4", "--ckpt_path", "@last.ckpt:scaffold_first",
+                         *NO_TEST],
+    # each rank vectorizes its own clients in chunks of 3, so ranks take different numbers
+    # of steps and pad
+    "scaffold_vectorized": ["--config", SCAFFOLD, "--trainer.limit_val_batches", "0",
+                            "--trainer.max_epochs", "4", *NO_TEST,
+                            "--trainer.strategy.init_args.vectorize", "true",
+                            "--trainer.strategy.init_args.max_vectorized_clients", "3"],
+    "digits_fedem": ["--config", _recipe("personalization", "digits_fedem.yaml"),
+                     "--trainer.max_epochs", "3", "--test_after_fit", "true"],
+    "digits_knn_per": ["--config", _recipe("personalization", "digits_knn_per.yaml"),
+                       "--trainer.max_epochs", "3", "--test_after_fit", "true"],
+    "gaia_ring": ["--config", _recipe("topology", "digits_gaia_ring.yaml"),
+                  "--trainer.max_epochs", "3", *NO_TEST],
+    "fedfix": ["--config", _recipe("asynchronous", "digits_fedfix.yaml"),
+               "--trainer.max_epochs", "6", *NO_TEST],
+    "async": ["--config", _recipe("asynchronous", "digits_async.yaml"),
+              "--trainer.max_epochs", "6", *NO_TEST],
+    "one_client": ["--config", QUICKSTART, "--data.init_args.num_clients", "1",
+                   "--data.init_args.partition", "iid", *NO_TEST,
+                   "--trainer.strategy.init_args.sampler", "lightning_fl.FullParticipation"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Every case on 2 gloo processes, in one torchrun launch: (root, {case: outcome})."""
+    import json
+    import socket
+
+    root = tmp_path_factory.mktemp("two_processes")
+    (root / "cases.json").write_text(json.dumps(CASES))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), "-m", "tests.recipes_distributed", str(root),
+         str(root / "cases.json")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root, json.loads((root / "outcomes.json").read_text())
+
+
+def _two(two_processes, case: str) -> Path:
+    root, outcomes = two_processes
+    assert outcomes[case] == "ok", (case, outcomes[case])
+    return root / case
+
+
+@pytest.mark.parametrize("case", ["quickstart", "similarity"])
+def test_two_processes_equal_one_process(two_processes, tmp_path, case):
     """The similarity sampler's G_i reach both ranks through the round's all-reduce, so both
     draw the same clients."""
-    for devices in ("1", "2"):
-        _ok(_cli(tmp_path / devices, "--config", recipe, "--trainer.max_epochs", "5",
-                 "--trainer.devices", devices))  # fmt: skip
-    one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
+    dirs = {"1": tmp_path, "2": _two(two_processes, case)}
+    _one_process(tmp_path, *CASES[case])
+    one, two = _weights(dirs["1"]), _weights(dirs["2"])
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     plain = {}  # the plain val_acc is the gathered weighted mean, not a count-averaged sync
-    for d in ("1", "2"):
-        (path,) = glob.glob(str(tmp_path / d / "**" / "metrics.csv"), recursive=True)
+    for d, folder in dirs.items():
+        (path,) = glob.glob(str(folder / "**" / "metrics.csv"), recursive=True)
         plain[d] = [float(r["val_acc"]) for r in csv.DictReader(open(path)) if r.get("val_acc")]
     assert plain["1"] and plain["1"] == pytest.approx(plain["2"], abs=1e-6)
     rows = {}
-    for d in ("1", "2"):
-        (path,) = glob.glob(str(tmp_path / d / "**" / "client_metrics.csv"), recursive=True)
+    for d, folder in dirs.items():
+        (path,) = glob.glob(str(folder / "**" / "client_metrics.csv"), recursive=True)
         rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
     assert [r[:4] + r[5:] for r in rows["1"]] == [r[:4] + r[5:] for r in rows["2"]]
     for a, b in zip(rows["1"], rows["2"]):  # every client's metric, gathered from both ranks
         assert float(a[4]) == pytest.approx(float(b[4]), rel=1e-4, abs=1e-6)
 
 
-def test_scaffold_on_two_processes_equals_one_and_resumes_exactly(tmp_path):
-    """SCAFFOLD's c_i live on the owning rank and Σ Δc_i rides the round's all-reduce: the
-    model and the server control equal the 1-process run; resuming is exact."""
-    common = ["--config", SCAFFOLD, "--trainer.devices", "2", "--trainer.limit_val_batches", "0"]
-    _ok(_cli(tmp_path / "full", *common, "--trainer.max_epochs", "4"))
-    single = [*common[:3], "1", *common[4:]]
-    _ok(_cli(tmp_path / "single", *single, "--trainer.max_epochs", "4"))
-    one, two = _weights(tmp_path / "single"), _weights(tmp_path / "full")
+@pytest.fixture(scope="module")
+def scaffold_one_process(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("scaffold_one_process")
+    _one_process(folder, *CASES["scaffold"])
+    return folder
+
+
+def test_scaffold_on_two_processes_equals_one_and_resumes_exactly(
+    two_processes, scaffold_one_process
+):
+    """SCAFFOLD's c_i live in the client store and Σ Δc_i rides the round's all-reduce:
+    the model and the server control equal the 1-process run; resuming is exact."""
+    full = _two(two_processes, "scaffold")
+    one, two = _weights(scaffold_one_process), _weights(full)
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     controls = []
-    for d in ("single", "full"):
-        (path,) = glob.glob(str(tmp_path / d / "**" / "last.ckpt"), recursive=True)
+    for folder in (scaffold_one_process, full):
+        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
         callbacks = torch.load(path, weights_only=True)["callbacks"]
         (key,) = [k for k in callbacks if k.startswith("SCAFFOLD")]
         controls.append(callbacks[key]["server_control"])
     assert max(float((a - b).abs().max()) for a, b in zip(*controls)) <= 1e-5
     assert max(float(c.abs().max()) for c in controls[0]) > 0  # the controls did move
-    _ok(_cli(tmp_path / "first", *common, "--trainer.max_epochs", "2"))
-    (ckpt,) = glob.glob(str(tmp_path / "first" / "**" / "last.ckpt"), recursive=True)
+    first = _two(two_processes, "scaffold_first")
+    (ckpt,) = glob.glob(str(first / "**" / "last.ckpt"), recursive=True)
     saved = torch.load(ckpt, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
     assert saved and {c % 2 for c in saved} == {0, 1}  # both ranks' clients in one file
-    _ok(_cli(tmp_path / "resumed", *common, "--trainer.max_epochs", "4", "--ckpt_path", ckpt))
-    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
-    assert all(torch.equal(full[k], resumed[k]) for k in full)
+    resumed = _weights(_two(two_processes, "scaffold_resumed"))
+    two = _weights(full)
+    assert all(torch.equal(two[k], resumed[k]) for k in two)
+
+
+def test_vectorized_clients_on_two_processes_equal_the_sequential_run(
+    two_processes, scaffold_one_process
+):
+    """Each rank vectorizes its own clients, in chunks of 3 (so ranks take different
+    numbers of steps and pad): SCAFFOLD's model equals the 1-process sequential run."""
+    one = _weights(scaffold_one_process)
+    two = _weights(_two(two_processes, "scaffold_vectorized"))
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
 
 
 @pytest.mark.parametrize("rank", [1, 0])
 def test_crashed_rank_is_reported_and_nothing_hangs(tmp_path, rank):
+    """Through Lightning's own launcher (``--trainer.devices 2``), as a user starts it."""
     # The process group's timeout covers the rendezvous too: on a loaded 2-core machine
     # the second process may take over 20 s to import Lightning and connect (CI saw a
     # DistNetworkError instead of the injected failure), so it is generous; a hang would
@@ -109,54 +214,46 @@ def test_crashed_rank_is_reported_and_nothing_hangs(tmp_path, rank):
     assert f"injected failure on rank {rank}" in result.stdout + result.stderr
 
 
-def test_more_processes_than_clients_is_refused(tmp_path):
-    result = _cli(
-        tmp_path, "--config", QUICKSTART, "--trainer.devices", "2",
-        "--data.init_args.num_clients", "1", "--data.init_args.partition", "iid",
-        "--trainer.strategy.init_args.sampler", "lightning_fl.FullParticipation",
-    )  # fmt: skip
-    assert result.returncode != 0
-    assert "2 processes but only 1 clients" in result.stderr
+def test_more_processes_than_clients_is_refused(two_processes):
+    _, outcomes = two_processes
+    assert "2 processes but only 1 clients" in outcomes["one_client"]
 
 
-def test_fedem_and_knn_per_on_two_processes_equal_one_process(tmp_path):
-    """FedEM's π live on the owning rank; kNN-Per's λ_t are gathered from every rank."""
+def test_fedem_and_knn_per_on_two_processes_equal_one_process(two_processes, tmp_path):
+    """FedEM's π live in the client store; kNN-Per's λ_t are gathered from every rank."""
     for recipe in ("digits_fedem", "digits_knn_per"):
-        config = str(ROOT / "recipes" / "personalization" / f"{recipe}.yaml")
-        for devices in ("1", "2"):
-            _ok(_cli(tmp_path / recipe / devices, "--config", config, "--trainer.max_epochs", "3",
-                     "--trainer.devices", devices, test=True))  # fmt: skip
-        one, two = _weights(tmp_path / recipe / "1"), _weights(tmp_path / recipe / "2")
+        dirs = {"1": tmp_path / recipe, "2": _two(two_processes, recipe)}
+        _one_process(dirs["1"], *CASES[recipe])
+        one, two = _weights(dirs["1"]), _weights(dirs["2"])
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
         rows = {}
-        for d in ("1", "2"):
-            (path,) = glob.glob(
-                str(tmp_path / recipe / d / "**" / "client_metrics.csv"), recursive=True
-            )
+        for d, folder in dirs.items():
+            (path,) = glob.glob(str(folder / "**" / "client_metrics.csv"), recursive=True)
             rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
         assert [r[:4] for r in rows["1"]] == [r[:4] for r in rows["2"]] and rows["1"]
         for a, b in zip(rows["1"], rows["2"]):
             assert abs(float(a[4]) - float(b[4])) < 1e-4, (a, b)
     store = {}
-    for d in ("1", "2"):
-        (path,) = glob.glob(str(tmp_path / "digits_fedem" / d / "**" / "last.ckpt"), recursive=True)
+    for d, folder in {
+        "1": tmp_path / "digits_fedem",
+        "2": _two(two_processes, "digits_fedem"),
+    }.items():
+        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
         store[d] = torch.load(path, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
     assert sorted(store["1"]) == sorted(store["2"])
     for c in store["1"]:
         assert torch.allclose(store["1"][c]["fedem_pi"], store["2"][c]["fedem_pi"], atol=1e-5)
 
 
-def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(tmp_path):
+def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(two_processes, tmp_path):
     """The silo models travel in the round's all-reduce; each rank keeps its own silos'."""
-    config = str(ROOT / "recipes" / "topology" / "digits_gaia_ring.yaml")
-    for devices in ("1", "2"):
-        _ok(_cli(tmp_path / devices, "--config", config, "--trainer.max_epochs", "3",
-                 "--trainer.devices", devices))  # fmt: skip
-    one, two = _weights(tmp_path / "1"), _weights(tmp_path / "2")
+    dirs = {"1": tmp_path, "2": _two(two_processes, "gaia_ring")}
+    _one_process(tmp_path, *CASES["gaia_ring"])
+    one, two = _weights(dirs["1"]), _weights(dirs["2"])
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     saved = {}
-    for d in ("1", "2"):
-        (path,) = glob.glob(str(tmp_path / d / "**" / "last.ckpt"), recursive=True)
+    for d, folder in dirs.items():
+        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
         saved[d] = torch.load(path, weights_only=True)["callbacks"]
     stores = {d: saved[d]["_RoundDriver"]["client_store"] for d in saved}
     assert sorted(stores["1"]) == sorted(stores["2"]) == list(range(11))
@@ -168,27 +265,12 @@ def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(tmp_path):
     assert clock_one == clock_two and max(clock_one["times"]) > 0
 
 
-def test_asynchronous_schemes_on_two_processes_equal_one_process(tmp_path):
+@pytest.mark.parametrize("scheme", ["fedfix", "async"])
+def test_asynchronous_schemes_on_two_processes_equal_one_process(two_processes, tmp_path, scheme):
     """Every rank holds the same schedule and model versions; stale clients train on their
     owner's rank."""
-    for scheme in ("fedfix", "async"):
-        config = str(ROOT / "recipes" / "asynchronous" / f"digits_{scheme}.yaml")
-        for devices in ("1", "2"):
-            _ok(_cli(tmp_path / scheme / devices, "--config", config, "--trainer.max_epochs",
-                     "6", "--trainer.devices", devices))  # fmt: skip
-        one, two = _weights(tmp_path / scheme / "1"), _weights(tmp_path / scheme / "2")
-        assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
-
-
-def test_vectorized_clients_on_two_processes_equal_the_sequential_run(tmp_path):
-    """Each rank vectorizes its own clients, in chunks of 3 (so ranks take different
-    numbers of steps and pad): SCAFFOLD's model equals the 1-process sequential run."""
-    common = ["--config", SCAFFOLD, "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "0"]
-    _ok(_cli(tmp_path / "sequential", *common, "--trainer.devices", "1"))
-    _ok(_cli(tmp_path / "vectorized", *common, "--trainer.devices", "2",
-             "--trainer.strategy.init_args.vectorize", "true",
-             "--trainer.strategy.init_args.max_vectorized_clients", "3"))  # fmt: skip
-    one, two = _weights(tmp_path / "sequential"), _weights(tmp_path / "vectorized")
+    _one_process(tmp_path, *CASES[scheme])
+    one, two = _weights(tmp_path), _weights(_two(two_processes, scheme))
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
 
 
