@@ -1,6 +1,6 @@
 """The core benchmark's "cnn" workload on 1 and on 2 processes (gloo on CPU).
 
-    python benchmarks/distributed.py [--devices 1 2] [--rounds 20]
+    python benchmarks/distributed.py [--devices 1 2] [--rounds 20] [--repeats 3]
 
 Each run is a fresh ``python benchmarks/distributed.py --worker --devices N`` (Lightning's
 launcher starts the other ranks). It prints the wall time of the training rounds (from
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -128,6 +129,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="interleaved runs per process count (median)"
+    )
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--profile", action="store_true", help="where each rank's time goes")
     parser.add_argument(
@@ -144,25 +148,30 @@ def main() -> None:
         return
     from overhead import PER_ROUND
 
-    times = {}
+    runs: dict[int, list[float]] = {n: [] for n in args.devices}
+    for _ in range(args.repeats):  # interleaved: the host's drift hits every count alike
+        for n in args.devices:
+            command = [sys.executable, __file__, "--worker", "--devices", str(n)]
+            command += ["--profile"] if args.profile else []
+            command += ["--by-owner"] if args.by_owner else []
+            command += ["--vectorize"] if args.vectorize else []
+            command += ["--scaffold"] if args.scaffold else []
+            out = subprocess.run(
+                [*command, "--rounds", str(args.rounds)], capture_output=True, text=True,
+                check=True,
+            ).stdout  # fmt: skip
+            runs[n].append(float(re.search(r"FIT_SECONDS ([\d.]+)", out).group(1)))
+            for line in sorted(set(re.findall(r"RANK \d+: .*", out))):
+                print(f"  {n} process(es), {line}", flush=True)
+            print(f"  {n} process(es), run {len(runs[n])}: {runs[n][-1]:.3f} s", flush=True)
+    times = {n: statistics.median(runs[n]) for n in args.devices}
     for n in args.devices:
-        command = [sys.executable, __file__, "--worker", "--devices", str(n)]
-        command += ["--profile"] if args.profile else []
-        command += ["--by-owner"] if args.by_owner else []
-        command += ["--vectorize"] if args.vectorize else []
-        command += ["--scaffold"] if args.scaffold else []
-        out = subprocess.run(
-            [*command, "--rounds", str(args.rounds)], capture_output=True, text=True, check=True
-        ).stdout
-        times[n] = float(re.search(r"FIT_SECONDS ([\d.]+)", out).group(1))
-        for line in sorted(set(re.findall(r"RANK \d+: .*", out))):
-            print(f"  {n} process(es), {line}", flush=True)
         clients_per_s = PER_ROUND * args.rounds / times[n]
         speedup = times[args.devices[0]] / times[n]
         print(
             f"cnn{', vectorized' if args.vectorize else ''}"
             f"{', SCAFFOLD' if args.scaffold else ''}, {n} process(es): "
-            f"{times[n]:.3f} s, speed-up {speedup:.2f}x, "
+            f"{times[n]:.3f} s (median of {args.repeats}), speed-up {speedup:.2f}x, "
             f"{clients_per_s:.2f} clients/s ({PER_ROUND} clients x {args.rounds} rounds)",
             flush=True,
         )
