@@ -39,7 +39,10 @@ class RoundState:
     #: all-reduce per round), registered by callbacks in ``on_round_start``.
     extra_sums: dict[str, TensorList] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
+    #: This rank's participants whose update was dropped (NaN/Inf).
     dropped: list[int] = field(default_factory=list)
+    #: Dropped updates of every rank, set at the round's end (``fl/dropped_updates``).
+    dropped_count: int = 0
     #: Local optimizer steps each of this rank's participants takes this round (K, or
     #: E passes over its batches).
     local_steps: dict[int, int] = field(default_factory=dict)

@@ -16,6 +16,9 @@ from lightning_fl.engine.local_training import batches, client_loader, evaluatio
 from lightning_fl.systems.mixture import MixtureClassifier
 
 STORE_KEY = "fedem_pi"
+#: The round's Σ H(π_t) and count over the accepted clients, added over ranks with the
+#: updates (``fedem/pi_entropy``).
+ENTROPY_SUMS = "fedem_pi_entropy"
 
 
 def e_step(module: MixtureClassifier, loader, log_prior: Tensor) -> Tensor:
@@ -154,17 +157,31 @@ class FedEM(FederatedCallback):
             torch._foreach_copy_(_tensors(self._reference), _tensors(module.network))
         return self._reference
 
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        dtype, device = state.global_tensors[0].dtype, state.global_tensors[0].device
+        state.extra_sums[ENTROPY_SUMS] = [torch.zeros(2, dtype=dtype, device=device)]
+
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         pl_module.responsibilities = None
+        pi = state.store.get(client, STORE_KEY)  # here: on the rank that trained the client
+        if pi is not None:
+            entropy = -(pi * torch.log(pi.clamp_min(1e-12))).sum()
+            sums = state.extra_sums[ENTROPY_SUMS][0]
+            sums[0] += entropy.to(sums)
+            sums[1] += 1
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
+        """Logs ``fedem/pi_entropy``, the mean entropy of the accepted clients' π_t^k
+        over every rank's clients (their π may have gone back to another rank by now)."""
         pl_module.responsibilities = None
         self._started.clear()
         pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
-        weights = [state.store.get(c, STORE_KEY) for c in state.accepted]
-        if weights:
-            entropy = torch.stack([-(w * torch.log(w.clamp_min(1e-12))).sum() for w in weights])
-            pl_module.log("fedem/pi_entropy", entropy.mean(), on_epoch=True)
+        total, count = state.extra_sums[ENTROPY_SUMS][0]
+        if count > 0:
+            pl_module.log(
+                "fedem/pi_entropy", total / count, on_epoch=True, batch_size=1,
+                sync_dist=trainer.world_size > 1,
+            )  # fmt: skip
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         if client in set(trainer.datamodule.unseen_clients):

@@ -5,8 +5,11 @@ torchvision is not a dependency: the models are written here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -380,9 +383,22 @@ class FederatedTask(LightningModule):
         return sums
 
     def on_train_epoch_end(self) -> None:
-        for name, mean in self._training_values.pop_means().items():
-            self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1)
-            self.log(f"train_{name}", mean, on_epoch=True, batch_size=1, logger=False)
+        """The round's training means. On several processes, every rank's sums are added
+        first (one ``all_gather_object`` a round), so the mean is over all the round's
+        clients, as on one process, and every rank logs the same value (``sync_dist``:
+        a mean of equal values)."""
+        sums = self._training_values.pop_sums()
+        trainer = self.trainer
+        synced = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if synced:
+            sums = _sum_over_ranks(sums, trainer.world_size, self.device)
+        for name, (total, count) in sums.items():
+            mean = total / count
+            self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1, sync_dist=synced)
+            self.log(
+                f"train_{name}", mean, on_epoch=True, batch_size=1, logger=False,
+                sync_dist=synced,
+            )  # fmt: skip
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
@@ -427,8 +443,9 @@ class _RoundMeans:
     def add(self, name: str, value: torch.Tensor, size: int | torch.Tensor) -> None:
         self._values.setdefault(name, []).append((value.detach(), size))
 
-    def pop_means(self) -> dict[str, torch.Tensor]:
-        means = {}
+    def pop_sums(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{name: (Σ value·B, Σ B)}`` of the round's steps, then cleared."""
+        sums = {}
         for name, entries in self._values.items():
             values = torch.cat([v.reshape(-1) for v, _ in entries])
             if values.dtype not in (torch.float32, torch.float64):
@@ -446,9 +463,33 @@ class _RoundMeans:
             # and cumsum are not, or accumulate in double)
             products = (values * sizes).cpu().numpy()
             total = torch.tensor(np.add.accumulate(products)[-1], device=values.device)
-            means[name] = total / sizes.sum()
+            sums[name] = (total, sizes.sum())
         self._values.clear()
-        return means
+        return sums
+
+
+def _sum_over_ranks(
+    sums: dict[str, tuple[torch.Tensor, torch.Tensor]], world_size: int, device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's round sums added, in rank order; a rank whose clients logged nothing
+    this round (it only padded) gets the others' sums, so all ranks log the same keys."""
+    mine = {name: (float(total), float(count)) for name, (total, count) in sums.items()}
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, mine)
+    added: dict[str, list[float]] = {}
+    for part in parts:
+        for name, (total, count) in part.items():
+            entry = added.setdefault(name, [0.0, 0.0])
+            entry[0] += total
+            entry[1] += count
+    dtype = torch.get_default_dtype()
+    return {
+        name: (
+            torch.tensor(t, dtype=dtype, device=device),
+            torch.tensor(c, dtype=dtype, device=device),
+        )
+        for name, (t, c) in added.items()
+    }
 
 
 def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:

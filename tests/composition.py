@@ -230,6 +230,14 @@ PLUGINS: list[Plugin] = [
     Plugin("resume", "execution", _resume),
 ]  # fmt: skip
 BY_NAME = {p.name: p for p in PLUGINS}
+#: Runs of tests/composition_distributed.py: every plugin alone, and each plugin whose
+#: client state moves to the rank that trains the client, with a sampler that makes ranks
+#: train clients they do not own (alone, every plugin trains all 6 clients for 2 steps,
+#: which the split by steps gives to their owners).
+DISTRIBUTED_RUNS = [p.name for p in PLUGINS] + [
+    f"UniformSampler+{name}"
+    for name in ("SCAFFOLD", "FedEM", "Ditto", "APFL", "FedRep", "PFedMe", "DPSGD", "Local")
+]
 #: The words by which a refusal may name a plugin, besides its name.
 ALIASES: dict[str, tuple[str, ...]] = {
     "AvailableClients(ca_fed)": ("AvailableClients", "CA-Fed"),

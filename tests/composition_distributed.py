@@ -1,5 +1,6 @@
-"""Every plugin of the composition matrix on 2 processes (run under torchrun by
-tests/test_composition.py): rank 0 saves each run's outcome to the file given."""
+"""Every plugin of the composition matrix on 2 processes, and the pairs whose client state
+moves between ranks (run under torchrun by tests/test_composition.py): rank 0 saves each
+run's outcome, by name (``A+B`` for a pair), to the file given."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from tests import composition
 
 if __name__ == "__main__":
     composition.quiet()
-    names = sys.argv[2:] or [p.name for p in composition.PLUGINS]
+    names = sys.argv[2:] or composition.DISTRIBUTED_RUNS
     results = {}
     for name in names:
-        outcome = composition.run((name,))
+        outcome = composition.run(tuple(name.split("+")))
         results[name] = {"status": outcome.status, "message": outcome.message,
                          "params": outcome.params}  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:

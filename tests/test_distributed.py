@@ -124,11 +124,11 @@ def two_processes(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    return root, json.loads((root / "outcomes.json").read_text())
+    return root, json.loads((root / "outcomes.json").read_text()), result.stderr
 
 
 def _two(two_processes, case: str) -> Path:
-    root, outcomes = two_processes
+    root, outcomes, _ = two_processes
     assert outcomes[case] == "ok", (case, outcomes[case])
     return root / case
 
@@ -146,6 +146,14 @@ def test_two_processes_equal_one_process(two_processes, tmp_path, case):
         (path,) = glob.glob(str(folder / "**" / "metrics.csv"), recursive=True)
         plain[d] = [float(r["val_acc"]) for r in csv.DictReader(open(path)) if r.get("val_acc")]
     assert plain["1"] and plain["1"] == pytest.approx(plain["2"], abs=1e-6)
+    train = {}  # the round's training mean is over every rank's clients
+    for d, folder in dirs.items():
+        (path,) = glob.glob(str(folder / "**" / "metrics.csv"), recursive=True)
+        train[d] = [
+            float(r["train_loss_epoch"]) for r in csv.DictReader(open(path))
+            if r.get("train_loss_epoch")
+        ]  # fmt: skip
+    assert len(train["1"]) == 5 and train["1"] == pytest.approx(train["2"], rel=1e-5)
     rows = {}
     for d, folder in dirs.items():
         (path,) = glob.glob(str(folder / "**" / "client_metrics.csv"), recursive=True)
@@ -214,8 +222,15 @@ def test_crashed_rank_is_reported_and_nothing_hangs(tmp_path, rank):
     assert f"injected failure on rank {rank}" in result.stdout + result.stderr
 
 
+def test_round_metrics_are_logged_synced(two_processes):
+    """The FL layer's and the Classifier's round metrics hold the same value on every rank
+    and are logged with sync_dist: Lightning has no "recommended to use sync_dist" to say."""
+    _, _, stderr = two_processes
+    assert "It is recommended to use `self.log(" not in stderr
+
+
 def test_more_processes_than_clients_is_refused(two_processes):
-    _, outcomes = two_processes
+    _, outcomes, _ = two_processes
     assert "2 processes but only 1 clients" in outcomes["one_client"]
 
 

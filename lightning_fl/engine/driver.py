@@ -72,17 +72,23 @@ class RoundDriver(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self.strategy
         state = strategy.engine.current_round.state
-        pl_module.log("fl/round", float(state.round_idx), on_epoch=True)
-        pl_module.log("fl/participants", float(len(state.participation.clients)), on_epoch=True)
-        pl_module.log("fl/dropped_updates", float(len(state.dropped)), on_epoch=True)
+        # Every rank holds the same values (the round's plan, the all-reduced drop count):
+        # sync_dist takes a mean of equal values, and says so to Lightning.
+        sync = trainer.world_size > 1
+        pl_module.log("fl/round", float(state.round_idx), on_epoch=True, sync_dist=sync)
+        participants = float(len(state.participation.clients))
+        pl_module.log("fl/participants", participants, on_epoch=True, sync_dist=sync)
+        dropped = float(state.dropped_count)
+        pl_module.log("fl/dropped_updates", dropped, on_epoch=True, sync_dist=sync)
         for name, value in strategy.sampler.round_metrics().items():
-            pl_module.log(name, value, on_epoch=True)
+            pl_module.log(name, value, on_epoch=True, sync_dist=sync)
         if strategy.vectorized.compile_seconds is not None:
-            pl_module.log("fl/compile_seconds", strategy.vectorized.compile_seconds, on_epoch=True)
+            seconds = strategy.vectorized.compile_seconds
+            pl_module.log("fl/compile_seconds", seconds, on_epoch=True, sync_dist=sync)
         dm = trainer.datamodule
         if type(dm).clients_without_data_now is not FederatedDataModule.clients_without_data_now:
             skipped = float(strategy.engine.planner.skipped_now)
-            pl_module.log("fl/skipped_empty", skipped, on_epoch=True)
+            pl_module.log("fl/skipped_empty", skipped, on_epoch=True, sync_dist=sync)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
 

@@ -114,7 +114,7 @@ class RoundEngine:
     def end_round(self) -> RoundState:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
         strategy, state = self.strategy, self.current_round.state
-        dropped = self._all_reduce_round(state)
+        dropped = state.dropped_count = self._all_reduce_round(state)
         self.planner.return_states(self.current_round)
         self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0
         if self.consecutive_bad_rounds >= strategy.max_consecutive_bad_rounds:
