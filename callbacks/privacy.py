@@ -418,12 +418,25 @@ class DPSGD(FederatedCallback):
         return rdp_epsilon(sigma, store.get(client, f"dp_{source}_rate"), steps, self.delta)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        """Logs the largest ε over the clients that trained so far (``dp/epsilon``, and
+        ``dp/epsilon_reference`` for WERM's reference data). Each rank's client store holds
+        its own clients: on several processes the ranks' maxima are gathered first (one
+        ``all_gather_object`` a round), so every rank logs the largest over all clients."""
         store = trainer.strategy.client_store
-        for source, name in (("train", "dp/epsilon"), ("reference", "dp/epsilon_reference")):
-            values = [self.epsilon(store, c, source) for c in store.clients()]
-            values = [v for v in values if v > 0]
-            if values:
-                pl_module.log(name, max(values), on_epoch=True)
+        sources = (("train", "dp/epsilon"), ("reference", "dp/epsilon_reference"))
+        largest: list[float | None] = []
+        for source, _ in sources:
+            values = [v for v in (self.epsilon(store, c, source) for c in store.clients()) if v > 0]
+            largest.append(max(values) if values else None)
+        synced = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if synced:
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, largest)
+            largest = [max((p[i] for p in parts if p[i] is not None), default=None)
+                       for i in range(len(sources))]  # fmt: skip
+        for (_, name), value in zip(sources, largest):
+            if value is not None:
+                pl_module.log(name, value, on_epoch=True, sync_dist=synced)  # equal on all ranks
 
 
 @functools.lru_cache(maxsize=4096)

@@ -281,6 +281,8 @@ class Outcome:
     message: str = ""
     params: list[torch.Tensor] | None = None
     weights: list[tuple[int, tuple[int, ...], tuple[float, ...]]] = field(default_factory=list)
+    #: the scalar metrics of the last training round and of the test
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def build(names: tuple[str, ...]) -> Setup:
@@ -349,12 +351,18 @@ def run(names: tuple[str, ...], rounds: int = ROUNDS) -> Outcome:
             else:
                 trainer = _trainer(setup, rounds, root, [seen, weights])
                 trainer.fit(module, datamodule=dm)
+            metrics = _scalars(trainer.callback_metrics)  # the last round's
             trainer.test(module, datamodule=dm, verbose=False)
+            metrics.update(_scalars(trainer.callback_metrics))
     except Exception as err:  # noqa: BLE001 - reported, the matrix test decides
         status = "refused" if seen.steps == 0 else "failed"
         return Outcome(status, f"{type(err).__name__}: {err}")
     params = [p.detach().clone() for p in module.parameters()]
-    return Outcome("ok", params=params, weights=weights.rows)
+    return Outcome("ok", params=params, weights=weights.rows, metrics=metrics)
+
+
+def _scalars(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if v.numel() == 1}
 
 
 def quiet() -> None:

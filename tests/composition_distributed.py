@@ -18,7 +18,7 @@ if __name__ == "__main__":
     for name in names:
         outcome = composition.run(tuple(name.split("+")))
         results[name] = {"status": outcome.status, "message": outcome.message,
-                         "params": outcome.params}  # fmt: skip
+                         "params": outcome.params, "metrics": outcome.metrics}  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
         torch.save(results, sys.argv[1])
     if dist.is_initialized():

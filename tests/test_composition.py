@@ -359,8 +359,9 @@ def test_a_damaged_checkpoint_fails_the_same_way_from_the_cli(tmp_path):
 
 
 def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path):
-    """Each plugin on 2 processes (torchrun, gloo) gives the 1-process model to float
-    round-off, its resume included, or is refused at setup naming "2 processes"; so does
+    """Each plugin on 2 processes (torchrun, gloo) gives the 1-process model and logged
+    metrics to float round-off, its resume included, or is refused at setup naming "2
+    processes"; so does
     each plugin whose client state moves, with clients trained away from their owner
     (composition.DISTRIBUTED_RUNS)."""
     import os
@@ -395,6 +396,11 @@ def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path
         one_process = _alone(name) if "+" not in name else _matrix()[tuple(name.split("+"))]
         diff = max_abs_diff(outcome["params"], one_process.params)
         assert diff <= 1e-5, (name, diff)
+        # the last round's and the test's metrics too: means over every rank's clients
+        assert set(outcome["metrics"]) == set(one_process.metrics), name
+        for key, value in one_process.metrics.items():
+            two = outcome["metrics"][key]
+            assert two == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (name, key)
     assert sorted(refused) == ["ClusteredFL", "FreeRiderDetector"]
     for rule in REFUSALS:
         if rule.second == ("2 processes",):
