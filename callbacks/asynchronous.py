@@ -158,10 +158,10 @@ class AsynchronousFL(Aggregator):
         staleness = [self.schedule.round - 1 - v for v in event.versions]
         # float64: float32 would keep 0.016 of resolution at t = 2·10⁵
         now = torch.tensor(float(self.schedule.now), dtype=torch.float64)
-        pl_module.log("fl/time", now, on_epoch=True, batch_size=1)
-        pl_module.log(
-            "fl/staleness", float(np.mean(staleness)) if staleness else 0.0, on_epoch=True
-        )
+        sync = trainer.world_size > 1  # every rank plans the same schedule
+        pl_module.log("fl/time", now, on_epoch=True, batch_size=1, sync_dist=sync)
+        mean_staleness = float(np.mean(staleness)) if staleness else 0.0
+        pl_module.log("fl/staleness", mean_staleness, on_epoch=True, sync_dist=sync)
         if self.time_budget is not None and self.schedule.plan().time > exact(self.time_budget):
             trainer.should_stop = True
 

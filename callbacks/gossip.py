@@ -246,7 +246,8 @@ class GossipAveraging(Aggregator):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.clock is not None:
             now = torch.tensor(float(self.clock.now), dtype=torch.float64)  # not float32
-            pl_module.log("fl/time", now, on_epoch=True, batch_size=1)
+            sync = trainer.world_size > 1  # every rank runs the same clock
+            pl_module.log("fl/time", now, on_epoch=True, batch_size=1, sync_dist=sync)
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         self.models.load(trainer.strategy.client_store, client, trainer.strategy.federated_tensors)

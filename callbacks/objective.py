@@ -47,12 +47,13 @@ class FederatedObjective(FederatedCallback):
         p = aggregator.target_weights(trainer.strategy.training_counts)
         federated = float(p @ losses)
         spread = float(p @ (losses - federated) ** 2) ** 0.5
-        pl_module.log("fl/federated_loss", federated, on_epoch=True)
-        pl_module.log("fl/client_loss_std", spread, on_epoch=True)
+        sync = trainer.world_size > 1  # the losses are summed over ranks: equal everywhere
+        pl_module.log("fl/federated_loss", federated, on_epoch=True, sync_dist=sync)
+        pl_module.log("fl/client_loss_std", spread, on_epoch=True, sync_dist=sync)
         if hasattr(aggregator, "surrogate_weights"):
             q = torch.zeros_like(p)
             q[aggregator.clients] = torch.as_tensor(aggregator.surrogate_weights())
-            pl_module.log("fl/surrogate_loss", float(q @ losses), on_epoch=True)
+            pl_module.log("fl/surrogate_loss", float(q @ losses), on_epoch=True, sync_dist=sync)
 
 
 @torch.no_grad()

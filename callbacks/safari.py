@@ -74,7 +74,10 @@ class SAFARI(Aggregator):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         clients = trainer.strategy.current_round.state.participation.clients
-        pl_module.log("safari/server_round", float(clients == (SERVER_CLIENT,)), on_epoch=True)
+        server_round = float(clients == (SERVER_CLIENT,))
+        pl_module.log(
+            "safari/server_round", server_round, on_epoch=True, sync_dist=trainer.world_size > 1
+        )
 
 
 __all__ = ["SAFARI"]

@@ -90,7 +90,8 @@ class StreamFedAvg(FedAvg):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.estimated_ratio is not None:
-            pl_module.log("streams/ratio", self.estimated_ratio, on_epoch=True)
+            sync = trainer.world_size > 1  # estimated from every client, on every rank
+            pl_module.log("streams/ratio", self.estimated_ratio, on_epoch=True, sync_dist=sync)
 
     def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
         if self._weights is None:
@@ -127,8 +128,9 @@ class CacheDiscrepancy(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         value = trainer.datamodule.cache_discrepancy(self.num_classes)
         self.total += value
-        pl_module.log("streams/discrepancy", value, on_epoch=True)
-        pl_module.log("streams/accumulated_discrepancy", self.total, on_epoch=True)
+        sync = trainer.world_size > 1  # every rank streams every client's cache
+        pl_module.log("streams/discrepancy", value, on_epoch=True, sync_dist=sync)
+        pl_module.log("streams/accumulated_discrepancy", self.total, on_epoch=True, sync_dist=sync)
 
 
 class IterateAverage(FederatedCallback):
