@@ -428,7 +428,7 @@ class DPSGD(FederatedCallback):
         for source, _ in sources:
             values = [v for v in (self.epsilon(store, c, source) for c in store.clients()) if v > 0]
             largest.append(max(values) if values else None)
-        synced = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        synced = dist.is_initialized() and trainer.world_size > 1
         if synced:
             parts: list[Any] = [None] * trainer.world_size
             dist.all_gather_object(parts, largest)

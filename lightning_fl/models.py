@@ -389,7 +389,7 @@ class FederatedTask(LightningModule):
         a mean of equal values)."""
         sums = self._training_values.pop_sums()
         trainer = self.trainer
-        synced = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        synced = dist.is_initialized() and trainer.world_size > 1
         if synced:
             sums = _sum_over_ranks(sums, trainer.world_size, self.device)
         for name, (total, count) in sums.items():

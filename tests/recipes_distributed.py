@@ -22,15 +22,16 @@ import torch.distributed as dist
 from lightning_fl.cli import run, short_message
 
 
-def last_checkpoint(folder: str) -> str:
-    (path,) = glob.glob(os.path.join(folder, "**", "last.ckpt"), recursive=True)
+def run_file(folder: str | os.PathLike, name: str) -> str:
+    """The one file ``name`` a run wrote under ``folder`` (its version folder varies)."""
+    (path,) = glob.glob(os.path.join(folder, "**", name), recursive=True)
     return path
 
 
 def case_arguments(root: str, case: str, arguments: list[str]) -> list[str]:
     folder = os.path.join(root, case)
     resolved = [
-        last_checkpoint(os.path.join(root, a.split(":", 1)[1]))
+        run_file(os.path.join(root, a.split(":", 1)[1]), "last.ckpt")
         if a.startswith("@last.ckpt:")
         else a
         for a in arguments

@@ -9,7 +9,6 @@ Lightning's own launcher (``--trainer.devices 2``), as a user does."""
 from __future__ import annotations
 
 import csv
-import glob
 import os
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.recipes_distributed import run_file
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
@@ -56,9 +57,20 @@ def _one_process(workdir: Path, *args: str) -> None:
         torch.set_num_threads(threads)
 
 
-def _weights(workdir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
-    (path,) = glob.glob(str(workdir / "**" / name), recursive=True)
-    return torch.load(path, weights_only=True)["state_dict"]
+def _checkpoint(folder: Path) -> dict:
+    return torch.load(run_file(folder, "last.ckpt"), weights_only=True)
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return _checkpoint(folder)["state_dict"]
+
+
+def _client_rows(folder: Path) -> list[list[str]]:
+    """client_metrics.csv's rows, sorted."""
+    return sorted(
+        line.strip().split(",")
+        for line in open(run_file(folder, "client_metrics.csv")).readlines()[1:]
+    )
 
 
 def _ok(result: subprocess.CompletedProcess) -> None:
@@ -141,23 +153,19 @@ def test_two_processes_equal_one_process(two_processes, tmp_path, case):
     _one_process(tmp_path, *CASES[case])
     one, two = _weights(dirs["1"]), _weights(dirs["2"])
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
-    plain = {}  # the plain val_acc is the gathered weighted mean, not a count-averaged sync
-    for d, folder in dirs.items():
-        (path,) = glob.glob(str(folder / "**" / "metrics.csv"), recursive=True)
-        plain[d] = [float(r["val_acc"]) for r in csv.DictReader(open(path)) if r.get("val_acc")]
+    logged = {d: list(csv.DictReader(open(run_file(f, "metrics.csv")))) for d, f in dirs.items()}
+    # the plain val_acc is the gathered weighted mean, not a count-averaged sync
+    plain = {
+        d: [float(r["val_acc"]) for r in rows if r.get("val_acc")] for d, rows in logged.items()
+    }
     assert plain["1"] and plain["1"] == pytest.approx(plain["2"], abs=1e-6)
-    train = {}  # the round's training mean is over every rank's clients
-    for d, folder in dirs.items():
-        (path,) = glob.glob(str(folder / "**" / "metrics.csv"), recursive=True)
-        train[d] = [
-            float(r["train_loss_epoch"]) for r in csv.DictReader(open(path))
-            if r.get("train_loss_epoch")
-        ]  # fmt: skip
+    # the round's training mean is over every rank's clients
+    train = {
+        d: [float(r["train_loss_epoch"]) for r in rows if r.get("train_loss_epoch")]
+        for d, rows in logged.items()
+    }
     assert len(train["1"]) == 5 and train["1"] == pytest.approx(train["2"], rel=1e-5)
-    rows = {}
-    for d, folder in dirs.items():
-        (path,) = glob.glob(str(folder / "**" / "client_metrics.csv"), recursive=True)
-        rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
+    rows = {d: _client_rows(folder) for d, folder in dirs.items()}
     assert [r[:4] + r[5:] for r in rows["1"]] == [r[:4] + r[5:] for r in rows["2"]]
     for a, b in zip(rows["1"], rows["2"]):  # every client's metric, gathered from both ranks
         assert float(a[4]) == pytest.approx(float(b[4]), rel=1e-4, abs=1e-6)
@@ -180,15 +188,13 @@ def test_scaffold_on_two_processes_equals_one_and_resumes_exactly(
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
     controls = []
     for folder in (scaffold_one_process, full):
-        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
-        callbacks = torch.load(path, weights_only=True)["callbacks"]
+        callbacks = _checkpoint(folder)["callbacks"]
         (key,) = [k for k in callbacks if k.startswith("SCAFFOLD")]
         controls.append(callbacks[key]["server_control"])
     assert max(float((a - b).abs().max()) for a, b in zip(*controls)) <= 1e-5
     assert max(float(c.abs().max()) for c in controls[0]) > 0  # the controls did move
     first = _two(two_processes, "scaffold_first")
-    (ckpt,) = glob.glob(str(first / "**" / "last.ckpt"), recursive=True)
-    saved = torch.load(ckpt, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
+    saved = _checkpoint(first)["callbacks"]["_RoundDriver"]["client_store"]
     assert saved and {c % 2 for c in saved} == {0, 1}  # both ranks' clients in one file
     resumed = _weights(_two(two_processes, "scaffold_resumed"))
     two = _weights(full)
@@ -241,20 +247,14 @@ def test_fedem_and_knn_per_on_two_processes_equal_one_process(two_processes, tmp
         _one_process(dirs["1"], *CASES[recipe])
         one, two = _weights(dirs["1"]), _weights(dirs["2"])
         assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
-        rows = {}
-        for d, folder in dirs.items():
-            (path,) = glob.glob(str(folder / "**" / "client_metrics.csv"), recursive=True)
-            rows[d] = sorted(line.strip().split(",") for line in open(path).readlines()[1:])
+        rows = {d: _client_rows(folder) for d, folder in dirs.items()}
         assert [r[:4] for r in rows["1"]] == [r[:4] for r in rows["2"]] and rows["1"]
         for a, b in zip(rows["1"], rows["2"]):
             assert abs(float(a[4]) - float(b[4])) < 1e-4, (a, b)
-    store = {}
-    for d, folder in {
-        "1": tmp_path / "digits_fedem",
-        "2": _two(two_processes, "digits_fedem"),
-    }.items():
-        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
-        store[d] = torch.load(path, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"]
+    fedem = {"1": tmp_path / "digits_fedem", "2": _two(two_processes, "digits_fedem")}
+    store = {
+        d: _checkpoint(f)["callbacks"]["_RoundDriver"]["client_store"] for d, f in fedem.items()
+    }
     assert sorted(store["1"]) == sorted(store["2"])
     for c in store["1"]:
         assert torch.allclose(store["1"][c]["fedem_pi"], store["2"][c]["fedem_pi"], atol=1e-5)
@@ -266,10 +266,7 @@ def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(two_processes, t
     _one_process(tmp_path, *CASES["gaia_ring"])
     one, two = _weights(dirs["1"]), _weights(dirs["2"])
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
-    saved = {}
-    for d, folder in dirs.items():
-        (path,) = glob.glob(str(folder / "**" / "last.ckpt"), recursive=True)
-        saved[d] = torch.load(path, weights_only=True)["callbacks"]
+    saved = {d: _checkpoint(folder)["callbacks"] for d, folder in dirs.items()}
     stores = {d: saved[d]["_RoundDriver"]["client_store"] for d in saved}
     assert sorted(stores["1"]) == sorted(stores["2"]) == list(range(11))
     for c in stores["1"]:
