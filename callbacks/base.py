@@ -46,6 +46,7 @@ class RoundState:
     #: Local optimizer steps each of this rank's participants takes this round (K, or
     #: E passes over its batches).
     local_steps: dict[int, int] = field(default_factory=dict)
+    _rows: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_params(self) -> int:
@@ -56,7 +57,16 @@ class RoundState:
         return self.global_tensors[: self.num_params]
 
     def weight_of(self, client: int) -> float:
-        return self.participation.weights[self.participation.clients.index(client)]
+        """ω of ``client`` (its first draw, for a client drawn several times)."""
+        return self.participation.weights[self.row_of(client)]
+
+    def row_of(self, client: int) -> int:
+        """The position of ``client``'s first draw in the participation."""
+        if self._rows is None:
+            self._rows = {}
+            for row, c in enumerate(self.participation.clients):
+                self._rows.setdefault(c, row)
+        return self._rows[client]
 
 
 class FederatedCallback(pl.Callback):
@@ -93,6 +103,14 @@ class FederatedCallback(pl.Callback):
     #: before the others', so that terms the others add to the gradient (FedProx's
     #: μ(θ − θ^t), SCAFFOLD's c − c_i) are added to the replaced gradient, not lost.
     replaces_gradient: bool = False
+
+    #: Whether, under ``vectorize=True``, the strategy must run this callback's client
+    #: hooks (``on_client_start``, ``transform_update``, ``on_client_end``) client by
+    #: client. None (default): when it overrides one of them. False: they have no effect
+    #: on vectorized clients (FedProx's anchor is read only by its sequential per-step
+    #: hook). When no callback needs them, a chunk's clients start and finish together in
+    #: O(1) Python calls (``VectorizedClients``), not O(clients).
+    vectorized_client_hooks: bool | None = None
 
     def on_round_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState

@@ -41,6 +41,7 @@ class FedProx(FederatedCallback):
             torch._foreach_add_(grads, diff, alpha=self.mu)
 
     supports_vectorized_clients = True
+    vectorized_client_hooks = False  # the vectorized term reads state.global_params
 
     @torch.no_grad()
     def on_before_vectorized_optimizer_step(

@@ -91,17 +91,19 @@ class RoundPlanner:
         participation = self._participants(round_idx, p)
         clients = participation.clients
         # Only this rank's participants need loaders, unless local_epochs makes every
-        # participant's batch count depend on its loader's length.
-        built = {}
-        if strategy.local_steps is None:
+        # participant's batch count depend on its loader's length. Vectorized clients
+        # whose data is packed on the device need none: their chunks draw by index.
+        built: dict[int, DataLoader | None] = {}
+        if strategy.local_steps is None and strategy.packed is None:
             built = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
-        batches = [self._num_batches(c, built.get(i)) for i, c in enumerate(clients)]
+        batches = self._num_batches(clients, built, round_idx)
         ranks = self.ranks(clients, batches)
         moved = self._move_states_in(clients, ranks)
         mine = [i for i, r in enumerate(ranks) if r == strategy.global_rank]
         for i in mine:
             if i not in built:
-                built[i] = self._loader(clients[i], round_idx)
+                drawn_by_index = strategy.vectorize and self.packs(clients[i])
+                built[i] = None if drawn_by_index else self._loader(clients[i], round_idx)
         per_rank: list[list[int]] = [[] for _ in range(strategy.world_size)]
         for r, n in zip(ranks, batches):
             per_rank[r].append(n)
@@ -247,10 +249,18 @@ class RoundPlanner:
             dist.all_reduce(losses)
         return losses.cpu().tolist()
 
+    def packs(self, client: int) -> bool:
+        """Whether ``client``'s training data is packed on the device (not the pooled or
+        server pseudo-clients)."""
+        return self.strategy.packed is not None and client >= 0
+
     def _loader(self, client: int, round_idx: int) -> DataLoader:
-        """A participant's training loader, shuffled with (seed, "data", round, client)."""
+        """A participant's training loader, shuffled with (seed, "data", round, client)
+        (over its packed tensors on the device, when they are)."""
         dm = self.datamodule
-        if client == POOLED_CLIENT:
+        if self.packs(client):
+            dataset = self.strategy.packed.client_dataset(client)
+        elif client == POOLED_CLIENT:
             dataset = dm.pooled_dataset("train")
         elif client == SERVER_CLIENT:
             dataset = dm.server_dataset()
@@ -259,13 +269,24 @@ class RoundPlanner:
         rng = generator(self.strategy.seed, "data", round_idx, client)
         return dm.client_dataloader(dataset, "train", rng)
 
-    def _num_batches(self, client: int, loader: DataLoader | None) -> int:
-        """A participant's local batches: K, E passes over its loader, or the server's one
-        SGD step (SAFARI, Alg. 1 line 10)."""
+    def _num_batches(
+        self, clients: Sequence[int], loaders: dict[int, DataLoader | None], round_idx: int
+    ) -> list[int]:
+        """Each participant's local batches: K, E passes over its loader (or over its
+        packed data: E·⌈n/B⌉), or the server's one SGD step (SAFARI, Alg. 1 line 10)."""
+        strategy = self.strategy
+        if strategy.local_steps is not None:
+            return [1 if c == SERVER_CLIENT else strategy.local_steps for c in clients]
+        if strategy.packed is not None and all(c >= 0 for c in clients):
+            per_pass = strategy.packed.num_batches_per_pass(clients)
+            return (strategy.local_epochs * per_pass).tolist()
+        if strategy.packed is not None:
+            loaders = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
+        return [self._client_batches(c, loaders.get(i)) for i, c in enumerate(clients)]
+
+    def _client_batches(self, client: int, loader: DataLoader | None) -> int:
         if client == SERVER_CLIENT:
             return 1
-        if self.strategy.local_steps is not None:
-            return self.strategy.local_steps
         try:
             return self.strategy.local_epochs * len(loader)
         except TypeError as err:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.engine.planning import SAMPLER_UPDATES, RoundPlan, RoundPlanner
 from lightning_fl.engine.seeding import derive_seed, seed_global_rng
-from lightning_fl.engine.tensors import all_finite, flatten, unflatten
+from lightning_fl.engine.tensors import TensorList, all_finite, flatten, unflatten
 
 if TYPE_CHECKING:
     from lightning_fl.engine.strategy import FederatedStrategy
@@ -99,7 +99,7 @@ class RoundEngine:
         torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
         state.accepted.append(client)
         if SAMPLER_UPDATES in state.extra_sums:
-            row = state.participation.clients.index(client)
+            row = state.row_of(client)
             state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
         if strategy.keep_optimizer_state:
             if optimizer_states is None:
@@ -110,6 +110,44 @@ class RoundEngine:
             for i, optimizer_state in enumerate(optimizer_states):
                 strategy.client_store.set(client, f"optimizer_{i}", optimizer_state)
         self.call("on_client_end", client, update, state)
+
+    @torch.no_grad()
+    def finish_clients(self, clients: list[int], stacked: TensorList) -> None:
+        """:meth:`finish_client` for the rows of a vectorized chunk at once, when no
+        callback needs a client hook (``VectorizedClients.batched_lifecycle``): row r of
+        every tensor of ``stacked`` is ``clients[r]``'s trained model. A row whose update
+        has NaN or Inf is dropped as on the sequential path; the others are folded with
+        one weighted sum per tensor, Σ_r ω_r (θ_r − θ^t), not one addition per client, so
+        the sum equals the sequential path's to float round-off."""
+        state = self.current_round.state
+        finite = torch.ones(len(clients), dtype=torch.bool, device=stacked[0].device)
+        for rows, start in zip(stacked, state.global_tensors):
+            finite &= (rows - start).flatten(1).isfinite().all(dim=1)
+        keep = None if bool(finite.all()) else torch.nonzero(finite).flatten()
+        if keep is not None:
+            bad = set(torch.nonzero(~finite).flatten().tolist())
+            for client in (c for r, c in enumerate(clients) if r in bad):
+                state.dropped.append(client)
+                warnings.warn(
+                    f"Round {state.round_idx}: client {client} sent an update with NaN or "
+                    "Inf; it is dropped from this round.",
+                    stacklevel=2,
+                )
+            clients = [c for r, c in enumerate(clients) if r not in bad]
+            stacked = [rows[keep] for rows in stacked]
+        weights = [state.weight_of(c) for c in clients]
+        sampler_rows = state.extra_sums.get(SAMPLER_UPDATES)
+        flat_updates = []
+        for total, rows, start in zip(state.update_sum, stacked, state.global_tensors):
+            updates = rows - start
+            omega = torch.tensor(weights, dtype=updates.dtype, device=updates.device)
+            total.add_(torch.tensordot(omega, updates, dims=1))
+            if sampler_rows is not None:
+                flat_updates.append(updates.flatten(1))
+        if sampler_rows is not None and clients:
+            positions = torch.tensor([state.row_of(c) for c in clients])
+            sampler_rows[0][positions.to(sampler_rows[0].device)] = torch.cat(flat_updates, 1)
+        state.accepted.extend(clients)
 
     def end_round(self) -> RoundState:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""

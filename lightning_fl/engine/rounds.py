@@ -97,9 +97,13 @@ class TrainRounds:
         ``{"local_steps": [step, ...]}``."""
         counts = plan.schedule.num_batches
         for index, chunk in enumerate(plan.chunks):
-            streams = [cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk]
             local = plan.chunk_local_steps(index)
             per_call = local if fused is None else fused
+            if all(plan.loaders[pos] is None for pos in chunk):  # packed on the device
+                for first in range(0, local, per_call):
+                    yield PackedLocalSteps(index, first, min(first + per_call, local))
+                continue
+            streams = [cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk]
             for first in range(0, local, per_call):
                 steps = []
                 for step in range(first, min(first + per_call, local)):
@@ -108,6 +112,21 @@ class TrainRounds:
                 yield {"local_steps": steps}
         for _ in range(plan.steps.total - sum(plan.steps.num_batches[: len(plan.chunks)])):
             yield ()
+
+
+class PackedLocalSteps:
+    """A Lightning step's batch when the chunk's data is packed on the device: local steps
+    ``first`` to ``stop`` (exclusive) of chunk ``chunk``, whose batches the vectorized
+    step draws by index when it trains them. A plain object, which Lightning's batch
+    transfer leaves alone: nothing is read ahead or copied."""
+
+    __slots__ = ("chunk", "first", "stop")
+
+    def __init__(self, chunk: int, first: int, stop: int) -> None:
+        self.chunk, self.first, self.stop = chunk, first, stop
+
+    def __repr__(self) -> str:
+        return f"PackedLocalSteps(chunk={self.chunk}, steps {self.first}..{self.stop - 1})"
 
 
 def _raise(err: Exception) -> Iterator[Any]:

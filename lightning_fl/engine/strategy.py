@@ -27,6 +27,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.callbacks.base import Aggregator, FederatedCallback
@@ -39,6 +40,7 @@ from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.evaluation import ClientMetricCapture
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
+from lightning_fl.engine.packed import PackedFederation, pack_federation
 from lightning_fl.engine.planning import RoundPlan, client_training_counts
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
@@ -120,6 +122,14 @@ class FederatedStrategy(DDPStrategy):
         enable_plots: install :class:`~lightning_fl.callbacks.FederatedPlots` (the
             participation and per-client figures in the run's folder) unless the Trainer
             already has one.
+        data_on_device: pack the federation's training data once, at set-up, into
+            contiguous tensors on the training device (:mod:`lightning_fl.engine.packed`):
+            vectorized chunks then draw their batches by index, and no batch crosses
+            from the host at each step. ``"auto"`` (default): with ``vectorize`` or on an
+            accelerator, when the data is in memory (plain ``TensorDataset`` clients, no
+            stream) and takes at most half of the device's free memory; the log says
+            which path a fit takes and why. The batches are the same either way. True:
+            the same, and a warning when the data cannot be packed; False: never.
     """
 
     strategy_name = "federated"
@@ -149,6 +159,7 @@ class FederatedStrategy(DDPStrategy):
         local_steps_per_training_step: int | None = 1,
         allow_new_federation: bool = False,
         enable_plots: bool = True,
+        data_on_device: bool | Literal["auto"] = "auto",
     ) -> None:
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
@@ -173,6 +184,10 @@ class FederatedStrategy(DDPStrategy):
                 "compile=False."
             )
         _check_fused_steps(local_steps_per_training_step, vectorize)
+        if data_on_device not in (True, False, "auto"):
+            raise ValueError(
+                f"data_on_device must be True, False or 'auto', got {data_on_device!r}."
+            )
         self.sampler = sampler or FullParticipation()
         self.local_steps, self.local_epochs = local_steps, local_epochs
         self.seed = seed
@@ -184,6 +199,9 @@ class FederatedStrategy(DDPStrategy):
         self.local_steps_per_training_step = local_steps_per_training_step
         self.allow_new_federation = allow_new_federation
         self.enable_plots = enable_plots
+        self.data_on_device = data_on_device
+        #: the federation's training data on the device, or None: the datamodule's loaders
+        self.packed: PackedFederation | None = None
         #: per-client state of the clients this rank owns (the plugins' store)
         self.client_store = ClientStore()
         self.divergence = DivergenceMonitor()
@@ -330,6 +348,7 @@ class FederatedStrategy(DDPStrategy):
         composition.check(self, trainer)
         if fitting:
             self._train_counts = client_training_counts(trainer.datamodule)  # once per fit
+            self.packed = self._pack_federation(trainer)
             if not aggregator.pools_clients:
                 self.sampler.check(sum(1 for n in self._train_counts if n > 0))
             self._direct_hooks = direct_hooks(trainer, self.precision_plugin)
@@ -340,6 +359,27 @@ class FederatedStrategy(DDPStrategy):
                 f"{self.world_size} processes but only {trainer.datamodule.num_clients} "
                 "clients: every rank must own at least one client; use fewer devices."
             )
+
+    def _pack_federation(self, trainer: pl.Trainer) -> PackedFederation | None:
+        """The packed federation (``data_on_device``), or None; says which in the log."""
+        wanted = self.data_on_device
+        if wanted == "auto":
+            wanted = self.vectorize or self.root_device.type != "cpu"
+        if not wanted or self.aggregator.pools_clients:
+            return None
+        packed, reason = pack_federation(trainer.datamodule, self._train_counts, self.root_device)
+        if packed is None:
+            message = f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
+            if self.data_on_device is True:
+                rank_zero_warn(message + " Set data_on_device='auto' to silence this.")
+            else:
+                rank_zero_info(message)
+            return None
+        rank_zero_info(
+            f"lightning_fl: the training data ({len(packed.columns[0])} samples, "
+            f"{packed.nbytes / 2**20:.1f} MiB) is packed on {packed.device}."
+        )
+        return packed
 
     # ------------------------------------------------------------------ Lightning's steps
     def batch_to_device(

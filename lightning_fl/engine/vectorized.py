@@ -41,7 +41,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from lightning_fl.engine.seeding import derive_seed, generator
+from lightning_fl.engine.packed import ChunkBatches
+from lightning_fl.engine.rounds import PackedLocalSteps
+from lightning_fl.engine.seeding import derive_seeds, generator, seed_global_rng
 from lightning_fl.engine.tensors import TensorList
 
 if TYPE_CHECKING:
@@ -218,7 +220,7 @@ class StackedOptimizer:
                     "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p),
                 }
-            for row, state in enumerate(saved):
+            for row, state in enumerate(saved if any(saved) else ()):
                 own = (state or {}).get(index)
                 if not own:
                     continue
@@ -450,6 +452,22 @@ def batch_size_of(batch: Any) -> int:
     return len(tree_flatten(batch)[0][-1])
 
 
+#: The per-client hooks a batched chunk start and finish would skip.
+CLIENT_HOOKS = ("on_client_start", "transform_update", "on_client_end")
+
+
+def needs_client_hooks(callback: Any) -> bool:
+    """Whether vectorized clients must run ``callback``'s client hooks one client at a
+    time (its ``vectorized_client_hooks``, or, when None, whether it overrides one)."""
+    from lightning_fl.callbacks.base import FederatedCallback
+
+    declared = callback.vectorized_client_hooks
+    if declared is not None:
+        return declared
+    kind = type(callback)
+    return any(getattr(kind, hook) is not getattr(FederatedCallback, hook) for hook in CLIENT_HOOKS)
+
+
 class ClientChunk:
     """The stacked models of a chunk of clients that train together.
 
@@ -471,6 +489,22 @@ class ClientChunk:
         self.tensors = [torch.stack(column) for column in zip(*starts)]
         self.num_params = num_params
         self.generators = list(generators)
+
+    @classmethod
+    def repeated(
+        cls,
+        clients: Sequence[int],
+        start: TensorList,
+        num_params: int,
+        generators: Sequence[torch.Generator],
+    ) -> ClientChunk:
+        """A chunk whose clients all start from ``start`` (θ^t): one copy per tensor."""
+        chunk = cls.__new__(cls)
+        chunk.clients, chunk.num_params = list(clients), num_params
+        rows = len(chunk.clients)
+        chunk.tensors = [t.unsqueeze(0).repeat(rows, *([1] * t.dim())) for t in start]
+        chunk.generators = list(generators)
+        return chunk
 
     @property
     def params(self) -> TensorList:
@@ -631,7 +665,9 @@ class VectorizedStep:
             groups.setdefault(batch_shape_key(batch), []).append(k)
         if len(groups) == 1:  # one shape: no regrouping of the outputs
             ((key, members),) = groups.items()
-            loss, metric = self._group_step(chunk, rows, batches, key)
+            loss, metric = self._group_step(
+                chunk, rows, stack_batches(batches), key, self._rows_index(chunk, rows)
+            )
             size = batch_size_of(batches[0])
             return loss, metric, torch.full((len(rows),), size, device=loss.device)
         losses = [None] * len(rows)
@@ -639,7 +675,9 @@ class VectorizedStep:
         sizes = [0] * len(rows)
         for key, members in groups.items():
             group_rows = [rows[k] for k in members]
-            loss, metric = self._group_step(chunk, group_rows, [batches[k] for k in members], key)
+            stacked = stack_batches([batches[k] for k in members])
+            index = self._rows_index(chunk, group_rows)
+            loss, metric = self._group_step(chunk, group_rows, stacked, key, index)
             size = batch_size_of(batches[members[0]])
             for i, k in enumerate(members):
                 losses[k] = loss[i]
@@ -652,9 +690,24 @@ class VectorizedStep:
             torch.tensor(sizes, device=losses[0].device),  # type: ignore[union-attr]
         )
 
-    def _group_step(self, chunk, group_rows, batches, key):
-        all_rows = group_rows == list(range(len(chunk.clients)))
-        index = None if all_rows else torch.tensor(group_rows, device=chunk.tensors[0].device)
+    def stacked(
+        self, chunk: ClientChunk, rows: list[int], batch: Any, index: Tensor | None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Train ``rows`` of ``chunk`` one step on their stacked ``batch`` (row k of every
+        tensor: ``rows[k]``'s batch, all of one shape), drawn from the packed federation;
+        ``index``: ``rows`` on the device, None for every row. Returns the per-row losses
+        and metrics."""
+        key = tuple(t.shape[1:] for t in batch)
+        return self._group_step(chunk, rows, batch, key, index)
+
+    @staticmethod
+    def _rows_index(chunk: ClientChunk, rows: list[int]) -> Tensor | None:
+        """``rows`` as an index on the chunk's device, None when they are all its rows."""
+        if rows == list(range(len(chunk.clients))):
+            return None
+        return torch.tensor(rows, device=chunk.tensors[0].device)
+
+    def _group_step(self, chunk, group_rows, batch, key, index):
         tensors = chunk.tensors if index is None else [t[index] for t in chunk.tensors]
         trainable = set(self.optimizer.stepped)
         params = [
@@ -662,8 +715,7 @@ class VectorizedStep:
             for j, t in enumerate(tensors[: chunk.num_params])
         ]
         buffers = [t.detach() for t in tensors[chunk.num_params :]]
-        batch = stack_batches(batches)
-        generators = [chunk.generators[r] for r in group_rows]
+        generators = chunk.generators if index is None else [chunk.generators[r] for r in group_rows]
         client_state = [
             [t if index is None else t[index] for t in tensors] for tensors in self.client_state
         ]
@@ -714,6 +766,11 @@ class VectorizedClients:
         self.step: VectorizedStep | None = None
         self.chunk: ClientChunk | None = None
         self.current: tuple[int, int] | None = None  # (chunk, step) of the training step
+        #: the current chunk's batch indices when its data is packed on the device
+        self.batches: ChunkBatches | None = None
+        #: whether a chunk's clients start and finish together (set at set-up: no
+        #: callback needs its client hooks one client at a time, no kept optimizer state)
+        self.batched_lifecycle = False
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Check that the module, optimizer and callbacks can train clients together,
@@ -725,6 +782,9 @@ class VectorizedClients:
         _check_trainer(trainer, strategy)
         if strategy.compile:
             _check_compilable(module, trainer.callbacks)
+        self.batched_lifecycle = not strategy.keep_optimizer_state and not any(
+            needs_client_hooks(cb) for cb in strategy.federated_callbacks
+        )
         tensors = strategy.federated_tensors
         optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
         callbacks = self.engine.ordered_callbacks("on_before_vectorized_optimizer_step")
@@ -775,19 +835,36 @@ class VectorizedClients:
 
     def start_chunk(self, index: int) -> None:
         """Start every client of chunk ``index`` as the sequential path does (global
-        weights, seeded RNG, ``on_client_start``), and stack their models."""
+        weights, seeded RNG, ``on_client_start``), and stack their models. When no
+        callback needs its client hooks (:attr:`batched_lifecycle`), the clients start
+        together: θ^t repeated once per row, the global RNG seeded once, as the last
+        client's start leaves it. With packed data, draw the chunk's batch indices."""
         strategy, plan = self.strategy, self.engine.current_round
         state, positions = plan.state, plan.chunks[index]
         clients = [plan.schedule.clients[pos] for pos in positions]
-        starts, generators, saved = [], [], []
-        for pos, client in zip(positions, clients):
-            self.engine.start_client(pos)
-            starts.append(strategy.federated_tensors.clone())
-            seed = derive_seed(strategy.seed, "client", state.round_idx, client)
-            generators.append(torch.Generator(device=strategy.root_device).manual_seed(seed))
-            kept = strategy.keep_optimizer_state
-            saved.append(strategy.client_store.get(client, "optimizer_0") if kept else None)
-        self.chunk = ClientChunk(clients, starts, strategy.federated_tensors.num_params, generators)
+        seeds = derive_seeds(strategy.seed, "client", state.round_idx, last=clients).tolist()
+        device = strategy.root_device
+        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        num_params = strategy.federated_tensors.num_params
+        if self.batched_lifecycle:
+            strategy.federated_tensors.load_(state.global_tensors)
+            seed_global_rng(seeds[-1], device)
+            self.chunk = ClientChunk.repeated(clients, state.global_tensors, num_params, generators)
+            saved: list[dict | None] = [None] * len(clients)
+        else:
+            starts, saved = [], []
+            for pos, client in zip(positions, clients):
+                self.engine.start_client(pos)
+                starts.append(strategy.federated_tensors.clone())
+                kept = strategy.keep_optimizer_state
+                saved.append(strategy.client_store.get(client, "optimizer_0") if kept else None)
+            self.chunk = ClientChunk(clients, starts, num_params, generators)
+        self.batches = None
+        if all(plan.loaders[pos] is None for pos in positions):
+            batches = [plan.schedule.num_batches[pos] for pos in positions]
+            self.batches = strategy.packed.chunk_batches(
+                strategy.seed, state.round_idx, clients, batches
+            )
         self.step.optimizer.reset(self.chunk.params, saved)
         self.engine.call("on_vectorized_clients_start", clients, state)
         params = strategy.federated_tensors.params
@@ -803,19 +880,47 @@ class VectorizedClients:
                 stacked_state.append(stacked)
         self.step.client_contexts, self.step.client_state = contexts, stacked_state
 
-    def train_step(self, batch: dict[str, Any]) -> None:
+    def train_step(self, batch: dict[str, Any] | PackedLocalSteps) -> None:
         """The Lightning step's local steps of the chunk's clients that still have
-        batches (``local_steps_per_training_step`` of them)."""
+        batches (``local_steps_per_training_step`` of them); with packed data, each step's
+        batches are gathered by index, one gather per group of rows of one batch size."""
         module = self.strategy.lightning_module
-        for step in batch["local_steps"]:
-            losses, metrics, sizes = self.step(self.chunk, step["rows"], step["batches"])
+        if isinstance(batch, PackedLocalSteps):
+            steps = (self._packed_step(step) for step in range(batch.first, batch.stop))
+        else:
+            steps = (self.step(self.chunk, s["rows"], s["batches"]) for s in batch["local_steps"])
+        for losses, metrics, sizes in steps:
             module._log_vectorized_training_step(losses, metrics, sizes)
             self.strategy.divergence.observe(losses)
 
+    def _packed_step(self, step: int) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """Local step ``step`` of the chunk on its packed batches: the rows' losses,
+        metrics and batch sizes (rows grouped by batch size)."""
+        packed, outputs = self.strategy.packed, []
+        for group in self.batches.steps[step]:
+            batch = self.batches.batch(step, group, packed)
+            loss, metrics = self.step.stacked(self.chunk, group.rows, batch, group.rows_index)
+            outputs.append((loss, metrics, group.size))
+        if len(outputs) == 1:
+            loss, metrics, size = outputs[0]
+            return loss, metrics, torch.full((len(loss),), size, device=loss.device)
+        return (
+            torch.cat([loss for loss, _, _ in outputs]),
+            {name: torch.cat([m[name] for _, m, _ in outputs]) for name in outputs[0][1]},
+            torch.cat([torch.full((len(loss),), size, device=loss.device)
+                       for loss, _, size in outputs]),
+        )  # fmt: skip
+
     def finish_chunk(self, index: int) -> None:
         """Finish every client of chunk ``index`` as the sequential path does, its trained
-        model loaded into the module."""
+        model loaded into the module; or, with :attr:`batched_lifecycle`, fold the
+        chunk's stacked updates into the round's sum at once."""
         chunk, strategy = self.chunk, self.strategy
+        self.batches = None
+        if self.batched_lifecycle:
+            self.engine.finish_clients(chunk.clients, chunk.tensors)
+            self.chunk = None
+            return
         for row, pos in enumerate(self.engine.current_round.chunks[index]):
             strategy.federated_tensors.load_(chunk.row(row))
             optimizer_state = None
