@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_fl.datamodules.base import FederatedDataModule, Split
 
 if TYPE_CHECKING:
+    from lightning_fl.engine.packed import PackedFederation
     from lightning_fl.engine.strategy import FederatedStrategy
 
 
@@ -80,7 +82,10 @@ class TrainRounds:
 
     def _batches(self, plan) -> Iterator[Any]:
         if plan.chunks is not None:
-            yield from self._chunk_batches(plan, self.strategy.local_steps_per_training_step)
+            strategy = self.strategy
+            yield from self._chunk_batches(
+                plan, strategy.local_steps_per_training_step, strategy.packed, strategy.root_device
+            )
             return
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
@@ -89,7 +94,9 @@ class TrainRounds:
             yield ()
 
     @staticmethod
-    def _chunk_batches(plan, fused: int | None) -> Iterator[Any]:
+    def _chunk_batches(
+        plan, fused: int | None, packed: PackedFederation | None, device: torch.device
+    ) -> Iterator[Any]:
         """Vectorized clients: per Lightning step, ``fused`` local steps of a chunk (None:
         all of them). A local step is the next batch of each of the chunk's clients that
         has one left (``{"rows": [...], "batches": [...]}``, rows of the chunk), each
@@ -100,8 +107,14 @@ class TrainRounds:
             local = plan.chunk_local_steps(index)
             per_call = local if fused is None else fused
             if all(plan.loaders[pos] is None for pos in chunk):  # packed on the device
+                first_client = plan.schedule.clients[chunk[0]]
+                size = min(packed.batch_sizes[first_client], packed.sizes[first_client])
+                # Lightning reads the batch size of what a hook logs from the batch's
+                # first tensor: the first client's batch size, as on the other paths
+                size_hint = torch.empty(int(size), 0, device=device)
                 for first in range(0, local, per_call):
-                    yield PackedLocalSteps(index, first, min(first + per_call, local))
+                    steps = PackedLocalSteps(index, first, min(first + per_call, local))
+                    yield {"batch_size": size_hint, "local_steps": steps}
                 continue
             streams = [cycle_batches(plan.loaders[pos], counts[pos]) for pos in chunk]
             for first in range(0, local, per_call):
@@ -115,10 +128,11 @@ class TrainRounds:
 
 
 class PackedLocalSteps:
-    """A Lightning step's batch when the chunk's data is packed on the device: local steps
+    """A Lightning step's local steps when the chunk's data is packed on the device:
     ``first`` to ``stop`` (exclusive) of chunk ``chunk``, whose batches the vectorized
     step draws by index when it trains them. A plain object, which Lightning's batch
-    transfer leaves alone: nothing is read ahead or copied."""
+    transfer leaves alone: nothing is read ahead or copied. The step's batch is
+    ``{"batch_size": ..., "local_steps": PackedLocalSteps}``."""
 
     __slots__ = ("chunk", "first", "stop")
 

@@ -880,13 +880,14 @@ class VectorizedClients:
                 stacked_state.append(stacked)
         self.step.client_contexts, self.step.client_state = contexts, stacked_state
 
-    def train_step(self, batch: dict[str, Any] | PackedLocalSteps) -> None:
+    def train_step(self, batch: dict[str, Any]) -> None:
         """The Lightning step's local steps of the chunk's clients that still have
         batches (``local_steps_per_training_step`` of them); with packed data, each step's
         batches are gathered by index, one gather per group of rows of one batch size."""
         module = self.strategy.lightning_module
-        if isinstance(batch, PackedLocalSteps):
-            steps = (self._packed_step(step) for step in range(batch.first, batch.stop))
+        packed = batch["local_steps"]
+        if isinstance(packed, PackedLocalSteps):
+            steps = (self._packed_step(step) for step in range(packed.first, packed.stop))
         else:
             steps = (self.step(self.chunk, s["rows"], s["batches"]) for s in batch["local_steps"])
         for losses, metrics, sizes in steps:
