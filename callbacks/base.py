@@ -62,11 +62,24 @@ class RoundState:
 
     def row_of(self, client: int) -> int:
         """The position of ``client``'s first draw in the participation."""
+        return self._first_rows()[client]
+
+    def rows_of(self, clients: list[int]) -> list[int]:
+        """:meth:`row_of` of each of ``clients``."""
+        rows = self._first_rows()
+        return [rows[c] for c in clients]
+
+    def weights_of(self, clients: list[int]) -> list[float]:
+        """:meth:`weight_of` of each of ``clients``."""
+        weights = self.participation.weights
+        return [weights[row] for row in self.rows_of(clients)]
+
+    def _first_rows(self) -> dict[int, int]:
         if self._rows is None:
             self._rows = {}
             for row, c in enumerate(self.participation.clients):
                 self._rows.setdefault(c, row)
-        return self._rows[client]
+        return self._rows
 
 
 class FederatedCallback(pl.Callback):

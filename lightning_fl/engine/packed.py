@@ -130,9 +130,7 @@ class ChunkBatches:
             [
                 StepGroup(
                     rows,
-                    None
-                    if len(rows) == rows_total
-                    else torch.tensor(rows, device=samples.device),
+                    None if len(rows) == rows_total else torch.tensor(rows, device=samples.device),
                     size,
                 )
                 for rows, size in groups
@@ -202,8 +200,8 @@ def pack_federation(
     free = _free_memory(device)
     if nbytes > MEMORY_SHARE * free:
         return None, (
-            f"it takes {nbytes / 2**20:.0f} MiB, more than {MEMORY_SHARE:.0%} of the "
-            f"{free / 2**20:.0f} MiB free on {device}"
+            f"it takes {nbytes / 2**20:.1f} MiB, more than {MEMORY_SHARE:.0%} of the "
+            f"{free / 2**20:.1f} MiB free on {device}"
         )
     sizes = np.zeros(len(counts), dtype=np.int64)
     batch_sizes = np.ones(len(counts), dtype=np.int64)

@@ -61,9 +61,15 @@ class RoundPlan:
         """Whether schedule position ``pos`` is this rank's idle batches."""
         return self.schedule.clients[pos] == PADDING
 
+    def packed_chunk(self, chunk: int) -> bool:
+        """Whether chunk ``chunk`` draws its batches from the packed federation (none of
+        its clients has a loader)."""
+        loaders = [self.loaders[pos] for pos in self.chunks[chunk]]
+        return loaders.count(None) == len(loaders)
+
     def chunk_local_steps(self, chunk: int) -> int:
         """Local steps of chunk ``chunk``: those of its longest client."""
-        return max(self.schedule.num_batches[pos] for pos in self.chunks[chunk])
+        return max([self.schedule.num_batches[pos] for pos in self.chunks[chunk]])
 
 
 class RoundPlanner:
@@ -99,11 +105,13 @@ class RoundPlanner:
         batches = self._num_batches(clients, built, round_idx)
         ranks = self.ranks(clients, batches)
         moved = self._move_states_in(clients, ranks)
-        mine = [i for i, r in enumerate(ranks) if r == strategy.global_rank]
+        rank = strategy.global_rank
+        mine = [i for i, r in enumerate(ranks) if r == rank]
+        by_index = strategy.vectorize and strategy.packed is not None
         for i in mine:
             if i not in built:
-                drawn_by_index = strategy.vectorize and self.packs(clients[i])
-                built[i] = None if drawn_by_index else self._loader(clients[i], round_idx)
+                drawn = by_index and clients[i] >= 0
+                built[i] = None if drawn else self._loader(clients[i], round_idx)
         per_rank: list[list[int]] = [[] for _ in range(strategy.world_size)]
         for r, n in zip(ranks, batches):
             per_rank[r].append(n)
@@ -123,7 +131,7 @@ class RoundPlanner:
         order, as on one process."""
         strategy = self.strategy
         if strategy.world_size == 1 or not self.balanced():
-            return [strategy.owner(c) for c in clients]
+            return strategy.owners(clients)
         positions: dict[int, list[int]] = {}
         for i, client in enumerate(clients):
             positions.setdefault(client, []).append(i)
@@ -277,7 +285,7 @@ class RoundPlanner:
         strategy = self.strategy
         if strategy.local_steps is not None:
             return [1 if c == SERVER_CLIENT else strategy.local_steps for c in clients]
-        if strategy.packed is not None and all(c >= 0 for c in clients):
+        if strategy.packed is not None and (not clients or min(clients) >= 0):
             per_pass = strategy.packed.num_batches_per_pass(clients)
             return (strategy.local_epochs * per_pass).tolist()
         if strategy.packed is not None:
@@ -311,7 +319,7 @@ class RoundPlanner:
             self.strategy.local_steps_per_training_step,
         )
         chunks = chunk_positions(range(len(clients)), size)
-        steps = [_fused(max(batches[p] for p in chunk), fused) for chunk in chunks]
+        steps = [_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks]
         longest = max(_chunked_steps(counts, size, fused) for counts in per_rank)
         step_ids = list(range(len(chunks)))
         if longest > sum(steps):
@@ -364,7 +372,7 @@ def _chunked_steps(batches: list[int], size: int | None, fused: int | None) -> i
     vectorized clients in chunks of at most ``size``: the longest client of every chunk,
     ``fused`` local steps per Lightning step."""
     chunks = chunk_positions(range(len(batches)), size)
-    return sum(_fused(max(batches[p] for p in chunk), fused) for chunk in chunks)
+    return sum(_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks)
 
 
 def client_training_counts(dm: FederatedDataModule) -> list[int]:

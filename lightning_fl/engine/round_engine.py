@@ -135,7 +135,7 @@ class RoundEngine:
                 )
             clients = [c for r, c in enumerate(clients) if r not in bad]
             stacked = [rows[keep] for rows in stacked]
-        weights = [state.weight_of(c) for c in clients]
+        weights = state.weights_of(clients)
         sampler_rows = state.extra_sums.get(SAMPLER_UPDATES)
         flat_updates = []
         for total, rows, start in zip(state.update_sum, stacked, state.global_tensors):
@@ -145,7 +145,7 @@ class RoundEngine:
             if sampler_rows is not None:
                 flat_updates.append(updates.flatten(1))
         if sampler_rows is not None and clients:
-            positions = torch.tensor([state.row_of(c) for c in clients])
+            positions = torch.tensor(state.rows_of(clients))
             sampler_rows[0][positions.to(sampler_rows[0].device)] = torch.cat(flat_updates, 1)
         state.accepted.extend(clients)
 

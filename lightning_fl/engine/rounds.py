@@ -106,7 +106,7 @@ class TrainRounds:
         for index, chunk in enumerate(plan.chunks):
             local = plan.chunk_local_steps(index)
             per_call = local if fused is None else fused
-            if all(plan.loaders[pos] is None for pos in chunk):  # packed on the device
+            if plan.packed_chunk(index):  # packed on the device
                 first_client = plan.schedule.clients[chunk[0]]
                 size = min(packed.batch_sizes[first_client], packed.sizes[first_client])
                 # Lightning reads the batch size of what a hook logs from the batch's

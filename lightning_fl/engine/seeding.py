@@ -28,7 +28,9 @@ _MIX_MULT_L, _MIX_MULT_R, _XSHIFT, _MASK32 = 0xCA01F9DD, 0x4973F715, 16, 0xFFFFF
 _POOL_SIZE = 4
 
 
-def derive_seeds(seed: int, purpose: str, *keys: int, last: Sequence[int] | np.ndarray) -> np.ndarray:
+def derive_seeds(
+    seed: int, purpose: str, *keys: int, last: Sequence[int] | np.ndarray
+) -> np.ndarray:
     """``[derive_seed(seed, purpose, *keys, k) for k in last]`` in a few array operations:
     numpy's ``SeedSequence`` mixing (its pool of 4 words, ``hashmix`` and ``mix``) run over
     every ``k`` at once. Equal to :func:`derive_seed` bit for bit; one call for a round's

@@ -17,6 +17,7 @@ where each step lives):
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -268,6 +269,11 @@ class FederatedStrategy(DDPStrategy):
         """The rank that trains ``client`` and keeps its state: a stable assignment."""
         return client % self.world_size
 
+    def owners(self, clients: Sequence[int]) -> list[int]:
+        """:meth:`owner` of each of ``clients``."""
+        world_size = self.world_size
+        return [client % world_size for client in clients]
+
     # ------------------------------------------------------------------ launch and set-up
     @property
     def _single_process(self) -> bool:
@@ -369,7 +375,9 @@ class FederatedStrategy(DDPStrategy):
             return None
         packed, reason = pack_federation(trainer.datamodule, self._train_counts, self.root_device)
         if packed is None:
-            message = f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
+            message = (
+                f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
+            )
             if self.data_on_device is True:
                 rank_zero_warn(message + " Set data_on_device='auto' to silence this.")
             else:

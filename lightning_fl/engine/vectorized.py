@@ -715,7 +715,9 @@ class VectorizedStep:
             for j, t in enumerate(tensors[: chunk.num_params])
         ]
         buffers = [t.detach() for t in tensors[chunk.num_params :]]
-        generators = chunk.generators if index is None else [chunk.generators[r] for r in group_rows]
+        generators = (
+            chunk.generators if index is None else [chunk.generators[r] for r in group_rows]
+        )
         client_state = [
             [t if index is None else t[index] for t in tensors] for tensors in self.client_state
         ]
@@ -860,7 +862,7 @@ class VectorizedClients:
                 saved.append(strategy.client_store.get(client, "optimizer_0") if kept else None)
             self.chunk = ClientChunk(clients, starts, num_params, generators)
         self.batches = None
-        if all(plan.loaders[pos] is None for pos in positions):
+        if plan.packed_chunk(index):
             batches = [plan.schedule.num_batches[pos] for pos in positions]
             self.batches = strategy.packed.chunk_batches(
                 strategy.seed, state.round_idx, clients, batches

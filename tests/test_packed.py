@@ -1,0 +1,268 @@
+"""The federation on the device (engine/packed.py, issue 34): batched seeds equal the
+per-client ones, packed batches equal the loaders' batches, vectorized rounds over packed
+data equal the hand-written loop and the other paths, and the Python work of a
+vectorized round does not grow with its number of clients."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from lightning_fl import MLP, Classifier, FederatedStrategy, MDSampler, UniformSampler
+from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.engine import packed as packed_module
+from lightning_fl.engine.packed import pack_federation
+from lightning_fl.engine.rounds import cycle_batches
+from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
+from lightning_fl.engine.vectorized import needs_client_hooks
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_datamodule
+from tests.test_exactness import reference, run_strategy
+
+
+@pytest.mark.parametrize("keys", [(), (0,), (7,), (3, 11), (2**32 + 5, 1, 2)])
+def test_derive_seeds_equals_derive_seed_bit_for_bit(keys):
+    last = [0, 1, 2, 3549, -3, -1, 2**31, 2**32 - 1, 2**32 + 7, 123456789012]
+    for seed in (0, 3, 2**40 + 17):
+        expected = [derive_seed(seed, "data", *keys, k) for k in last]
+        assert derive_seeds(seed, "data", *keys, last=last).tolist() == expected
+    assert derive_seeds(0, "client", 4, last=[5]).tolist() != derive_seeds(0, "data", 4, last=[5])
+
+
+class _FullBatchDataModule(InMemoryFederatedDataModule):
+    """Client 2 trains full-batch (its whole set in one batch), the others with batch 4."""
+
+    def training_batch_size(self, dataset: Dataset) -> int:
+        return len(dataset) if len(dataset) == 18 else self.batch_size
+
+
+def _loader_batches(dm, client: int, round_idx: int, count: int) -> list[list[torch.Tensor]]:
+    dataset = dm.client_dataset(client, "train")
+    loader = dm.client_dataloader(dataset, "train", generator(3, "data", round_idx, client))
+    return list(cycle_batches(loader, count))
+
+
+@pytest.mark.parametrize("module_cls", [InMemoryFederatedDataModule, _FullBatchDataModule])
+def test_chunk_batches_are_the_loaders_batches(module_cls):
+    """Unequal clients (4..39 samples, short last batches), several passes, unequal
+    numbers of batches (E passes), a full-batch client: every row's batch at every step
+    is the one its loader yields, and the groups hold exactly the rows with a batch."""
+    dm = module_cls(tiny_clients(), batch_size=4)
+    counts = dm.sample_counts()
+    packed, reason = pack_federation(dm, counts, torch.device("cpu"))
+    assert reason == ""
+    clients = [9, 2, 0, 5, 2]  # client 2 twice (sampling with replacement)
+    for num_batches in ([13, 13, 13, 13, 13], [3, 1, 7, 2, 5]):
+        batches = packed.chunk_batches(3, 4, clients, num_batches)
+        assert len(batches) == max(num_batches)
+        expected = [_loader_batches(dm, c, 4, n) for c, n in zip(clients, num_batches)]
+        for step, groups in enumerate(batches.steps):
+            rows = sorted(r for g in groups for r in g.rows)
+            assert rows == [r for r, n in enumerate(num_batches) if n > step]
+            for group in groups:
+                x, y = batches.batch(step, group, packed)
+                assert x.shape[:2] == (len(group.rows), group.size)
+                for k, row in enumerate(group.rows):
+                    ex, ey = expected[row][step]
+                    assert torch.equal(x[k], ex) and torch.equal(y[k], ey)
+
+
+def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
+    class _Wrapped(Dataset):
+        def __init__(self, data) -> None:
+            self.data = TensorDataset(*data)
+
+        def __len__(self) -> int:
+            return len(self.data)
+
+        def __getitem__(self, i):
+            return self.data[i]
+
+    class _Lazy(InMemoryFederatedDataModule):
+        def client_dataset(self, client, split):
+            return _Wrapped(self._clients[client][split])
+
+    class _Stream(InMemoryFederatedDataModule):
+        def set_round(self, round_idx: int) -> None:
+            pass
+
+    dm = tiny_datamodule()
+    counts = dm.sample_counts()
+    lazy = _Lazy(tiny_clients())
+    assert pack_federation(lazy, counts, torch.device("cpu")) == (
+        None,
+        "its training sets are _Wrapped, not plain TensorDatasets",
+    )
+    stream = pack_federation(_Stream(tiny_clients()), counts, torch.device("cpu"))
+    assert stream == (None, "its clients' data changes every round (a stream)")
+    size = sum(t.numel() * t.element_size() for c in range(10)
+               for t in dm.client_dataset(c, "train").tensors)  # fmt: skip
+    monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size - 1)
+    packed, reason = pack_federation(dm, counts, torch.device("cpu"))
+    assert packed is None and reason.startswith("it takes 0.0 MiB, more than 50% of the")
+    monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size)
+    assert pack_federation(dm, counts, torch.device("cpu"))[0] is not None
+
+
+def test_the_strategy_refuses_a_bad_data_on_device():
+    with pytest.raises(ValueError, match="data_on_device must be True, False or 'auto'"):
+        FederatedStrategy(data_on_device="yes")
+
+
+@pytest.mark.parametrize("sampler", [UniformSampler(3), MDSampler(3)], ids=["uniform", "md"])
+def test_vectorized_fedavg_over_packed_data_equals_hand_written_loop(sampler):
+    """Five rounds of sampled FedAvg, unequal clients, batches drawn by index on the
+    packed data against torch's own DataLoader in the hand-written loop."""
+    ours = run_strategy(sampler, [FedAvg()], vectorize=True, max_vectorized_clients=2)
+    ref = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)])
+    assert max_abs_diff(ours, ref) <= 1e-5
+
+
+def _fit(callbacks, rounds=3, **strategy_kw):
+    torch.manual_seed(1)
+    module = Classifier(
+        network=torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3)
+        ),
+        lr=0.1,
+        momentum=0.5,
+    )
+    kw = {"sampler": UniformSampler(6), "local_epochs": 2, "seed": 3}
+    kw.update(strategy_kw)
+    strategy = FederatedStrategy(**kw)
+    trainer = make_trainer(strategy, rounds, callbacks)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    return params_of(module), trainer
+
+
+@pytest.mark.parametrize(
+    "callbacks", [lambda: [FedAvg()], lambda: [FedProx(mu=0.3)], lambda: [SCAFFOLD()]],
+    ids=["fedavg", "fedprox", "scaffold"],
+)  # fmt: skip
+def test_packed_and_unpacked_vectorized_paths_equal_the_sequential_path(callbacks):
+    """Dropout, momentum, unequal batch counts (E = 2 passes), chunks of 4: packed data
+    with clients started together (FedAvg, FedProx) or one by one (SCAFFOLD's control
+    variates), unpacked data, and the sequential path over packed data."""
+    sequential, _ = _fit(callbacks(), data_on_device=False)
+    runs = {
+        "sequential, packed": _fit(callbacks(), data_on_device=True),
+        "vectorized, packed": _fit(callbacks(), vectorize=True, max_vectorized_clients=4),
+        "vectorized, loaders": _fit(
+            callbacks(), vectorize=True, max_vectorized_clients=4, data_on_device=False
+        ),
+    }
+    for name, (params, trainer) in runs.items():
+        assert max_abs_diff(sequential, params) <= 1e-5, name
+        packed = trainer.strategy.packed is not None
+        assert packed == ("packed" in name), name
+    vectorized = runs["vectorized, packed"][1].strategy.vectorized
+    assert vectorized.batched_lifecycle == (not isinstance(callbacks()[0], SCAFFOLD))
+
+
+def test_client_hooks_decide_the_batched_lifecycle():
+    assert not needs_client_hooks(FedAvg()) and not needs_client_hooks(FedProx())
+    assert needs_client_hooks(SCAFFOLD())
+
+
+class _PoisonClient(pl.Callback):
+    """Client 3's training inputs become NaN in rounds 0 and 2 only (a clean round between)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x, self.clean = x, x.clone()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.x.copy_(self.clean if trainer.current_epoch == 1 else torch.full_like(self.x, 1e38))
+        packed = trainer.strategy.packed
+        if packed is not None:  # the packed copy is the data the chunks read
+            start, size = int(packed.offsets[3]), int(packed.sizes[3])
+            packed.columns[0][start : start + size] = self.x
+
+
+def _poisoned_fit(**strategy_kw):
+    clients = tiny_clients()
+    dm = InMemoryFederatedDataModule(clients, batch_size=4)
+    torch.manual_seed(1)
+    module = Classifier(network=MLP(6, (8,), 3), lr=0.1)
+    strategy = FederatedStrategy(sampler=UniformSampler(10), local_steps=3, seed=3, **strategy_kw)
+    trainer = make_trainer(strategy, 3, [FedAvg(), _PoisonClient(clients[3]["train"][0])])
+    with pytest.warns(UserWarning, match="client 3 sent an update with NaN or Inf"):
+        trainer.fit(module, datamodule=dm)
+    return params_of(module), trainer
+
+
+def test_a_non_finite_update_is_dropped_in_a_batched_chunk_as_sequentially():
+    """Rounds 0 and 2 drop client 3 (the streak resets in round 1); the other clients'
+    updates are folded with their weights, as on the sequential path."""
+    sequential, seq_trainer = _poisoned_fit()
+    batched, vec_trainer = _poisoned_fit(vectorize=True, max_vectorized_clients=4)
+    assert vec_trainer.strategy.vectorized.batched_lifecycle
+    assert max_abs_diff(sequential, batched) <= 1e-5
+    assert vec_trainer.strategy.engine.consecutive_bad_rounds == 1
+    assert vec_trainer.strategy.engine.current_round.state.dropped == [3]
+    assert float(vec_trainer.callback_metrics["fl/dropped_updates"]) == 1.0
+    assert float(seq_trainer.callback_metrics["fl/dropped_updates"]) == 1.0
+
+
+class _CallCounter(pl.Callback):
+    """Python function calls (``sys.setprofile`` "call" events) during round 1."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+
+    def _count(self, frame, event, arg) -> None:
+        if event == "call":
+            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            sys.setprofile(self._count)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        sys.setprofile(None)
+
+
+def _round_calls(num_clients: int) -> Counter:
+    g = torch.Generator().manual_seed(0)
+    clients = [
+        {"train": (torch.randn(10, 4, generator=g), torch.randint(0, 3, (10,), generator=g))}
+        for _ in range(num_clients)
+    ]
+    counter = _CallCounter()
+    strategy = FederatedStrategy(
+        sampler=UniformSampler(num_clients), local_steps=5, seed=0, vectorize=True
+    )
+    torch.manual_seed(0)
+    trainer = make_trainer(strategy, 2, [FedAvg(weighting="uniform"), counter])
+    trainer.fit(
+        Classifier(network=MLP(4, (8,), 3), lr=0.1),
+        datamodule=InMemoryFederatedDataModule(clients, batch_size=4),
+    )
+    return counter.calls
+
+
+def test_a_vectorized_round_makes_as_many_python_calls_for_1000_clients_as_for_100():
+    """The design holds: planning, the chunk's start, its local steps (batches drawn by
+    index) and its finish cost O(1) Python calls in the number of clients."""
+    few, many = _round_calls(100), _round_calls(1000)
+    grown = {k: many[k] - few[k] for k in many if many[k] > few[k]}
+    assert sum(many.values()) <= 1.1 * sum(few.values()), sorted(grown.items())[:10]
+    assert sum(few.values()) > 1000  # the profiler did count the round
+
+
+def test_packed_federation_keeps_client_offsets_and_sizes():
+    dm = tiny_datamodule()
+    counts = dm.sample_counts()
+    packed, _ = pack_federation(dm, counts, torch.device("cpu"))
+    assert packed.sizes.tolist() == counts
+    assert packed.offsets.tolist() == np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+    for c in (0, 4, 9):
+        x, y = dm.client_dataset(c, "train").tensors
+        px, py = packed.client_dataset(c).tensors
+        assert torch.equal(px, x) and torch.equal(py, y)
+    assert packed.num_batches_per_pass([0, 9]).tolist() == [1, -(-counts[9] // 4)]
