@@ -355,10 +355,11 @@ def scale_one(
     data_s = time.perf_counter() - made
     torch.manual_seed(0)
     module = Classifier(network=MLP(features, (hidden,), classes), lr=LR)
+    placement = {} if data_on_device == "auto" else {"data_on_device": data_on_device}
     strategy = FederatedStrategy(
         sampler=UniformSampler(per_round), local_steps=STEPS, seed=0, vectorize=vectorize,
         max_vectorized_clients=chunk, compile=compiled,
-        local_steps_per_training_step=None if compiled else 1, data_on_device=data_on_device,
+        local_steps_per_training_step=None if compiled else 1, **placement,
     )  # fmt: skip
     start = time.perf_counter()
     clock = _RoundClock(start)
@@ -378,7 +379,7 @@ def scale_one(
         "setup_s": clock.setup_s,
         "round_s": statistics.median(clock.rounds),
         "reference_round_s": statistics.median(reference),
-        "packed": strategy.packed is not None,
+        "packed": getattr(strategy, "packed", None) is not None,
         "compile_s": strategy.vectorized.compile_seconds or 0.0,
         "peak_rss_gib": peak,
         "store_entries": len(strategy.client_store.state_dict()),

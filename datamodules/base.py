@@ -14,11 +14,17 @@ Split = Literal["train", "val", "test", "reference"]
 
 class TensorBatchLoader:
     """Batches of a :class:`TensorDataset` cut by indexing its tensors: no per-sample
-    ``__getitem__`` and collation. The batches, their order and the use of ``generator``
-    are exactly those of ``DataLoader(dataset, batch_size, shuffle, generator=generator)``
-    (list batches; per pass, one int64 drawn for the workers' base seed, then the
-    sampler's ``randperm(n)`` and the trailing empty ``randperm``), so a run gives the same
-    numbers with either. Batches are copies, never views of the dataset.
+    ``__getitem__`` and collation. Each pass over the data (each ``iter()``) shuffles with
+    one ``torch.randperm(n, generator=generator)`` (the global generator when None) and
+    yields ``order[k·B : (k+1)·B]``, the last batch short when B does not divide n; without
+    shuffling, the samples in order. Batches are copies, never views of the dataset.
+
+    A client's batches are thus a function of its generator alone, one permutation per
+    pass, which the packed federation (:mod:`lightning_fl.engine.packed`) draws the same
+    way for every client of a vectorized chunk. (Up to release 0.11 this loader also drew
+    the two values a ``DataLoader`` draws and throws away, the workers' base seed and a
+    trailing permutation, to give a DataLoader's exact batches; they were two thirds of
+    the shuffle's cost.)
     """
 
     def __init__(
@@ -38,21 +44,24 @@ class TensorBatchLoader:
 
     def __iter__(self):
         tensors, n, size = self.dataset.tensors, len(self.dataset), self.batch_size
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # base seed
         if not self.shuffle:
             for start in range(0, n, size):
                 yield [t[start : start + size].clone() for t in tensors]
             return
-        generator = self.generator
-        if generator is None:  # as RandomSampler: a generator seeded from the global RNG
-            generator = torch.Generator()
-            generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
-        order = torch.randperm(n, generator=generator)
+        order = torch.randperm(n, generator=self.generator).to(tensors[0].device)
         for start in range(0, n, size):
             index = order[start : start + size]
-            if start + size >= n:
-                torch.randperm(n, generator=generator)  # the sampler's trailing draw
             yield [t[index] for t in tensors]
+
+
+def batch_loader(
+    dataset: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None = None
+) -> DataLoader:
+    """A :class:`TensorBatchLoader` for an in-memory ``TensorDataset`` (batches cut by
+    indexing its tensors), a torch ``DataLoader`` for any other dataset."""
+    if type(dataset) is TensorDataset:
+        return TensorBatchLoader(dataset, batch_size, shuffle, generator)  # type: ignore[return-value]
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
 class FederatedLoader:
@@ -150,9 +159,7 @@ class FederatedDataModule(pl.LightningDataModule):
         batch_size = self.training_batch_size(dataset) if shuffle else self.eval_batch_size
         if shuffle and isinstance(dataset, WERMDataset):
             return paired_loader(dataset, batch_size, generator=generator)  # type: ignore[return-value]
-        if type(dataset) is TensorDataset:  # in memory: batch by indexing the tensors
-            return TensorBatchLoader(dataset, batch_size, shuffle, generator)  # type: ignore[return-value]
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
+        return batch_loader(dataset, batch_size, shuffle, generator)
 
     def train_dataloader(self) -> FederatedLoader:
         return FederatedLoader(self, "train")

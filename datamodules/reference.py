@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_fl.datamodules.base import batch_loader
 from lightning_fl.engine.seeding import derive_seed
 
 
@@ -65,11 +66,8 @@ def paired_loader(
     training batches are exactly those of a loader without reference data."""
     seed = generator.initial_seed() if generator is not None else 0
     reference_generator = torch.Generator().manual_seed(derive_seed(seed, "reference"))
-    train = DataLoader(dataset.train, batch_size=batch_size, shuffle=True, generator=generator)
-    reference = DataLoader(
-        dataset.reference,
-        batch_size=reference_batch_size or batch_size,
-        shuffle=True,
-        generator=reference_generator,
+    train = batch_loader(dataset.train, batch_size, True, generator)
+    reference = batch_loader(
+        dataset.reference, reference_batch_size or batch_size, True, reference_generator
     )
     return PairedLoader(train, reference)

@@ -8,7 +8,6 @@ import tempfile
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fl import MLP, Classifier, FederatedStrategy
 from lightning_fl.datamodules import InMemoryFederatedDataModule
@@ -79,6 +78,21 @@ def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def client_batches(
+    data: tuple[torch.Tensor, ...], batch_size: int, seed: int, round_idx: int, client: int
+):
+    """A client's training batches of a round, written out: pass after pass, one
+    ``torch.randperm(n)`` of the generator seeded with (seed, "data", round, client), cut
+    into batches of ``batch_size`` (the last one short). Endless: take what you need."""
+    g = generator(seed, "data", round_idx, client)
+    n = len(data[0])
+    while True:
+        order = torch.randperm(n, generator=g)
+        for start in range(0, n, batch_size):
+            index = order[start : start + batch_size]
+            yield [t[index] for t in data]
+
+
 def local_sgd(
     net: torch.nn.Module,
     data: tuple[torch.Tensor, torch.Tensor],
@@ -94,13 +108,9 @@ def local_sgd(
 ) -> int:
     """K plain SGD steps over the client's data, reshuffling after each pass (hand-written)."""
     torch.manual_seed(derive_seed(seed, "client", round_idx, client))
-    loader = DataLoader(
-        TensorDataset(*data), batch_size=batch_size, shuffle=True,
-        generator=generator(seed, "data", round_idx, client),
-    )  # fmt: skip
     done = 0
     while done < steps:
-        for x, y in loader:
+        for x, y in client_batches(data, batch_size, seed, round_idx, client):
             for p in net.parameters():
                 p.grad = None
             loss = F.cross_entropy(net(x), y)

@@ -86,31 +86,32 @@ def test_mobilenet_v2_matches_the_published_architecture():
 @pytest.mark.parametrize("n", [12, 13])
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("seeded", [True, False])
-def test_tensor_batches_equal_a_dataloader_pass_for_pass(n, shuffle, seeded):
-    """Same batches, same order, same use of the generator and of the global RNG."""
-    from torch.utils.data import DataLoader, TensorDataset
+def test_tensor_batches_are_one_permutation_per_pass(n, shuffle, seeded):
+    """Pass after pass, one randperm(n) of the loader's generator (the global one when
+    None), cut into batches of 4 (the last one short: n = 13); in order without shuffling.
+    The batches of a DataLoader without its two thrown-away draws, and no other draw."""
+    from torch.utils.data import TensorDataset
 
     from lightning_fl.datamodules.base import TensorBatchLoader
 
-    dataset = TensorDataset(torch.randn(n, 3), torch.arange(n))
-
-    def passes(make):
-        torch.manual_seed(7)
-        generator = torch.Generator().manual_seed(3) if seeded else None
-        loader = make(generator)
-        out = [[[t.clone() for t in b] for b in loader] for _ in range(3)]
-        return out, torch.rand(1), None if generator is None else generator.get_state()
-
-    ours = passes(lambda g: TensorBatchLoader(dataset, 4, shuffle, g))
-    theirs = passes(lambda g: DataLoader(dataset, batch_size=4, shuffle=shuffle, generator=g))
-    assert len(TensorBatchLoader(dataset, 4)) == len(DataLoader(dataset, batch_size=4))
-    for our_pass, their_pass in zip(ours[0], theirs[0]):
-        assert len(our_pass) == len(their_pass)
-        for a, b in zip(our_pass, their_pass):
-            assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert torch.equal(ours[1], theirs[1])  # the global RNG advanced alike
+    x, y = torch.randn(n, 3), torch.arange(n)
+    dataset = TensorDataset(x, y)
+    torch.manual_seed(7)
+    generator = torch.Generator().manual_seed(3) if seeded else None
+    loader = TensorBatchLoader(dataset, 4, shuffle, generator)
+    ours = [[[t.clone() for t in b] for b in loader] for _ in range(3)]
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    reference = torch.Generator().manual_seed(3) if seeded else None
+    for our_pass in ours:
+        order = torch.randperm(n, generator=reference) if shuffle else torch.arange(n)
+        expected = [order[s : s + 4] for s in range(0, n, 4)]
+        assert len(our_pass) == len(expected) == len(loader)
+        for (bx, by), index in zip(our_pass, expected):
+            assert torch.equal(bx, x[index]) and torch.equal(by, index)
+    assert torch.equal(after, torch.rand(1))  # the global RNG advanced alike
     if seeded:
-        assert torch.equal(ours[2], theirs[2])
+        assert torch.equal(generator.get_state(), reference.get_state())
 
 
 def test_one_class_partition_gives_client_i_digit_i_mod_10():

@@ -15,11 +15,12 @@ from lightning_fl.callbacks import FedEM, GossipAveraging
 from lightning_fl.callbacks.fedem import STORE_KEY, e_step, update_mixture_weights
 from lightning_fl.callbacks.gossip import erdos_renyi, metropolis_weights
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.engine.seeding import derive_seed, generator
+from lightning_fl.engine.seeding import derive_seed
 from tests.helpers import (
     HIDDEN,
     IN,
     OUT,
+    client_batches,
     make_trainer,
     max_abs_diff,
     params_of,
@@ -199,13 +200,9 @@ def _local_steps(components, x, y, q_all, round_idx, client, lr):
     """Alg. 7's LocalSolver: STEPS SGD steps on Σ_m q_im ℓ_im / |batch|, in the strategy's
     data order and torch seed for (round, client)."""
     torch.manual_seed(derive_seed(SEED, "client", round_idx, client))
-    loader = DataLoader(
-        TensorDataset(x, y, q_all), batch_size=BATCH, shuffle=True,
-        generator=generator(SEED, "data", round_idx, client),
-    )  # fmt: skip
     done = 0
     while done < STEPS:
-        for xb, yb, qb in loader:
+        for xb, yb, qb in client_batches((x, y, q_all), BATCH, SEED, round_idx, client):
             loss_m = torch.stack(
                 [F.cross_entropy(h(xb), yb, reduction="none") for h in components], 1
             )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import APFL, ClusteredFL, Ditto, FedAvg, FedRep, FineTune, PFedMe
@@ -36,10 +35,19 @@ def _fit(module, callbacks, dm, rounds=1, **kw):
     return trainer
 
 
-def _loader(data, *parts, shuffle=True):
-    return DataLoader(
-        TensorDataset(*data), batch_size=BATCH, shuffle=shuffle, generator=generator(SEED, *parts)
-    )
+class _loader:  # noqa: N801 - used as the loader factory it replaces
+    """Passes over ``data`` as a TensorDataset's loader makes them: each pass one randperm
+    of the generator seeded with ``parts`` (or the samples in order), cut into batches."""
+
+    def __init__(self, data, *parts, shuffle=True) -> None:
+        self.data, self.shuffle = data, shuffle
+        self.generator = generator(SEED, *parts)
+
+    def __iter__(self):
+        n = len(self.data[0])
+        order = torch.randperm(n, generator=self.generator) if self.shuffle else torch.arange(n)
+        for start in range(0, n, BATCH):
+            yield [t[order[start : start + BATCH]] for t in self.data]
 
 
 def _grads(net, params, x, y):

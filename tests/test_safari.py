@@ -7,14 +7,19 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fl import ExcludedClients, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import SAFARI, FedAvg
 from lightning_fl.callbacks.base import SERVER_CLIENT
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.engine.seeding import generator
-from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_module
+from tests.helpers import (
+    client_batches,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_module,
+)
 
 LR, ROUNDS, SEED = 0.1, 6, 4
 
@@ -61,11 +66,7 @@ def test_q_zero_is_sgd_on_the_server_data():
     net = tiny_module(LR).network
     x, y = _server_data()
     for r in range(ROUNDS):
-        loader = DataLoader(
-            TensorDataset(x, y), batch_size=4, shuffle=True,
-            generator=generator(SEED, "data", r, SERVER_CLIENT),
-        )  # fmt: skip
-        bx, by = next(iter(loader))
+        bx, by = next(client_batches((x, y), 4, SEED, r, SERVER_CLIENT))
         net.zero_grad()
         torch.nn.functional.cross_entropy(net(bx), by).backward()
         with torch.no_grad():
@@ -161,9 +162,7 @@ def test_mixed_rounds_interleave_fedavg_and_server_sgd_by_hand():
     sampler = UniformSampler(3)
     for r, server in enumerate(kinds):
         if server:
-            loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True,
-                                generator=generator(SEED, "data", r, SERVER_CLIENT))  # fmt: skip
-            bx, by = next(iter(loader))
+            bx, by = next(client_batches((x, y), 4, SEED, r, SERVER_CLIENT))
             net.zero_grad()
             torch.nn.functional.cross_entropy(net(bx), by).backward()
             with torch.no_grad():
