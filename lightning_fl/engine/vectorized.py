@@ -475,7 +475,8 @@ class ClientChunk:
         clients: client ids, one per row.
         starts: each client's starting tensors (parameters, then floating buffers).
         num_params: how many of the tensors are parameters.
-        generators: each client's generator (dropout masks).
+        generators: each client's generator (dropout masks, DP noise), or a function that
+            makes them when first needed (most chunks never draw from them).
     """
 
     def __init__(
@@ -483,12 +484,19 @@ class ClientChunk:
         clients: Sequence[int],
         starts: Sequence[TensorList],
         num_params: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[torch.Generator] | Callable[[], list[torch.Generator]],
     ) -> None:
         self.clients = list(clients)
         self.tensors = [torch.stack(column) for column in zip(*starts)]
         self.num_params = num_params
-        self.generators = list(generators)
+        self._generators = generators
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """Each row's generator, made on first use."""
+        if callable(self._generators):
+            self._generators = self._generators()
+        return list(self._generators)
 
     @classmethod
     def repeated(
@@ -496,14 +504,14 @@ class ClientChunk:
         clients: Sequence[int],
         start: TensorList,
         num_params: int,
-        generators: Sequence[torch.Generator],
+        generators: Sequence[torch.Generator] | Callable[[], list[torch.Generator]],
     ) -> ClientChunk:
         """A chunk whose clients all start from ``start`` (θ^t): one copy per tensor."""
         chunk = cls.__new__(cls)
         chunk.clients, chunk.num_params = list(clients), num_params
         rows = len(chunk.clients)
         chunk.tensors = [t.unsqueeze(0).repeat(rows, *([1] * t.dim())) for t in start]
-        chunk.generators = list(generators)
+        chunk._generators = generators
         return chunk
 
     @property
@@ -552,11 +560,21 @@ class VectorizedStep:
         #: stepped and their generators (seeded per client as the sequential path seeds
         #: the global one), for callbacks whose gradient depends on the data (DP-SGD)
         self.batch: Any = None
-        self.generators: list[torch.Generator] = []
+        self._stepping: tuple[ClientChunk, list[int] | None] | None = None
         #: per-client module state: one context factory per callback that has some, and
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
         self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
         self.client_state: list[list[Tensor]] = []
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """The generators of the rows being stepped (seeded per client as the sequential
+        path seeds the global one), made on first use."""
+        if self._stepping is None:
+            return []
+        chunk, rows = self._stepping
+        every = chunk.generators
+        return every if rows is None else [every[r] for r in rows]
 
     def _client_loss(
         self,
@@ -608,9 +626,8 @@ class VectorizedStep:
         buffers: TensorList,
         batch: Any,
         client_state: list[list[Tensor]],
-        generators: list[torch.Generator],
     ) -> list[Tensor]:
-        """The stacked rows' next dropout masks, drawn from their ``generators`` (none
+        """The stacked rows' next dropout masks, drawn from their :attr:`generators` (none
         without dropout); the masks' shapes are probed once per batch shape ``key``."""
         if not self.dropout.active():
             return []
@@ -622,7 +639,7 @@ class VectorizedStep:
                 [[t[0] for t in tensors] for tensors in client_state],
             ),
         )  # fmt: skip
-        return self.dropout.masks(calls, generators, params[0].dtype, params[0].device)
+        return self.dropout.masks(calls, self.generators, params[0].dtype, params[0].device)
 
     def gradients_at(self, chunk: ClientChunk, rows: list[int], params: TensorList) -> TensorList:
         """The vectorized ``grads_at``: ∇ of each row's loss at its own stacked ``params``
@@ -641,7 +658,7 @@ class VectorizedStep:
         client_state = [[t[index] for t in tensors] for tensors in self.client_state]
         batch = self.batch
         key = batch_shape_key(tree_map(lambda t: t[0], batch))
-        masks = self._dropout_masks(key, params, [], batch, client_state, self.generators)
+        masks = self._dropout_masks(key, params, [], batch, client_state)
 
         def loss(tensors, one_batch, one_masks, one_state):
             return self._client_loss(tensors, [], one_batch, one_masks, one_state)[0]
@@ -715,13 +732,11 @@ class VectorizedStep:
             for j, t in enumerate(tensors[: chunk.num_params])
         ]
         buffers = [t.detach() for t in tensors[chunk.num_params :]]
-        generators = (
-            chunk.generators if index is None else [chunk.generators[r] for r in group_rows]
-        )
+        self._stepping = (chunk, None if index is None else group_rows)
         client_state = [
             [t if index is None else t[index] for t in tensors] for tensors in self.client_state
         ]
-        masks = self._dropout_masks(key, params, buffers, batch, client_state, generators)
+        masks = self._dropout_masks(key, params, buffers, batch, client_state)
         if self.compiled is not None:
             loss, metrics, found = self.compiled(params, buffers, batch, key)
         else:
@@ -738,7 +753,7 @@ class VectorizedStep:
             found = [g for j, g in zip(self.optimizer.trainable, found) if j in trainable]
         for j, g in zip(self.optimizer.stepped, found, strict=True):
             grads[j] = torch.zeros_like(params[j]) if g is None else g
-        self.batch, self.generators = batch, generators
+        self.batch = batch
         self.gradient_terms(group_rows, [p.detach() for p in params], grads)
         stepped = [grads[j] for j in self.optimizer.stepped]
         if self.clip is not None:
@@ -846,7 +861,10 @@ class VectorizedClients:
         clients = [plan.schedule.clients[pos] for pos in positions]
         seeds = derive_seeds(strategy.seed, "client", state.round_idx, last=clients).tolist()
         device = strategy.root_device
-        generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+        def generators() -> list[torch.Generator]:
+            return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
         num_params = strategy.federated_tensors.num_params
         if self.batched_lifecycle:
             strategy.federated_tensors.load_(state.global_tensors)
