@@ -333,6 +333,7 @@ def scale_one(
     chunk: int | None,
     rounds: int,
     compiled: bool = False,
+    fused: bool = False,
     network: tuple[int, int, int] = (784, 200, 62),
     data_on_device: bool | str = "auto",
 ) -> dict:
@@ -359,7 +360,7 @@ def scale_one(
     strategy = FederatedStrategy(
         sampler=UniformSampler(per_round), local_steps=STEPS, seed=0, vectorize=vectorize,
         max_vectorized_clients=chunk, compile=compiled,
-        local_steps_per_training_step=None if compiled else 1, **placement,
+        local_steps_per_training_step=None if compiled or fused else 1, **placement,
     )  # fmt: skip
     start = time.perf_counter()
     clock = _RoundClock(start)
@@ -386,10 +387,13 @@ def scale_one(
     }
 
 
+#: (clients per round, vectorize, chunk, compiled, a chunk's local steps in one Lightning step)
 SCALE_CONFIGS = [
-    (100, False, None, False), (100, True, None, False), (100, True, None, True),
-    (1000, False, None, False), (1000, True, 100, False), (1000, True, 250, False),
-    (1000, True, None, False), (1000, True, 250, True),
+    (100, False, None, False, False), (100, True, None, False, False),
+    (100, True, None, True, True), (1000, False, None, False, False),
+    (1000, True, 100, False, False), (1000, True, 250, False, False),
+    (1000, True, None, False, False), (1000, True, 100, False, True),
+    (1000, True, 250, False, True), (1000, True, 250, True, True),
 ]  # fmt: skip
 
 
@@ -397,7 +401,7 @@ def scale(
     rounds: int,
     network: Sequence[int] = (784, 200, 62),
     per_round: Sequence[int] = (100, 1000),
-    paths: Sequence[str] = ("sequential", "vectorized", "compiled"),
+    paths: Sequence[str] = ("sequential", "vectorized", "fused", "compiled"),
     data_on_device: str = "auto",
 ) -> list[str]:
     """The FEMNIST-scale configurations, each in its own process with the vmapped
@@ -410,19 +414,29 @@ def scale(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for clients, vectorize, chunk, compiled in SCALE_CONFIGS:
-        kind = "compiled" if compiled else "vectorized" if vectorize else "sequential"
+    for clients, vectorize, chunk, compiled, fused in SCALE_CONFIGS:
+        kind = (
+            "compiled"
+            if compiled
+            else "fused"
+            if fused
+            else "vectorized"
+            if vectorize
+            else "sequential"
+        )
         if clients not in per_round or kind not in paths:
             continue
         args = [sys.executable, __file__, "--scale-one", str(clients), str(int(vectorize)),
-                str(chunk or 0), str(int(compiled)), "--rounds", str(rounds),
+                str(chunk or 0), str(int(compiled)), str(int(fused)), "--rounds", str(rounds),
                 "--network", *map(str, network), "--accelerator", ACCELERATOR,
                 "--data-on-device", data_on_device]  # fmt: skip
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
-        path = "sequential"
-        if vectorize:
-            path = "vectorized compiled, a chunk per training step" if compiled else "vectorized"
+        path = {
+            "sequential": "sequential", "vectorized": "vectorized",
+            "fused": "vectorized, a chunk per training step",
+            "compiled": "vectorized compiled, a chunk per training step",
+        }[kind]  # fmt: skip
         line = (
             f"| {clients} | {path} | {chunk or ('all' if vectorize else '-')} "
             f"| {'yes' if r['packed'] else 'no'} | {r['setup_s']:.2f} | {r['round_s']:.3f} "
@@ -509,7 +523,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", action="store_true", help="the FEMNIST-scale run")
     parser.add_argument("--anatomy", action="store_true", help="µs per step of each loop")
-    parser.add_argument("--scale-one", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--scale-one", nargs=5, type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--plugins",
         nargs="*",
@@ -523,8 +537,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--per-round", nargs="+", type=int, default=[100, 1000])
     parser.add_argument(
-        "--paths", nargs="+", default=["sequential", "vectorized", "compiled"],
-        choices=["sequential", "vectorized", "compiled"],
+        "--paths", nargs="+", default=["sequential", "vectorized", "fused", "compiled"],
+        choices=["sequential", "vectorized", "fused", "compiled"],
     )  # fmt: skip
     parser.add_argument("--data-on-device", default="auto", choices=["auto", "true", "false"])
     parser.add_argument("--accelerator", default="cpu", help="cpu or gpu")
@@ -533,10 +547,10 @@ def main() -> None:
     ACCELERATOR = args.accelerator
     torch.set_num_threads(1)
     if args.scale_one:
-        per_round, vectorize, chunk, compiled = args.scale_one
+        per_round, vectorize, chunk, compiled, fused = args.scale_one
         on_device = {"auto": "auto", "true": True, "false": False}[args.data_on_device]
         result = scale_one(
-            per_round, bool(vectorize), chunk or None, args.rounds, bool(compiled),
+            per_round, bool(vectorize), chunk or None, args.rounds, bool(compiled), bool(fused),
             tuple(args.network), on_device,
         )  # fmt: skip
         print(json.dumps(result))

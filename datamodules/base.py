@@ -21,8 +21,8 @@ class TensorBatchLoader:
 
     A client's batches are thus a function of its generator alone, one permutation per
     pass, which the packed federation (:mod:`lightning_fl.engine.packed`) draws the same
-    way for every client of a vectorized chunk. (Up to release 0.11 this loader also drew
-    the two values a ``DataLoader`` draws and throws away, the workers' base seed and a
+    way for every client of a vectorized chunk. (Before issue 34 this loader also drew the
+    two values a ``DataLoader`` draws and throws away, the workers' base seed and a
     trailing permutation, to give a DataLoader's exact batches; they were two thirds of
     the shuffle's cost.)
     """

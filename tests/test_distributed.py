@@ -296,6 +296,7 @@ def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=
     strategy = SimpleNamespace(
         world_size=world_size,
         owner=lambda c: c % world_size,
+        owners=lambda clients: [c % world_size for c in clients],
         keep_optimizer_state=keep_optimizer_state,
         lightning_module=SimpleNamespace(trainer=trainer),
     )
