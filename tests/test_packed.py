@@ -266,3 +266,20 @@ def test_packed_federation_keeps_client_offsets_and_sizes():
         px, py = packed.client_dataset(c).tensors
         assert torch.equal(px, x) and torch.equal(py, y)
     assert packed.num_batches_per_pass([0, 9]).tolist() == [1, -(-counts[9] // 4)]
+
+
+def test_clients_cut_from_one_tensor_are_packed_without_a_copy():
+    """Adjacent slices of one tensor (in client order) are packed as a view of it; any
+    other layout (a gap, another order) is concatenated; both equal torch.cat."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 3, generator=g), torch.arange(30)
+    adjacent = [{"train": (x[a:b], y[a:b])} for a, b in ((0, 4), (4, 15), (15, 30))]
+    gap = [{"train": (x[a:b], y[a:b])} for a, b in ((0, 4), (5, 15), (15, 30))]
+    swapped = [adjacent[1], adjacent[0], adjacent[2]]
+    for clients, shared in ((adjacent, True), (gap, False), (swapped, False)):
+        dm = InMemoryFederatedDataModule(clients, batch_size=4)
+        packed, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
+        expected = [torch.cat([c["train"][k] for c in clients]) for k in range(2)]
+        for column, reference, base in zip(packed.columns, expected, (x, y)):
+            assert torch.equal(column, reference)
+            assert (column.data_ptr() == base.data_ptr()) == shared

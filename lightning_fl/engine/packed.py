@@ -211,10 +211,33 @@ def pack_federation(
         batch_sizes[c] = datamodule.training_batch_size(d)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     columns = [
-        torch.cat([d.tensors[k] for d in datasets.values()]).to(device)
+        _concatenated([d.tensors[k] for d in datasets.values()]).to(device)
         for k in range(len(first.tensors))
     ]
     return PackedFederation(columns, offsets, sizes, batch_sizes), ""
+
+
+def _concatenated(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)``, or, when the parts already lie one after another in one
+    contiguous storage (clients cut as slices of one tensor), a view of it: no copy."""
+    first = parts[0]
+    rows = sum(len(p) for p in parts)
+    shape, stride = (rows, *first.shape[1:]), first.stride()
+    offset, storage = first.storage_offset(), first.untyped_storage()
+    position, adjacent = offset, first.is_contiguous()
+    for part in parts:
+        adjacent = (
+            adjacent
+            and part.is_contiguous()
+            and part.shape[1:] == first.shape[1:]
+            and part.dtype == first.dtype
+            and part.untyped_storage().data_ptr() == storage.data_ptr()
+            and part.storage_offset() == position
+        )
+        if not adjacent:
+            return torch.cat(parts)
+        position += part.numel()
+    return first.new_empty(0).set_(storage, offset, shape, stride)
 
 
 def _free_memory(device: torch.device) -> int:
