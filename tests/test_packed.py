@@ -280,6 +280,6 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy():
         dm = InMemoryFederatedDataModule(clients, batch_size=4)
         packed, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
         expected = [torch.cat([c["train"][k] for c in clients]) for k in range(2)]
-        for column, reference, base in zip(packed.columns, expected, (x, y)):
-            assert torch.equal(column, reference)
+        for column, concatenated, base in zip(packed.columns, expected, (x, y)):
+            assert torch.equal(column, concatenated)
             assert (column.data_ptr() == base.data_ptr()) == shared
