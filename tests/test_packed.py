@@ -283,3 +283,26 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy():
         for column, concatenated, base in zip(packed.columns, expected, (x, y)):
             assert torch.equal(column, concatenated)
             assert (column.data_ptr() == base.data_ptr()) == shared
+
+
+def test_lightnings_sigterm_broadcast_runs_once_per_round_on_several_processes():
+    """Lightning broadcasts rank 0's SIGTERM flag before every training step; the strategy
+    keeps the first of each round (the same step on every rank), and leaves one process
+    alone."""
+    from types import SimpleNamespace
+
+    calls = []
+    loop = SimpleNamespace(_broadcast_sigterm_tensor=lambda: calls.append(trainer.current_epoch))
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), current_epoch=0)
+    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=2), trainer)
+    for epoch, steps in ((0, 5), (1, 3), (2, 1), (3, 4)):
+        trainer.current_epoch = epoch
+        for _ in range(steps):
+            loop._broadcast_sigterm_tensor()
+    assert calls == [0, 1, 2, 3]
+    single = SimpleNamespace(_broadcast_sigterm_tensor=lambda: calls.append("step"))
+    alone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=single), current_epoch=0)
+    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=1), alone)
+    single._broadcast_sigterm_tensor()
+    single._broadcast_sigterm_tensor()
+    assert calls[-2:] == ["step", "step"]
