@@ -106,6 +106,13 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
     monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size - 1)
     packed, reason = pack_federation(dm, counts, torch.device("cpu"))
     assert packed is None and reason.startswith("it takes 0.0 MiB, more than 50% of the")
+    assert isinstance(reason, packed_module.TooLarge)
+    strategy = FederatedStrategy(vectorize=True, seed=3, local_steps=2)
+    with pytest.warns(UserWarning, match="training data stays with the datamodule's loaders: it"):
+        make_trainer(strategy, 1, [FedAvg()]).fit(
+            Classifier(network=MLP(6, (8,), 3)), datamodule=tiny_datamodule()
+        )
+    assert strategy.packed is None
     monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size)
     assert pack_federation(dm, counts, torch.device("cpu"))[0] is not None
 

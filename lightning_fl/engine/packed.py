@@ -38,6 +38,10 @@ from lightning_fl.engine.seeding import derive_seeds
 MEMORY_SHARE = 0.5
 
 
+class TooLarge(str):
+    """The reason a federation is not packed when it is its size (a user can act on it)."""
+
+
 class PackedFederation:
     """Every client's training tensors, concatenated on one device.
 
@@ -200,7 +204,7 @@ def pack_federation(
     nbytes = sum(t.numel() * t.element_size() for d in datasets.values() for t in d.tensors)
     free = _free_memory(device)
     if nbytes > MEMORY_SHARE * free:
-        return None, (
+        return None, TooLarge(
             f"it takes {nbytes / 2**20:.1f} MiB, more than {MEMORY_SHARE:.0%} of the "
             f"{free / 2**20:.1f} MiB free on {device}"
         )

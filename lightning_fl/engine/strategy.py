@@ -41,7 +41,7 @@ from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.evaluation import ClientMetricCapture
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
-from lightning_fl.engine.packed import PackedFederation, pack_federation
+from lightning_fl.engine.packed import PackedFederation, TooLarge, pack_federation
 from lightning_fl.engine.planning import RoundPlan, client_training_counts
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
@@ -400,7 +400,11 @@ class FederatedStrategy(DDPStrategy):
             message = (
                 f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
             )
-            if self.data_on_device is True:
+            if isinstance(reason, TooLarge):  # batches cross from the host at every step
+                rank_zero_warn(
+                    message + " Free device memory, or set data_on_device=False to silence this."
+                )
+            elif self.data_on_device is True:
                 rank_zero_warn(message + " Set data_on_device='auto' to silence this.")
             else:
                 rank_zero_info(message)
