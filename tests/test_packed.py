@@ -275,9 +275,10 @@ def test_packed_federation_keeps_client_offsets_and_sizes():
     assert packed.num_batches_per_pass([0, 9]).tolist() == [1, -(-counts[9] // 4)]
 
 
-def test_clients_cut_from_one_tensor_are_packed_without_a_copy():
-    """Adjacent slices of one tensor (in client order) are packed as a view of it; any
-    other layout (a gap, another order) is concatenated; both equal torch.cat."""
+def test_clients_cut_from_one_tensor_are_packed_without_a_copy(monkeypatch):
+    """Adjacent slices of one tensor (in client order) are packed as a view of it, even
+    with no memory free (a view needs none); any other layout (a gap, another order) is
+    concatenated, and refused then; both equal torch.cat."""
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(30, 3, generator=g), torch.arange(30)
     adjacent = [{"train": (x[a:b], y[a:b])} for a, b in ((0, 4), (4, 15), (15, 30))]
@@ -290,6 +291,10 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy():
         for column, concatenated, base in zip(packed.columns, expected, (x, y)):
             assert torch.equal(column, concatenated)
             assert (column.data_ptr() == base.data_ptr()) == shared
+        with monkeypatch.context() as patched:
+            patched.setattr(packed_module, "_free_memory", lambda device: 0)
+            tight, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
+            assert (tight is not None) == shared
 
 
 def test_lightnings_sigterm_broadcast_runs_once_per_round_on_several_processes():

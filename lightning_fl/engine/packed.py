@@ -15,7 +15,8 @@ is that permutation draw, a few C calls on the host (about 9 µs a client and a 
 CPU); the seeds of all the chunk's clients come from one vectorized call
 (:func:`~lightning_fl.engine.seeding.derive_seeds`).
 
-A federation that does not fit (more than half of the device's free memory), a stream, a
+A federation that does not fit (more than half of the device's free memory; a view of the
+clients' tensors where they already lie on that device needs none), a stream, a
 dataset that is not a plain ``TensorDataset`` (reference pairs, lazily decoded images)
 keeps the loaders of today's path; the strategy says which, and why, in the log.
 """
@@ -201,9 +202,12 @@ def pack_federation(
     widths = {len(d.tensors) for d in datasets.values()}
     if len(widths) != 1:
         return None, "its clients' datasets have different numbers of tensors"
+    parts = [[d.tensors[k] for d in datasets.values()] for k in range(len(first.tensors))]
+    views = [_as_view(column) for column in parts]
+    on_host = all(v is not None and v.device == device for v in views)
     nbytes = sum(t.numel() * t.element_size() for d in datasets.values() for t in d.tensors)
     free = _free_memory(device)
-    if nbytes > MEMORY_SHARE * free:
+    if not on_host and nbytes > MEMORY_SHARE * free:
         return None, TooLarge(
             f"it takes {nbytes / 2**20:.1f} MiB, more than {MEMORY_SHARE:.0%} of the "
             f"{free / 2**20:.1f} MiB free on {device}"
@@ -215,15 +219,16 @@ def pack_federation(
         batch_sizes[c] = datamodule.training_batch_size(d)
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     columns = [
-        _concatenated([d.tensors[k] for d in datasets.values()]).to(device)
-        for k in range(len(first.tensors))
+        (torch.cat(column) if view is None else view).to(device)
+        for column, view in zip(parts, views)
     ]
     return PackedFederation(columns, offsets, sizes, batch_sizes), ""
 
 
-def _concatenated(parts: list[Tensor]) -> Tensor:
-    """``torch.cat(parts)``, or, when the parts already lie one after another in one
-    contiguous storage (clients cut as slices of one tensor), a view of it: no copy."""
+def _as_view(parts: list[Tensor]) -> Tensor | None:
+    """The concatenation of ``parts`` as a view, when they already lie one after another
+    in one contiguous storage (clients cut as slices of one tensor): no copy, and no
+    memory to find. None otherwise."""
     first = parts[0]
     rows = sum(len(p) for p in parts)
     shape, stride = (rows, *first.shape[1:]), first.stride()
@@ -239,7 +244,7 @@ def _concatenated(parts: list[Tensor]) -> Tensor:
             and part.storage_offset() == position
         )
         if not adjacent:
-            return torch.cat(parts)
+            return None
         position += part.numel()
     return first.new_empty(0).set_(storage, offset, shape, stride)
 
