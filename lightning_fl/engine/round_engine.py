@@ -135,13 +135,12 @@ class RoundEngine:
                 )
             clients = [c for r, c in enumerate(clients) if r not in bad]
             stacked = [rows[keep] for rows in stacked]
-        weights = state.weights_of(clients)
+        omega = torch.tensor(state.weights_of(clients), device=stacked[0].device)
         sampler_rows = state.extra_sums.get(SAMPLER_UPDATES)
         flat_updates = []
         for total, rows, start in zip(state.update_sum, stacked, state.global_tensors):
             updates = rows - start
-            omega = torch.tensor(weights, dtype=updates.dtype, device=updates.device)
-            total.add_(torch.tensordot(omega, updates, dims=1))
+            total.add_(torch.tensordot(omega.to(updates.dtype), updates, dims=1))
             if sampler_rows is not None:
                 flat_updates.append(updates.flatten(1))
         if sampler_rows is not None and clients:

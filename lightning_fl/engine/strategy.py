@@ -130,7 +130,8 @@ class FederatedStrategy(DDPStrategy):
             accelerator, when the data is in memory (plain ``TensorDataset`` clients, no
             stream) and takes at most half of the device's free memory; the log says
             which path a fit takes and why. The batches are the same either way. True:
-            the same, and a warning when the data cannot be packed; False: never.
+            pack for every fit, sequential CPU runs included, and warn when the data
+            cannot be packed; False: never.
     """
 
     strategy_name = "federated"
