@@ -157,7 +157,7 @@ class AsynchronousFL(Aggregator):
         event = self._event
         staleness = [self.schedule.round - 1 - v for v in event.versions]
         # float64: float32 would keep 0.016 of resolution at t = 2·10⁵
-        now = torch.tensor(float(self.schedule.now), dtype=torch.float64)
+        now = torch.tensor(float(self.schedule.now), dtype=torch.float64, device=pl_module.device)
         sync = trainer.world_size > 1  # every rank plans the same schedule
         pl_module.log("fl/time", now, on_epoch=True, batch_size=1, sync_dist=sync)
         mean_staleness = float(np.mean(staleness)) if staleness else 0.0

@@ -255,6 +255,7 @@ class Aggregator(FederatedCallback):
         return sampler.sample(round_idx, seed, p)
 
     def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
+        # host: p is bookkeeping of Python sample counts, read by the samplers on the host
         counts = torch.tensor(sample_counts, dtype=torch.float64)
         if self.weighting == "uniform":
             counts = (counts > 0).double()

@@ -69,6 +69,7 @@ class Local(Aggregator):
                     loss, metrics = module.loss_and_metrics(batch)
                     for name, value in {"loss": loss, **metrics}.items():
                         n = dm.num_clients
+                        # host: a table of Python floats for the report
                         grid = table.setdefault(name, torch.full((n, n), float("nan")))
                         grid[i, j] = float(value)
         finally:

@@ -126,9 +126,9 @@ class ClusteredFL(Aggregator):
                 continue
             updates = torch.stack([self._updates[c] for c in present])
             if self.weighting == "uniform":
-                weights = torch.full((len(present),), 1.0 / len(present))
+                weights = torch.full((len(present),), 1.0 / len(present), device=updates.device)
             else:
-                weights = torch.tensor([float(counts[c]) for c in present])
+                weights = torch.tensor([float(counts[c]) for c in present], device=updates.device)
                 weights = weights / weights.sum()
             mean_update = weights.to(updates) @ updates
             model = model + mean_update
@@ -148,8 +148,10 @@ class ClusteredFL(Aggregator):
                 new_clusters.append(members)
                 new_models.append(model)
         self.clusters, self.models = new_clusters, new_models
-        sizes = torch.tensor([float(sum(counts[c] for c in m)) for m in self.clusters])
-        average = (sizes / sizes.sum()).to(self.models[0]) @ torch.stack(self.models)
+        models = torch.stack(self.models)
+        sizes = [float(sum(counts[c] for c in m)) for m in self.clusters]
+        sizes = torch.tensor(sizes, device=models.device)
+        average = (sizes / sizes.sum()).to(models) @ models
         torch._foreach_copy_(state.global_tensors, unflatten(average, state.global_tensors))
         self._updates.clear()
 

@@ -82,7 +82,7 @@ class FedEM(FederatedCallback):
     @staticmethod
     def uniform(module: MixtureClassifier) -> Tensor:
         m = module.num_components
-        return torch.full((m,), 1.0 / m)
+        return torch.full((m,), 1.0 / m, device=module.device)
 
     def mixture_weights(
         self, trainer: pl.Trainer, module: MixtureClassifier, client: int

@@ -128,15 +128,16 @@ class FreeRiders(FederatedCallback):
         )
         self.updates = {}
         size = sum(t.numel() for t in state.global_tensors)
+        like = state.global_tensors[0]
         weight = self._declared / (self._fair_total + self.num_free_riders * self._declared)
         for rider in self.ids:
             if self.mode == "plain":
-                update = torch.zeros(size, dtype=state.global_tensors[0].dtype)
+                update = torch.zeros(size, dtype=like.dtype, device=like.device)
             else:
                 noise = generator(self.seed, "free_rider", state.round_idx, rider)
-                update = self.phi(state.round_idx) * torch.randn(
-                    size, generator=noise, dtype=torch.float64
-                ).to(state.global_tensors[0].dtype)
+                # host: a CPU generator draws the same noise whatever the device
+                draw = torch.randn(size, generator=noise, dtype=torch.float64)
+                update = (self.phi(state.round_idx) * draw).to(like)
             self.updates[rider] = update
             if trainer.global_rank == 0:  # added once: the round's all-reduce sums the ranks
                 add_flat_(state.update_sum, weight * update)

@@ -27,6 +27,7 @@ def erdos_renyi(num_nodes: int, edge_probability: float, seed: int) -> Tensor:
         raise ValueError(f"edge_probability must be in (0, 1], got {edge_probability}.")
     g = generator(seed, "erdos_renyi", num_nodes)
     for _ in range(1000):
+        # host: the overlay is drawn once from a CPU generator, the same on every device
         upper = torch.rand(num_nodes, num_nodes, generator=g, dtype=torch.float64)
         upper = torch.triu(upper < edge_probability, diagonal=1)
         adjacency = upper | upper.T
@@ -118,6 +119,7 @@ class GossipAveraging(Aggregator):
         self.graph, self.edge_probability, self.seed = graph, edge_probability, seed
         self.step_scale = step_scale
         self.topology = topology
+        # host: W is checked and kept on the host; the mixing step moves it to the models
         self._given = None if mixing_matrix is None else torch.tensor(mixing_matrix).double()
         self.models = PersonalModels(STORE_KEY)
         self._lr_scale = 1.0
@@ -135,7 +137,9 @@ class GossipAveraging(Aggregator):
             self.nodes = nodes
             if self.topology is not None:
                 overlay, self.clock = self._topology(trainer)
-                self.mixing = torch.from_numpy(overlay.mixing_matrix())
+                self.mixing = torch.from_numpy(
+                    overlay.mixing_matrix()
+                )  # host: W lives on the host, as _given
             else:
                 self.mixing = self._mixing_matrix()
         if self.topology is not None and self.clock is None:  # resumed: W is in the state
@@ -154,14 +158,16 @@ class GossipAveraging(Aggregator):
                     f"mixing_matrix is {tuple(w.shape)} but {n} clients have "
                     "training data: give one row and column per such client."
                 )
-            ones = torch.ones(n, dtype=w.dtype)
+            ones = torch.ones(n, dtype=w.dtype, device=w.device)
             if not (torch.allclose(w.sum(0), ones) and torch.allclose(w.sum(1), ones)):
                 raise ValueError(
                     "mixing_matrix must be doubly stochastic (rows and columns sum to 1)."
                 )
             return w.double()
         if self.graph == "complete":
-            return torch.full((n, n), 1.0 / n, dtype=torch.float64)
+            return torch.full(
+                (n, n), 1.0 / n, dtype=torch.float64
+            )  # host: W lives on the host, as _given
         return metropolis_weights(erdos_renyi(n, self.edge_probability, self.seed))
 
     def _topology(self, trainer):
@@ -177,12 +183,13 @@ class GossipAveraging(Aggregator):
         # every client's half-step model, filled by the rank that trains it (its own model
         # stays if its update is dropped) and summed over ranks by the round's all-reduce
         global_flat = flatten(state.global_tensors)
-        rows = torch.zeros(len(self.nodes), global_flat.numel(), dtype=global_flat.dtype)
+        rows = torch.zeros(len(self.nodes), global_flat.numel(), dtype=global_flat.dtype,
+                           device=global_flat.device)  # fmt: skip
         for row, client in enumerate(self.nodes):
             if trainer.strategy.owner(client) == trainer.global_rank:
                 own = state.store.get(client, STORE_KEY)
                 rows[row] = global_flat if own is None else own
-        state.extra_sums[STORE_KEY] = [rows.to(global_flat.device)]
+        state.extra_sums[STORE_KEY] = [rows]
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, trainer.strategy.federated_tensors)
@@ -235,8 +242,9 @@ class GossipAveraging(Aggregator):
         for row, client in enumerate(self.nodes):  # row t: Σ_s W_st θ_s
             if trainer.strategy.owner(client) == trainer.global_rank:
                 state.store.set(client, STORE_KEY, mixed[row].clone())
-        counts = torch.tensor([state.sample_counts[c] for c in self.nodes], dtype=torch.float64)
-        average = (counts / counts.sum()).to(half) @ mixed.to(half)
+        counts = [state.sample_counts[c] for c in self.nodes]
+        counts = torch.tensor(counts, dtype=torch.float64, device=half.device)
+        average = (counts / counts.sum()) @ mixed.to(half)
         torch._foreach_copy_(
             state.global_tensors, unflatten(average.to(mixed.dtype), state.global_tensors)
         )
@@ -245,7 +253,7 @@ class GossipAveraging(Aggregator):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.clock is not None:
-            now = torch.tensor(float(self.clock.now), dtype=torch.float64)  # not float32
+            now = torch.tensor(float(self.clock.now), dtype=torch.float64, device=pl_module.device)
             sync = trainer.world_size > 1  # every rank runs the same clock
             pl_module.log("fl/time", now, on_epoch=True, batch_size=1, sync_dist=sync)
 

@@ -158,7 +158,7 @@ class KNNPer(FederatedCallback):
         keys, _, labels = self._run(module, loader)
         if self.capacity < 1.0:
             keep = max(1, round(self.capacity * len(keys)))
-            order = torch.randperm(
+            order = torch.randperm(  # host: the keys are on the host, as the draw
                 len(keys), generator=generator(self.seed, "knn_capacity", client)
             )
             keys, labels = keys[order[:keep]], labels[order[:keep]]

@@ -52,7 +52,7 @@ class FederatedObjective(FederatedCallback):
         pl_module.log("fl/client_loss_std", spread, on_epoch=True, sync_dist=sync)
         if hasattr(aggregator, "surrogate_weights"):
             q = torch.zeros_like(p)
-            q[aggregator.clients] = torch.as_tensor(aggregator.surrogate_weights())
+            q[aggregator.clients] = torch.as_tensor(aggregator.surrogate_weights(), device=q.device)
             pl_module.log("fl/surrogate_loss", float(q @ losses), on_epoch=True, sync_dist=sync)
 
 
@@ -77,7 +77,7 @@ def client_training_metrics(
             batch = strategy.batch_to_device(batch)
             loss, metrics = pl_module.loss_and_metrics(batch)
             size = pl_module.batch_size_of(batch)
-            accuracy = metrics.get("acc", torch.tensor(float("nan")))
+            accuracy = metrics.get("acc", float("nan"))
             sums[0, client] += float(loss) * size
             sums[1, client] += float(accuracy) * size
             seen += size

@@ -249,7 +249,7 @@ class APFL(_BatchHook):
             rows_v.append([t.clone() for t in start] if v is None else v)
         self._rows_v = [torch.stack(column) for column in zip(*rows_v)]
         alphas = [float(state.store.get(c, self.alpha_key, self.alpha)) for c in clients]
-        self._rows_alpha = torch.tensor(alphas, dtype=torch.float64)
+        self._rows_alpha = torch.tensor(alphas, dtype=torch.float64, device=starts[0].device)
 
     @torch.no_grad()
     def on_before_vectorized_optimizer_step(
@@ -260,7 +260,7 @@ class APFL(_BatchHook):
         strategy = trainer.strategy
         index = torch.tensor(rows, device=params[0].device)
         v = [t[index] for t in self._rows_v]
-        alpha = self._rows_alpha[index.cpu()]
+        alpha = self._rows_alpha[index]
 
         def per_row(values: Tensor, like: Tensor) -> Tensor:  # as Python floats scale
             return values.to(like.device, like.dtype).reshape(-1, *[1] * (like.dim() - 1))
@@ -269,10 +269,10 @@ class APFL(_BatchHook):
         g = strategy.vectorized.step.gradients_at(strategy.vectorized.chunk, rows, mixed)
         if self.adaptive_alpha:
             slope = sum(
-                ((vi - wi) * gi).reshape(len(rows), -1).sum(1).double().cpu()
+                ((vi - wi) * gi).reshape(len(rows), -1).sum(1).double()
                 for vi, wi, gi in zip(v, params, g)
             )
-            self._rows_alpha[index.cpu()] = (alpha - self.alpha_lr * slope).clamp(0.0, 1.0)
+            self._rows_alpha[index] = (alpha - self.alpha_lr * slope).clamp(0.0, 1.0)
         for full, vi, gi in zip(self._rows_v, v, g):
             full[index] = vi + per_row(-self.local_lr * alpha, gi) * gi
 

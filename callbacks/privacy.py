@@ -26,6 +26,7 @@ from lightning_fl.systems.membership import ATTACKS, membership_inference
 def predict_proba(module: pl.LightningModule, loader: DataLoader | None) -> tuple[Tensor, Tensor]:
     """Softmax outputs and labels of every sample of ``loader`` (eval mode)."""
     if loader is None:
+        # host: the outputs below are moved to the host too
         return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
     probs, labels = [], []
     with evaluation_mode(module):

@@ -43,6 +43,7 @@ class SAFARI(Aggregator):
         self.q, self.server_lr = q, server_lr
 
     def is_server_round(self, round_idx: int, seed: int) -> bool:
+        # host: a CPU generator: the same server rounds on every device
         draw = torch.rand(1, generator=generator(seed, "safari", round_idx), dtype=torch.float64)
         return bool(draw >= self.q)
 

@@ -115,7 +115,7 @@ class StreamFedAvg(FedAvg):
                 raise ValueError(f"strategy {self.strategy!r} needs clients of both groups.")
             p = np.where(fresh, (1 - p_hist) * n / max(1 - hist_share, 1e-300),
                          p_hist * n / max(hist_share, 1e-300))  # fmt: skip
-        return torch.as_tensor(p / p.sum(), dtype=torch.float64)
+        return torch.as_tensor(p / p.sum(), dtype=torch.float64)  # host: the sampler's p
 
 
 class CacheDiscrepancy(pl.Callback):

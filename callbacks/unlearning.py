@@ -255,6 +255,7 @@ class Unlearning(FederatedCallback):
 
     def _noise(self, std: float, round_idx: int, like: torch.Tensor) -> torch.Tensor:
         g = generator(self.seed, "unlearning", round_idx, len(self.done_requests))
+        # host: a CPU generator draws the same noise whatever the device; moved to like
         return (std * torch.randn(like.numel(), generator=g, dtype=torch.float64)).to(like)
 
     def _remaining(self) -> list[int]:
@@ -339,6 +340,7 @@ class Unlearning(FederatedCallback):
         p = state.target_weights.to(torch.float64)
         total = float(p[remaining].sum()) if remaining else 0.0
         mean_update = (new - self._start) / server_lr
+        # host: ζ's increments are Python floats (the norms below), kept in the history
         increments = torch.zeros(self.history.num_clients, dtype=torch.float64)
         for client, delta in self._deltas.items():
             p_c = float(p[client]) / total if total > 0 else 0.0
@@ -354,6 +356,7 @@ class Unlearning(FederatedCallback):
             kept = [c for c in self._deltas if c not in key]
             if not kept:
                 continue
+            # host: read back as Python floats
             weights = torch.tensor([state.weight_of(c) for c in kept], dtype=torch.float64)
             weights = weights / weights.sum()
             step = sum(float(w) * self._deltas[c] for w, c in zip(weights, kept))
@@ -366,6 +369,7 @@ class Unlearning(FederatedCallback):
         remaining = self._remaining()
         forgotten = self.removed if self.evaluate_forgotten else []
         _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
+        # host: as the accuracies (client_training_metrics returns them on the host)
         counts = torch.tensor(trainer.strategy.training_counts, dtype=torch.float64)
         value = float(_weighted(accuracy, counts, remaining))
         pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)

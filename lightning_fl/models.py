@@ -554,4 +554,4 @@ class CoxRegression(FederatedTask):
         events, times = target[:, 0], target[:, 1]
         loss = cox_partial_likelihood_loss(scores, events, times)
         cindex = concordance_index(times, scores.detach(), events)
-        return loss, {"cindex": torch.tensor(cindex)}
+        return loss, {"cindex": torch.tensor(cindex, device=scores.device)}

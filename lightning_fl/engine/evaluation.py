@@ -172,6 +172,7 @@ def lower_is_better(name: str) -> bool:
 def summarize(values: Mapping[int, tuple[float, float]], name: str = "") -> dict[str, float]:
     """Sample-weighted mean, uniform mean and the bottom decile over clients: ``p10`` (the
     10th percentile) when higher is better, ``p90`` when ``name`` is a loss or an error."""
+    # host: the values are Python floats, and so is the summary
     means = torch.tensor([v for v, _ in values.values()], dtype=torch.float64)
     counts = torch.tensor([n for _, n in values.values()], dtype=torch.float64)
     worst = ("p90", 0.9) if lower_is_better(name) else ("p10", 0.1)

@@ -90,6 +90,7 @@ class PackedFederation:
     ) -> ChunkBatches:
         """The sample indices of every local batch of ``clients`` (row r: ``clients[r]``,
         ``num_batches[r]`` batches) this round, grouped per local step by batch size."""
+        # host: index arithmetic on the numpy metadata; the indices cross once, at the end
         index = np.asarray(clients, dtype=np.int64)
         sizes, batch = self.sizes[index], self.batch_sizes[index]
         steps = np.asarray(num_batches, dtype=np.int64)
@@ -163,6 +164,7 @@ def _permutations(seeds: np.ndarray, sizes: np.ndarray, passes: np.ndarray) -> T
     generator seeded with ``seeds[r]``, as :class:`TensorBatchLoader` draws them; unused
     entries are zeros. Host-side bookkeeping (a CPU generator): two C calls per client and
     a call per pass, each written in place (about 9 µs a client and pass on a CPU)."""
+    # host: a CPU generator gives the same permutations whatever the device
     width = int(sizes.max())
     out = torch.zeros(len(seeds), int(passes.max()), width, dtype=torch.int64)
     rng = torch.Generator()

@@ -144,8 +144,8 @@ class RoundEngine:
             if sampler_rows is not None:
                 flat_updates.append(updates.flatten(1))
         if sampler_rows is not None and clients:
-            positions = torch.tensor(state.rows_of(clients))
-            sampler_rows[0][positions.to(sampler_rows[0].device)] = torch.cat(flat_updates, 1)
+            positions = torch.tensor(state.rows_of(clients), device=sampler_rows[0].device)
+            sampler_rows[0][positions] = torch.cat(flat_updates, 1)
         state.accepted.extend(clients)
 
     def end_round(self) -> RoundState:

@@ -242,7 +242,7 @@ class StackedOptimizer:
                 if group["momentum"] != 0 and entry["has_buffer"][row]:
                     out[index] = {"momentum_buffer": entry["momentum_buffer"][row].clone()}
             elif entry["step"][row] > 0:
-                out[index] = {
+                out[index] = {  # host: torch.optim keeps a step count on the CPU
                     "step": torch.tensor(float(entry["step"][row])),
                     "exp_avg": entry["exp_avg"][row].clone(),
                     "exp_avg_sq": entry["exp_avg_sq"][row].clone(),

@@ -60,8 +60,8 @@ class Datastore:
         self.backend, self.index_kind = backend, index
         self.capacity, self.update_rule = capacity, update_rule
         self.nlist, self.nprobe = nlist, nprobe
-        self.keys = torch.empty(0, 0)
-        self.labels = torch.empty(0, dtype=torch.long)
+        # host: keys stay on the host (FAISS reads numpy; faiss-gpu copies its own index)
+        self.keys, self.labels = torch.empty(0, 0), torch.empty(0, dtype=torch.long)
         self._index = None
         self._keep_alive: object = None
 
@@ -109,10 +109,11 @@ class Datastore:
         squared, idx = self._faiss_index().search(
             np.ascontiguousarray(queries.cpu().numpy(), dtype=np.float32), k
         )
-        idx_t = torch.from_numpy(idx).long()
+        idx_t = torch.from_numpy(idx).long()  # host: FAISS answers in numpy, beside the keys
         if bool((idx_t < 0).any()):  # IVF found fewer than k neighbours in the probed cells
             idx_t = idx_t.clamp_min(0)
-        return torch.from_numpy(squared).clamp_min(0).sqrt(), self.labels[idx_t]
+        distances = torch.from_numpy(squared)  # host: FAISS answers in numpy, beside the keys
+        return distances.clamp_min(0).sqrt(), self.labels[idx_t]
 
     def _faiss_index(self):
         if self._index is not None:
@@ -150,5 +151,5 @@ def knn_probabilities(
     """Eq. (3.32): [h^(k)(x)]_y ∝ Σ_i 1{y_(i) = y} exp(−d(z, z_(i))/σ), normalized over
     classes (a softmax over the k neighbours' −d/σ, scattered onto their labels)."""
     weights = torch.softmax(-distances / scale, dim=1)
-    probs = torch.zeros(len(distances), num_classes, dtype=weights.dtype)
+    probs = torch.zeros(len(distances), num_classes, dtype=weights.dtype, device=weights.device)
     return probs.scatter_add_(1, labels, weights)

@@ -208,7 +208,10 @@ class FemOmdClassifier:
         self.network = networks[0]
         self.model = _Functional(self.network)
         self.components = [[p.detach().clone() for p in net.parameters()] for net in networks]
-        self.weights = torch.full((num_clients, num_components), 1.0 / num_components)
+        device = self.components[0][0].device
+        self.weights = torch.full(
+            (num_clients, num_components), 1.0 / num_components, device=device
+        )
         self.component_lr, self.weight_lr, self.em_steps = component_lr, weight_lr, em_steps
         self.averaging = averaging
         #: the SGD chain ω̃ that ``"polyak"`` averages (it starts at ω_1)

@@ -60,6 +60,7 @@ class MixtureClassifier(FederatedTask):
             reset_parameters(component)
             copies.append(component)
         self.network = nn.ModuleList([network, *copies])
+        # host: built before the module moves; mixture_log_probs moves π to the logits
         self.log_mixture_weights = torch.full((num_components,), -math.log(num_components))
         self.responsibilities: Responsibilities | None = None
 
