@@ -35,7 +35,8 @@ def read_client_metrics(
     path: str, metric: str = "test_acc", stage: str = "test", clients: Sequence[int] | None = None
 ) -> dict[int, float]:
     """The last round's value of ``metric`` per client from a ``client_metrics.csv``."""
-    rows = [r for r in csv.DictReader(open(path)) if r["metric"] == metric and r["stage"] == stage]
+    with open(path) as handle:
+        rows = [r for r in csv.DictReader(handle) if r["metric"] == metric and r["stage"] == stage]
     if not rows:
         raise ValueError(f"{path} has no {stage!r} rows for metric {metric!r}.")
     last = max(int(r["round"]) for r in rows)
@@ -67,7 +68,8 @@ def plot_client_distributions(
 
 def plot_lambda_vs_size(lambdas_csv: str, path: str) -> str:
     """kNN-Per's chosen λ_t against the client's datastore (local training set) size."""
-    rows = list(csv.DictReader(open(lambdas_csv)))
+    with open(lambdas_csv) as handle:
+        rows = list(csv.DictReader(handle))
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.scatter([int(r["datastore_size"]) for r in rows], [float(r["lambda"]) for r in rows], s=14)
@@ -84,7 +86,8 @@ def plot_participation(participation_csv: str, path: str) -> str:
     clients)."""
     import numpy as np
 
-    rows = [r for r in csv.DictReader(open(participation_csv)) if int(r["client"]) >= 0]
+    with open(participation_csv) as handle:
+        rows = [r for r in csv.DictReader(handle) if int(r["client"]) >= 0]
     if not rows:
         raise ValueError(f"{participation_csv} has no client rows.")
     rounds = np.array([int(r["round"]) for r in rows])

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_fl.cli import run
 
@@ -143,6 +144,28 @@ def test_quickstart_recipe_tip_runs(tmp_path):
     ]
     assert tip[-1] == "#   lightning-fl fit --config recipes/local.yaml"
     cli = _fit(ROOT / "recipes/local.yaml", tmp_path, "--trainer.max_epochs", "1")
+    assert cli.trainer.current_epoch == 1
+
+
+def test_a_cli_run_sets_its_matmul_precision_and_warns_of_nothing_deprecated(tmp_path):
+    """--float32_matmul_precision reaches torch; the saved config.yaml keeps None entries
+    without jsonargparse's skip_none deprecation (issue 35)."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cli = _fit(
+                ROOT / "recipes/quickstart.yaml", tmp_path, "--trainer.max_epochs", "1",
+                "--float32_matmul_precision", "medium", "--test_after_fit", "false",
+            )  # fmt: skip
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    ours = [w for w in caught if "lightning_fl" in w.filename]
+    assert not [str(w.message) for w in ours if "deprecated" in str(w.message)]
+    (saved,) = glob.glob(str(tmp_path / "**/config.yaml"), recursive=True)
+    assert "float32_matmul_precision: medium" in Path(saved).read_text()
+    assert "ckpt_path: null" in Path(saved).read_text()  # None entries kept
     assert cli.trainer.current_epoch == 1
 
 
