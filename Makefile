@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 # Fashion-MNIST's IDX files come from Debian's package (as root: CI; elsewhere it says how).
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: install data quickstart test lint bench
+.PHONY: install data quickstart test test-gpu lint bench
 install: $(STAMP)
 
 data:
@@ -30,6 +30,14 @@ lint: $(STAMP) data
 
 test: lint
 	WANDB_MODE=offline $(PY) -m pytest -q -n auto --dist loadfile --durations=15
+
+# The GPU test mode (tests/conftest.py): CUDA runs of the late paths, the vectorized =
+# sequential equalities, the composition matrix and the recipes; report in
+# benchmarks/results/gpu.md. It needs the CUDA torch you already have, not .venv's CPU
+# wheel: GPU_PYTHON names that interpreter (with this package installed in it).
+GPU_PYTHON ?= python3
+test-gpu:
+	WANDB_MODE=offline $(GPU_PYTHON) -m pytest -q --accelerator gpu -n 4 --dist loadfile --durations=15
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

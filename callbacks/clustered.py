@@ -156,7 +156,9 @@ class ClusteredFL(Aggregator):
         self._updates.clear()
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
-        pl_module.log("clustered_fl/num_clusters", float(len(self.clusters)), on_epoch=True)
+        # after the round's last step: on_step would log it as num_clusters_step/_epoch
+        clusters = float(len(self.clusters))
+        pl_module.log("clustered_fl/num_clusters", clusters, on_step=False, on_epoch=True)
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         if not self.models:

@@ -70,6 +70,7 @@ from lightning_fl.datamodules import (
 )
 from lightning_fl.systems.asynchrony import ClientTimes, FedBuffSchedule
 from lightning_fl.systems.samplers import ExcludedClients
+from tests.helpers import ACCELERATOR
 
 IN, HIDDEN, OUT = 6, 8, 3
 NUM_CLIENTS = 6
@@ -300,7 +301,7 @@ def _trainer(setup: Setup, rounds: int, root: str, extra: list, **kw) -> pl.Trai
         devices=DEVICES,
         default_root_dir=root, max_epochs=rounds, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, accelerator="cpu",
+        limit_val_batches=0, accelerator=ACCELERATOR,
         strategy=FederatedStrategy(sampler=setup.sampler, enable_plots=False, **strategy),
         callbacks=[*setup.callbacks, *extra],
     )  # fmt: skip

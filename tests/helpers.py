@@ -14,6 +14,8 @@ from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine.seeding import derive_seed, generator
 
 IN, HIDDEN, OUT = 6, 8, 3
+#: "gpu" in the GPU test mode (``pytest --accelerator gpu``, tests/conftest.py), else "cpu"
+ACCELERATOR = os.environ.get("LIGHTNING_FL_TEST_ACCELERATOR", "cpu")
 
 
 def tiny_clients(num_clients: int = 10, seed: int = 0) -> list[dict]:
@@ -45,7 +47,8 @@ def tiny_module(lr: float = 0.1, seed: int = 1) -> Classifier:
 
 
 def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -> pl.Trainer:
-    """A quiet CPU Trainer; files it writes (per-client CSVs) go to a temporary folder
+    """A quiet Trainer on the test mode's accelerator (the CPU unless ``--accelerator
+    gpu``); files it writes (per-client CSVs) go to a temporary folder
     unless ``default_root_dir`` is given. No figures (a third of a small test's time): the
     plot tests run recipes."""
     strategy.enable_plots = False
@@ -64,14 +67,14 @@ def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
     )
     options.update(kw)
     return pl.Trainer(**options)
 
 
 def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in module.parameters()]
+    return [p.detach().cpu().clone() for p in module.parameters()]
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

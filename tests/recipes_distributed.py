@@ -20,6 +20,7 @@ import sys
 import torch.distributed as dist
 
 from lightning_fl.cli import run, short_message
+from tests.helpers import ACCELERATOR
 
 
 def run_file(folder: str | os.PathLike, name: str) -> str:
@@ -38,7 +39,8 @@ def case_arguments(root: str, case: str, arguments: list[str]) -> list[str]:
     ]
     return ["fit", *resolved, "--trainer.devices", "2", "--trainer.enable_progress_bar", "false",
             "--trainer.default_root_dir", folder, "--trainer.logger.init_args.save_dir", folder,
-            "--trainer.strategy.init_args.timeout", "120"]  # fmt: skip
+            "--trainer.strategy.init_args.timeout", "120",
+            "--trainer.accelerator", ACCELERATOR]  # fmt: skip
 
 
 if __name__ == "__main__":

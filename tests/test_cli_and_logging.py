@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_fl.cli import run
+from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -23,7 +24,8 @@ SHORT = ["--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false"]
 def _fit(recipe: Path, tmp_path: Path, *extra: str):
     return run(
         ["fit", "--config", str(recipe), "--trainer.default_root_dir", str(tmp_path),
-         "--trainer.logger.init_args.save_dir", str(tmp_path), *SHORT, *extra]
+         "--trainer.logger.init_args.save_dir", str(tmp_path), *SHORT,
+         "--trainer.accelerator", ACCELERATOR, *extra]
     )  # fmt: skip
 
 

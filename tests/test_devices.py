@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import ast
 import io
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from tests import conftest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("lightning_fl", "callbacks", "datamodules")
@@ -165,3 +171,46 @@ MOVED = "import torch\nt = torch.from_numpy(a).to(dev)\nu = torch.zeros_like(t)\
 )
 def test_the_scan_flags_what_it_should(source, expected):
     assert unplaced_factories(source) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine runs the mode itself")
+def test_the_gpu_mode_skips_cleanly_without_a_gpu(tmp_path):
+    report = tmp_path / "gpu.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--accelerator", "gpu",
+         "--gpu-report", str(report), "tests/test_packed.py", "tests/test_bad_input.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:]
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " skipped" in summary and " deselected" in summary and "passed" not in summary
+    assert "no CUDA device, every test skipped" in result.stdout
+    assert not report.exists()
+
+
+def test_the_gpu_report_names_the_machine_and_every_failure(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(conftest, "_driver_version", lambda: "580.65")
+
+    def report(nodeid: str, outcome: str, message: str = ""):
+        crash = SimpleNamespace(reprcrash=SimpleNamespace(message=message)) if message else None
+        return SimpleNamespace(nodeid=nodeid, outcome=outcome, when="call", longrepr=crash,
+                               fspath=nodeid.split("::")[0])  # fmt: skip
+
+    stats = {
+        "passed": [report("tests/test_vectorized.py::test_a", "passed")] * 3,
+        "failed": [report("tests/test_late_paths.py::test_b", "failed", "RuntimeError: cpu\nx")],
+        "skipped": [report("tests/test_distributed.py::test_c", "skipped")] * 2,
+    }
+    config = SimpleNamespace(invocation_params=SimpleNamespace(args=("--accelerator", "gpu")))
+    text = conftest.gpu_report(stats, config, exitstatus=1)
+    assert "- device: NVIDIA H200 × 1" in text
+    assert f"- driver: 580.65; CUDA {torch.version.cuda}; torch {torch.__version__}" in text
+    assert "3 passed, 1 failed, 0 errors, 2 skipped" in text
+    assert "| test_vectorized | the vectorized = sequential equalities | 3 | 0 |" in text
+    assert (
+        "| test_late_paths | every offline recipe far enough to reach its late paths | 0 | 1 |"
+        in text
+    )
+    assert "- `tests/test_late_paths.py::test_b`: RuntimeError: cpu\n" in text

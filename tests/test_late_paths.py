@@ -1,0 +1,154 @@
+"""Every offline recipe family run far enough to reach the code that runs late or only with
+an option: a forgetting request, free-riders, DP noise, gossip, asynchronous returns,
+clustering, stream caches, kNN-Per's datastore, the evaluation reports (issue 35).
+
+Two rounds reach only what runs first. These runs are short but each reaches its late path,
+and each checks that it did (the request executed, the riders' updates made, the noise
+accounted, the clock advanced, ...). They run on the CPU in the suite and on CUDA in the GPU
+test mode (``make test-gpu``), where a tensor left on the host fails them.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_fl.cli import run
+from tests.helpers import ACCELERATOR
+
+ROOT = Path(__file__).resolve().parents[1]
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+
+
+def init_args(config: dict, class_name: str) -> dict:
+    """The init_args of the recipe's callback ``class_name``."""
+    (entry,) = [
+        c for c in config["trainer"]["callbacks"] if c["class_path"].endswith(f".{class_name}")
+    ]
+    return entry.setdefault("init_args", {})
+
+
+def callback_of(cli, class_name: str):
+    return next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == class_name)
+
+
+def run_late(recipe: str, rounds: int, folder: Path, edit: Callable[[dict], None] | None = None):
+    """Fit ``recipes/<recipe>`` for ``rounds`` rounds on the test mode's accelerator after
+    ``edit(config)``, without checkpoints, in ``folder``; the final model is tested.
+    Returns the CLI and the rows of its metrics.csv."""
+    config = yaml.safe_load((ROOT / "recipes" / recipe).read_text())
+    config["trainer"].update(accelerator=ACCELERATOR, max_epochs=rounds)
+    callbacks = config["trainer"]["callbacks"]
+    config["trainer"]["callbacks"] = [c for c in callbacks if "Checkpoint" not in c["class_path"]]
+    if edit is not None:
+        edit(config)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    cli = run(["fit", "--config", str(folder / "config.yaml"),
+               "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+               str(folder), "--trainer.logger.init_args.save_dir", str(folder)])  # fmt: skip
+    (metrics,) = glob.glob(f"{folder}/**/metrics.csv", recursive=True)
+    with open(metrics) as handle:
+        rows = list(csv.DictReader(handle))
+    expected = "cuda" if ACCELERATOR == "gpu" else "cpu"
+    assert next(cli.model.parameters()).device.type == expected
+    assert any(r.get("test_acc") for r in rows), "the final model was not tested"
+    return cli, rows
+
+
+def logged(rows: list[dict], name: str) -> list[float]:
+    return [float(r[name]) for r in rows if r.get(name)]
+
+
+@pytest.mark.parametrize("method", ["sifu", "dp"])
+def test_a_forgetting_request_executes(method, tmp_path):
+    """SIFU's forgetting step (its ζ bound, the lineage's fork) and the DP baseline's noise,
+    after a request at round 2 of 3."""
+
+    def edit(config):
+        args = init_args(config, "Unlearning")
+        args.update(method=method, requests={2: [0, 10, 20]}, on_target=None, evaluate_every=1)
+
+    cli, rows = run_late("robustness/digits_sifu.yaml", 3, tmp_path, edit)
+    unlearning = callback_of(cli, "Unlearning")
+    assert [r["round"] for r in unlearning.done_requests] == [2]
+    assert unlearning.done_requests[0]["clients"] == [0, 10, 20]
+    assert len(logged(rows, "unlearning/forgotten_acc")) >= 1
+
+
+def test_free_riders_make_their_updates_on_the_models_device(tmp_path):
+    cli, rows = run_late("robustness/digits_free_riders.yaml", 3, tmp_path)
+    riders = callback_of(cli, "FreeRiders")
+    device = next(cli.model.parameters()).device
+    assert riders.updates and all(u.device == device for u in riders.updates.values())
+    assert riders.sigma is not None and riders.sigma > 0  # estimated after round 0
+    assert len(logged(rows, "free_riders/detection_rate")) == 3
+
+
+@pytest.mark.skipif(not FASHION_MNIST.exists(), reason="needs Debian's dataset-fashion-mnist")
+def test_the_fashion_mnist_free_riders_recipe_runs(tmp_path):
+    """One of the two recipes that failed on a GPU (issue 35)."""
+    cli, rows = run_late("fashion_mnist/free_riders.yaml", 2, tmp_path)
+    assert callback_of(cli, "FreeRiders").updates
+
+
+def test_dp_sgd_noise_is_accounted(tmp_path):
+    _, rows = run_late("privacy/tabular_dpsgd.yaml", 2, tmp_path)
+    epsilons = logged(rows, "dp/epsilon")
+    assert len(epsilons) == 2 and 0 < epsilons[0] < epsilons[1]
+
+
+def test_gossip_advances_its_clock(tmp_path):
+    _, rows = run_late("topology/digits_gaia_ring.yaml", 3, tmp_path)
+    times = logged(rows, "fl/time")
+    assert len(times) == 3 and times[0] < times[1] < times[2]
+
+
+def test_fedbuff_aggregates_stale_returns(tmp_path):
+    _, rows = run_late("asynchronous/digits_fedbuff.yaml", 6, tmp_path)
+    assert max(logged(rows, "fl/staleness")) > 0  # returns computed on older models
+
+
+def test_clustered_fl_reaches_its_split_test(tmp_path):
+    def edit(config):
+        init_args(config, "ClusteredFL").update(warmup_rounds=1, eps1=10.0, eps2=0.0)
+
+    cli, rows = run_late("personalization/digits_clustered.yaml", 3, tmp_path, edit)
+    clusters = len(callback_of(cli, "ClusteredFL").clusters)
+    assert clusters > 1  # ε1 = 10, ε2 = 0: it splits
+    assert logged(rows, "clustered_fl/num_clusters")[-1] == clusters
+
+
+def test_similarity_sampling_clusters_the_updates(tmp_path):
+    cli, _ = run_late("clustered_sampling_similarity.yaml", 3, tmp_path)
+    sampler = cli.trainer.strategy.sampler
+    assert sampler.gradients is not None and bool(sampler.gradients.abs().sum() > 0)
+
+
+def test_stream_caches_are_refreshed(tmp_path):
+    _, rows = run_late("streams/digits_cache_rules.yaml", 3, tmp_path)
+    assert len(logged(rows, "streams/discrepancy")) == 3
+
+
+def test_knn_per_builds_its_datastores(tmp_path):
+    cli, rows = run_late("personalization/digits_knn_per.yaml", 2, tmp_path)
+    knn = callback_of(cli, "KNNPer")
+    assert knn.datastore_sizes and min(knn.datastore_sizes.values()) > 0
+    assert logged(rows, "knn_per/lambda_mean")
+
+
+def test_a_vectorized_run_with_the_federation_on_the_device(tmp_path):
+    """The packed federation's chunks (engine/packed.py) on the training device."""
+
+    def edit(config):
+        config["trainer"]["strategy"]["init_args"].update(vectorize=True, data_on_device=True)
+
+    cli, _ = run_late("quickstart.yaml", 2, tmp_path, edit)
+    packed = cli.trainer.strategy.packed
+    assert packed is not None and packed.device == next(cli.model.parameters()).device
+    assert torch.isfinite(torch.tensor(float(cli.trainer.callback_metrics["test_acc"])))
