@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.tensors import TensorList, zeros_like
 
 
@@ -29,9 +30,7 @@ class FedAvg(Aggregator):
 
     def __init__(self, weighting: Weighting = "samples", server_lr: float = 1.0) -> None:
         super().__init__(weighting)
-        if not server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {server_lr}.")
-        self.server_lr = server_lr
+        self.server_lr = require_rate("server_lr", server_lr, 1.0)
 
     @torch.no_grad()
     def aggregate(
@@ -51,9 +50,7 @@ class _StatefulServerOptimizer(Aggregator):
 
     def __init__(self, weighting: Weighting, server_lr: float) -> None:
         super().__init__(weighting)
-        if not server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {server_lr}.")
-        self.server_lr = server_lr
+        self.server_lr = require_rate("server_lr", server_lr, 1.0)
         for name in self._state_names:
             setattr(self, name, None)
 

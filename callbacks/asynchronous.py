@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.outputs import append_csv, run_dir
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
 from lightning_fl.systems.asynchrony import Aggregation, Schedule, exact
@@ -62,8 +63,7 @@ class AsynchronousFL(Aggregator):
         super().__init__(weighting)
         if weights not in ("time_based", "identical"):
             raise ValueError(f"weights must be 'time_based' or 'identical', got {weights!r}.")
-        if not server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {server_lr}.")
+        require_rate("server_lr", server_lr, 1.0)
         if time_budget is not None and not time_budget > 0:
             raise ValueError(f"time_budget must be > 0 time units, got {time_budget}.")
         self.schedule, self.weights, self.server_lr = schedule, weights, server_lr

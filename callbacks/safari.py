@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.callbacks.base import SERVER_CLIENT, Aggregator, RoundState, Weighting
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.seeding import generator
 from lightning_fl.systems.samplers import ClientSampler, Participation
 
@@ -38,8 +39,8 @@ class SAFARI(Aggregator):
         super().__init__(weighting)
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"q must be in [0, 1], got {q}.")
-        if server_lr is not None and not server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {server_lr}.")
+        if server_lr is not None:
+            require_rate("server_lr", server_lr, 1.0)
         self.q, self.server_lr = q, server_lr
 
     def is_server_round(self, round_idx: int, seed: int) -> bool:

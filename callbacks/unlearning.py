@@ -155,9 +155,17 @@ class Unlearning(FederatedCallback):
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}.")
         if on_target is None and isinstance(requests, list):
-            raise ValueError("A list of requests needs on_target; give {round: clients} else.")
+            raise ValueError(
+                "requests is a list of client sets, which are forgotten one after another "
+                "each time training reaches a target, but no on_target was given: add "
+                "on_target=StopAtTarget(...), or give requests as {round: [clients]}."
+            )
         if on_target is not None and isinstance(requests, dict):
-            raise ValueError("With on_target, give requests as a list of client sets.")
+            raise ValueError(
+                "requests is {round: [clients]}, but on_target forgets client sets each time "
+                "training reaches its target: give requests as a list of client sets, or "
+                "drop on_target."
+            )
         if not clip > 0:
             raise ValueError(f"clip must be > 0, got {clip}.")
         self.method, self.epsilon, self.delta, self.sigma = method, epsilon, delta, sigma

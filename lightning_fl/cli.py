@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Literal
@@ -155,12 +156,28 @@ def short_message(error: BaseException) -> str:
             break
     informative = [item for item in items if not item[0].startswith("Expected a")]
     if informative:
-        reason = informative[-1][-1]
+        nested = [line.split('"')[1] for line in informative[-1] if line.startswith("Parser key")]
+        if key and nested and "class_path" in informative[-1][0]:
+            key = ".".join([key, "init_args", *nested])
+        reason = _plain(informative[-1][-1])
     else:
         expected = " or ".join(item[0].split("'")[1] for item in items if "'" in item[0])
         given = next((x.split(":", 1)[1].strip() for x in lines if "Given value:" in x), "?")
         reason = f"expected {expected}, got {given!r}"
     return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def _plain(reason: str) -> str:
+    """jsonargparse's "Expected a <class 'float'>. Got value: nan" as "expected float, got
+    'nan'", saying why when the value is a NaN or an infinity."""
+    found = re.fullmatch(r"Expected a <class '(\w+)'>\. Got value: (.*)", reason)
+    if found is None:
+        return reason
+    kind, given = found.groups()
+    reason = f"expected {kind}, got {given!r}"
+    if given.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
+        reason += " (NaN and infinities are refused: give a finite number)"
+    return reason
 
 
 def quiet_console() -> None:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_fl.checks import require_rate
+
 
 class MLP(nn.Module):
     """Fully connected ReLU network: in → hidden... → out."""
@@ -276,6 +278,10 @@ class FederatedTask(LightningModule):
         super().__init__()
         if optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}.")
+        require_rate("lr", lr, 0.05)
+        require_rate("momentum", momentum, 0.9, allow_zero=True)
+        require_rate("weight_decay", weight_decay, 1e-4, allow_zero=True)
+        require_rate("lr_decay", lr_decay, 0.99)
         if lr_milestones and lr_decay != 1.0:
             raise ValueError("Give either lr_decay or lr_milestones, not both.")
         self.save_hyperparameters(ignore=["network"])

@@ -185,3 +185,30 @@ def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
         make_trainer(FederatedStrategy(local_steps=3), 3).fit(
             tiny_module(), datamodule=tiny_datamodule()
         )
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: tiny_module(lr=math.nan), "lr is NaN: give a finite number > 0, e.g. lr=0.05."),
+        (lambda: tiny_module(lr=-math.inf), "lr is minus infinite: give a finite number > 0"),
+        (lambda: tiny_module(lr=0.0), "lr is 0.0, not > 0: give a finite number > 0"),
+        (lambda: FedAvg(server_lr=math.inf), "server_lr is infinite: give a finite number > 0"),
+        (lambda: FedAdam(server_lr=math.nan), "server_lr is NaN: give a finite number > 0"),
+        (lambda: FedAvg(server_lr="1"), "server_lr is str '1', not a number"),
+    ],
+)
+def test_non_finite_rates_are_refused_by_name(make, message):
+    """A NaN rate used to train rounds of NaN updates and stop on "Lower the learning
+    rate" (issue 38)."""
+    with pytest.raises(ValueError) as raised:
+        make()
+    assert str(raised.value).startswith(message)
+
+
+def test_zero_momentum_and_weight_decay_are_valid():
+    from lightning_fl import Classifier
+
+    assert Classifier(lr=0.1, momentum=0.0, weight_decay=0.0).hparams.momentum == 0.0
+    with pytest.raises(ValueError, match="momentum is -0.5, not ≥ 0"):
+        Classifier(lr=0.1, momentum=-0.5)

@@ -113,6 +113,13 @@ def _console(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         (["--trainer.strategy.init_args.local_steps", "0"], "local_steps must be >= 1, got 0."),
         (["--trainer.max_epochs", "abc"], "trainer.max_epochs: expected int or NoneType"),
         (["--trainer.strategy.init_args.lcal_steps", "3"], "Option 'lcal_steps' is not accepted"),
+        (
+            ["--model.init_args.lr", "nan"],
+            "model.init_args.lr: expected float, got 'nan' (NaN "
+            "and infinities are refused: give a finite number)",
+        ),
+        (["--model.init_args.lr", "inf"], "expected float, got 'inf' (NaN and infinities"),
+        (["--model.init_args.lr", ".nan"], "lr is NaN: give a finite number > 0, e.g. lr=0.05."),
     ],
 )
 def test_cli_errors_end_with_one_short_line(tmp_path, args, message, capsys, monkeypatch):
