@@ -278,7 +278,7 @@ class FederatedTask(LightningModule):
         super().__init__()
         if optimizer not in ("sgd", "adam"):
             raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}.")
-        require_rate("lr", lr, 0.05)
+        require_rate("lr", lr, 0.05, allow_zero=True)  # 0: clients send Δ = 0
         require_rate("momentum", momentum, 0.9, allow_zero=True)
         require_rate("weight_decay", weight_decay, 1e-4, allow_zero=True)
         require_rate("lr_decay", lr_decay, 0.99)

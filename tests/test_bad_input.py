@@ -190,9 +190,10 @@ def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: tiny_module(lr=math.nan), "lr is NaN: give a finite number > 0, e.g. lr=0.05."),
-        (lambda: tiny_module(lr=-math.inf), "lr is minus infinite: give a finite number > 0"),
-        (lambda: tiny_module(lr=0.0), "lr is 0.0, not > 0: give a finite number > 0"),
+        (lambda: tiny_module(lr=math.nan), "lr is NaN: give a finite number ≥ 0, e.g. lr=0.05."),
+        (lambda: tiny_module(lr=-math.inf), "lr is minus infinite: give a finite number ≥ 0"),
+        (lambda: tiny_module(lr=-0.1), "lr is -0.1, not ≥ 0: give a finite number ≥ 0"),
+        (lambda: FedAvg(server_lr=0.0), "server_lr is 0.0, not > 0: give a finite number > 0"),
         (lambda: FedAvg(server_lr=math.inf), "server_lr is infinite: give a finite number > 0"),
         (lambda: FedAdam(server_lr=math.nan), "server_lr is NaN: give a finite number > 0"),
         (lambda: FedAvg(server_lr="1"), "server_lr is str '1', not a number"),

@@ -119,7 +119,7 @@ def _console(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
             "and infinities are refused: give a finite number)",
         ),
         (["--model.init_args.lr", "inf"], "expected float, got 'inf' (NaN and infinities"),
-        (["--model.init_args.lr", ".nan"], "lr is NaN: give a finite number > 0, e.g. lr=0.05."),
+        (["--model.init_args.lr", ".nan"], "lr is NaN: give a finite number ≥ 0, e.g. lr=0.05."),
     ],
 )
 def test_cli_errors_end_with_one_short_line(tmp_path, args, message, capsys, monkeypatch):
