@@ -191,6 +191,7 @@ class Unlearning(FederatedCallback):
         self._deltas: dict[int, torch.Tensor] = {}
         self._start: torch.Tensor | None = None
         self._trainer: pl.Trainer | None = None
+        self._foretold = False  # whether this fit already said that requests will not run
 
     @property
     def initial(self) -> torch.Tensor | None:
@@ -285,6 +286,53 @@ class Unlearning(FederatedCallback):
             self.versions.keep((0, 0), model.clone())
             if self.method == "fedaccum":
                 self.shadows = {key: model.clone() for key in self._removal_sets()}
+        self._foretold = self._check_run_length(trainer)
+
+    def _check_run_length(self, trainer: pl.Trainer) -> bool:
+        """Say (a warning, and a note of the run's summary) when ``max_epochs`` ends the
+        run before a request can run: before ``on_target``'s ``min_rounds``, or before a
+        scheduled round. True when it did."""
+        last = trainer.max_epochs
+        if last is None or last < 0:
+            return False
+        said = False
+        first = self.on_target.min_rounds if self.on_target is not None else 0
+        if self.queue and not self.done_requests and last <= first:
+            self._note(
+                trainer,
+                f"Unlearning: the run stops after max_epochs={last} rounds, before "
+                f"on_target's min_rounds={first}, so none of its {len(self.queue)} forgetting "
+                f"requests will run: raise max_epochs above {first}, or lower min_rounds.",
+            )
+            said = True
+        late = [r for r in self._undone_rounds() if r >= last]
+        if late:
+            self._note(
+                trainer,
+                f"Unlearning: the requests of rounds {late} come after the run's last round "
+                f"({last - 1}), so they will not run: raise max_epochs above {late[-1]}, or "
+                "schedule them earlier.",
+            )
+            said = True
+        return said
+
+    def _undone_rounds(self) -> list[int]:
+        done = {request["round"] for request in self.done_requests}
+        return sorted(r for r in self.scheduled if r not in done)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        left = len(self.queue) + len(self.pending) + len(self._undone_rounds())
+        if left and not self._foretold:
+            self._note(
+                trainer,
+                f"Unlearning: {left} forgetting request(s) did not run before the run ended "
+                f"after round {trainer.current_epoch - 1} ({len(self.done_requests)} ran): "
+                "raise max_epochs, or on_target's max_rounds.",
+            )
+
+    @staticmethod
+    def _note(trainer: pl.Trainer, message: str) -> None:
+        trainer.strategy.summary.note(message)
 
     def _removal_sets(self) -> list[tuple[int, ...]]:
         """The cumulative removal sets F_r of the known requests, in order."""

@@ -18,6 +18,7 @@ The tree shows the architecture (README, "How it works"):
 
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.federated_state import CheckpointReadError, FederationMismatchError
+from lightning_fl.engine.outputs import quiet_console
 from lightning_fl.engine.progress import FederatedProgressBar
 from lightning_fl.engine.strategy import FederatedStrategy, NonFiniteUpdateError
 from lightning_fl.models import (
@@ -63,6 +64,8 @@ from lightning_fl.systems.samplers import (
 )
 from lightning_fl.systems.topology import SiloTopology
 from lightning_fl.systems.werm import WERMClassifier
+
+quiet_console()  # a script's console as the command line's (LIGHTNING_FL_VERBOSE=1: Lightning's)
 
 __version__ = "0.1.0"
 

@@ -16,11 +16,9 @@ What it adds to LightningCLI:
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import sys
-import warnings
 from typing import Literal
 
 import torch
@@ -28,16 +26,9 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.outputs import RunSummary, quiet_console, run_dir
 
 #: Warnings that every run would print and no user can act on.
-QUIET_WARNINGS = (
-    r".*isinstance\(treespec, LeafSpec\)` is deprecated.*",  # Lightning on torch >= 2.10
-    r".*does not have many workers.*",  # in-memory client data needs no loader workers
-    r".*The number of training batches .* is smaller than the logging interval.*",
-    # the run chose its precision: --float32_matmul_precision (default "highest")
-    r".*TensorFloat32 tensor cores for float32 matrix multiplication available but not.*",
-)
 
 
 class RunFolderSaveConfig(SaveConfigCallback):
@@ -97,20 +88,27 @@ class FederatedCLI(LightningCLI):
             path = self.config[self.config.subcommand].get("ckpt_path")
             raise CheckpointReadError.of(path, err) from err
 
+    def before_fit(self) -> None:
+        self._summary().automatic = False  # said once, last (after the test)
+
+    before_validate = before_test = before_fit
+
     def after_fit(self) -> None:
         if self.config[self.subcommand].get("test_after_fit", True):
             self.trainer.test(self.model, datamodule=self.datamodule)
-        self._say_where_outputs_went()
+        self._summary().say(self.trainer, again=True)
 
     def after_validate(self) -> None:
-        self._say_where_outputs_went()
+        self._summary().say(self.trainer, again=True)
 
-    def after_test(self) -> None:
-        self._say_where_outputs_went()
+    after_test = after_validate
 
-    def _say_where_outputs_went(self) -> None:
-        if self.trainer.is_global_zero:
-            print(f"Outputs: {os.path.abspath(run_dir(self.trainer))}", flush=True)
+    def _summary(self) -> RunSummary:
+        """The strategy's run summary; a plain one under another strategy."""
+        strategy = self.trainer.strategy
+        if not hasattr(strategy, "summary"):
+            strategy.summary = RunSummary()
+        return strategy.summary
 
 
 def run(args: list[str] | None = None, exit_on_error: bool = True) -> FederatedCLI:
@@ -178,22 +176,6 @@ def _plain(reason: str) -> str:
     if given.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
         reason += " (NaN and infinities are refused: give a finite number)"
     return reason
-
-
-def quiet_console() -> None:
-    """Lightning's tips and every-run warnings off; the library's own warnings stay."""
-    for name in (
-        "lightning.pytorch.utilities.rank_zero",
-        "lightning.fabric.utilities.rank_zero",
-        "lightning.fabric.utilities.seed",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for pattern in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern)
-    # LightningCLI's own calls of jsonargparse APIs that 4.49 deprecates: not the user's
-    warnings.filterwarnings(
-        "ignore", category=DeprecationWarning, module=r"lightning\.pytorch\.cli"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -438,3 +438,40 @@ def test_plots_are_a_callback_that_a_run_can_switch_off(tmp_path):
     assert sum(isinstance(cb, FederatedPlots) for cb in on.trainer.callbacks) == 1
     names = {Path(p).name for p in glob.glob(str(tmp_path / "on/**/*.png"), recursive=True)}
     assert {"participation.png", "clients_test_acc.png"} <= names
+
+
+SCRIPT = """
+import lightning.pytorch as pl
+from lightning_fl import MLP, Classifier, FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import FedAvg
+from lightning_fl.datamodules import DigitsDataModule
+
+pl.seed_everything(0)
+datamodule = DigitsDataModule(num_clients=10, split=[0.8, 0.0, 0.2], seed=0)  # no validation
+strategy = FederatedStrategy(sampler=UniformSampler(5), local_steps=2, seed=0)
+trainer = pl.Trainer(max_epochs=2, strategy=strategy, callbacks=[FedAvg()])
+trainer.fit(Classifier(network=MLP(64, (16,), 10)), datamodule=datamodule)
+"""
+
+
+def test_a_python_script_has_the_command_lines_quiet_console(tmp_path):
+    """No Lightning tips, accelerator or seed lines, tensorboardX notice, progress bar
+    without a terminal, or "Total length of `EvalRounds`" without a validation split; the
+    last line names the run's folder (issue 38)."""
+    (tmp_path / "run.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    env.pop("LIGHTNING_FL_VERBOSE", None)
+    result = subprocess.run(
+        [sys.executable, "run.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    console = result.stdout + result.stderr
+    for noise in ("Tip:", "GPU available", "Seed set", "tensorboardX", "Total length",
+                  "LeafSpec", "Round 1/1", "it/s"):  # fmt: skip
+        assert noise not in console, noise
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == f"Outputs: {tmp_path / 'lightning_logs' / 'version_0'}"
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists()
+    header = (tmp_path / "lightning_logs/version_0/metrics.csv").read_text().splitlines()[0]
+    assert "train_loss_epoch" in header and "val_" not in header  # validation skipped

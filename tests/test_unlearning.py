@@ -228,3 +228,51 @@ def test_bad_unlearning_requests_are_refused():
         _fit([FedAvg(), Unlearning(requests={1: [0], 2: [0]})], 3)
     with pytest.raises(ValueError, match="would remove every client"):
         _fit([FedAvg(), Unlearning(requests={1: list(range(8))})], 2)
+
+
+def _notes_of(callbacks, rounds, capsys):
+    with pytest.warns(UserWarning) as warned:
+        _, trainer = _fit(callbacks, rounds)
+    said = capsys.readouterr().out
+    notes = trainer.strategy.summary.notes
+    assert [str(w.message) for w in warned if "Unlearning:" in str(w.message)] == notes
+    assert all(f"Note: {note}\n" in said for note in notes)  # the summary repeats them
+    return notes
+
+
+def test_a_protocol_that_ends_before_its_first_request_says_so(capsys):
+    """SIFU's recipe at --trainer.max_epochs 10 (< min_rounds 50) ended at chance accuracy
+    with no request run and no word about it (issue 38)."""
+    stop = StopAtTarget("unlearning/remaining_train_acc", target=0.99, min_rounds=3)
+    notes = _notes_of([FedAvg(), Unlearning(requests=[[0], [1]], on_target=stop)], 3, capsys)
+    assert notes == [
+        "Unlearning: the run stops after max_epochs=3 rounds, before on_target's "
+        "min_rounds=3, so none of its 2 forgetting requests will run: raise max_epochs "
+        "above 3, or lower min_rounds."
+    ]
+
+
+def test_scheduled_requests_after_the_last_round_say_so(capsys):
+    notes = _notes_of([FedAvg(), Unlearning(requests={1: [0], 3: [1], 5: [2]})], 3, capsys)
+    assert notes == [
+        "Unlearning: the requests of rounds [3, 5] come after the run's last round (2), so "
+        "they will not run: raise max_epochs above 5, or schedule them earlier."
+    ]
+
+
+def test_requests_left_when_the_run_ends_say_so(capsys):
+    """Long enough to start, but the target is never reached: the end says so."""
+    stop = StopAtTarget("unlearning/remaining_train_acc", target=1.01, min_rounds=1)
+    unlearning = Unlearning(requests=[[0], [1]], on_target=stop)
+    notes = _notes_of([FedAvg(), unlearning], 3, capsys)
+    assert unlearning.done_requests == []
+    assert notes == [
+        "Unlearning: 2 forgetting request(s) did not run before the run ended after round 2 "
+        "(0 ran): raise max_epochs, or on_target's max_rounds."
+    ]
+
+
+def test_a_protocol_that_runs_its_requests_says_nothing(capsys, recwarn):
+    _, trainer = _fit([FedAvg(), Unlearning(requests={1: [0], 2: [1]})], 3)
+    assert trainer.strategy.summary.notes == []
+    assert not [w for w in recwarn if "Unlearning:" in str(w.message)]

@@ -17,6 +17,7 @@ where each step lives):
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -41,6 +42,7 @@ from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.evaluation import ClientMetricCapture
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
+from lightning_fl.engine.outputs import RunSummary
 from lightning_fl.engine.packed import PackedFederation, TooLarge, pack_federation
 from lightning_fl.engine.planning import RoundPlan, client_training_counts
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
@@ -210,6 +212,8 @@ class FederatedStrategy(DDPStrategy):
         self.engine = RoundEngine(self)
         self.vectorized = VectorizedClients(self, self.engine)
         self.evaluation = ClientEvaluation(self)
+        #: the notes and the folder a run names when it ends (:class:`RunSummary`)
+        self.summary = RunSummary()
         self._federated_tensors: FederatedTensors | None = None
         self._train_counts: list[int] = []
         self._transfer_needed = True  # set at setup: does a hook change batch transfer?
@@ -313,10 +317,12 @@ class FederatedStrategy(DDPStrategy):
 
         callbacks.sort(key=order)  # stable
         for i, cb in enumerate(callbacks):
-            if type(cb) is TQDMProgressBar:
+            if type(cb) is TQDMProgressBar:  # Lightning's default bar
                 from lightning_fl.engine.progress import FederatedProgressBar
 
                 callbacks[i] = FederatedProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave)
+                if not sys.stderr.isatty():  # a bar in a file or pipe is a line per step
+                    callbacks[i].disable()
 
     def _set_cpu_threads(self) -> None:
         """Apply ``num_threads`` (see the class docstring)."""
@@ -354,6 +360,7 @@ class FederatedStrategy(DDPStrategy):
 
         composition.check(self, trainer)
         if fitting:
+            self._skip_validation_without_data(trainer)
             self._train_counts = client_training_counts(trainer.datamodule)  # once per fit
             self.packed = self._pack_federation(trainer)
             if not aggregator.pools_clients:
@@ -367,6 +374,22 @@ class FederatedStrategy(DDPStrategy):
                 f"{self.world_size} processes but only {trainer.datamodule.num_clients} "
                 "clients: every rank must own at least one client; use fewer devices."
             )
+
+    @staticmethod
+    def _skip_validation_without_data(trainer: pl.Trainer) -> None:
+        """No client has a validation split: no validation loop (instead of Lightning's
+        "Total length of `EvalRounds` across ranks is zero")."""
+        if trainer.limit_val_batches != 0 and not any(trainer.datamodule.sample_counts("val")):
+            rank_zero_info("No client has validation data: validation is skipped.")
+            trainer.limit_val_batches = 0
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then the run's summary (rank 0): its notes and folder."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer else None
+        super().teardown()
+        if trainer is not None and self.summary.automatic:
+            self.summary.say(trainer)
 
     def _check_sigterm_once_per_round(self, trainer: pl.Trainer) -> None:
         """On several processes, Lightning (2.6) broadcasts rank 0's SIGTERM flag before
