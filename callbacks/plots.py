@@ -16,34 +16,49 @@ from lightning_fl.engine.outputs import run_dir
 
 
 class FederatedPlots(pl.Callback):
-    """At the end of a fit, ``participation.png`` (participation counts per client and
-    the participants of every round, from ``participation.csv``); after every test epoch,
-    ``clients_{metric}.png``: the distribution of each metric over clients, seen and
-    unseen clients apart (the papers' per-client accuracy histograms).
+    """At the end of a fit, ``metrics.png`` (the metrics against rounds, and against
+    simulated time where the run has a clock, from ``metrics.csv``) and
+    ``participation.png`` (participation counts per client and the participants of every
+    round with their aggregation weights, from ``participation.csv``); after every test
+    epoch, ``clients_{metric}.png``: the distribution of each metric over clients, seen
+    and unseen clients apart (the papers' per-client accuracy histograms).
 
     Args:
         participation: draw the participation figure.
         client_distributions: draw the per-client metric distributions.
+        metrics: draw the metrics against rounds (needs a CSVLogger's metrics.csv).
     """
 
-    def __init__(self, participation: bool = True, client_distributions: bool = True) -> None:
+    def __init__(
+        self, participation: bool = True, client_distributions: bool = True, metrics: bool = True
+    ) -> None:
         self.participation = participation
         self.client_distributions = client_distributions
+        self.metrics = metrics
 
     @staticmethod
     def _can_draw(trainer: pl.Trainer) -> bool:
         return trainer.is_global_zero and importlib.util.find_spec("matplotlib") is not None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not (self.participation and trainer.loggers and self._can_draw(trainer)):
+        if not (trainer.loggers and self._can_draw(trainer)):
             return
-        path = os.path.join(run_dir(trainer), "participation.csv")
-        if not os.path.exists(path):
+        folder = run_dir(trainer)
+        if self.metrics:
+            for logger in trainer.loggers:
+                logger.save()  # a CSVLogger writes its pending rows
+            path = os.path.join(folder, "metrics.csv")
+            if os.path.exists(path):
+                from lightning_fl.plots import plot_metrics_over_rounds
+
+                plot_metrics_over_rounds(path, os.path.join(folder, "metrics.png"))
+        path = os.path.join(folder, "participation.csv")
+        if not (self.participation and os.path.exists(path)):
             return
         from lightning_fl.plots import plot_participation
 
         try:
-            plot_participation(path, os.path.join(run_dir(trainer), "participation.png"))
+            plot_participation(path, os.path.join(folder, "participation.png"))
         except ValueError:  # only virtual clients (pooled baseline, server rounds)
             pass
 

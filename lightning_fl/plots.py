@@ -1,14 +1,18 @@
 """Figures saved next to a run's CSV files (matplotlib, the ``plots`` extra).
 
+- the metrics against rounds (and against simulated time, where the run has a clock);
 - per-client metric distributions, one run or several (FedAvg against personalized);
 - kNN-Per's λ_t against the local dataset size (Marfoq thesis Fig. 3.3/3.9);
-- participation counts per client and the participants of every round.
+- participation counts per client and the participants of every round with their weights.
+
+Every title is wrapped to the figure's width when saved.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+import textwrap
 from collections.abc import Mapping, Sequence
 
 
@@ -24,11 +28,33 @@ def _pyplot():
 
 
 def _save(plt, fig, path: str, dpi: int) -> str:
+    _wrap_titles(fig)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def _wrap_titles(fig) -> None:
+    """Wrap every axes title onto as many lines as its axes' width needs."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        title = ax.title
+        text = title.get_text().replace("\n", " ")
+        if not text:
+            continue
+        width = ax.get_window_extent(renderer).width
+        for columns in range(len(text), 8, -4):
+            title.set_text("\n".join(textwrap.wrap(text, columns)))
+            if title.get_window_extent(renderer).width <= width:
+                break
+
+
+def _integer_ticks(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def read_client_metrics(
@@ -52,17 +78,20 @@ def plot_client_distributions(
     import numpy as np
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(runs), 4))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 1.3 * len(runs)), 4))
     labels = list(runs)
     data = [np.array(list(runs[name].values())) for name in labels]
     ax.boxplot(data, showfliers=False)
     for i, values in enumerate(data, start=1):
         jitter = np.random.default_rng(i).uniform(-0.12, 0.12, len(values))
-        ax.scatter(i + jitter, values, s=10, alpha=0.6)
-        ax.hlines(np.quantile(values, 0.1), i - 0.3, i + 0.3, colors="red", linestyles="dashed")
+        ax.scatter(i + jitter, values, s=10, alpha=0.6, color="C0", label="a client")
+        ax.hlines(np.quantile(values, 0.1), i - 0.3, i + 0.3, colors="red", linestyles="dashed",
+                  label="10th percentile")  # fmt: skip
     ax.set_xticks(range(1, len(labels) + 1), labels, rotation=30, ha="right")
     ax.set_ylabel(f"per-client {metric}")
-    ax.set_title("clients (dots), 10th percentile (red dashes)")
+    handles, names = ax.get_legend_handles_labels()
+    ax.legend(handles[:2], names[:2], fontsize="small", loc="best")
+    ax.set_title(f"{metric} of every client ({sum(len(v) for v in data)} clients)")
     return _save(plt, fig, path, 120)
 
 
@@ -92,16 +121,97 @@ def plot_participation(participation_csv: str, path: str) -> str:
         raise ValueError(f"{participation_csv} has no client rows.")
     rounds = np.array([int(r["round"]) for r in rows])
     clients = np.array([int(r["client"]) for r in rows])
+    weights = np.array([float(r["weight"]) for r in rows])
     counts = np.bincount(clients)
     plt = _pyplot()
-    fig, (bars, raster) = plt.subplots(1, 2, figsize=(11, 3.6))
+    fig, (bars, raster) = plt.subplots(1, 2, figsize=(11, 3.8))
     bars.bar(np.arange(len(counts)), counts, width=0.9)
     bars.set_xlabel("client")
     bars.set_ylabel("rounds taken part in")
-    raster.scatter(rounds, clients, s=2, marker="s")
+    bars.set_title("participation of every client")
+    size = max(2.0, min(30.0, 3000.0 / max(len(rows), 1)))
+    dots = raster.scatter(rounds, clients, c=weights, s=size, marker="s", cmap="viridis")
+    fig.colorbar(dots, ax=raster, label="aggregation weight")
     raster.set_xlabel("round")
     raster.set_ylabel("client")
-    raster.set_title("participants per round")
+    raster.set_title("participants of every round and their weights")
+    for axis in (bars.xaxis, bars.yaxis, raster.xaxis, raster.yaxis):
+        _integer_ticks(axis)
+    return _save(plt, fig, path, 110)
+
+
+#: the most panels of the metrics figure (the training and validation kinds first)
+MAX_PANELS = 6
+
+
+def _panel_of(name: str) -> tuple[int, str]:
+    """(order, panel) of a metric: train_loss_epoch and val_loss/p90 share "loss";
+    a namespaced metric (fl/federated_loss, dp/epsilon) has its own panel, after them."""
+    base = name.split("/")[0].removesuffix("_epoch")
+    for prefix in ("train_", "val_"):
+        if base.startswith(prefix):
+            return 0, base[len(prefix) :]
+    return 1, name
+
+
+#: metrics.csv columns that are bookkeeping, not curves
+_NOT_CURVES = ("epoch", "step", "fl/round", "fl/participants", "fl/dropped_updates", "fl/time")
+
+
+def read_round_metrics(metrics_csv: str) -> dict[str, dict[int, float]]:
+    """``{column: {round: value}}`` of a run's metrics.csv: each epoch-level column's last
+    value in each round (a round is an epoch); step-level columns (``*_step``) and the test
+    of the final model (rows without an epoch's training) are left out."""
+    with open(metrics_csv) as handle:
+        rows = list(csv.DictReader(handle))
+    curves: dict[str, dict[int, float]] = {}
+    for row in rows:
+        if not row.get("epoch"):
+            continue
+        for name, value in row.items():
+            if value not in ("", None) and not name.endswith("_step") and name != "epoch":
+                curves.setdefault(name, {})[int(row["epoch"])] = float(value)
+    return curves
+
+
+def plot_metrics_over_rounds(metrics_csv: str, path: str) -> str | None:
+    """The run's metrics against rounds, one panel per kind (loss, accuracy, ...: the
+    training, validation and per-client summaries of each together), and a second row
+    against simulated time where the run logs ``fl/time`` (asynchrony, gossip). None when
+    the run logged no per-round metric."""
+    curves = read_round_metrics(metrics_csv)
+    clock = curves.get("fl/time")
+    trained = {r for name in ("train_loss_epoch", "fl/round") for r in curves.get(name, {})}
+    kinds: dict[str, dict[str, dict[int, float]]] = {}
+    for name, values in sorted(curves.items(), key=lambda item: _panel_of(item[0])):
+        points = {r: v for r, v in values.items() if r in trained}  # not the final test
+        skip = name.startswith("test_") or name.endswith("/weighted")  # = the plain mean
+        if name in _NOT_CURVES or skip or not points:
+            continue
+        kinds.setdefault(_panel_of(name)[1], {})[name.removesuffix("_epoch")] = points
+    kinds = dict(list(kinds.items())[:MAX_PANELS])
+    if not kinds:
+        return None
+    plt = _pyplot()
+    rows = 2 if clock else 1
+    fig, axes = plt.subplots(
+        rows, len(kinds), figsize=(4.2 * len(kinds) + 1, 3.4 * rows), squeeze=False
+    )
+    for column, (kind, lines) in enumerate(kinds.items()):
+        for row in range(rows):
+            ax = axes[row][column]
+            for label, points in lines.items():
+                steps = sorted(points)
+                xs = steps if row == 0 else [clock.get(r, float("nan")) for r in steps]
+                ax.plot(xs, [points[r] for r in steps], marker="." if len(steps) < 30 else "",
+                        label=label)  # fmt: skip
+            ax.set_xlabel("round" if row == 0 else "simulated time (fl/time)")
+            if row == 0:
+                _integer_ticks(ax.xaxis)
+            ax.set_ylabel(kind)
+            ax.set_title(f"{kind} against {'rounds' if row == 0 else 'simulated time'}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="x-small")
     return _save(plt, fig, path, 110)
 
 
