@@ -16,99 +16,73 @@ The tree shows the architecture (README, "How it works"):
   and :mod:`lightning_fl.sweep`: the command lines; :mod:`lightning_fl.plots`: figures.
 """
 
-from lightning_fl.engine.client_store import ClientStore
-from lightning_fl.engine.federated_state import CheckpointReadError, FederationMismatchError
-from lightning_fl.engine.outputs import quiet_console
-from lightning_fl.engine.progress import FederatedProgressBar
-from lightning_fl.engine.strategy import FederatedStrategy, NonFiniteUpdateError
-from lightning_fl.models import (
-    MLP,
-    BinaryClassifier,
-    CharLSTM,
-    CifarCNN,
-    Classifier,
-    CoxRegression,
-    DigitsCNN,
-    FederatedTask,
-    FemnistCNN,
-    LeNet5,
-    MnistCNN,
-    MobileNetV2,
-    SifuFashionCNN,
-)
-from lightning_fl.systems.asynchrony import (
-    AsyncSchedule,
-    ClientTimes,
-    FedBuffSchedule,
-    FedFixSchedule,
-    SyncSchedule,
-)
-from lightning_fl.systems.availability import (
-    AlwaysAvailable,
-    MarkovAvailability,
-    TwoClassAvailability,
-)
-from lightning_fl.systems.mixture import MixtureClassifier
-from lightning_fl.systems.samplers import (
-    AvailableClients,
-    ClientSampler,
-    ClusteredSampler,
-    ExcludedClients,
-    FixedClustersSampler,
-    FullParticipation,
-    MDSampler,
-    Participation,
-    SampleSizeClusteredSampler,
-    SimilarityClusteredSampler,
-    UniformSampler,
-)
-from lightning_fl.systems.topology import SiloTopology
-from lightning_fl.systems.werm import WERMClassifier
+from __future__ import annotations
+
+import importlib
+
+from lightning_fl.console import quiet_console
 
 quiet_console()  # a script's console as the command line's (LIGHTNING_FL_VERBOSE=1: Lightning's)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AsyncSchedule",
-    "ClientTimes",
-    "FedBuffSchedule",
-    "FedFixSchedule",
-    "SyncSchedule",
-    "TwoClassAvailability",
-    "AlwaysAvailable",
-    "AvailableClients",
-    "MarkovAvailability",
-    "MLP",
-    "BinaryClassifier",
-    "CharLSTM",
-    "CheckpointReadError",
-    "CifarCNN",
-    "CoxRegression",
-    "FederatedTask",
-    "FemnistCNN",
-    "Classifier",
-    "ClientSampler",
-    "ClusteredSampler",
-    "ExcludedClients",
-    "FixedClustersSampler",
-    "ClientStore",
-    "DigitsCNN",
-    "FederatedProgressBar",
-    "FederatedStrategy",
-    "FederationMismatchError",
-    "FullParticipation",
-    "MDSampler",
-    "MixtureClassifier",
-    "LeNet5",
-    "MnistCNN",
-    "MobileNetV2",
-    "NonFiniteUpdateError",
-    "Participation",
-    "SampleSizeClusteredSampler",
-    "SifuFashionCNN",
-    "SimilarityClusteredSampler",
-    "SiloTopology",
-    "UniformSampler",
-    "WERMClassifier",
-]
+#: Each public name and the module that defines it, imported on first use: importing
+#: ``lightning_fl`` alone (the console script's first step) imports neither torch nor
+#: Lightning, so that ``lightning-fl --help`` and configuration errors answer at once.
+_EXPORTS = {
+    "AlwaysAvailable": "lightning_fl.systems.availability",
+    "AsyncSchedule": "lightning_fl.systems.asynchrony",
+    "AvailableClients": "lightning_fl.systems.samplers",
+    "BinaryClassifier": "lightning_fl.models",
+    "CharLSTM": "lightning_fl.models",
+    "CheckpointReadError": "lightning_fl.engine.federated_state",
+    "CifarCNN": "lightning_fl.models",
+    "Classifier": "lightning_fl.models",
+    "ClientSampler": "lightning_fl.systems.samplers",
+    "ClientStore": "lightning_fl.engine.client_store",
+    "ClientTimes": "lightning_fl.systems.asynchrony",
+    "ClusteredSampler": "lightning_fl.systems.samplers",
+    "CoxRegression": "lightning_fl.models",
+    "DigitsCNN": "lightning_fl.models",
+    "ExcludedClients": "lightning_fl.systems.samplers",
+    "FedBuffSchedule": "lightning_fl.systems.asynchrony",
+    "FedFixSchedule": "lightning_fl.systems.asynchrony",
+    "FederatedProgressBar": "lightning_fl.engine.progress",
+    "FederatedStrategy": "lightning_fl.engine.strategy",
+    "FederatedTask": "lightning_fl.models",
+    "FederationMismatchError": "lightning_fl.engine.federated_state",
+    "FemnistCNN": "lightning_fl.models",
+    "FixedClustersSampler": "lightning_fl.systems.samplers",
+    "FullParticipation": "lightning_fl.systems.samplers",
+    "LeNet5": "lightning_fl.models",
+    "MDSampler": "lightning_fl.systems.samplers",
+    "MLP": "lightning_fl.models",
+    "MarkovAvailability": "lightning_fl.systems.availability",
+    "MixtureClassifier": "lightning_fl.systems.mixture",
+    "MnistCNN": "lightning_fl.models",
+    "MobileNetV2": "lightning_fl.models",
+    "NonFiniteUpdateError": "lightning_fl.engine.strategy",
+    "Participation": "lightning_fl.systems.samplers",
+    "SampleSizeClusteredSampler": "lightning_fl.systems.samplers",
+    "SifuFashionCNN": "lightning_fl.models",
+    "SiloTopology": "lightning_fl.systems.topology",
+    "SimilarityClusteredSampler": "lightning_fl.systems.samplers",
+    "SyncSchedule": "lightning_fl.systems.asynchrony",
+    "TwoClassAvailability": "lightning_fl.systems.availability",
+    "UniformSampler": "lightning_fl.systems.samplers",
+    "WERMClassifier": "lightning_fl.systems.werm",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_fl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

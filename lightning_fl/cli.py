@@ -26,7 +26,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_fl.engine.outputs import RunSummary, quiet_console, run_dir
+from lightning_fl.console import quiet_console
+from lightning_fl.engine.outputs import RunSummary, run_dir
 
 #: Warnings that every run would print and no user can act on.
 
@@ -114,9 +115,12 @@ class FederatedCLI(LightningCLI):
 def run(args: list[str] | None = None, exit_on_error: bool = True) -> FederatedCLI:
     """Parse ``args`` (default: the command line), run the subcommand, return the CLI.
     With ``exit_on_error=False`` a bad argument raises instead of printing the usage."""
-    parser_kwargs = {} if exit_on_error else {"exit_on_error": False}
-    for command in FederatedCLI.subcommands() if not exit_on_error else ():
-        parser_kwargs[command] = {"exit_on_error": False}
+    # allow_abbrev=False: --trainer.max_epoch is an error, not max_epochs
+    options = {"allow_abbrev": False, **({} if exit_on_error else {"exit_on_error": False})}
+    parser_kwargs = {
+        **options,
+        **{command: dict(options) for command in FederatedCLI.subcommands()},
+    }
     return FederatedCLI(
         LightningModule,
         LightningDataModule,
@@ -135,6 +139,8 @@ def short_message(error: BaseException) -> str:
     raised by a class's ``__init__`` with every union member it tried and a dump of the
     arguments; this keeps the key and the informative reason."""
     text = str(error).strip()
+    if text.startswith("unrecognized arguments:"):
+        return f"{text}: options are spelled in full (`lightning-fl fit --help` lists them)"
     if "Errors:" not in text:
         first = text.splitlines()[0] if text else ""
         cause = error.__cause__ or error.__context__

@@ -120,6 +120,10 @@ def _console(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         ),
         (["--model.init_args.lr", "inf"], "expected float, got 'inf' (NaN and infinities"),
         (["--model.init_args.lr", ".nan"], "lr is NaN: give a finite number ≥ 0, e.g. lr=0.05."),
+        (
+            ["--trainer.max_epoch", "1"],
+            "unrecognized arguments: --trainer.max_epoch 1: options are spelled in full",
+        ),  # not max_epochs: abbreviations are refused
     ],
 )
 def test_cli_errors_end_with_one_short_line(tmp_path, args, message, capsys, monkeypatch):
@@ -475,3 +479,49 @@ def test_a_python_script_has_the_command_lines_quiet_console(tmp_path):
     assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").exists()
     header = (tmp_path / "lightning_logs/version_0/metrics.csv").read_text().splitlines()[0]
     assert "train_loss_epoch" in header and "val_" not in header  # validation skipped
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict"], "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')"),
+        (["fit", "--config", "nothere.yaml"], "--config nothere.yaml: no such file"),
+        (["fit", "--traner.max_epochs", "3"], "unrecognized option --traner.max_epochs: "
+         "options are spelled in full (`lightning-fl fit --help` lists them)"),
+        (["fit", "--config=bad.yaml"], "--config bad.yaml: unknown top-level key 'modle': did "
+         "you mean 'model'?"),
+        (["fit", "--config", "broken.yaml"],
+         "--config broken.yaml: not valid YAML at line 3 (expected ',' or ']'"),
+        (["fit", "--config", "good.yaml", "--trainer.max_epochs", "3"], None),
+        (["fit", "--config", "other.yaml"], None),  # a key it does not know: the full parser's
+    ],
+)  # fmt: skip
+def test_the_console_script_answers_some_errors_before_importing_torch(
+    argv, message, tmp_path, monkeypatch
+):
+    """Every error took about 12 s to appear, a typo included (issue 38): these take no
+    import of torch or Lightning (lightning_fl/command.py)."""
+    from lightning_fl.command import early_error
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text("trainer:\n  max_epochs: 3\nmodle: {}\n")
+    (tmp_path / "broken.yaml").write_text("trainer:\n max_epochs: [3\n")
+    (tmp_path / "good.yaml").write_text("trainer:\n  max_epochs: 3\n")
+    (tmp_path / "other.yaml").write_text("trainer: {}\nfuture_lightning_key: 1\n")
+    found = early_error(argv)
+    assert found == message if message is None else found.startswith(message), found
+
+
+def test_help_and_early_errors_import_neither_torch_nor_lightning(tmp_path):
+    code = (
+        "import sys\nfrom lightning_fl.command import main\n"
+        "for argv in (['--help'], ['predict'], ['fit', '--config', 'nothere.yaml']):\n"
+        "    try:\n        main(argv)\n    except SystemExit as stop:\n"
+        "        print(stop.code, 'torch' in sys.modules, 'lightning' in sys.modules)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.splitlines()[-3:] == ["0 False False", "2 False False", "2 False False"]
+    assert "lightning-fl fit --help" in result.stdout  # the usage names the full help
+    assert result.stderr.count("error: ") == 2
