@@ -111,6 +111,12 @@ class FederatedCallback(pl.Callback):
     #: training of a personal model, evaluation on training data) through its
     #: ``loss_and_metrics(batch)``; a module without it is refused at setup.
     requires_task_loss: bool = False
+    #: The module's methods the callback calls besides Lightning's hooks and
+    #: ``loss_and_metrics``, as signatures (``"criterion(logits, target) -> loss"``);
+    #: checked at setup and listed in the README's plugin table.
+    module_methods: tuple[str, ...] = ()
+    #: The module class the callback needs, by name (``"MixtureClassifier"``), if any.
+    module_type: str | None = None
     #: Whether the callback replaces the batch's gradient in ``on_before_optimizer_step``
     #: (DP-SGD's clipped and noised gradient). The strategy runs such callbacks' hooks
     #: before the others', so that terms the others add to the gradient (FedProx's

@@ -61,6 +61,7 @@ class FedEM(FederatedCallback):
 
     client_state_in_store = True  # it moves with the client (several processes)
 
+    module_type = "MixtureClassifier"
     supports_vectorized_clients = True
 
     def __init__(self) -> None:

@@ -16,6 +16,13 @@ from lightning_fl.engine.tensors import TensorList
 
 
 class FedProx(FederatedCallback):
+    """FedProx (Li et al., MLSys 2020): each client minimizes L_i(θ) + (μ/2)‖θ − θ^t‖², the
+    proximal gradient μ(θ − θ^t) added to its gradient at every local step.
+
+    Args:
+        mu: μ ≥ 0 (0 is FedAvg).
+    """
+
     keeps_client_state = False  # the anchor is this round's global model
 
     def __init__(self, mu: float = 0.01) -> None:

@@ -59,6 +59,8 @@ class KNNPer(FederatedCallback):
     ``squared_distance=True`` with ``scale=p`` gives the latter.
     """
 
+    #: the representation is the input of the last nn.Linear (or ``representation_layer``)
+    module_methods = ("forward(x) -> logits",)
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     def __init__(

@@ -59,6 +59,7 @@ class MembershipInference(FederatedCallback):
     with validation) and test, and writes ``<log_dir>/membership_inference.csv``.
     """
 
+    module_methods = ("forward(x) -> logits",)
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     evaluation_observer = True
@@ -258,6 +259,7 @@ class DPSGD(FederatedCallback):
     client_state_in_store = True  # it moves with the client (several processes)
 
     replaces_gradient = True
+    module_methods = ("forward(x) -> logits", "criterion(logits, target) -> loss")
     supports_vectorized_clients = True
 
     def __init__(
@@ -278,11 +280,6 @@ class DPSGD(FederatedCallback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._sizes.clear()
-        if not hasattr(pl_module, "criterion"):
-            raise TypeError(
-                "DPSGD needs a module with a criterion(logits, target), e.g. Classifier; "
-                f"got {type(pl_module).__name__}."
-            )
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
             raise ValueError(
                 "DPSGD cannot clip per-sample gradients through BatchNorm: use GroupNorm."

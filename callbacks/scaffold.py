@@ -37,7 +37,10 @@ STORE_KEY = "scaffold_c"
 
 
 class SCAFFOLD(FederatedCallback):
-    """Args:
+    """SCAFFOLD (Karimireddy et al., ICML 2020, Alg. 1, option II): every local gradient is
+    corrected by c − c_i, the server's control variate minus the client's.
+
+    Args:
     control_weighting: ``"uniform"`` for the paper's c ← c + (1/N) Σ_{i∈S} Δc_i, or
         ``"target"`` for c ← c + Σ_{i∈S} p_i Δc_i with the aggregator's weights p_i.
     """

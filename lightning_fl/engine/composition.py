@@ -203,16 +203,87 @@ def check(strategy: FederatedStrategy, trainer: pl.Trainer) -> None:
                     f"{rule.reason}. Fix: {rule.fix}."
                 )
     module = strategy.lightning_module
-    needy = [cb for cb in trainer.callbacks if getattr(cb, "requires_task_loss", False)]
-    if strategy.sampler.needs_losses:
-        needy.append(strategy.sampler)
-    for plugin in needy if not hasattr(module, "loss_and_metrics") else []:
-        raise CompositionError(
-            f"{type(plugin).__name__} cannot be combined with {type(module).__name__}: it "
-            "computes the loss outside training_step, through the module's "
-            "loss_and_metrics(batch), which this module lacks. Fix: subclass "
-            "lightning_fl.FederatedTask (Classifier, BinaryClassifier, ...) or add that method."
+    for plugin in [*trainer.callbacks, strategy.sampler]:
+        missing = [need for need in module_needs(plugin) if not hasattr(module, method_of(need))]
+        if missing:
+            raise CompositionError(
+                f"{type(plugin).__name__} cannot be combined with {type(module).__name__}: "
+                f"besides training_step it calls {' and '.join(missing)} on the module, "
+                f"which {type(module).__name__} lacks. Fix: subclass lightning_fl.FederatedTask "
+                "(Classifier, BinaryClassifier, ...) or add "
+                f"{'that method' if len(missing) == 1 else 'those methods'} (README, 'Your own "
+                "module')."
+            )
+
+
+#: What a plugin that computes the loss outside ``training_step`` calls (personalization,
+#: evaluation on training data, loss-based samplers): :class:`~lightning_fl.FederatedTask`'s.
+LOSS_AND_METRICS = "loss_and_metrics(batch) -> (loss, {name: value})"
+
+
+def module_needs(plugin: object) -> list[str]:
+    """The methods ``plugin`` (a callback or sampler, or its class) calls on the module
+    besides Lightning's hooks, as signatures: ``loss_and_metrics`` when it computes the
+    loss outside ``training_step`` (``requires_task_loss``, a sampler's ``needs_losses``),
+    then its own ``module_methods``."""
+    needs = []
+    if getattr(plugin, "requires_task_loss", False) or getattr(plugin, "needs_losses", False):
+        needs.append(LOSS_AND_METRICS)
+    return [*needs, *getattr(plugin, "module_methods", ())]
+
+
+def method_of(signature: str) -> str:
+    """``criterion`` of ``"criterion(logits, target) -> loss"``."""
+    return signature.split("(")[0].strip()
+
+
+#: The plugins of the README's table (README, "Your own module"), in its order.
+MAIN_PLUGINS = (
+    "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedProx", "SCAFFOLD", "DPSGD",
+    "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "KNNPer", "FedEM", "ClusteredFL",
+    "GossipAveraging", "AsynchronousFL", "SAFARI", "Unlearning", "FreeRiders",
+    "MembershipInference", "FederatedObjective", "Local", "Pooled",
+)  # fmt: skip
+
+
+def plugin_table() -> str:
+    """The README's table of the main plugins: their arguments with defaults (from their
+    signatures), what each calls on your module besides Lightning's hooks (from
+    :func:`module_needs` and ``module_type``, the contract :func:`check` enforces) and
+    the first sentence of their docstrings."""
+    import inspect
+
+    from lightning_fl import callbacks
+
+    rows = ["| plugin | arguments (defaults) | needs from your module | what it is |"]
+    rows.append("|---|---|---|---|")
+    for name in MAIN_PLUGINS:
+        plugin = getattr(callbacks, name)
+        arguments = [
+            f"`{p.name}`" if p.default is p.empty else f"`{p.name}={p.default!r}`"
+            for p in inspect.signature(plugin).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        needs = [f"`{need}`" for need in module_needs(plugin)]
+        if getattr(plugin, "module_type", None):
+            needs.insert(0, f"a `{plugin.module_type}`")
+        rows.append(
+            f"| `{name}` | {', '.join(arguments) or '—'} | "
+            f"{'; '.join(needs) or 'training_step only'} | {_summary(plugin.__doc__)} |"
         )
+    return "\n".join(rows)
+
+
+def _summary(docstring: str | None, longest: int = 160) -> str:
+    """A docstring's first paragraph as one markdown line, cut at a word near ``longest``."""
+    import inspect
+    import re
+
+    first = " ".join(inspect.cleandoc(docstring or "").split("\n\n")[0].split())
+    first = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", first).replace("``", "`")
+    if len(first) > longest:
+        first = first[: first.rfind(" ", 0, longest)].rstrip(",;:") + " …"
+    return first.replace("|", "∣")
 
 
 def refusal_table() -> str:
@@ -224,4 +295,6 @@ def refusal_table() -> str:
 
 
 if __name__ == "__main__":
-    print(refusal_table())
+    import sys
+
+    print(plugin_table() if sys.argv[1:] == ["plugins"] else refusal_table())
