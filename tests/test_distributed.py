@@ -354,3 +354,42 @@ def test_ranks_pad_to_the_same_number_of_fused_training_steps():
     assert chunks0 == [(0, 1), (2,)] and steps0.num_batches == (3, 1)
     assert chunks1 == [(0,)] and steps1.clients == (0, PADDING)
     assert steps1.num_batches == (3, 1) and steps0.total == steps1.total == 4
+
+
+def test_two_nodes_through_torchruns_c10d_rendezvous_equal_one_process(tmp_path):
+    """The README's multi-node command, as 2 "nodes" of 1 process on localhost: each node
+    is its own torchrun, which meet through the c10d rendezvous (without
+    ``--rdzv-backend c10d`` torchrun's static rendezvous makes every node believe it is node
+    0: EADDRINUSE on one, a hang on the other; issue 36). The run equals 1 process."""
+    import socket
+
+    readme = (ROOT / "README.md").read_text()
+    assert "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in readme
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path / "two_nodes"
+    folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = ["--config", QUICKSTART, "--trainer.max_epochs", "3", *NO_TEST]
+    node = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "test",
+        "-m", "lightning_fl.cli", "fit", *args, "--trainer.num_nodes", "2",
+        "--trainer.devices", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(folder),
+        "--trainer.logger.init_args.save_dir", str(folder),
+        "--trainer.strategy.init_args.timeout", "120",
+    ]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            node, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=600) for process in nodes]
+    for process, (_, err) in zip(nodes, outputs):
+        assert process.returncode == 0, err[-3000:]
+    _one_process(tmp_path / "one", *args)
+    one, two = _weights(tmp_path / "one"), _weights(folder)
+    assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
