@@ -276,3 +276,20 @@ def test_a_protocol_that_runs_its_requests_says_nothing(capsys, recwarn):
     _, trainer = _fit([FedAvg(), Unlearning(requests={1: [0], 2: [1]})], 3)
     assert trainer.strategy.summary.notes == []
     assert not [w for w in recwarn if "Unlearning:" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"requests": [[0]]}, "requests is a list of client sets, which are forgotten one after "
+         "another each time training reaches a target, but no on_target was given: add "
+         "on_target=StopAtTarget(...), or give requests as {round: [clients]}."),
+        ({"requests": {3: [0]}, "on_target": StopAtTarget("unlearning/remaining_train_acc", 0.9)},
+         "requests is {round: [clients]}, but on_target forgets client sets each time training "
+         "reaches its target: give requests as a list of client sets, or drop on_target."),
+    ],
+)  # fmt: skip
+def test_a_request_of_the_wrong_shape_names_the_problem_and_the_fix(kwargs, message):
+    with pytest.raises(ValueError) as refused:
+        Unlearning(**kwargs)
+    assert str(refused.value) == message
