@@ -32,7 +32,8 @@ def run_recipe(recipe: Path, edit: Callable[[dict], None], seed: int | None = No
                    "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", workdir,
                    "--trainer.logger.init_args.save_dir", workdir])  # fmt: skip
         (metrics,) = glob.glob(f"{workdir}/**/metrics.csv", recursive=True)
-        rows = list(csv.DictReader(open(metrics)))
+        with open(metrics) as handle:
+            rows = list(csv.DictReader(handle))
     return cli, rows
 
 

@@ -137,9 +137,8 @@ class GossipAveraging(Aggregator):
             self.nodes = nodes
             if self.topology is not None:
                 overlay, self.clock = self._topology(trainer)
-                self.mixing = torch.from_numpy(
-                    overlay.mixing_matrix()
-                )  # host: W lives on the host, as _given
+                # host: W lives on the host, as _given
+                self.mixing = torch.from_numpy(overlay.mixing_matrix())
             else:
                 self.mixing = self._mixing_matrix()
         if self.topology is not None and self.clock is None:  # resumed: W is in the state
@@ -165,9 +164,8 @@ class GossipAveraging(Aggregator):
                 )
             return w.double()
         if self.graph == "complete":
-            return torch.full(
-                (n, n), 1.0 / n, dtype=torch.float64
-            )  # host: W lives on the host, as _given
+            # host: W lives on the host, as _given
+            return torch.full((n, n), 1.0 / n, dtype=torch.float64)
         return metropolis_weights(erdos_renyi(n, self.edge_probability, self.seed))
 
     def _topology(self, trainer):

@@ -29,8 +29,6 @@ from lightning_utilities.core.imports import RequirementCache
 from lightning_fl.console import quiet_console
 from lightning_fl.engine.outputs import RunSummary, run_dir
 
-#: Warnings that every run would print and no user can act on.
-
 
 class RunFolderSaveConfig(SaveConfigCallback):
     """Saves config.yaml into the run's folder, beside its metrics and checkpoints."""

@@ -10,19 +10,21 @@ test mode (``make test-gpu``), where a tensor left on the host fails them.
 
 from __future__ import annotations
 
-import csv
-import glob
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from lightning_fl.cli import run
 from tests.helpers import ACCELERATOR
 
 ROOT = Path(__file__).resolve().parents[1]
+# by path: an installed package named `benchmarks` shadows the repository's folder
+SPEC = importlib.util.spec_from_file_location("recipe_runs", ROOT / "benchmarks/recipe_runs.py")
+recipe_runs = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(recipe_runs)
+callback_of = recipe_runs.callback_of
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
 
@@ -34,27 +36,17 @@ def init_args(config: dict, class_name: str) -> dict:
     return entry.setdefault("init_args", {})
 
 
-def callback_of(cli, class_name: str):
-    return next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == class_name)
-
-
-def run_late(recipe: str, rounds: int, folder: Path, edit: Callable[[dict], None] | None = None):
+def run_late(recipe: str, rounds: int, edit: Callable[[dict], None] | None = None):
     """Fit ``recipes/<recipe>`` for ``rounds`` rounds on the test mode's accelerator after
-    ``edit(config)``, without checkpoints, in ``folder``; the final model is tested.
-    Returns the CLI and the rows of its metrics.csv."""
-    config = yaml.safe_load((ROOT / "recipes" / recipe).read_text())
-    config["trainer"].update(accelerator=ACCELERATOR, max_epochs=rounds)
-    callbacks = config["trainer"]["callbacks"]
-    config["trainer"]["callbacks"] = [c for c in callbacks if "Checkpoint" not in c["class_path"]]
-    if edit is not None:
-        edit(config)
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    cli = run(["fit", "--config", str(folder / "config.yaml"),
-               "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
-               str(folder), "--trainer.logger.init_args.save_dir", str(folder)])  # fmt: skip
-    (metrics,) = glob.glob(f"{folder}/**/metrics.csv", recursive=True)
-    with open(metrics) as handle:
-        rows = list(csv.DictReader(handle))
+    ``edit(config)``, without checkpoints (benchmarks/recipe_runs.run_recipe); the final
+    model is tested. Returns the CLI and the rows of its metrics.csv."""
+
+    def edited(config: dict) -> None:
+        config["trainer"].update(accelerator=ACCELERATOR, max_epochs=rounds)
+        if edit is not None:
+            edit(config)
+
+    cli, rows = recipe_runs.run_recipe(ROOT / "recipes" / recipe, edited)
     expected = "cuda" if ACCELERATOR == "gpu" else "cpu"
     assert next(cli.model.parameters()).device.type == expected
     assert any(r.get("test_acc") for r in rows), "the final model was not tested"
@@ -66,7 +58,7 @@ def logged(rows: list[dict], name: str) -> list[float]:
 
 
 @pytest.mark.parametrize("method", ["sifu", "dp"])
-def test_a_forgetting_request_executes(method, tmp_path):
+def test_a_forgetting_request_executes(method):
     """SIFU's forgetting step (its ζ bound, the lineage's fork) and the DP baseline's noise,
     after a request at round 2 of 3."""
 
@@ -74,15 +66,15 @@ def test_a_forgetting_request_executes(method, tmp_path):
         args = init_args(config, "Unlearning")
         args.update(method=method, requests={2: [0, 10, 20]}, on_target=None, evaluate_every=1)
 
-    cli, rows = run_late("robustness/digits_sifu.yaml", 3, tmp_path, edit)
+    cli, rows = run_late("robustness/digits_sifu.yaml", 3, edit)
     unlearning = callback_of(cli, "Unlearning")
     assert [r["round"] for r in unlearning.done_requests] == [2]
     assert unlearning.done_requests[0]["clients"] == [0, 10, 20]
     assert len(logged(rows, "unlearning/forgotten_acc")) >= 1
 
 
-def test_free_riders_make_their_updates_on_the_models_device(tmp_path):
-    cli, rows = run_late("robustness/digits_free_riders.yaml", 3, tmp_path)
+def test_free_riders_make_their_updates_on_the_models_device():
+    cli, rows = run_late("robustness/digits_free_riders.yaml", 3)
     riders = callback_of(cli, "FreeRiders")
     device = next(cli.model.parameters()).device
     assert riders.updates and all(u.device == device for u in riders.updates.values())
@@ -91,64 +83,64 @@ def test_free_riders_make_their_updates_on_the_models_device(tmp_path):
 
 
 @pytest.mark.skipif(not FASHION_MNIST.exists(), reason="needs Debian's dataset-fashion-mnist")
-def test_the_fashion_mnist_free_riders_recipe_runs(tmp_path):
+def test_the_fashion_mnist_free_riders_recipe_runs():
     """One of the two recipes that failed on a GPU (issue 35)."""
-    cli, rows = run_late("fashion_mnist/free_riders.yaml", 2, tmp_path)
+    cli, rows = run_late("fashion_mnist/free_riders.yaml", 2)
     assert callback_of(cli, "FreeRiders").updates
 
 
-def test_dp_sgd_noise_is_accounted(tmp_path):
-    _, rows = run_late("privacy/tabular_dpsgd.yaml", 2, tmp_path)
+def test_dp_sgd_noise_is_accounted():
+    _, rows = run_late("privacy/tabular_dpsgd.yaml", 2)
     epsilons = logged(rows, "dp/epsilon")
     assert len(epsilons) == 2 and 0 < epsilons[0] < epsilons[1]
 
 
-def test_gossip_advances_its_clock(tmp_path):
-    _, rows = run_late("topology/digits_gaia_ring.yaml", 3, tmp_path)
+def test_gossip_advances_its_clock():
+    _, rows = run_late("topology/digits_gaia_ring.yaml", 3)
     times = logged(rows, "fl/time")
     assert len(times) == 3 and times[0] < times[1] < times[2]
 
 
-def test_fedbuff_aggregates_stale_returns(tmp_path):
-    _, rows = run_late("asynchronous/digits_fedbuff.yaml", 6, tmp_path)
+def test_fedbuff_aggregates_stale_returns():
+    _, rows = run_late("asynchronous/digits_fedbuff.yaml", 6)
     assert max(logged(rows, "fl/staleness")) > 0  # returns computed on older models
 
 
-def test_clustered_fl_reaches_its_split_test(tmp_path):
+def test_clustered_fl_reaches_its_split_test():
     def edit(config):
         init_args(config, "ClusteredFL").update(warmup_rounds=1, eps1=10.0, eps2=0.0)
 
-    cli, rows = run_late("personalization/digits_clustered.yaml", 3, tmp_path, edit)
+    cli, rows = run_late("personalization/digits_clustered.yaml", 3, edit)
     clusters = len(callback_of(cli, "ClusteredFL").clusters)
     assert clusters > 1  # ε1 = 10, ε2 = 0: it splits
     assert logged(rows, "clustered_fl/num_clusters")[-1] == clusters
 
 
-def test_similarity_sampling_clusters_the_updates(tmp_path):
-    cli, _ = run_late("clustered_sampling_similarity.yaml", 3, tmp_path)
+def test_similarity_sampling_clusters_the_updates():
+    cli, _ = run_late("clustered_sampling_similarity.yaml", 3)
     sampler = cli.trainer.strategy.sampler
     assert sampler.gradients is not None and bool(sampler.gradients.abs().sum() > 0)
 
 
-def test_stream_caches_are_refreshed(tmp_path):
-    _, rows = run_late("streams/digits_cache_rules.yaml", 3, tmp_path)
+def test_stream_caches_are_refreshed():
+    _, rows = run_late("streams/digits_cache_rules.yaml", 3)
     assert len(logged(rows, "streams/discrepancy")) == 3
 
 
-def test_knn_per_builds_its_datastores(tmp_path):
-    cli, rows = run_late("personalization/digits_knn_per.yaml", 2, tmp_path)
+def test_knn_per_builds_its_datastores():
+    cli, rows = run_late("personalization/digits_knn_per.yaml", 2)
     knn = callback_of(cli, "KNNPer")
     assert knn.datastore_sizes and min(knn.datastore_sizes.values()) > 0
     assert logged(rows, "knn_per/lambda_mean")
 
 
-def test_a_vectorized_run_with_the_federation_on_the_device(tmp_path):
+def test_a_vectorized_run_with_the_federation_on_the_device():
     """The packed federation's chunks (engine/packed.py) on the training device."""
 
     def edit(config):
         config["trainer"]["strategy"]["init_args"].update(vectorize=True, data_on_device=True)
 
-    cli, _ = run_late("quickstart.yaml", 2, tmp_path, edit)
+    cli, _ = run_late("quickstart.yaml", 2, edit)
     packed = cli.trainer.strategy.packed
     assert packed is not None and packed.device == next(cli.model.parameters()).device
     assert torch.isfinite(torch.tensor(float(cli.trainer.callback_metrics["test_acc"])))

@@ -73,10 +73,10 @@ class Plain(pl.LightningModule):
 
 def fit(module: pl.LightningModule, name: str) -> pl.Trainer:
     plugin = getattr(callbacks, name)(**ARGUMENTS.get(name, dict)())
-    datamodule = DigitsDataModule(num_clients=6, split=[0.6, 0.2, 0.2], seed=0, batch_size=16)
-    if name == "SAFARI":
-        datamodule = DigitsDataModule(num_clients=6, split=[0.6, 0.2, 0.2], seed=0,
-                                      batch_size=16, server_samples=40)  # fmt: skip
+    server = 40 if name == "SAFARI" else 0  # SAFARI's server round trains on its own data
+    datamodule = DigitsDataModule(
+        num_clients=6, split=[0.6, 0.2, 0.2], seed=0, batch_size=16, server_samples=server
+    )
     strategy = FederatedStrategy(local_steps=2, seed=0)  # every client, every round
     trainer = make_trainer(strategy, 2, [plugin], limit_val_batches=None)
     trainer.fit(module, datamodule=datamodule)

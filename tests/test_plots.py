@@ -75,7 +75,7 @@ def test_a_long_title_is_wrapped_to_fit(tmp_path, checked_titles):
     assert fits and "\n" in title
 
 
-def test_the_participation_figure_shows_weights_on_integer_client_ticks(tmp_path):
+def test_the_participation_figure_shows_weights_on_integer_client_ticks(tmp_path, monkeypatch):
     path = tmp_path / "participation.csv"
     rows = [(r, c, w) for r in range(3) for c, w in ((1, 0.25), (4, 0.75))] + [(3, 7, 1.0)]
     with open(path, "w", newline="") as handle:
@@ -87,7 +87,6 @@ def test_the_participation_figure_shows_weights_on_integer_client_ticks(tmp_path
 
     def keep(plt, fig, target, dpi):
         fig.canvas.draw()
-        captured["fig"] = fig
         captured["ticks"] = [
             [t.get_text() for t in ax.get_xticklabels() + ax.get_yticklabels()]
             for ax in fig.axes[:2]
@@ -96,10 +95,8 @@ def test_the_participation_figure_shows_weights_on_integer_client_ticks(tmp_path
         captured["colorbar"] = fig.axes[2].get_ylabel()
         return real(plt, fig, target, dpi)
 
-    import unittest.mock
-
-    with unittest.mock.patch.object(plots, "_save", keep):
-        plots.plot_participation(str(path), str(tmp_path / "p.png"))
+    monkeypatch.setattr(plots, "_save", keep)
+    plots.plot_participation(str(path), str(tmp_path / "p.png"))
     for labels in captured["ticks"]:
         assert labels and all(label.lstrip("−-").isdigit() for label in labels if label)
     assert captured["weights"] == sorted(w for *_, w in rows)

@@ -18,6 +18,8 @@ where its base is.
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -250,10 +252,8 @@ def plugin_table() -> str:
     """The README's table of the main plugins: their arguments with defaults (from their
     signatures), what each calls on your module besides Lightning's hooks (from
     :func:`module_needs` and ``module_type``, the contract :func:`check` enforces) and
-    the first sentence of their docstrings."""
-    import inspect
-
-    from lightning_fl import callbacks
+    the first paragraph of their docstrings."""
+    from lightning_fl import callbacks  # here: the callbacks import the engine
 
     rows = ["| plugin | arguments (defaults) | needs from your module | what it is |"]
     rows.append("|---|---|---|---|")
@@ -276,9 +276,6 @@ def plugin_table() -> str:
 
 def _summary(docstring: str | None, longest: int = 160) -> str:
     """A docstring's first paragraph as one markdown line, cut at a word near ``longest``."""
-    import inspect
-    import re
-
     first = " ".join(inspect.cleandoc(docstring or "").split("\n\n")[0].split())
     first = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", first).replace("``", "`")
     if len(first) > longest:
