@@ -2,7 +2,6 @@
 
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 from lightning_fl.callbacks.asynchronous import AsynchronousFL
-from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
 from lightning_fl.callbacks.baselines import Local, Pooled
 from lightning_fl.callbacks.clustered import ClusteredFL
 from lightning_fl.callbacks.fedem import FedEM
@@ -12,12 +11,13 @@ from lightning_fl.callbacks.gossip import GossipAveraging
 from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.objective import FederatedObjective
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
-from lightning_fl.callbacks.plots import FederatedPlots
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 from lightning_fl.callbacks.streams import CacheDiscrepancy, IterateAverage, StreamFedAvg
 from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
+from lightning_fl.engine.plugins import Aggregator, FederatedCallback, RoundState
+from lightning_fl.plots import FederatedPlots
 
 __all__ = [
     "Aggregator",

@@ -1,5 +1,6 @@
 """FedAvg and the adaptive server optimizers of Reddi et al., "Adaptive Federated
-Optimization" (ICLR 2021), Algorithm 2.
+Optimization" (ICLR 2021), Algorithm 2. FedAvg, the default aggregator, lives with the
+plugin contract in :mod:`lightning_fl.engine.plugins` and is re-exported here.
 
 The pseudo-gradient of round t is Δ_t = Σ_{i∈S_t} ω_i (θ_i^{t+1} − θ^t), with the
 sampler's unbiased weights ω_i (Fraboni thesis eq. 2.3). All server optimizers treat
@@ -13,30 +14,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
 from lightning_fl.checks import require_rate
+from lightning_fl.engine.plugins import Aggregator, FedAvg, RoundState, Weighting
 from lightning_fl.engine.tensors import TensorList, zeros_like
 
-
-class FedAvg(Aggregator):
-    """FedAvg (McMahan et al. 2017) in the generalized form θ^{t+1} = θ^t + η_g Δ_t.
-
-    With η_g = 1 and Σ ω_i = 1 this is θ^{t+1} = Σ ω_i θ_i^{t+1} (Fraboni thesis Alg. 9).
-    """
-
-    keeps_client_state = False  # server-side state only
-
-    supports_vectorized_clients = True
-
-    def __init__(self, weighting: Weighting = "samples", server_lr: float = 1.0) -> None:
-        super().__init__(weighting)
-        self.server_lr = require_rate("server_lr", server_lr, 1.0)
-
-    @torch.no_grad()
-    def aggregate(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
-    ) -> None:
-        torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)
+__all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi"]
 
 
 class _StatefulServerOptimizer(Aggregator):

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_fl.callbacks.base import Aggregator, RoundState, Weighting
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.outputs import append_csv, run_dir
+from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
 from lightning_fl.systems.asynchrony import Aggregation, Schedule, exact
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation

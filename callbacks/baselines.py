@@ -7,8 +7,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
-from lightning_fl.callbacks.base import Aggregator, RoundState
 from lightning_fl.engine.local_training import PersonalModels
+from lightning_fl.engine.plugins import Aggregator, RoundState
 
 STORE_KEY = "local_model"
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fl.callbacks.base import Aggregator, RoundState
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, task_loss
+from lightning_fl.engine.plugins import Aggregator, RoundState
 from lightning_fl.engine.tensors import flatten, unflatten
 from lightning_fl.systems.samplers import FullParticipation
 

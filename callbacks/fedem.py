@@ -11,8 +11,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.systems.mixture import MixtureClassifier
 
 STORE_KEY = "fedem_pi"

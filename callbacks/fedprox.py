@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList
 
 

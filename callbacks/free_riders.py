@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import add_flat_, flatten
 from lightning_fl.systems.samplers import FullParticipation

@@ -11,8 +11,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lightning_fl.callbacks.base import Aggregator, RoundState
 from lightning_fl.engine.local_training import PersonalModels
+from lightning_fl.engine.plugins import Aggregator, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import flatten, unflatten
 from lightning_fl.systems.topology import MaxPlusClock, SiloTopology

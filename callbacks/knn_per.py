@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
 from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.plugins import FederatedCallback
 from lightning_fl.engine.seeding import generator
 from lightning_fl.systems.datastore import Backend, Datastore, knn_probabilities
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lightning_fl.callbacks.base import FederatedCallback
+from lightning_fl.engine.plugins import FederatedCallback
 
 
 class FederatedObjective(FederatedCallback):

@@ -16,8 +16,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.engine.local_training import batches, client_loader, grads_at, sgd, training_mode
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
 
 #: The round key of the data-order seeds of an unseen client's adaptation.

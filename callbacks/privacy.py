@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, sgd
 from lightning_fl.engine.outputs import run_dir
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.systems.membership import ATTACKS, membership_inference
 
@@ -225,7 +225,7 @@ class _Cycled:
         self.loader, self.steps = loader, steps
 
     def __iter__(self):
-        from lightning_fl.engine.rounds import cycle_batches
+        from lightning_fl.engine.schedule import cycle_batches
 
         return cycle_batches(self.loader, self.steps)
 

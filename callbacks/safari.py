@@ -7,8 +7,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-from lightning_fl.callbacks.base import SERVER_CLIENT, Aggregator, RoundState, Weighting
 from lightning_fl.checks import require_rate
+from lightning_fl.engine.plugins import SERVER_CLIENT, Aggregator, RoundState, Weighting
 from lightning_fl.engine.seeding import generator
 from lightning_fl.systems.samplers import ClientSampler, Participation
 

@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
 
 STORE_KEY = "scaffold_c"

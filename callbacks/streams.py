@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
-from lightning_fl.callbacks.base import FederatedCallback
+from lightning_fl.engine.plugins import FederatedCallback
 from lightning_fl.systems.streams import configuration_rule, estimate_constants, estimate_ratio
 
 Strategy = Literal["uniform", "historical", "fresh", "fixed", "ours"]

@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_fl.callbacks.base import FederatedCallback, RoundState
 from lightning_fl.callbacks.objective import client_training_metrics
+from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
 from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
@@ -273,11 +273,13 @@ class Unlearning(FederatedCallback):
         return [c for c, n in enumerate(counts) if n > 0 and c not in removed]
 
     # ---- set-up ------------------------------------------------------------------------
+    def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
+        """Draw only among the clients not yet removed (:class:`_RequestAwareSampler`)."""
+        return _RequestAwareSampler(sampler, self)
+
     def on_fit_start(self, trainer, pl_module) -> None:
         self._trainer = trainer
         strategy = trainer.strategy
-        if not isinstance(strategy.sampler, _RequestAwareSampler):
-            strategy.sampler = _RequestAwareSampler(strategy.sampler, self)
         if self.method == "fedaccum" and trainer.world_size > 1:
             raise ValueError("FEDACCUM re-aggregates every client's model: use devices=1.")
         model = flatten([t.detach() for t in strategy.federated_tensors.tensors])

@@ -289,18 +289,18 @@ def test_asynchronous_schemes_on_two_processes_equal_one_process(two_processes, 
 def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=None):
     from types import SimpleNamespace
 
+    from lightning_fl import FullParticipation
+    from lightning_fl.engine.context import Plugins, Ranks
     from lightning_fl.engine.planning import RoundPlanner
     from tests.helpers import tiny_datamodule
 
-    trainer = SimpleNamespace(callbacks=callbacks, datamodule=datamodule or tiny_datamodule())
-    strategy = SimpleNamespace(
-        world_size=world_size,
-        owner=lambda c: c % world_size,
-        owners=lambda clients: [c % world_size for c in clients],
-        keep_optimizer_state=keep_optimizer_state,
-        lightning_module=SimpleNamespace(trainer=trainer),
+    fit = SimpleNamespace(  # the fields of a FitContext that the planner's ranks read
+        ranks=Ranks(world_size, 0),
+        plugins=Plugins(tuple(callbacks), callbacks[0], FullParticipation()),
+        config=SimpleNamespace(keep_optimizer_state=keep_optimizer_state),
+        datamodule=datamodule or tiny_datamodule(),
     )
-    return RoundPlanner(strategy)
+    return RoundPlanner(fit)
 
 
 def test_participants_are_split_by_steps_when_no_plugin_keeps_client_state():
@@ -344,10 +344,10 @@ def test_ranks_pad_to_the_same_number_of_fused_training_steps():
 
     from lightning_fl.engine.planning import PADDING, RoundPlanner
 
-    strategy = SimpleNamespace(
+    config = SimpleNamespace(
         vectorize=True, max_vectorized_clients=2, local_steps_per_training_step=3
     )
-    planner = RoundPlanner(strategy)
+    planner = RoundPlanner(SimpleNamespace(config=config))
     per_rank = [[5, 7, 2], [9]]
     _, steps0, chunks0 = planner._schedules([0, 2, 4], [5, 7, 2], per_rank)
     _, steps1, chunks1 = planner._schedules([1], [9], per_rank)

@@ -21,14 +21,9 @@ from lightning_fl import (
     MixtureClassifier,
     callbacks,
 )
+from lightning_fl.callbacks.catalog import MAIN_PLUGINS, plugin_table
 from lightning_fl.datamodules import DigitsDataModule
-from lightning_fl.engine.composition import (
-    MAIN_PLUGINS,
-    CompositionError,
-    method_of,
-    module_needs,
-    plugin_table,
-)
+from lightning_fl.engine.composition import CompositionError, method_of, module_needs
 from tests.helpers import make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +107,7 @@ def test_a_plain_module_is_refused_exactly_where_the_table_says(name):
 
 
 def test_the_readme_shows_the_generated_plugin_table():
-    assert plugin_table() in SECTION, (
-        "regenerate it: python -m lightning_fl.engine.composition plugins"
-    )
+    assert plugin_table() in SECTION, "regenerate it: python -m lightning_fl.callbacks.catalog"
 
 
 def test_every_main_plugin_has_a_summary_line():

@@ -19,7 +19,7 @@ from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine import packed as packed_module
 from lightning_fl.engine.packed import pack_federation
-from lightning_fl.engine.rounds import cycle_batches
+from lightning_fl.engine.schedule import cycle_batches
 from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
 from lightning_fl.engine.vectorized import needs_client_hooks
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_datamodule

@@ -11,35 +11,35 @@ decile, seen and unseen clients apart), logged, and written to ``client_metrics.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
-from lightning_fl.callbacks.base import FederatedCallback
+from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.evaluation import (
     ClientMetricCapture,
     summarize,
     write_client_metrics_csv,
 )
 from lightning_fl.engine.outputs import run_dir
-from lightning_fl.engine.rounds import ClientSchedule
-
-if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
+from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.round_engine import RoundEngine
+from lightning_fl.engine.schedule import ClientSchedule
 
 #: {metric: {client: (mean, num_samples)}}
 PerClient = dict[str, dict[int, tuple[float, float]]]
 
 
 class ClientEvaluation:
-    """One evaluation epoch of ``strategy``'s rank: which client's batches run now, and
-    the capture of each client's metrics. ``global_tensors`` is the global model kept
-    while personalized models are evaluated (None when no callback personalizes)."""
+    """One evaluation epoch of a fit's rank: which client's batches run now, and the
+    capture of each client's metrics. ``global_tensors`` is the global model kept while
+    personalized models are evaluated (None when no callback personalizes). The client
+    evaluation hooks run through ``engine`` (:meth:`RoundEngine.call`: its hook order)."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, fit: FitContext, engine: RoundEngine) -> None:
+        self.fit, self.engine = fit, engine
         self.capture = ClientMetricCapture()
         self.schedule: ClientSchedule | None = None
         self.open_client: int | None = None
@@ -53,10 +53,10 @@ class ClientEvaluation:
         personalizes = any(
             type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
             and not cb.evaluation_observer
-            for cb in self.strategy.federated_callbacks
+            for cb in self.fit.plugins.callbacks
         )
         self.schedule, self.open_client, self.sizes = schedule, None, sizes or {}
-        self.global_tensors = self.strategy.federated_tensors.clone() if personalizes else None
+        self.global_tensors = self.fit.tensors.clone() if personalizes else None
         self.capture.reset()
 
     def step(self, step: Any, args: tuple, kwargs: dict) -> Any:
@@ -66,7 +66,7 @@ class ClientEvaluation:
         if local_step == 0:
             self.end_client()
             self.open_client = self.schedule.clients[pos]
-            self.strategy.engine.call("on_client_evaluation_start", self.open_client)
+            self.engine.call("on_client_evaluation_start", self.open_client)
         output = step(*args, **kwargs)
         if batch_idx == self.schedule.total - 1:
             # Close the last client now: Lightning syncs (in place) the logged sums over
@@ -80,16 +80,16 @@ class ClientEvaluation:
         client = self.open_client
         if client is None:
             return
-        module = self.strategy.lightning_module
-        unseen = client in set(module.trainer.datamodule.unseen_clients)
+        module = self.fit.module
+        unseen = client in set(self.fit.datamodule.unseen_clients)
         sums = module.pop_evaluation_sums() if hasattr(module, "pop_evaluation_sums") else None
         self.capture.close_client(
             module.trainer._results, client, exclude=unseen, module_sums=sums,
             num_samples=self.sizes.get(client),
         )  # fmt: skip
-        self.strategy.engine.call("on_client_evaluation_end", client)
+        self.engine.call("on_client_evaluation_end", client)
         if self.global_tensors is not None:
-            self.strategy.federated_tensors.load_(self.global_tensors)
+            self.fit.tensors.load_(self.global_tensors)
         self.open_client = None
 
     def report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

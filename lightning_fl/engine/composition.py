@@ -18,15 +18,12 @@ where its base is.
 
 from __future__ import annotations
 
-import inspect
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 
-if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
+from lightning_fl.systems.samplers import ClientSampler, SamplerWrapper
 
 
 class CompositionError(ValueError):
@@ -162,12 +159,14 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, str]:
-    """Every class name (along the MRO) of the run's plugins, mapped to the name of the
-    plugin that carries it (the class a user wrote)."""
-    from lightning_fl.systems.samplers import SamplerWrapper
-
-    chain, sampler = [], strategy.sampler
+def plugin_names(
+    trainer: pl.Trainer, sampler: ClientSampler, vectorize: bool, world_size: int
+) -> dict[str, str]:
+    """Every class name (along the MRO) of the run's plugins (the Trainer's callbacks,
+    datamodule and module, and ``sampler`` with the samplers it wraps), mapped to the name
+    of the plugin that carries it (the class a user wrote), and the ways the run executes
+    (``vectorize``, ``world_size`` processes)."""
+    chain = []
     while sampler is not None:
         if not type(sampler).__name__.startswith("_"):  # internal wrappers (unlearning's)
             chain.append(sampler)
@@ -176,7 +175,7 @@ def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, 
     objects: list[tuple[Any, str]] = [(s, sampler_name) for s in chain]
     objects += [
         (obj, type(obj).__name__)
-        for obj in [*trainer.callbacks, trainer.datamodule, strategy.lightning_module]
+        for obj in [*trainer.callbacks, trainer.datamodule, trainer.lightning_module]
         if obj is not None and not type(obj).__module__.startswith("lightning.")
     ]
     names: dict[str, str] = {}
@@ -184,17 +183,19 @@ def plugin_names(strategy: FederatedStrategy, trainer: pl.Trainer) -> dict[str, 
         for cls in type(obj).__mro__:
             if cls.__module__.split(".")[0] not in ("builtins", "torch", "lightning"):
                 names.setdefault(cls.__name__, shown)
-    if strategy.vectorize:
+    if vectorize:
         names["vectorize"] = "FederatedStrategy(vectorize=True)"
-    if strategy.world_size > 1:
-        names["2 processes"] = f"{strategy.world_size} processes"
+    if world_size > 1:
+        names["2 processes"] = f"{world_size} processes"
     return names
 
 
-def check(strategy: FederatedStrategy, trainer: pl.Trainer) -> None:
+def check(
+    trainer: pl.Trainer, sampler: ClientSampler, vectorize: bool = False, world_size: int = 1
+) -> None:
     """Refuse the run's first incompatible pair of plugins (see :data:`REFUSALS`) and
     callbacks or samplers whose needs the module does not meet."""
-    names = plugin_names(strategy, trainer)
+    names = plugin_names(trainer, sampler, vectorize, world_size)
     for rule in REFUSALS:
         if rule.first not in names:
             continue
@@ -204,8 +205,8 @@ def check(strategy: FederatedStrategy, trainer: pl.Trainer) -> None:
                     f"{names[rule.first]} cannot be combined with {names[other]}: "
                     f"{rule.reason}. Fix: {rule.fix}."
                 )
-    module = strategy.lightning_module
-    for plugin in [*trainer.callbacks, strategy.sampler]:
+    module = trainer.lightning_module
+    for plugin in [*trainer.callbacks, sampler]:
         missing = [need for need in module_needs(plugin) if not hasattr(module, method_of(need))]
         if missing:
             raise CompositionError(
@@ -239,50 +240,6 @@ def method_of(signature: str) -> str:
     return signature.split("(")[0].strip()
 
 
-#: The plugins of the README's table (README, "Your own module"), in its order.
-MAIN_PLUGINS = (
-    "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedProx", "SCAFFOLD", "DPSGD",
-    "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "KNNPer", "FedEM", "ClusteredFL",
-    "GossipAveraging", "AsynchronousFL", "SAFARI", "Unlearning", "FreeRiders",
-    "MembershipInference", "FederatedObjective", "Local", "Pooled",
-)  # fmt: skip
-
-
-def plugin_table() -> str:
-    """The README's table of the main plugins: their arguments with defaults (from their
-    signatures), what each calls on your module besides Lightning's hooks (from
-    :func:`module_needs` and ``module_type``, the contract :func:`check` enforces) and
-    the first paragraph of their docstrings."""
-    from lightning_fl import callbacks  # here: the callbacks import the engine
-
-    rows = ["| plugin | arguments (defaults) | needs from your module | what it is |"]
-    rows.append("|---|---|---|---|")
-    for name in MAIN_PLUGINS:
-        plugin = getattr(callbacks, name)
-        arguments = [
-            f"`{p.name}`" if p.default is p.empty else f"`{p.name}={p.default!r}`"
-            for p in inspect.signature(plugin).parameters.values()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
-        needs = [f"`{need}`" for need in module_needs(plugin)]
-        if getattr(plugin, "module_type", None):
-            needs.insert(0, f"a `{plugin.module_type}`")
-        rows.append(
-            f"| `{name}` | {', '.join(arguments) or '—'} | "
-            f"{'; '.join(needs) or 'training_step only'} | {_summary(plugin.__doc__)} |"
-        )
-    return "\n".join(rows)
-
-
-def _summary(docstring: str | None, longest: int = 160) -> str:
-    """A docstring's first paragraph as one markdown line, cut at a word near ``longest``."""
-    first = " ".join(inspect.cleandoc(docstring or "").split("\n\n")[0].split())
-    first = re.sub(r":\w+:`~?(?:[\w.]+\.)?(\w+)`", r"`\1`", first).replace("``", "`")
-    if len(first) > longest:
-        first = first[: first.rfind(" ", 0, longest)].rstrip(",;:") + " …"
-    return first.replace("|", "∣")
-
-
 def refusal_table() -> str:
     """The README's table of refused pairs: one row per rule of :data:`REFUSALS`."""
     rows = ["| plugin | refused with | why | fix |", "|---|---|---|---|"]
@@ -292,6 +249,4 @@ def refusal_table() -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
-    print(plugin_table() if sys.argv[1:] == ["plugins"] else refusal_table())
+    print(refusal_table())

@@ -10,35 +10,58 @@ evaluation epochs over clients and carries the federated state in checkpoints.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from lightning_fl.callbacks.base import RoundState
 from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.client_evaluation import ClientEvaluation
+from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
 from lightning_fl.engine.outputs import append_csv, run_dir
-
-if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
+from lightning_fl.engine.plugins import RoundState
+from lightning_fl.engine.round_engine import RoundEngine
+from lightning_fl.engine.vectorized import VectorizedClients
 
 
 class RoundDriver(pl.Callback):
-    """Installed first by :class:`~lightning_fl.FederatedStrategy`."""
+    """Installed first by :class:`~lightning_fl.FederatedStrategy`, which gives it the
+    fit's objects at each set-up (:meth:`attach`)."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self) -> None:
+        self.fit: FitContext | None = None
+        self.engine: RoundEngine | None = None
+        self.vectorized: VectorizedClients | None = None
+        self.evaluation: ClientEvaluation | None = None
+        #: a checkpoint's federated state, loaded before the fit's set-up
+        self._loaded: dict[str, Any] | None = None
+
+    def attach(
+        self,
+        fit: FitContext,
+        engine: RoundEngine,
+        vectorized: VectorizedClients,
+        evaluation: ClientEvaluation,
+    ) -> None:
+        """Take the fit's objects, and restore a checkpoint's federated state into them:
+        Lightning restores callbacks before the strategy's set-up, so the state
+        :meth:`load_state_dict` received waits for them here."""
+        self.fit, self.engine = fit, engine
+        self.vectorized, self.evaluation = vectorized, evaluation
+        if self._loaded is not None:
+            load_federated_state_dict(fit, engine, self._loaded)
+            self._loaded = None
 
     @property
     def state_key(self) -> str:
         return "_RoundDriver"  # the checkpoint key since the first release: old ones resume
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.divergence.reset()
+        self.fit.divergence.reset()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        engine = self.strategy.engine
+        engine = self.engine
         plan = engine.current_round
         if plan.chunks is not None:
             self._end_chunk_step(batch_idx)
@@ -47,7 +70,7 @@ class RoundDriver(pl.Callback):
         padding = plan.is_padding(pos)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not padding and isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            self.strategy.divergence.observe(loss)
+            self.fit.divergence.observe(loss)
         if step == plan.schedule.num_batches[pos] - 1:
             if not padding:
                 engine.finish_client(pos)
@@ -57,21 +80,20 @@ class RoundDriver(pl.Callback):
     def _end_chunk_step(self, batch_idx: int) -> None:
         """Vectorized clients: finish a chunk after its last step, the round after the
         last chunk (or the rank's idle steps)."""
-        plan = self.strategy.engine.current_round
+        plan = self.engine.current_round
         chunk, step = plan.steps.locate(batch_idx)
         if step == plan.steps.num_batches[chunk] - 1:
             if chunk < len(plan.chunks):
-                self.strategy.vectorized.finish_chunk(chunk)
+                self.vectorized.finish_chunk(chunk)
             if chunk == len(plan.steps.clients) - 1:
                 self._end_round()
 
     def _end_round(self) -> None:
-        state = self.strategy.engine.end_round()
-        self.strategy.divergence.end_round(state.round_idx)
+        state = self.engine.end_round()
+        self.fit.divergence.end_round(state.round_idx)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = self.strategy
-        state = strategy.engine.current_round.state
+        state = self.engine.current_round.state
         # Every rank holds the same values (the round's plan, the all-reduced drop count):
         # sync_dist takes a mean of equal values, and says so to Lightning.
         sync = trainer.world_size > 1
@@ -80,29 +102,29 @@ class RoundDriver(pl.Callback):
         pl_module.log("fl/participants", participants, on_epoch=True, sync_dist=sync)
         dropped = float(state.dropped_count)
         pl_module.log("fl/dropped_updates", dropped, on_epoch=True, sync_dist=sync)
-        for name, value in strategy.sampler.round_metrics().items():
+        for name, value in self.fit.plugins.sampler.round_metrics().items():
             pl_module.log(name, value, on_epoch=True, sync_dist=sync)
-        if strategy.vectorized.compile_seconds is not None:
-            seconds = strategy.vectorized.compile_seconds
+        if self.vectorized.compile_seconds is not None:
+            seconds = self.vectorized.compile_seconds
             pl_module.log("fl/compile_seconds", seconds, on_epoch=True, sync_dist=sync)
         dm = trainer.datamodule
         if type(dm).clients_without_data_now is not FederatedDataModule.clients_without_data_now:
-            skipped = float(strategy.engine.planner.skipped_now)
+            skipped = float(self.engine.planner.skipped_now)
             pl_module.log("fl/skipped_empty", skipped, on_epoch=True, sync_dist=sync)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.evaluation.report(trainer, pl_module, "val")
+        self.evaluation.report(trainer, pl_module, "val")
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.evaluation.report(trainer, pl_module, "test")
+        self.evaluation.report(trainer, pl_module, "test")
 
     def state_dict(self) -> dict[str, Any]:
-        return federated_state_dict(self.strategy)
+        return federated_state_dict(self.fit, self.engine)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_federated_state_dict(self.strategy, state_dict)
+        self._loaded = state_dict  # restored at :meth:`attach`
 
 
 def _append_participation(path: str, state: RoundState) -> None:

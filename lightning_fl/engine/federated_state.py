@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_fl.engine.planning import client_training_counts
+from lightning_fl.engine.context import FitContext
 
 if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
+    from lightning_fl.engine.round_engine import RoundEngine
 
 
 class FederationMismatchError(ValueError):
@@ -47,67 +47,54 @@ class CheckpointReadError(RuntimeError):
         )
 
 
-def federated_state_dict(strategy: FederatedStrategy) -> dict[str, Any]:
-    """The federated state of ``strategy``'s run, with every rank's clients."""
-    store = strategy.client_store.state_dict()
-    if dist.is_initialized() and strategy.world_size > 1:  # every rank's clients, in one file
-        parts: list[Any] = [None] * strategy.world_size
+def federated_state_dict(fit: FitContext, engine: RoundEngine) -> dict[str, Any]:
+    """The federated state of a fit, with every rank's clients."""
+    store = fit.store.state_dict()
+    if fit.ranks.distributed:  # every rank's clients, in one file
+        parts: list[Any] = [None] * fit.ranks.world_size
         dist.all_gather_object(
             parts, {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}
         )
         store = {c: e for part in parts for c, e in part.items()}
     return {
-        "round": strategy.lightning_module.trainer.current_epoch,
-        "seed": strategy.seed,
-        "federation": federation(strategy),
+        "round": fit.trainer.current_epoch,
+        "seed": fit.config.seed,
+        "federation": fit.federation.identity(),
         "client_store": store,
-        "sampler": strategy.sampler.state_dict(),
-        "consecutive_bad_rounds": strategy.engine.consecutive_bad_rounds,
+        "sampler": fit.plugins.sampler.state_dict(),
+        "consecutive_bad_rounds": engine.consecutive_bad_rounds,
     }
 
 
-def load_federated_state_dict(strategy: FederatedStrategy, state: dict[str, Any]) -> None:
-    """Restore ``state`` into ``strategy``: this rank's clients only, after the federation
+def load_federated_state_dict(fit: FitContext, engine: RoundEngine, state: dict[str, Any]) -> None:
+    """Restore ``state`` into a fit: this rank's clients only, after the federation
     check; a changed seed is allowed with a warning."""
-    check_federation(strategy, state.get("federation"))
-    num_clients = strategy.lightning_module.trainer.datamodule.num_clients
-    if state.get("seed", strategy.seed) != strategy.seed:
+    check_federation(fit, state.get("federation"))
+    num_clients, seed = fit.federation.num_clients, fit.config.seed
+    if state.get("seed", seed) != seed:
         warnings.warn(
-            f"Resuming with seed {strategy.seed} from a checkpoint made with seed "
+            f"Resuming with seed {seed} from a checkpoint made with seed "
             f"{state['seed']}: the resumed run will differ from the original.",
             stacklevel=2,
         )
-    strategy.client_store.load_state_dict(
+    ranks = fit.ranks
+    fit.store.load_state_dict(
         {
             c: e
             for c, e in state["client_store"].items()
-            if strategy.owner(int(c)) == strategy.global_rank and int(c) < num_clients
+            if ranks.owner(int(c)) == ranks.rank and int(c) < num_clients
         }
     )
-    strategy.sampler.load_state_dict(state["sampler"])
-    strategy.engine.consecutive_bad_rounds = state["consecutive_bad_rounds"]
+    fit.plugins.sampler.load_state_dict(state["sampler"])
+    engine.consecutive_bad_rounds = state["consecutive_bad_rounds"]
 
 
-def federation(strategy: FederatedStrategy) -> dict[str, Any]:
-    """What identifies the federation a checkpoint belongs to: the datamodule's class,
-    its number of clients, every client's training sample count, and its partition
-    seed (the datamodule's ``seed`` hyper-parameter, where it has one)."""
-    dm = strategy.lightning_module.trainer.datamodule
-    hparams = getattr(dm, "hparams", {}) or {}
-    return {
-        "datamodule": type(dm).__name__,
-        "num_clients": dm.num_clients,
-        "train_counts": client_training_counts(dm),
-        "partition_seed": hparams.get("seed"),
-    }
-
-
-def check_federation(strategy: FederatedStrategy, saved: dict[str, Any] | None) -> None:
+def check_federation(fit: FitContext, saved: dict[str, Any] | None) -> None:
     """Refuse to resume a checkpoint of another federation (see the strategy's
     ``allow_new_federation``)."""
     if saved is None:
         return
-    now = federation(strategy)
+    now = fit.federation.identity()
     differ = [k for k in ("datamodule", "num_clients", "partition_seed") if saved[k] != now[k]]
     before, after = saved["train_counts"], now["train_counts"]
     if saved["num_clients"] == now["num_clients"] and before != after:
@@ -118,7 +105,7 @@ def check_federation(strategy: FederatedStrategy, saved: dict[str, Any] | None) 
     said = "; ".join(
         f"{k}: saved {saved[k]!r}, now {now[k]!r}" if k in saved else k for k in differ
     )
-    if not strategy.allow_new_federation:
+    if not fit.config.allow_new_federation:
         raise FederationMismatchError(
             f"The checkpoint was made with another federation ({said}): its client "
             "state, sampler and stream state belong to those clients. Resume with the "

@@ -11,28 +11,19 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lightning_fl.callbacks.base import (
-    POOLED_CLIENT,
-    SERVER_CLIENT,
-    FederatedCallback,
-    RoundState,
-)
 from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine.client_store import move_client_states
-from lightning_fl.engine.rounds import ClientSchedule
+from lightning_fl.engine.context import FitContext
+from lightning_fl.engine.plugins import POOLED_CLIENT, SERVER_CLIENT, RoundState
+from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import zeros_like
-from lightning_fl.engine.vectorized import chunk_positions
 from lightning_fl.systems.samplers import Participation
-
-if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
 
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
@@ -73,11 +64,12 @@ class RoundPlan:
 
 
 class RoundPlanner:
-    """Plans rounds for one rank of ``strategy``: reads its sampler, aggregator, seed,
-    local work (K steps or E epochs) and datamodule; keeps only its warnings' state."""
+    """Plans rounds for one rank of a fit: reads its sampler, aggregator, seed, local work
+    (K steps or E epochs), ranks and federation (``fit``); keeps only its warnings'
+    state."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, fit: FitContext) -> None:
+        self.fit = fit
         self.skipped_now = 0  # participants skipped this round for want of data
         self._warned_empty = False
         self._warned_skipped = False
@@ -85,34 +77,34 @@ class RoundPlanner:
 
     @property
     def datamodule(self) -> FederatedDataModule:
-        return self.strategy.lightning_module.trainer.datamodule
+        return self.fit.datamodule
 
     def plan(self, round_idx: int) -> RoundPlan:
         """The participants of ``round_idx`` and this rank's loaders and steps."""
-        strategy, dm = self.strategy, self.datamodule
+        fit, config, dm = self.fit, self.fit.config, self.datamodule
         dm.set_round(round_idx)
-        counts = strategy.training_counts
+        counts = list(fit.federation.training_counts)
         self._warn_clients_without_data(counts)
-        p = strategy.aggregator.target_weights(counts)
+        p = fit.plugins.aggregator.target_weights(counts)
         participation = self._participants(round_idx, p)
         clients = participation.clients
         # Only this rank's participants need loaders, unless local_epochs makes every
         # participant's batch count depend on its loader's length. Vectorized clients
         # whose data is packed on the device need none: their chunks draw by index.
         built: dict[int, DataLoader | None] = {}
-        if strategy.local_steps is None and strategy.packed is None:
+        if config.local_steps is None and fit.packed is None:
             built = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
         batches = self._num_batches(clients, built, round_idx)
         ranks = self.ranks(clients, batches)
         moved = self._move_states_in(clients, ranks)
-        rank = strategy.global_rank
+        rank = fit.ranks.rank
         mine = [i for i, r in enumerate(ranks) if r == rank]
-        by_index = strategy.vectorize and strategy.packed is not None
+        by_index = config.vectorize and fit.packed is not None
         for i in mine:
             if i not in built:
                 drawn = by_index and clients[i] >= 0
                 built[i] = None if drawn else self._loader(clients[i], round_idx)
-        per_rank: list[list[int]] = [[] for _ in range(strategy.world_size)]
+        per_rank: list[list[int]] = [[] for _ in range(fit.ranks.world_size)]
         for r, n in zip(ranks, batches):
             per_rank[r].append(n)
         schedule, steps, chunks = self._schedules(
@@ -129,17 +121,17 @@ class RoundPlanner:
         and the lower rank), so that ranks finish the round together. A client drawn
         several times (sampling with replacement) trains every time on one rank, in
         order, as on one process."""
-        strategy = self.strategy
-        if strategy.world_size == 1 or not self.balanced():
-            return strategy.owners(clients)
+        world_size = self.fit.ranks.world_size
+        if world_size == 1 or not self.balanced():
+            return self.fit.ranks.owners(clients)
         positions: dict[int, list[int]] = {}
         for i, client in enumerate(clients):
             positions.setdefault(client, []).append(i)
         work = {c: sum(batches[i] for i in group) for c, group in positions.items()}
-        load = [0] * strategy.world_size
+        load = [0] * world_size
         ranks = [0] * len(clients)
         for client in sorted(positions, key=lambda c: (-work[c], positions[c][0])):
-            rank = min(range(strategy.world_size), key=lambda r: (load[r], r))
+            rank = min(range(world_size), key=lambda r: (load[r], r))
             for i in positions[client]:
                 ranks[i] = rank
             load[rank] += work[client]
@@ -150,30 +142,25 @@ class RoundPlanner:
     ) -> dict[int, tuple[int, int]] | None:
         """Bring the client-store entries of the participants that train away from their
         owner to the rank that trains them (:meth:`return_states` takes them back)."""
-        strategy = self.strategy
-        if strategy.world_size == 1 or not (self.balanced() and self.moves_state()):
+        fit, ranks_ = self.fit, self.fit.ranks
+        if ranks_.world_size == 1 or not (self.balanced() and self.moves_state()):
             return None
-        moved = {c: (strategy.owner(c), r) for c, r in zip(clients, ranks)
-                 if c >= 0 and strategy.owner(c) != r}  # fmt: skip
-        move_client_states(strategy.client_store, moved, strategy.global_rank, strategy.world_size)
+        moved = {c: (ranks_.owner(c), r) for c, r in zip(clients, ranks)
+                 if c >= 0 and ranks_.owner(c) != r}  # fmt: skip
+        move_client_states(fit.store, moved, ranks_.rank, ranks_.world_size)
         return moved
 
     def return_states(self, plan: RoundPlan) -> None:
         """At the round's end, every moved participant's entries back to its owner."""
         if plan.moved is not None:
             back = {c: (trainer, owner) for c, (owner, trainer) in plan.moved.items()}
-            strategy = self.strategy
-            move_client_states(
-                strategy.client_store, back, strategy.global_rank, strategy.world_size
-            )
+            ranks = self.fit.ranks
+            move_client_states(self.fit.store, back, ranks.rank, ranks.world_size)
 
     def moves_state(self) -> bool:
         """Whether a client trained away from its owner needs its store entries there: a
         callback keeps them, or clients keep their optimizer state."""
-        trainer = self.strategy.lightning_module.trainer
-        kept = any(isinstance(cb, FederatedCallback) and cb.keeps_client_state
-                   for cb in trainer.callbacks)  # fmt: skip
-        return kept or self.strategy.keep_optimizer_state
+        return self.fit.plugins.keep_client_state or self.fit.config.keep_optimizer_state
 
     def balanced(self) -> bool:
         """Whether participants may train on any rank: every callback that keeps
@@ -181,9 +168,8 @@ class RoundPlanner:
         it moves with the client; so does a kept optimizer state), and the datamodule has
         no per-client stream state (``set_round``)."""
         if self._balanced is None:
-            trainer = self.strategy.lightning_module.trainer
-            fixed = [cb for cb in trainer.callbacks if isinstance(cb, FederatedCallback)
-                     and cb.keeps_client_state and not cb.client_state_in_store]  # fmt: skip
+            fixed = [cb for cb in self.fit.plugins.callbacks
+                     if cb.keeps_client_state and not cb.client_state_in_store]  # fmt: skip
             streams = type(self.datamodule).set_round is not FederatedDataModule.set_round
             self._balanced = not (fixed or streams)
         return self._balanced
@@ -205,11 +191,11 @@ class RoundPlanner:
     def _participants(self, round_idx: int, p: torch.Tensor) -> Participation:
         """The aggregator's participation (the sampler's, or its own), without the clients
         that have no data this round."""
-        sampler = self.strategy.sampler
+        sampler = self.fit.plugins.sampler
         if sampler.needs_losses:
             sampler.losses = lambda clients: self._probe_losses(clients, round_idx)
-        participation = self.strategy.aggregator.participation(
-            round_idx, self.strategy.seed, p, sampler
+        participation = self.fit.plugins.aggregator.participation(
+            round_idx, self.fit.config.seed, p, sampler
         )
         return self._skip_clients_without_data(participation, round_idx)
 
@@ -242,39 +228,39 @@ class RoundPlanner:
         (CA-Fed's report from every available client, thesis Alg. 6): each rank computes
         its own clients', summed over ranks. The batch is the first of a loader shuffled
         with (seed, "loss_probe", round, client)."""
-        strategy, dm, module = self.strategy, self.datamodule, self.strategy.lightning_module
-        losses = torch.zeros(len(clients), dtype=torch.float64, device=strategy.root_device)
+        fit, dm = self.fit, self.datamodule
+        losses = torch.zeros(len(clients), dtype=torch.float64, device=fit.device)
         for i, client in enumerate(clients):
-            if strategy.owner(client) != strategy.global_rank:
+            if fit.ranks.owner(client) != fit.ranks.rank:
                 continue
             loader = dm.client_dataloader(
                 dm.client_dataset(client, "train"), "train",
-                generator(strategy.seed, "loss_probe", round_idx, client),
+                generator(fit.config.seed, "loss_probe", round_idx, client),
             )  # fmt: skip
-            batch = strategy.batch_to_device(next(iter(loader)))
-            losses[i] = float(module.loss_and_metrics(batch)[0])
-        if dist.is_initialized() and strategy.world_size > 1:
+            batch = fit.to_device(next(iter(loader)))
+            losses[i] = float(fit.module.loss_and_metrics(batch)[0])
+        if fit.ranks.distributed:
             dist.all_reduce(losses)
         return losses.cpu().tolist()
 
     def packs(self, client: int) -> bool:
         """Whether ``client``'s training data is packed on the device (not the pooled or
         server pseudo-clients)."""
-        return self.strategy.packed is not None and client >= 0
+        return self.fit.packed is not None and client >= 0
 
     def _loader(self, client: int, round_idx: int) -> DataLoader:
         """A participant's training loader, shuffled with (seed, "data", round, client)
         (over its packed tensors on the device, when they are)."""
         dm = self.datamodule
         if self.packs(client):
-            dataset = self.strategy.packed.client_dataset(client)
+            dataset = self.fit.packed.client_dataset(client)
         elif client == POOLED_CLIENT:
             dataset = dm.pooled_dataset("train")
         elif client == SERVER_CLIENT:
             dataset = dm.server_dataset()
         else:
             dataset = dm.client_dataset(client, "train")
-        rng = generator(self.strategy.seed, "data", round_idx, client)
+        rng = generator(self.fit.config.seed, "data", round_idx, client)
         return dm.client_dataloader(dataset, "train", rng)
 
     def _num_batches(
@@ -282,13 +268,13 @@ class RoundPlanner:
     ) -> list[int]:
         """Each participant's local batches: K, E passes over its loader (or over its
         packed data: E·⌈n/B⌉), or the server's one SGD step (SAFARI, Alg. 1 line 10)."""
-        strategy = self.strategy
-        if strategy.local_steps is not None:
-            return [1 if c == SERVER_CLIENT else strategy.local_steps for c in clients]
-        if strategy.packed is not None and (not clients or min(clients) >= 0):
-            per_pass = strategy.packed.num_batches_per_pass(clients)
-            return (strategy.local_epochs * per_pass).tolist()
-        if strategy.packed is not None:
+        config, packed = self.fit.config, self.fit.packed
+        if config.local_steps is not None:
+            return [1 if c == SERVER_CLIENT else config.local_steps for c in clients]
+        if packed is not None and (not clients or min(clients) >= 0):
+            per_pass = packed.num_batches_per_pass(clients)
+            return (config.local_epochs * per_pass).tolist()
+        if packed is not None:
             loaders = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
         return [self._client_batches(c, loaders.get(i)) for i, c in enumerate(clients)]
 
@@ -296,7 +282,7 @@ class RoundPlanner:
         if client == SERVER_CLIENT:
             return 1
         try:
-            return self.strategy.local_epochs * len(loader)
+            return self.fit.config.local_epochs * len(loader)
         except TypeError as err:
             raise TypeError(
                 "local_epochs needs client loaders with a length; use local_steps for "
@@ -308,16 +294,14 @@ class RoundPlanner:
     ) -> tuple[ClientSchedule, ClientSchedule, list[tuple[int, ...]] | None]:
         """This rank's client schedule, its schedule of Lightning steps and, with
         vectorized clients, its chunks; padded to the longest rank's number of steps."""
-        if not self.strategy.vectorize:
+        config = self.fit.config
+        if not config.vectorize:
             longest = max(map(sum, per_rank))
             if longest > sum(batches):
                 clients, batches = [*clients, PADDING], [*batches, longest - sum(batches)]
             schedule = ClientSchedule(tuple(clients), tuple(batches))
             return schedule, schedule, None
-        size, fused = (
-            self.strategy.max_vectorized_clients,
-            self.strategy.local_steps_per_training_step,
-        )
+        size, fused = config.max_vectorized_clients, config.local_steps_per_training_step
         chunks = chunk_positions(range(len(clients)), size)
         steps = [_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks]
         longest = max(_chunked_steps(counts, size, fused) for counts in per_rank)
@@ -338,8 +322,8 @@ class RoundPlanner:
     ) -> RoundState:
         """What the round's hooks see: θ^t, a zero update sum, the weights and, for a
         sampler that needs them, a row per participant for their updates."""
-        strategy = self.strategy
-        model = strategy.federated_tensors
+        fit = self.fit
+        model = fit.tensors
         global_tensors = model.clone()
         local_steps = {c: n for c, n in zip(schedule.clients, schedule.num_batches) if c != PADDING}
         state = RoundState(
@@ -348,15 +332,15 @@ class RoundPlanner:
             global_tensors=global_tensors,
             update_sum=zeros_like(global_tensors),
             model=model,
-            store=strategy.client_store,
+            store=fit.store,
             num_clients=self.datamodule.num_clients,
             sample_counts=counts,
             target_weights=p,
             local_steps=local_steps,
         )
-        if strategy.sampler.needs_updates:  # rows of every rank, summed by the all-reduce
+        if fit.plugins.sampler.needs_updates:  # rows of every rank, summed by the all-reduce
             size = sum(t.numel() for t in global_tensors)
-            rows = torch.zeros(len(participation.clients), size, device=strategy.root_device)
+            rows = torch.zeros(len(participation.clients), size, device=fit.device)
             state.extra_sums[SAMPLER_UPDATES] = [rows]
         return state
 
@@ -373,16 +357,3 @@ def _chunked_steps(batches: list[int], size: int | None, fused: int | None) -> i
     ``fused`` local steps per Lightning step."""
     chunks = chunk_positions(range(len(batches)), size)
     return sum(_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks)
-
-
-def client_training_counts(dm: FederatedDataModule) -> list[int]:
-    """Training samples per client; unseen (held-out) clients count 0."""
-    counts = dm.sample_counts("train")
-    for c in dm.unseen_clients:
-        counts[c] = 0
-    if sum(counts) == 0:
-        raise ValueError(
-            "Every client has an empty training set: there is nothing to train on. "
-            "Check the datamodule's split fractions and data path."
-        )
-    return counts

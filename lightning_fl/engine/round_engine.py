@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_fl.callbacks.base import Aggregator, FederatedCallback, RoundState
+from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.planning import SAMPLER_UPDATES, RoundPlan, RoundPlanner
+from lightning_fl.engine.plugins import Aggregator, FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, seed_global_rng
 from lightning_fl.engine.tensors import TensorList, all_finite, flatten, unflatten
-
-if TYPE_CHECKING:
-    from lightning_fl.engine.strategy import FederatedStrategy
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -31,14 +29,14 @@ class NonFiniteUpdateError(RuntimeError):
 
 
 class RoundEngine:
-    """Runs the rounds of one rank of ``strategy``: plans each round (a
+    """Runs the rounds of one rank of a fit (``fit``): plans each round (a
     :class:`RoundPlanner`), starts and finishes its clients, and ends it. Holds the round
     in progress (``current_round``, ``current_client``) and the count of consecutive
     rounds with dropped updates (checkpointed)."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
-        self.strategy = strategy
-        self.planner = RoundPlanner(strategy)
+    def __init__(self, fit: FitContext) -> None:
+        self.fit = fit
+        self.planner = RoundPlanner(fit)
         self.current_round: RoundPlan | None = None
         self.current_client: tuple[int, int] | None = None  # (position, local step)
         self.consecutive_bad_rounds = 0
@@ -49,7 +47,7 @@ class RoundEngine:
         clock still advances)."""
         self.current_round = self.planner.plan(round_idx)
         self.call("on_round_start", self.current_round.state)
-        aggregator = self.strategy.aggregator
+        aggregator = self.fit.plugins.aggregator
         if (
             not self.current_round.state.participation.clients
             and aggregator.aggregates_empty_rounds
@@ -60,18 +58,15 @@ class RoundEngine:
     def start_client(self, pos: int) -> None:
         """Load θ^t, seed the global RNG with (seed, "client", round, client), reset or
         restore the client's optimizer state and run ``on_client_start``."""
-        strategy, state = self.strategy, self.current_round.state
+        fit, state = self.fit, self.current_round.state
         client = self.current_round.schedule.clients[pos]
-        strategy.federated_tensors.load_(state.global_tensors)
-        seed = derive_seed(strategy.seed, "client", state.round_idx, client)
-        seed_global_rng(seed, strategy.root_device)
-        for i, optimizer in enumerate(strategy.lightning_module.trainer.optimizers):
+        fit.tensors.load_(state.global_tensors)
+        seed = derive_seed(fit.config.seed, "client", state.round_idx, client)
+        seed_global_rng(seed, fit.device)
+        for i, optimizer in enumerate(fit.trainer.optimizers):
             optimizer.state.clear()
-            saved = (
-                strategy.client_store.get(client, f"optimizer_{i}")
-                if strategy.keep_optimizer_state
-                else None
-            )
+            kept = fit.config.keep_optimizer_state
+            saved = fit.store.get(client, f"optimizer_{i}") if kept else None
             if saved is not None:
                 optimizer.load_state_dict(
                     {"state": saved, "param_groups": optimizer.state_dict()["param_groups"]}
@@ -82,11 +77,11 @@ class RoundEngine:
         """Fold the client's update into the weighted sum (after its last optimizer step).
         ``optimizer_states``: the client's optimizer states to keep (default: those of the
         module's optimizers)."""
-        strategy, state = self.strategy, self.current_round.state
+        fit, state = self.fit, self.current_round.state
         client = self.current_round.schedule.clients[pos]
-        update = strategy.federated_tensors.minus(state.global_tensors)
-        trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
-        for cb in strategy.federated_callbacks:
+        update = fit.tensors.minus(state.global_tensors)
+        trainer, module = fit.trainer, fit.module
+        for cb in fit.plugins.callbacks:
             update = cb.transform_update(trainer, module, client, update, state)
         if not all_finite(update):
             state.dropped.append(client)
@@ -101,14 +96,14 @@ class RoundEngine:
         if SAMPLER_UPDATES in state.extra_sums:
             row = state.row_of(client)
             state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
-        if strategy.keep_optimizer_state:
+        if fit.config.keep_optimizer_state:
             if optimizer_states is None:
                 optimizer_states = [
                     copy.deepcopy(optimizer.state_dict()["state"])
                     for optimizer in trainer.optimizers
                 ]
             for i, optimizer_state in enumerate(optimizer_states):
-                strategy.client_store.set(client, f"optimizer_{i}", optimizer_state)
+                fit.store.set(client, f"optimizer_{i}", optimizer_state)
         self.call("on_client_end", client, update, state)
 
     @torch.no_grad()
@@ -150,37 +145,34 @@ class RoundEngine:
 
     def end_round(self) -> RoundState:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
-        strategy, state = self.strategy, self.current_round.state
+        fit, state = self.fit, self.current_round.state
         dropped = state.dropped_count = self._all_reduce_round(state)
         self.planner.return_states(self.current_round)
         self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0
-        if self.consecutive_bad_rounds >= strategy.max_consecutive_bad_rounds:
+        if self.consecutive_bad_rounds >= fit.config.max_consecutive_bad_rounds:
             raise NonFiniteUpdateError(
                 f"{self.consecutive_bad_rounds} consecutive rounds had NaN/Inf client updates "
                 f"(last: clients {state.dropped}). Lower the learning rate, clip gradients "
                 "(Trainer(gradient_clip_val=...)) or check the data; raise "
                 "max_consecutive_bad_rounds to tolerate more."
             )
-        strategy.aggregator.aggregate(
-            strategy.lightning_module.trainer, strategy.lightning_module, state
-        )
-        strategy.federated_tensors.load_(state.global_tensors)
+        fit.plugins.aggregator.aggregate(fit.trainer, fit.module, state)
+        fit.tensors.load_(state.global_tensors)
         if SAMPLER_UPDATES in state.extra_sums:
             rows = state.extra_sums[SAMPLER_UPDATES][0]
             sent = torch.nonzero(rows.any(dim=1)).flatten().tolist()  # not dropped
             clients = tuple(state.participation.clients[i] for i in sent)
-            strategy.sampler.observe(clients, rows[sent], state.num_clients)
+            fit.plugins.sampler.observe(clients, rows[sent], state.num_clients)
         self.call("on_round_end", state)
         return state
 
     def _all_reduce_round(self, state: RoundState) -> int:
         """Sum the weighted updates, the callbacks' round sums and the number of dropped
         updates over all ranks in one all-reduce; returns the total dropped."""
-        strategy = self.strategy
-        if not (dist.is_initialized() and strategy.world_size > 1):
+        if not self.fit.ranks.distributed:
             return len(state.dropped)
         sums = [state.update_sum, *state.extra_sums.values()]
-        dropped = torch.tensor([float(len(state.dropped))], device=strategy.root_device)
+        dropped = torch.tensor([float(len(state.dropped))], device=self.fit.device)
         buffer = torch.cat([flatten(s) for s in sums] + [dropped])
         dist.all_reduce(buffer)
         offset = 0
@@ -196,9 +188,9 @@ class RoundEngine:
         Evaluation observers (membership inference) run before everyone in the client
         evaluation hooks: at the start they see the global model, at the end the
         personalized one."""
-        module = self.strategy.lightning_module
+        trainer, module = self.fit.trainer, self.fit.module
         for cb in self.ordered_callbacks(hook):
-            getattr(cb, hook)(module.trainer, module, *args)
+            getattr(cb, hook)(trainer, module, *args)
 
     def ordered_callbacks(self, hook: str) -> list[FederatedCallback]:
         """The federated callbacks in the order ``hook`` runs on them (see :meth:`call`)."""
@@ -209,4 +201,4 @@ class RoundEngine:
                 return 0  # observers see the model before and after personalization
             return 1 if isinstance(cb, Aggregator) else 2
 
-        return sorted(self.strategy.federated_callbacks, key=order)  # stable
+        return sorted(self.fit.plugins.callbacks, key=order)  # stable

@@ -6,61 +6,25 @@ switches clients or aggregates: the strategy does that when a batch is consumed.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_fl.datamodules.base import FederatedDataModule, Split
-
-if TYPE_CHECKING:
-    from lightning_fl.engine.packed import PackedFederation
-    from lightning_fl.engine.strategy import FederatedStrategy
-
-
-@dataclass(frozen=True)
-class ClientSchedule:
-    """Clients in visiting order and how many batches each contributes."""
-
-    clients: tuple[int, ...]
-    num_batches: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        starts = [0, *itertools.accumulate(self.num_batches)]
-        object.__setattr__(self, "_starts", starts)
-
-    @property
-    def total(self) -> int:
-        return self._starts[-1]  # type: ignore[attr-defined]
-
-    def locate(self, batch_idx: int) -> tuple[int, int]:
-        """(position of the client in :attr:`clients`, local step) of a batch index."""
-        if not 0 <= batch_idx < self.total:
-            raise IndexError(f"batch {batch_idx} is outside this schedule of {self.total} batches.")
-        pos = bisect.bisect_right(self._starts, batch_idx) - 1  # type: ignore[attr-defined]
-        return pos, batch_idx - self._starts[pos]  # type: ignore[attr-defined]
-
-
-def cycle_batches(loader: DataLoader, count: int) -> Iterator[Any]:
-    """Exactly ``count`` batches, starting a new pass (a new shuffle) when one ends."""
-    produced = 0
-    while produced < count:
-        for batch in loader:
-            yield batch
-            produced += 1
-            if produced == count:
-                return
+from lightning_fl.engine.client_evaluation import ClientEvaluation
+from lightning_fl.engine.context import FitContext, Ranks
+from lightning_fl.engine.packed import PackedFederation
+from lightning_fl.engine.planning import RoundPlan
+from lightning_fl.engine.schedule import ClientSchedule, PackedLocalSteps, cycle_batches
 
 
 class TrainRounds:
-    """One round's training batches: each participant's local batches in turn."""
+    """One round's training batches: each participant's local batches in turn. The round
+    is planned by ``begin_round`` (the round engine's) when Lightning asks for them."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, fit: FitContext, begin_round: Callable[[int], RoundPlan]) -> None:
+        self.fit, self.begin_round = fit, begin_round
 
     def __iter__(self) -> Iterator[Any]:
         # Lightning calls iter() once per epoch, after the previous epoch has ended (for the
@@ -71,21 +35,18 @@ class TrainRounds:
         # An error while the round is planned (a sampler's, a datamodule's) is raised at
         # the first batch instead: raised from iter(), Lightning's teardown would replace it
         # with "Please call `iter(combined_loader)` first".
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.fit.trainer
         try:
-            plan = self.strategy.engine.begin_round(
-                trainer.fit_loop.epoch_progress.current.processed
-            )
+            plan = self.begin_round(trainer.fit_loop.epoch_progress.current.processed)
         except Exception as err:  # noqa: BLE001 - re-raised unchanged at the first batch
             return _raise(err)
         return self._batches(plan)
 
     def _batches(self, plan) -> Iterator[Any]:
         if plan.chunks is not None:
-            strategy = self.strategy
-            yield from self._chunk_batches(
-                plan, strategy.local_steps_per_training_step, strategy.packed, strategy.root_device
-            )
+            fit = self.fit
+            fused = fit.config.local_steps_per_training_step
+            yield from self._chunk_batches(plan, fused, fit.packed, fit.device)
             return
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
@@ -127,22 +88,6 @@ class TrainRounds:
             yield ()
 
 
-class PackedLocalSteps:
-    """A Lightning step's local steps when the chunk's data is packed on the device:
-    ``first`` to ``stop`` (exclusive) of chunk ``chunk``, whose batches the vectorized
-    step draws by index when it trains them. A plain object, which Lightning's batch
-    transfer leaves alone: nothing is read ahead or copied. The step's batch is
-    ``{"batch_size": ..., "local_steps": PackedLocalSteps}``."""
-
-    __slots__ = ("chunk", "first", "stop")
-
-    def __init__(self, chunk: int, first: int, stop: int) -> None:
-        self.chunk, self.first, self.stop = chunk, first, stop
-
-    def __repr__(self) -> str:
-        return f"PackedLocalSteps(chunk={self.chunk}, steps {self.first}..{self.stop - 1})"
-
-
 def _raise(err: Exception) -> Iterator[Any]:
     raise err
     yield  # a generator: the error is raised at the first next()
@@ -151,20 +96,25 @@ def _raise(err: Exception) -> Iterator[Any]:
 class EvalRounds:
     """Held-out batches of every client this rank owns that has data for ``split``: the
     seen clients first, then the unseen (held-out) ones, which the strategy reports apart
-    and which personalization callbacks adapt to before their batches.
+    and which personalization callbacks adapt to before their batches. ``evaluation``
+    begins its epoch over them when Lightning asks for them.
     """
 
     def __init__(
-        self, datamodule: FederatedDataModule, split: Split, strategy: FederatedStrategy
+        self,
+        datamodule: FederatedDataModule,
+        split: Split,
+        ranks: Ranks,
+        evaluation: ClientEvaluation,
     ) -> None:
         self.datamodule = datamodule
         self.split = split
-        self.strategy = strategy
+        self.evaluation = evaluation
         clients, loaders = [], []
         #: each client's number of samples in ``split``
         self.sizes: dict[int, int] = {}
         for c in [*datamodule.seen_clients(), *datamodule.unseen_clients]:
-            if strategy.owner(c) != strategy.global_rank:
+            if ranks.owner(c) != ranks.rank:
                 continue
             dataset = datamodule.client_dataset(c, split)
             if dataset is not None and len(dataset) > 0:
@@ -178,6 +128,6 @@ class EvalRounds:
         return self.schedule.total
 
     def __iter__(self) -> Iterator[Any]:
-        self.strategy.evaluation.begin(self.schedule, self.sizes)
+        self.evaluation.begin(self.schedule, self.sizes)
         for loader in self.loaders:
             yield from loader

@@ -31,12 +31,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_fl.callbacks.aggregation import FedAvg
-from lightning_fl.callbacks.base import Aggregator, FederatedCallback
-from lightning_fl.callbacks.plots import FederatedPlots
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Plugins, Ranks
 from lightning_fl.engine.divergence import DivergenceMonitor
 from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.evaluation import ClientMetricCapture
@@ -44,11 +42,13 @@ from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
 from lightning_fl.engine.outputs import RunSummary
 from lightning_fl.engine.packed import PackedFederation, TooLarge, pack_federation
-from lightning_fl.engine.planning import RoundPlan, client_training_counts
+from lightning_fl.engine.planning import RoundPlan
+from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
 from lightning_fl.engine.tensors import FederatedTensors
 from lightning_fl.engine.vectorized import VectorizedClients
+from lightning_fl.plots import FederatedPlots
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation
 
 #: Below this many parameters, ``num_threads="auto"`` uses one CPU thread per process.
@@ -192,44 +192,66 @@ class FederatedStrategy(DDPStrategy):
             raise ValueError(
                 f"data_on_device must be True, False or 'auto', got {data_on_device!r}."
             )
+        #: the user's sampler; the fit's, as the callbacks wrap it, is ``fit.plugins.sampler``
         self.sampler = sampler or FullParticipation()
-        self.local_steps, self.local_epochs = local_steps, local_epochs
-        self.seed = seed
-        self.keep_optimizer_state = keep_optimizer_state
-        self.max_consecutive_bad_rounds = max_consecutive_bad_rounds
+        #: the federated settings the engine reads, frozen
+        self.config = FederatedConfig(
+            seed=seed,
+            local_steps=local_steps,
+            local_epochs=local_epochs,
+            keep_optimizer_state=keep_optimizer_state,
+            max_consecutive_bad_rounds=max_consecutive_bad_rounds,
+            vectorize=vectorize,
+            compile=compile,
+            max_vectorized_clients=max_vectorized_clients,
+            local_steps_per_training_step=local_steps_per_training_step,
+            allow_new_federation=allow_new_federation,
+        )
         self.num_threads = num_threads
-        self.vectorize, self.max_vectorized_clients = vectorize, max_vectorized_clients
-        self.compile = compile
-        self.local_steps_per_training_step = local_steps_per_training_step
-        self.allow_new_federation = allow_new_federation
         self.enable_plots = enable_plots
         self.data_on_device = data_on_device
-        #: the federation's training data on the device, or None: the datamodule's loaders
-        self.packed: PackedFederation | None = None
         #: per-client state of the clients this rank owns (the plugins' store)
         self.client_store = ClientStore()
         self.divergence = DivergenceMonitor()
-        self.engine = RoundEngine(self)
-        self.vectorized = VectorizedClients(self, self.engine)
-        self.evaluation = ClientEvaluation(self)
+        #: what the engine of the current fit reads, and its objects (built at set-up)
+        self.fit: FitContext | None = None
+        self.engine: RoundEngine | None = None
+        self.vectorized: VectorizedClients | None = None
+        self.evaluation: ClientEvaluation | None = None
         #: the notes and the folder a run names when it ends (:class:`RunSummary`)
         self.summary = RunSummary()
         self._federated_tensors: FederatedTensors | None = None
-        self._train_counts: list[int] = []
         self._transfer_needed = True  # set at setup: does a hook change batch transfer?
         self._idle = False  # the current training step trains nobody (see optimizer_step)
         self._direct_hooks: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ what plugins read
+    seed = property(lambda self: self.config.seed, doc="The run's seed (``config.seed``).")
+    local_steps = property(lambda self: self.config.local_steps, doc="K (``config``).")
+    local_epochs = property(lambda self: self.config.local_epochs, doc="E (``config``).")
+    vectorize = property(lambda self: self.config.vectorize, doc="``config.vectorize``.")
+    keep_optimizer_state = property(
+        lambda self: self.config.keep_optimizer_state, doc="``config.keep_optimizer_state``."
+    )
+    local_steps_per_training_step = property(
+        lambda self: self.config.local_steps_per_training_step,
+        doc="``config.local_steps_per_training_step``.",
+    )
+
+    @property
+    def packed(self) -> PackedFederation | None:
+        """The fit's training data packed on the device, or None."""
+        return self.fit.packed if self.fit is not None else None
+
     @property
     def current_round(self) -> RoundPlan | None:
         """The round in progress on this rank (its schedule, loaders and hooks' state)."""
-        return self.engine.current_round
+        return self.engine.current_round if self.engine is not None else None
 
     @property
     def current_client(self) -> tuple[int, int] | None:
         """(schedule position, local step) of the training batch in progress."""
-        return self.engine.current_client
+        return self.engine.current_client if self.engine is not None else None
 
     @property
     def metric_capture(self) -> ClientMetricCapture:
@@ -238,8 +260,9 @@ class FederatedStrategy(DDPStrategy):
 
     @property
     def training_counts(self) -> list[int]:
-        """Training samples per client in this fit (unseen clients count 0)."""
-        return list(self._train_counts)
+        """Training samples per client in this fit (unseen clients count 0), as the
+        fit's :class:`~lightning_fl.engine.context.Federation` read them at set-up."""
+        return list(self.fit.federation.training_counts) if self.fit is not None else []
 
     @property
     def federated_tensors(self) -> FederatedTensors:
@@ -306,7 +329,7 @@ class FederatedStrategy(DDPStrategy):
         super().connect(model)
         callbacks = model.trainer.callbacks
         if not any(isinstance(cb, RoundDriver) for cb in callbacks):
-            callbacks.insert(0, RoundDriver(self))
+            callbacks.insert(0, RoundDriver())
         if self.enable_plots and not any(isinstance(cb, FederatedPlots) for cb in callbacks):
             callbacks.append(FederatedPlots())
 
@@ -358,17 +381,40 @@ class FederatedStrategy(DDPStrategy):
         # refusal table) runs without runpy's warning about a module imported twice
         from lightning_fl.engine import composition
 
-        composition.check(self, trainer)
+        sampler = self.sampler
+        for cb in self.federated_callbacks:
+            sampler = cb.wrap_sampler(sampler)
+        composition.check(trainer, sampler, self.config.vectorize, self.world_size)
+        plugins = Plugins(tuple(self.federated_callbacks), aggregator, sampler)
+        federation, packed = Federation(trainer.datamodule), None  # the counts, once per fit
         if fitting:
             self._skip_validation_without_data(trainer)
-            self._train_counts = client_training_counts(trainer.datamodule)  # once per fit
-            self.packed = self._pack_federation(trainer)
+            packed = self._pack_federation(trainer, federation.training_counts)
             if not aggregator.pools_clients:
-                self.sampler.check(sum(1 for n in self._train_counts if n > 0))
+                sampler.check(sum(1 for n in federation.training_counts if n > 0))
             self._direct_hooks = direct_hooks(trainer, self.precision_plugin)
             self._check_sigterm_once_per_round(trainer)
-            if self.vectorize:
-                self.vectorized.setup(trainer)
+        self.fit = FitContext(
+            config=self.config,
+            trainer=trainer,
+            module=self.lightning_module,
+            device=self.root_device,
+            ranks=Ranks(self.world_size, self.global_rank),
+            tensors=self._federated_tensors,
+            store=self.client_store,
+            plugins=plugins,
+            federation=federation,
+            packed=packed,
+            to_device=self.batch_to_device,
+            divergence=self.divergence,
+        )
+        self.engine = RoundEngine(self.fit)
+        self.vectorized = VectorizedClients(self.fit, self.engine)
+        self.evaluation = ClientEvaluation(self.fit, self.engine)
+        driver = next(cb for cb in trainer.callbacks if isinstance(cb, RoundDriver))
+        driver.attach(self.fit, self.engine, self.vectorized, self.evaluation)
+        if fitting and self.config.vectorize:
+            self.vectorized.setup()
         if trainer.datamodule.num_clients < self.world_size:
             raise ValueError(
                 f"{self.world_size} processes but only {trainer.datamodule.num_clients} "
@@ -412,14 +458,16 @@ class FederatedStrategy(DDPStrategy):
 
         loop._broadcast_sigterm_tensor = once_per_round
 
-    def _pack_federation(self, trainer: pl.Trainer) -> PackedFederation | None:
+    def _pack_federation(
+        self, trainer: pl.Trainer, counts: Sequence[int]
+    ) -> PackedFederation | None:
         """The packed federation (``data_on_device``), or None; says which in the log."""
         wanted = self.data_on_device
         if wanted == "auto":
-            wanted = self.vectorize or self.root_device.type != "cpu"
+            wanted = self.config.vectorize or self.root_device.type != "cpu"
         if not wanted or self.aggregator.pools_clients:
             return None
-        packed, reason = pack_federation(trainer.datamodule, self._train_counts, self.root_device)
+        packed, reason = pack_federation(trainer.datamodule, list(counts), self.root_device)
         if packed is None:
             message = (
                 f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
@@ -458,8 +506,8 @@ class FederatedStrategy(DDPStrategy):
         if not isinstance(dataloader, FederatedLoader):
             return dataloader
         if dataloader.split == "train":
-            return TrainRounds(self)
-        return EvalRounds(dataloader.datamodule, dataloader.split, self)
+            return TrainRounds(self.fit, self.engine.begin_round)
+        return EvalRounds(dataloader.datamodule, dataloader.split, self.fit.ranks, self.evaluation)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Locate the batch in the round; at a client's (or chunk's) first batch, start it."""

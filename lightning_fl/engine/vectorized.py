@@ -42,15 +42,15 @@ from torch.func import functional_call, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_fl.engine.packed import ChunkBatches
-from lightning_fl.engine.rounds import PackedLocalSteps
+from lightning_fl.engine.schedule import PackedLocalSteps
 from lightning_fl.engine.seeding import derive_seeds, generator, seed_global_rng
 from lightning_fl.engine.tensors import TensorList
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_fl.engine.context import FitContext
     from lightning_fl.engine.round_engine import RoundEngine
-    from lightning_fl.engine.strategy import FederatedStrategy
 
 #: LightningModule hooks that run at every local step of the sequential path; the
 #: vectorized step does not call them, so a module that overrides one is refused.
@@ -129,7 +129,7 @@ def check_callback(callback: Any) -> None:
     clients (a FederatedCallback says so with ``supports_vectorized_clients``)."""
     from lightning.pytorch import Callback
 
-    from lightning_fl.callbacks.base import FederatedCallback
+    from lightning_fl.engine.plugins import FederatedCallback
 
     name = type(callback).__name__
     if isinstance(callback, FederatedCallback):
@@ -459,7 +459,7 @@ CLIENT_HOOKS = ("on_client_start", "transform_update", "on_client_end")
 def needs_client_hooks(callback: Any) -> bool:
     """Whether vectorized clients must run ``callback``'s client hooks one client at a
     time (its ``vectorized_client_hooks``, or, when None, whether it overrides one)."""
-    from lightning_fl.callbacks.base import FederatedCallback
+    from lightning_fl.engine.plugins import FederatedCallback
 
     declared = callback.vectorized_client_hooks
     if declared is not None:
@@ -765,21 +765,14 @@ class VectorizedStep:
         return loss.detach(), {n: v.detach() for n, v in metrics.items()}
 
 
-def chunk_positions(positions: Sequence[int], size: int | None) -> list[tuple[int, ...]]:
-    """Consecutive chunks of at most ``size`` positions (all in one chunk for None)."""
-    if size is None or size >= len(positions):
-        return [tuple(positions)] if positions else []
-    return [tuple(positions[i : i + size]) for i in range(0, len(positions), size)]
-
-
 class VectorizedClients:
     """The strategy's vectorized rounds (``vectorize=True``): the set-up checks, and the
     life cycle of each chunk of clients that train together. Every client of a chunk
     starts and finishes through the round engine exactly as on the sequential path; in
     between, one :class:`VectorizedStep` per Lightning step trains the chunk."""
 
-    def __init__(self, strategy: FederatedStrategy, engine: RoundEngine) -> None:
-        self.strategy, self.engine = strategy, engine
+    def __init__(self, fit: FitContext, engine: RoundEngine) -> None:
+        self.fit, self.engine = fit, engine
         self.step: VectorizedStep | None = None
         self.chunk: ClientChunk | None = None
         self.current: tuple[int, int] | None = None  # (chunk, step) of the training step
@@ -789,20 +782,21 @@ class VectorizedClients:
         #: callback needs its client hooks one client at a time, no kept optimizer state)
         self.batched_lifecycle = False
 
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self) -> None:
         """Check that the module, optimizer and callbacks can train clients together,
         build the step, and run the loss once vectorized on the first client's batch."""
-        strategy, module = self.strategy, self.strategy.lightning_module
+        fit, config = self.fit, self.fit.config
+        trainer, module = fit.trainer, fit.module
         check_module(module)
         for cb in trainer.callbacks:
             check_callback(cb)
-        _check_trainer(trainer, strategy)
-        if strategy.compile:
+        _check_trainer(trainer)
+        if config.compile:
             _check_compilable(module, trainer.callbacks)
-        self.batched_lifecycle = not strategy.keep_optimizer_state and not any(
-            needs_client_hooks(cb) for cb in strategy.federated_callbacks
+        self.batched_lifecycle = not config.keep_optimizer_state and not any(
+            needs_client_hooks(cb) for cb in fit.plugins.callbacks
         )
-        tensors = strategy.federated_tensors
+        tensors = fit.tensors
         optimizer = StackedOptimizer(trainer.optimizers[0], tensors.params)
         callbacks = self.engine.ordered_callbacks("on_before_vectorized_optimizer_step")
 
@@ -818,10 +812,10 @@ class VectorizedClients:
         self.step = VectorizedStep(
             module, tensors.param_names, tensors.buffer_names, optimizer, gradient_terms, clip
         )
-        if strategy.compile:
+        if config.compile:
             from lightning_fl.engine.compiled import CompiledGradients
 
-            backend = "inductor" if strategy.compile is True else str(strategy.compile)
+            backend = "inductor" if config.compile is True else str(config.compile)
             self.step.compiled = CompiledGradients(
                 lambda params, buffers, batch: self.step._client_loss(
                     params, buffers, batch, None, []
@@ -838,17 +832,17 @@ class VectorizedClients:
         return None if compiled is None else compiled.seconds
 
     def _check_first_batch_runs(self) -> None:
-        strategy = self.strategy
-        dm = strategy.lightning_module.trainer.datamodule
+        fit = self.fit
+        dm = fit.datamodule
         dm.set_round(0)  # a stream's caches hold data from the first round on
-        with_data = [c for c, n in enumerate(strategy.training_counts) if n > 0]
+        with_data = [c for c, n in enumerate(fit.federation.training_counts) if n > 0]
         empty = set(dm.clients_without_data_now(with_data))
         first = next((c for c in with_data if c not in empty), None)
-        if first is not None and not strategy.aggregator.pools_clients:
+        if first is not None and not fit.plugins.aggregator.pools_clients:
             loader = dm.client_dataloader(
-                dm.client_dataset(first, "train"), "train", generator(strategy.seed, "probe")
+                dm.client_dataset(first, "train"), "train", generator(fit.config.seed, "probe")
             )
-            self.step.check_runs(strategy.batch_to_device(next(iter(loader))))
+            self.step.check_runs(fit.to_device(next(iter(loader))))
 
     def start_chunk(self, index: int) -> None:
         """Start every client of chunk ``index`` as the sequential path does (global
@@ -856,18 +850,18 @@ class VectorizedClients:
         callback needs its client hooks (:attr:`batched_lifecycle`), the clients start
         together: θ^t repeated once per row, the global RNG seeded once, as the last
         client's start leaves it. With packed data, draw the chunk's batch indices."""
-        strategy, plan = self.strategy, self.engine.current_round
+        fit, plan = self.fit, self.engine.current_round
         state, positions = plan.state, plan.chunks[index]
         clients = [plan.schedule.clients[pos] for pos in positions]
-        seeds = derive_seeds(strategy.seed, "client", state.round_idx, last=clients).tolist()
-        device = strategy.root_device
+        seeds = derive_seeds(fit.config.seed, "client", state.round_idx, last=clients).tolist()
+        device = fit.device
 
         def generators() -> list[torch.Generator]:
             return [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
 
-        num_params = strategy.federated_tensors.num_params
+        num_params = fit.tensors.num_params
         if self.batched_lifecycle:
-            strategy.federated_tensors.load_(state.global_tensors)
+            fit.tensors.load_(state.global_tensors)
             seed_global_rng(seeds[-1], device)
             self.chunk = ClientChunk.repeated(clients, state.global_tensors, num_params, generators)
             saved: list[dict | None] = [None] * len(clients)
@@ -875,23 +869,23 @@ class VectorizedClients:
             starts, saved = [], []
             for pos, client in zip(positions, clients):
                 self.engine.start_client(pos)
-                starts.append(strategy.federated_tensors.clone())
-                kept = strategy.keep_optimizer_state
-                saved.append(strategy.client_store.get(client, "optimizer_0") if kept else None)
+                starts.append(fit.tensors.clone())
+                kept = fit.config.keep_optimizer_state
+                saved.append(fit.store.get(client, "optimizer_0") if kept else None)
             self.chunk = ClientChunk(clients, starts, num_params, generators)
         self.batches = None
         if plan.packed_chunk(index):
             batches = [plan.schedule.num_batches[pos] for pos in positions]
-            self.batches = strategy.packed.chunk_batches(
-                strategy.seed, state.round_idx, clients, batches
+            self.batches = fit.packed.chunk_batches(
+                fit.config.seed, state.round_idx, clients, batches
             )
         self.step.optimizer.reset(self.chunk.params, saved)
         self.engine.call("on_vectorized_clients_start", clients, state)
-        params = strategy.federated_tensors.params
+        params = fit.tensors.params
         self.step.optimizer.frozen = {
             j for j in self.step.optimizer.trainable if not params[j].requires_grad
         }
-        trainer, module = strategy.lightning_module.trainer, strategy.lightning_module
+        trainer, module = fit.trainer, fit.module
         contexts, stacked_state = [], []
         for cb in self.engine.ordered_callbacks("vectorized_client_state"):
             stacked = cb.vectorized_client_state(trainer, module, clients, state)
@@ -904,7 +898,7 @@ class VectorizedClients:
         """The Lightning step's local steps of the chunk's clients that still have
         batches (``local_steps_per_training_step`` of them); with packed data, each step's
         batches are gathered by index, one gather per group of rows of one batch size."""
-        module = self.strategy.lightning_module
+        module = self.fit.module
         packed = batch["local_steps"]
         if isinstance(packed, PackedLocalSteps):
             steps = (self._packed_step(step) for step in range(packed.first, packed.stop))
@@ -912,12 +906,12 @@ class VectorizedClients:
             steps = (self.step(self.chunk, s["rows"], s["batches"]) for s in batch["local_steps"])
         for losses, metrics, sizes in steps:
             module._log_vectorized_training_step(losses, metrics, sizes)
-            self.strategy.divergence.observe(losses)
+            self.fit.divergence.observe(losses)
 
     def _packed_step(self, step: int) -> tuple[Tensor, dict[str, Tensor], Tensor]:
         """Local step ``step`` of the chunk on its packed batches: the rows' losses,
         metrics and batch sizes (rows grouped by batch size)."""
-        packed, outputs = self.strategy.packed, []
+        packed, outputs = self.fit.packed, []
         for group in self.batches.steps[step]:
             batch = self.batches.batch(step, group, packed)
             loss, metrics = self.step.stacked(self.chunk, group.rows, batch, group.rows_index)
@@ -936,16 +930,16 @@ class VectorizedClients:
         """Finish every client of chunk ``index`` as the sequential path does, its trained
         model loaded into the module; or, with :attr:`batched_lifecycle`, fold the
         chunk's stacked updates into the round's sum at once."""
-        chunk, strategy = self.chunk, self.strategy
+        chunk, fit = self.chunk, self.fit
         self.batches = None
         if self.batched_lifecycle:
             self.engine.finish_clients(chunk.clients, chunk.tensors)
             self.chunk = None
             return
         for row, pos in enumerate(self.engine.current_round.chunks[index]):
-            strategy.federated_tensors.load_(chunk.row(row))
+            fit.tensors.load_(chunk.row(row))
             optimizer_state = None
-            if strategy.keep_optimizer_state:
+            if fit.config.keep_optimizer_state:
                 optimizer_state = [self.step.optimizer.state_of(row)]
             self.engine.finish_client(pos, optimizer_state)
         self.chunk = None
@@ -953,7 +947,7 @@ class VectorizedClients:
 
 def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
     """What the compiled step cannot run (:mod:`lightning_fl.engine.compiled`)."""
-    from lightning_fl.callbacks.base import FederatedCallback
+    from lightning_fl.engine.plugins import FederatedCallback
 
     for name, sub in module.named_modules():
         if isinstance(sub, nn.modules.batchnorm._BatchNorm):
@@ -976,14 +970,14 @@ def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
             )
 
 
-def _check_trainer(trainer: pl.Trainer, strategy: FederatedStrategy) -> None:
+def _check_trainer(trainer: pl.Trainer) -> None:
     """32-bit precision, exactly one optimizer, and learning-rate schedules per round."""
     from lightning.pytorch.plugins.precision import Precision
 
-    if type(strategy.precision_plugin) is not Precision:
+    if type(trainer.precision_plugin) is not Precision:
         raise VectorizationError(
             f"vectorize=True runs in 32-bit precision; got "
-            f"{type(strategy.precision_plugin).__name__}. Use Trainer(precision='32-true'), "
+            f"{type(trainer.precision_plugin).__name__}. Use Trainer(precision='32-true'), "
             "or vectorize=False."
         )
     if len(trainer.optimizers) != 1:
@@ -1010,6 +1004,5 @@ __all__ = [
     "VectorizedStep",
     "check_callback",
     "check_module",
-    "chunk_positions",
     "clip_gradients_",
 ]

@@ -1,0 +1,154 @@
+"""What the engine reads: the strategy's frozen settings and one fit's context.
+
+The engine's objects (:class:`~.planning.RoundPlanner`, :class:`~.round_engine.RoundEngine`,
+:class:`~.driver.RoundDriver`, :class:`~.vectorized.VectorizedClients`,
+:class:`~.client_evaluation.ClientEvaluation`, :mod:`.federated_state`) are given these
+objects, never the strategy: a reader of ``RoundPlanner.plan`` finds every input it has in
+the fields below. :class:`~lightning_fl.FederatedStrategy` builds the
+:class:`FederatedConfig` when it is constructed and a :class:`FitContext` at each set-up.
+
+One owner per value:
+
+- a client's training sample count: :class:`Federation` (read once from the datamodule at
+  set-up; the aggregator's target weights p_i, the samplers, the checkpoint's federation
+  check and the plugins ask it, through ``FederatedStrategy.training_counts``);
+- the local work per round (K steps or E epochs): :class:`FederatedConfig`; a participant's
+  steps in a given round: that round's ``RoundState.local_steps``;
+- the round's aggregation weights ω_i: the round's ``RoundState.participation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.divergence import DivergenceMonitor
+from lightning_fl.engine.packed import PackedFederation
+from lightning_fl.engine.plugins import Aggregator, FederatedCallback
+from lightning_fl.engine.tensors import FederatedTensors
+from lightning_fl.systems.samplers import ClientSampler
+
+
+@dataclass(frozen=True)
+class FederatedConfig:
+    """The strategy's federated settings (see :class:`~lightning_fl.FederatedStrategy`'s
+    arguments), fixed when it is constructed."""
+
+    seed: int
+    local_steps: int | None
+    local_epochs: int | None
+    keep_optimizer_state: bool
+    max_consecutive_bad_rounds: int
+    vectorize: bool
+    compile: bool | str
+    max_vectorized_clients: int | None
+    local_steps_per_training_step: int | None
+    allow_new_federation: bool
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes of a fit: this one's ``rank`` among ``world_size``, and which rank owns
+    a client (trains it and keeps its state): ``client % world_size``."""
+
+    world_size: int
+    rank: int
+
+    @property
+    def distributed(self) -> bool:
+        """Whether collectives run: a process group spans more than one rank."""
+        return self.world_size > 1 and dist.is_initialized()
+
+    def owner(self, client: int) -> int:
+        return client % self.world_size
+
+    def owners(self, clients: Sequence[int]) -> list[int]:
+        world_size = self.world_size
+        return [client % world_size for client in clients]
+
+
+class Federation:
+    """The clients of a fit: the datamodule and every client's training sample count, read
+    from it once (``sample_counts("train")``, unseen clients counting 0)."""
+
+    def __init__(self, datamodule: FederatedDataModule) -> None:
+        self.datamodule = datamodule
+        self.training_counts: tuple[int, ...] = tuple(client_training_counts(datamodule))
+
+    @property
+    def num_clients(self) -> int:
+        return self.datamodule.num_clients
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the federation a checkpoint belongs to: the datamodule's class,
+        its number of clients, every client's training sample count, and its partition
+        seed (the datamodule's ``seed`` hyper-parameter, where it has one)."""
+        hparams = getattr(self.datamodule, "hparams", {}) or {}
+        return {
+            "datamodule": type(self.datamodule).__name__,
+            "num_clients": self.num_clients,
+            "train_counts": list(self.training_counts),
+            "partition_seed": hparams.get("seed"),
+        }
+
+
+def client_training_counts(dm: FederatedDataModule) -> list[int]:
+    """Training samples per client; unseen (held-out) clients count 0."""
+    counts = dm.sample_counts("train")
+    for c in dm.unseen_clients:
+        counts[c] = 0
+    if sum(counts) == 0:
+        raise ValueError(
+            "Every client has an empty training set: there is nothing to train on. "
+            "Check the datamodule's split fractions and data path."
+        )
+    return counts
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """The fit's plugins: its federated callbacks (in the Trainer's order), the one
+    aggregator among them, and the sampler as the callbacks wrapped it
+    (``FederatedCallback.wrap_sampler``)."""
+
+    callbacks: tuple[FederatedCallback, ...]
+    aggregator: Aggregator
+    sampler: ClientSampler
+
+    @property
+    def keep_client_state(self) -> bool:
+        """Whether a callback keeps per-client state between rounds."""
+        return any(cb.keeps_client_state for cb in self.callbacks)
+
+
+@dataclass(frozen=True)
+class FitContext:
+    """What one fit's engine reads, built by the strategy at set-up."""
+
+    config: FederatedConfig
+    trainer: pl.Trainer
+    module: pl.LightningModule
+    device: torch.device
+    ranks: Ranks
+    #: the module's parameters and floating buffers, as the flat list the rounds move
+    tensors: FederatedTensors
+    #: per-client state of the clients this rank owns
+    store: ClientStore
+    plugins: Plugins
+    federation: Federation
+    #: the federation's training data on the device, or None: the datamodule's loaders
+    packed: PackedFederation | None
+    #: Lightning's batch transfer to ``device`` (the strategy's ``batch_to_device``)
+    to_device: Callable[[Any], Any]
+    divergence: DivergenceMonitor
+
+    @property
+    def datamodule(self) -> FederatedDataModule:
+        return self.federation.datamodule

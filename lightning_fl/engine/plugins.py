@@ -1,0 +1,319 @@
+"""The plugin contract: what the engine calls and what a plugin may read.
+
+- :class:`RoundState`: what the hooks of one round see (θ^t, the weighted update sum, the
+  participants and their weights, the client store, the round's sample counts and local
+  steps);
+- :class:`FederatedCallback`: a Lightning ``Callback`` plus the round hooks the engine
+  calls, and the capability flags the engine and the composition check read
+  (``supports_vectorized_clients``, ``keeps_client_state``, ``client_state_in_store``,
+  ``requires_task_loss``, ``replaces_gradient``, ...);
+- :class:`Aggregator`: the one callback that writes θ^{t+1}, and :class:`FedAvg`, the
+  default one;
+- the pseudo-clients :data:`POOLED_CLIENT` and :data:`SERVER_CLIENT`.
+
+The engine imports this module and never the plugins of ``lightning_fl.callbacks``; users
+import these names from ``lightning_fl.callbacks`` (or ``lightning_fl``), as before.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fl.checks import require_rate
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.tensors import TensorList
+from lightning_fl.systems.samplers import ClientSampler, Participation
+
+if TYPE_CHECKING:
+    from lightning_fl.engine.tensors import FederatedTensors
+
+
+@dataclass
+class RoundState:
+    """What the hooks of one round see.
+
+    ``global_tensors`` is θ^t (parameters first, then floating buffers; the first
+    ``num_params`` entries are parameters). ``update_sum`` accumulates Σ_i ω_i Δ_i over
+    the accepted client updates Δ_i = θ_i^{t+1} − θ^t.
+    """
+
+    round_idx: int
+    participation: Participation
+    global_tensors: TensorList
+    update_sum: TensorList
+    model: FederatedTensors
+    store: ClientStore
+    num_clients: int
+    sample_counts: list[int]
+    target_weights: torch.Tensor
+    #: Other per-round sums that must be added over all ranks with the updates (one
+    #: all-reduce per round), registered by callbacks in ``on_round_start``.
+    extra_sums: dict[str, TensorList] = field(default_factory=dict)
+    accepted: list[int] = field(default_factory=list)
+    #: This rank's participants whose update was dropped (NaN/Inf).
+    dropped: list[int] = field(default_factory=list)
+    #: Dropped updates of every rank, set at the round's end (``fl/dropped_updates``).
+    dropped_count: int = 0
+    #: Local optimizer steps each of this rank's participants takes this round (K, or
+    #: E passes over its batches).
+    local_steps: dict[int, int] = field(default_factory=dict)
+    _rows: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def num_params(self) -> int:
+        return self.model.num_params
+
+    @property
+    def global_params(self) -> TensorList:
+        return self.global_tensors[: self.num_params]
+
+    def weight_of(self, client: int) -> float:
+        """ω of ``client`` (its first draw, for a client drawn several times)."""
+        return self.participation.weights[self.row_of(client)]
+
+    def row_of(self, client: int) -> int:
+        """The position of ``client``'s first draw in the participation."""
+        return self._first_rows()[client]
+
+    def rows_of(self, clients: list[int]) -> list[int]:
+        """:meth:`row_of` of each of ``clients``."""
+        rows = self._first_rows()
+        return [rows[c] for c in clients]
+
+    def weights_of(self, clients: list[int]) -> list[float]:
+        """:meth:`weight_of` of each of ``clients``."""
+        weights = self.participation.weights
+        return [weights[row] for row in self.rows_of(clients)]
+
+    def _first_rows(self) -> dict[int, int]:
+        if self._rows is None:
+            self._rows = {}
+            for row, c in enumerate(self.participation.clients):
+                self._rows.setdefault(c, row)
+        return self._rows
+
+
+class FederatedCallback(pl.Callback):
+    """Base class of the algorithms that plug into a round. Every hook is optional."""
+
+    #: An observer only measures the model in the client evaluation hooks (membership
+    #: inference): it runs first there, seeing the global model at the start and the
+    #: personalized one at the end, and does not make the strategy keep a global copy.
+    evaluation_observer: bool = False
+    #: Whether the callback works with ``FederatedStrategy(vectorize=True)``, where a
+    #: round's clients train together: per-client hooks run as usual, and per-step work
+    #: goes in :meth:`on_before_vectorized_optimizer_step`. Unsupported callbacks are
+    #: refused at setup.
+    supports_vectorized_clients: bool = False
+    #: Why a callback that does not support vectorized clients cannot: the refusal at
+    #: setup says it.
+    not_vectorized_because: str = ""
+    #: Whether the callback keeps per-client state between rounds (in the client store,
+    #: on the rank that owns the client). Only when no callback does may several
+    #: processes split each round's participants by their steps instead of by owner.
+    keeps_client_state: bool = True
+    #: Whether all of that per-client state lives in the client store, read when a client
+    #: starts and written when it ends (nothing kept in the callback itself): then a
+    #: client may train on another rank than its owner, and the strategy moves its
+    #: entries there for the round and back at the round's end, so that several
+    #: processes still split the participants by their steps.
+    client_state_in_store: bool = False
+    #: Whether the callback computes the module's loss outside ``training_step`` (local
+    #: training of a personal model, evaluation on training data) through its
+    #: ``loss_and_metrics(batch)``; a module without it is refused at setup.
+    requires_task_loss: bool = False
+    #: The module's methods the callback calls besides Lightning's hooks and
+    #: ``loss_and_metrics``, as signatures (``"criterion(logits, target) -> loss"``);
+    #: checked at setup and listed in the README's plugin table.
+    module_methods: tuple[str, ...] = ()
+    #: The module class the callback needs, by name (``"MixtureClassifier"``), if any.
+    module_type: str | None = None
+    #: Whether the callback replaces the batch's gradient in ``on_before_optimizer_step``
+    #: (DP-SGD's clipped and noised gradient). The strategy runs such callbacks' hooks
+    #: before the others', so that terms the others add to the gradient (FedProx's
+    #: μ(θ − θ^t), SCAFFOLD's c − c_i) are added to the replaced gradient, not lost.
+    replaces_gradient: bool = False
+
+    #: Whether, under ``vectorize=True``, the strategy must run this callback's client
+    #: hooks (``on_client_start``, ``transform_update``, ``on_client_end``) client by
+    #: client. None (default): when it overrides one of them. False: they have no effect
+    #: on vectorized clients (FedProx's anchor is read only by its sequential per-step
+    #: hook). When no callback needs them, a chunk's clients start and finish together in
+    #: O(1) Python calls (``VectorizedClients``), not O(clients).
+    vectorized_client_hooks: bool | None = None
+
+    def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
+        """The fit's sampler as this callback needs it: ``sampler`` itself (default), or a
+        :class:`~lightning_fl.systems.samplers.SamplerWrapper` around it that changes who
+        may be drawn (unlearning's removed clients). Asked once per fit, at set-up, in the
+        Trainer's callback order; the strategy's own ``sampler`` is left as given."""
+        return sampler
+
+    def on_round_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        """After the participants are chosen, before the first client trains."""
+
+    def on_client_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int, state: RoundState
+    ) -> None:
+        """After the global weights are loaded into the module for ``client``."""
+
+    def transform_update(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        client: int,
+        update: TensorList,
+        state: RoundState,
+    ) -> TensorList:
+        """May change the update a client sends (DP noise, attacks, compression)."""
+        return update
+
+    def on_client_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        client: int,
+        update: TensorList,
+        state: RoundState,
+    ) -> None:
+        """After an accepted update is folded into ``state.update_sum``."""
+
+    def on_round_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        """After aggregation; ``state.global_tensors`` holds θ^{t+1}."""
+
+    def on_vectorized_clients_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        clients: list[int],
+        state: RoundState,
+    ) -> None:
+        """Vectorized clients: before ``clients`` (row i is ``clients[i]``) train together,
+        after each one's :meth:`on_client_start`."""
+
+    def vectorized_client_state(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        clients: list[int],
+        state: RoundState,
+    ) -> list[torch.Tensor] | None:
+        """Vectorized clients: per-client tensors the module's loss needs (stacked, row i
+        for ``clients[i]``; FedEM's mixture weights), passed through vmap to
+        :meth:`vectorized_client_context`. None: nothing."""
+        return None
+
+    def vectorized_client_context(
+        self, pl_module: pl.LightningModule, tensors: list[torch.Tensor]
+    ) -> AbstractContextManager:
+        """Inside the vmapped loss: make the module use one client's ``tensors`` (from
+        :meth:`vectorized_client_state`) and restore it on exit."""
+        return nullcontext()
+
+    def on_before_vectorized_optimizer_step(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        rows: list[int],
+        params: TensorList,
+        grads: list[torch.Tensor | None],
+        state: RoundState,
+    ) -> None:
+        """Vectorized clients: the counterpart of ``on_before_optimizer_step``. ``params``
+        and ``grads`` are stacked over the clients at chunk ``rows`` (dimension 0);
+        change ``grads`` in place. A parameter the optimizer does not train has no
+        gradient (None). A term that depends on the data reads the rows' stacked batch
+        and per-client generators from ``trainer.strategy.vectorized.step`` (``batch``,
+        ``generators``; DP-SGD)."""
+
+    def on_client_evaluation_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int
+    ) -> None:
+        """Before ``client``'s held-out batches: load a personalized model here."""
+
+    def on_client_evaluation_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int
+    ) -> None:
+        """After ``client``'s held-out batches: restore the global model here."""
+
+
+Weighting = Literal["samples", "uniform"]
+
+#: Client id of the single virtual client of the pooled (centralized) baseline.
+POOLED_CLIENT = -1
+#: Client id of the server when it trains on its own data (SAFARI's server rounds).
+SERVER_CLIENT = -3
+
+
+class Aggregator(FederatedCallback):
+    """The one callback that turns the weighted update sum into the new global model.
+
+    Args:
+        weighting: the target weights p_i of the federated objective Σ p_i L_i:
+            ``"samples"`` gives p_i = n_i/Σn_j, ``"uniform"`` gives p_i = 1/n over the
+            clients that have training data (Fraboni thesis eq. 1.1).
+    """
+
+    #: True for the centralized baseline: the strategy trains one client holding all data.
+    pools_clients: bool = False
+    #: True if a round without participants is still aggregated (an asynchronous server
+    #: whose clock moves); otherwise such a round is skipped (no server step).
+    aggregates_empty_rounds: bool = False
+
+    def __init__(self, weighting: Weighting = "samples") -> None:
+        if weighting not in ("samples", "uniform"):
+            raise ValueError(f"weighting must be 'samples' or 'uniform', got {weighting!r}.")
+        self.weighting = weighting
+
+    def participation(
+        self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
+    ) -> Participation:
+        """Who trains in ``round_idx``: the sampler's draw, or the one pooled client of
+        the centralized baseline. A pure function of (seed, round) for exact resumes."""
+        if self.pools_clients:
+            return Participation((POOLED_CLIENT,), (1.0,))
+        return sampler.sample(round_idx, seed, p)
+
+    def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
+        # host: p is bookkeeping of Python sample counts, read by the samplers on the host
+        counts = torch.tensor(sample_counts, dtype=torch.float64)
+        if self.weighting == "uniform":
+            counts = (counts > 0).double()
+        return counts / counts.sum()
+
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        """Write θ^{t+1} into ``state.global_tensors`` in place."""
+        raise NotImplementedError
+
+
+class FedAvg(Aggregator):
+    """FedAvg (McMahan et al. 2017) in the generalized form θ^{t+1} = θ^t + η_g Δ_t; the
+    aggregator of a run that names none.
+
+    With η_g = 1 and Σ ω_i = 1 this is θ^{t+1} = Σ ω_i θ_i^{t+1} (Fraboni thesis Alg. 9).
+    """
+
+    keeps_client_state = False  # server-side state only
+
+    supports_vectorized_clients = True
+
+    def __init__(self, weighting: Weighting = "samples", server_lr: float = 1.0) -> None:
+        super().__init__(weighting)
+        self.server_lr = require_rate("server_lr", server_lr, 1.0)
+
+    @torch.no_grad()
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)

@@ -1,0 +1,193 @@
+"""The engine owns its contract (issue 37): its modules are given what they read (a frozen
+configuration and the fit's context, :mod:`lightning_fl.engine.context`), never the
+strategy, and the plugin contract lives in the engine (:mod:`lightning_fl.engine.plugins`),
+which never imports the plugins of ``lightning_fl.callbacks``.
+
+Imports are counted wherever they are written: at the top, under ``TYPE_CHECKING`` and
+inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "lightning_fl" / "engine"
+
+
+def imported_modules(source: str, package: str = "lightning_fl.engine") -> set[str]:
+    """Every module ``source`` imports, anywhere in it; ``from package import name`` counts
+    as importing ``package.name`` (a submodule) and relative imports are resolved."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{module}" if module else base
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def engine_imports() -> dict[str, set[str]]:
+    """Each engine module (by dotted name) and the modules it imports."""
+    return {
+        f"lightning_fl.engine.{path.stem}": imported_modules(path.read_text())
+        for path in sorted(ENGINE.glob("*.py"))
+        if path.stem != "__init__"
+    }
+
+
+def forbidden_imports(imports: dict[str, set[str]]) -> list[str]:
+    """``module -> import`` for every engine module that imports the strategy (other than
+    the strategy's own module) or anything of ``lightning_fl.callbacks``."""
+    bad = []
+    for module, modules in imports.items():
+        for name in sorted(modules):
+            strategy = name.startswith("lightning_fl.engine.strategy")
+            plugins = name == "lightning_fl.callbacks" or name.startswith("lightning_fl.callbacks.")
+            if (strategy and module != "lightning_fl.engine.strategy") or plugins:
+                bad.append(f"{module} -> {name}")
+    return bad
+
+
+def import_cycle(imports: dict[str, set[str]]) -> list[str] | None:
+    """A cycle among the engine's modules (as a list of modules, first = last), or None."""
+    graph = {m: sorted(n for n in names if n in imports and n != m) for m, names in imports.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for nxt in graph[module]:
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in graph:
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_no_engine_module_imports_the_strategy_or_the_callbacks():
+    bad = forbidden_imports(engine_imports())
+    assert not bad, "the engine is given what it reads (engine/context.py): " + "; ".join(bad)
+
+
+def test_the_engine_has_no_import_cycle_counting_type_only_and_local_imports():
+    cycle = import_cycle(engine_imports())
+    assert cycle is None, " -> ".join(cycle)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+         "    from lightning_fl.engine.strategy import FederatedStrategy\n",
+         ["lightning_fl.engine.planning -> lightning_fl.engine.strategy",
+          "lightning_fl.engine.planning -> lightning_fl.engine.strategy.FederatedStrategy"]),
+        ("def f():\n    from lightning_fl import callbacks\n",
+         ["lightning_fl.engine.planning -> lightning_fl.callbacks"]),
+        ("def f():\n    from lightning_fl.callbacks.base import Aggregator\n",
+         ["lightning_fl.engine.planning -> lightning_fl.callbacks.base",
+          "lightning_fl.engine.planning -> lightning_fl.callbacks.base.Aggregator"]),
+        ("from .strategy import FederatedStrategy\n",
+         ["lightning_fl.engine.planning -> lightning_fl.engine.strategy",
+          "lightning_fl.engine.planning -> lightning_fl.engine.strategy.FederatedStrategy"]),
+        ("from lightning_fl.engine.plugins import Aggregator\n", []),
+    ],
+    ids=["type-only", "function-local", "callbacks.base", "relative", "the-contract"],
+)  # fmt: skip
+def test_the_scan_finds_imports_wherever_they_are_written(source, expected):
+    imports = {"lightning_fl.engine.planning": imported_modules(source)}
+    assert forbidden_imports(imports) == expected
+
+
+def test_the_cycle_check_sees_a_type_only_back_edge():
+    """planning -> rounds is fine; a type-only import of planning in rounds closes a
+    circle, which the check reports."""
+    imports = {
+        "lightning_fl.engine.planning": imported_modules(
+            "from lightning_fl.engine.rounds import ClientSchedule\n"
+        ),
+        "lightning_fl.engine.rounds": imported_modules(
+            "if TYPE_CHECKING:\n    from lightning_fl.engine.planning import RoundPlan\n"
+        ),
+    }
+    assert import_cycle(imports) == [
+        "lightning_fl.engine.planning",
+        "lightning_fl.engine.rounds",
+        "lightning_fl.engine.planning",
+    ]
+    del imports["lightning_fl.engine.rounds"]
+    assert import_cycle(imports) is None
+
+
+def test_the_plugin_contract_is_the_engines_and_reexported_where_users_import_it():
+    from lightning_fl import callbacks
+    from lightning_fl.callbacks import base
+    from lightning_fl.engine import plugins
+
+    for name in ("FederatedCallback", "Aggregator", "RoundState", "FedAvg"):
+        assert getattr(callbacks, name) is getattr(plugins, name)
+    for name in ("FederatedCallback", "Aggregator", "RoundState", "POOLED_CLIENT"):
+        assert getattr(base, name) is getattr(plugins, name)
+
+
+def test_the_configuration_is_frozen_and_the_strategy_reads_it():
+    from lightning_fl import FederatedStrategy
+
+    strategy = FederatedStrategy(local_steps=3, seed=7, keep_optimizer_state=True)
+    assert (strategy.local_steps, strategy.seed, strategy.keep_optimizer_state) == (3, 7, True)
+    assert strategy.config.local_epochs is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        strategy.config.seed = 8
+    with pytest.raises(AttributeError):
+        strategy.seed = 8  # one owner: the frozen configuration
+
+
+def test_a_sample_count_is_read_once_and_every_reader_asks_the_federation(monkeypatch):
+    """The walk of a client's sample count: the datamodule's ``sample_counts`` is read
+    once per fit, by the fit's Federation; the planner's target weights p_i, the sampler's
+    draw, the strategy's ``training_counts`` (the plugins') and the checkpoint's federation
+    all ask it. The counts are unequal (tiny_datamodule), so p_i = n_i / n is checked
+    against numbers that differ from uniform weights."""
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.callbacks import FedAvg
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    dm = tiny_datamodule()
+    reads = []
+    original = type(dm).sample_counts
+
+    def counting(self, split):
+        if split == "train":
+            reads.append(split)
+        return original(self, split)
+
+    monkeypatch.setattr(type(dm), "sample_counts", counting)
+    trainer = make_trainer(FederatedStrategy(local_steps=2), 3, [FedAvg()])
+    trainer.fit(tiny_module(), datamodule=dm)
+    fit = trainer.strategy.fit
+    assert len(reads) == 1
+    counts = original(dm, "train")
+    assert list(fit.federation.training_counts) == counts == trainer.strategy.training_counts
+    assert len(set(counts)) > 1
+    state = trainer.strategy.current_round.state
+    expected = [n / sum(counts) for n in counts]
+    assert state.target_weights.tolist() == pytest.approx(expected, rel=1e-12)
+    assert state.sample_counts == counts
+    assert fit.federation.identity()["train_counts"] == counts
