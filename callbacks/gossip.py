@@ -204,7 +204,7 @@ class GossipAveraging(Aggregator):
         if self.step_scale == "samples":
             scale = [self._step_factor(c, state) for c in clients]
             optimizer = trainer.strategy.vectorized.step.optimizer
-            optimizer.lr_scale = torch.tensor(scale, device=trainer.strategy.root_device)
+            optimizer.lr_scale = scale  # host: one Python factor per row
 
     def _hook_optimizers(self, trainer) -> None:
         """Scale the learning rate only inside each optimizer step (torch step pre- and

@@ -21,7 +21,7 @@ from lightning_fl.engine import packed as packed_module
 from lightning_fl.engine.packed import pack_federation
 from lightning_fl.engine.schedule import cycle_batches
 from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
-from lightning_fl.engine.vectorized import needs_client_hooks
+from lightning_fl.engine.vectorized_checks import needs_client_hooks
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_datamodule
 from tests.test_exactness import reference, run_strategy
 

@@ -32,389 +32,38 @@ integer buffer the clients would share), its only randomness is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
+from lightning_fl.engine.client_dropout import ClientDropout
 from lightning_fl.engine.packed import ChunkBatches
 from lightning_fl.engine.schedule import PackedLocalSteps
 from lightning_fl.engine.seeding import derive_seeds, generator, seed_global_rng
+from lightning_fl.engine.stacked_batches import batch_shape_key, batch_size_of, stack_batches
+from lightning_fl.engine.stacked_optimizer import StackedOptimizer, clip_gradients_
 from lightning_fl.engine.tensors import TensorList
+from lightning_fl.engine.vectorized_checks import (
+    VectorizationError,
+    check_callback,
+    check_compilable,
+    check_module,
+    check_trainer,
+    needs_client_hooks,
+    not_vmappable,
+    refuse,
+)
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
     from lightning_fl.engine.context import FitContext
     from lightning_fl.engine.round_engine import RoundEngine
 
-#: LightningModule hooks that run at every local step of the sequential path; the
-#: vectorized step does not call them, so a module that overrides one is refused.
-PER_STEP_MODULE_HOOKS = (
-    "training_step",
-    "on_before_backward",
-    "backward",
-    "on_after_backward",
-    "on_before_zero_grad",
-    "optimizer_zero_grad",
-    "on_before_optimizer_step",
-    "configure_gradient_clipping",
-    "optimizer_step",
-)
-#: Callback hooks that run at every local step of the sequential path.
-PER_STEP_CALLBACK_HOOKS = (
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_zero_grad",
-    "on_before_optimizer_step",
-)
 
-
-class VectorizationError(ValueError):
-    """The module, optimizer or callbacks cannot train clients together."""
-
-
-def _refuse(problem: str) -> VectorizationError:
-    return VectorizationError(
-        f"vectorize=True: {problem} Fix that, or train clients one after another with "
-        "FederatedStrategy(vectorize=False)."
-    )
-
-
-def _not_vmappable(err: RuntimeError) -> VectorizationError:
-    return _refuse(
-        "the module's loss_and_metrics cannot run under torch.func.vmap "
-        f"({str(err).splitlines()[0]}). Keep the loss and metrics tensor functions "
-        "of the batch: no .item(), float(), Python control flow on tensor values, "
-        "or random ops other than nn.Dropout."
-    )
-
-
-def check_module(module: nn.Module) -> None:
-    """Refuse a module the vectorized step cannot run exactly (see the module docstring)."""
-    from lightning_fl.models import FederatedTask
-
-    if not isinstance(module, FederatedTask):
-        raise _refuse(
-            f"{type(module).__name__} is not a lightning_fl.FederatedTask: the vectorized "
-            "step runs the loss of loss_and_metrics(batch). Subclass FederatedTask (or "
-            "Classifier) and move the loss there."
-        )
-    for hook in PER_STEP_MODULE_HOOKS:
-        if getattr(type(module), hook) is not getattr(FederatedTask, hook):
-            raise _refuse(
-                f"{type(module).__name__} overrides {hook}, which runs at every local step "
-                "of the sequential path and is not called by the vectorized step."
-            )
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.momentum is None:
-            raise _refuse(
-                f"{name} is a {type(sub).__name__} with momentum=None: its cumulative "
-                "average counts steps in num_batches_tracked, an integer buffer the "
-                "clients share. Give it a momentum (the default 0.1)."
-            )
-        dropout_like = isinstance(sub, nn.modules.dropout._DropoutNd)
-        if dropout_like and type(sub) is not nn.Dropout and sub.p > 0:
-            raise _refuse(
-                f"{name} is a {type(sub).__name__}; only nn.Dropout draws per-client masks."
-            )
-
-
-def check_callback(callback: Any) -> None:
-    """Refuse a callback that acts at every local step or does not support vectorized
-    clients (a FederatedCallback says so with ``supports_vectorized_clients``)."""
-    from lightning.pytorch import Callback
-
-    from lightning_fl.engine.plugins import FederatedCallback
-
-    name = type(callback).__name__
-    if isinstance(callback, FederatedCallback):
-        if not callback.supports_vectorized_clients:
-            reason = callback.not_vectorized_because
-            raise _refuse(
-                f"the callback {name} does not support vectorized clients"
-                + (f": {reason}." if reason else ".")
-            )
-        return
-    for hook in PER_STEP_CALLBACK_HOOKS:
-        if getattr(type(callback), hook) is not getattr(Callback, hook):
-            raise _refuse(
-                f"the callback {name} overrides {hook}, which runs at every local step of "
-                "the sequential path."
-            )
-
-
-# ---------------------------------------------------------------------------- optimizer
-class StackedOptimizer:
-    """The module's torch optimizer, applied row by row to stacked client parameters with
-    per-client state: the update rules of ``torch.optim.SGD`` (momentum, dampening,
-    Nesterov, weight decay), ``Adam`` and ``AdamW`` (bias-corrected, L2 or decoupled
-    weight decay). Learning rates and other settings are read from the optimizer's
-    param groups at every step, so LR schedulers keep working. The state of one client
-    converts to and from the optimizer's own ``state_dict()["state"]`` format, which
-    ``keep_optimizer_state`` stores.
-
-    ``lr_scale`` (one factor per row of the chunk, or None) multiplies each client's
-    learning rate, as a sequential callback that scales the param groups' ``lr`` around
-    its client's optimizer steps does (GossipAveraging's (n_t/n)·T·η); it is reset to
-    None when a chunk starts, so callbacks set it in ``on_vectorized_clients_start``."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> None:
-        if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-            raise _refuse(
-                f"the optimizer is {type(optimizer).__name__}; vectorized clients support "
-                "torch.optim.SGD, Adam and AdamW."
-            )
-        self.kind = "sgd" if type(optimizer) is torch.optim.SGD else "adam"
-        self.optimizer = optimizer
-        index_of = {}
-        i = 0
-        for group in optimizer.param_groups:
-            if group.get("maximize") or group.get("amsgrad") or group.get("differentiable"):
-                raise _refuse("maximize, amsgrad and differentiable optimizers are not supported.")
-            for p in group["params"]:
-                index_of[id(p)] = (group, i)
-                i += 1
-        #: (position among the module's parameters, its param group, its state index)
-        self.slots = [
-            (j, *index_of[id(p)])
-            for j, p in enumerate(params)
-            if id(p) in index_of and p.requires_grad
-        ]
-        self.state: list[dict[str, Tensor]] = []
-        self.lr_scale: Tensor | None = None
-        #: positions of trainable parameters frozen for the current chunk (the module's
-        #: ``requires_grad`` after the clients started: FedRep's head), never stepped
-        self.frozen: set[int] = set()
-
-    @property
-    def trainable(self) -> list[int]:
-        """Positions of the parameters this optimizer updates."""
-        return [j for j, _, _ in self.slots]
-
-    @property
-    def stepped(self) -> list[int]:
-        """Positions of the parameters the current chunk's steps update: the trainable ones
-        less the frozen ones."""
-        return [j for j, _, _ in self.slots if j not in self.frozen]
-
-    def reset(self, params: TensorList, saved: Sequence[dict | None]) -> None:
-        """Fresh state for the stacked ``params`` (rows = clients), or each client's saved
-        ``state_dict()["state"]``."""
-        rows = len(saved)
-        self.state, self.lr_scale = [], None
-        for j, _, index in self.slots:
-            p = params[j]
-            if self.kind == "sgd":
-                entry = {
-                    "momentum_buffer": torch.zeros_like(p),
-                    "has_buffer": torch.zeros(rows, dtype=torch.bool, device=p.device),
-                }
-            else:
-                entry = {
-                    "step": torch.zeros(rows, dtype=torch.float64, device=p.device),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
-            for row, state in enumerate(saved if any(saved) else ()):
-                own = (state or {}).get(index)
-                if not own:
-                    continue
-                if self.kind == "sgd":
-                    if own.get("momentum_buffer") is not None:
-                        entry["momentum_buffer"][row] = own["momentum_buffer"]
-                        entry["has_buffer"][row] = True
-                else:
-                    entry["step"][row] = float(own["step"])
-                    entry["exp_avg"][row] = own["exp_avg"]
-                    entry["exp_avg_sq"][row] = own["exp_avg_sq"]
-            self.state.append(entry)
-
-    def state_of(self, row: int) -> dict[int, dict[str, Any]]:
-        """Client ``row``'s state in the optimizer's ``state_dict()["state"]`` format."""
-        out: dict[int, dict[str, Any]] = {}
-        for (_, group, index), entry in zip(self.slots, self.state):
-            if self.kind == "sgd":
-                if group["momentum"] != 0 and entry["has_buffer"][row]:
-                    out[index] = {"momentum_buffer": entry["momentum_buffer"][row].clone()}
-            elif entry["step"][row] > 0:
-                out[index] = {  # host: torch.optim keeps a step count on the CPU
-                    "step": torch.tensor(float(entry["step"][row])),
-                    "exp_avg": entry["exp_avg"][row].clone(),
-                    "exp_avg_sq": entry["exp_avg_sq"][row].clone(),
-                }
-        return out
-
-    @torch.no_grad()
-    def step(self, params: TensorList, grads: TensorList, rows: Tensor | None) -> None:
-        """One step of the clients ``rows`` (None: every row); ``grads[k]`` is the stacked
-        gradient of the k-th :attr:`stepped` parameter, ``rows`` only. A frozen parameter
-        is left alone, its state included (torch skips a parameter without gradient)."""
-        scale = self.lr_scale
-        if scale is not None and rows is not None:
-            scale = scale[rows]
-        adamw = type(self.optimizer) is torch.optim.AdamW
-        active = [(slot, entry) for slot, entry in zip(self.slots, self.state)
-                  if slot[0] not in self.frozen]  # fmt: skip
-        for ((j, group, _), entry), grad in zip(active, grads, strict=True):
-            full = params[j]
-            p = full if rows is None else full[rows]
-            local = entry if rows is None else {k: v[rows] for k, v in entry.items()}
-            if self.kind == "sgd":
-                p = _sgd_update(p, grad, local, group, scale)
-            else:
-                p = _adam_update(p, grad, local, group, adamw, scale)
-            if rows is not None:
-                full[rows] = p
-                for k, v in local.items():
-                    entry[k][rows] = v
-
-
-def _rows_view(values: Tensor, like: Tensor) -> Tensor:
-    """A per-row vector shaped to broadcast over stacked tensors like ``like``."""
-    return values.view(-1, *([1] * (like.dim() - 1)))
-
-
-def _sgd_update(
-    p: Tensor, grad: Tensor, state: dict, group: dict, scale: Tensor | None = None
-) -> Tensor:
-    """torch.optim.SGD's rule (single-tensor path), in place on ``p`` and ``state``; each
-    row's learning rate times ``scale`` (None: 1)."""
-    lr, momentum = group["lr"], group["momentum"]
-    dampening, weight_decay = group["dampening"], group["weight_decay"]
-    if weight_decay != 0:
-        grad = grad.add(p, alpha=weight_decay)
-    if momentum != 0:
-        buf, has = state["momentum_buffer"], state["has_buffer"]
-        running = buf.mul(momentum).add_(grad, alpha=1 - dampening)
-        buf.copy_(torch.where(_rows_view(has, buf), running, grad))  # first step: buf = grad
-        has.fill_(True)
-        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-    if scale is not None:
-        grad = grad * _rows_view(scale.to(grad.dtype), grad)
-    return p.add_(grad, alpha=-lr)
-
-
-def _adam_update(
-    p: Tensor, grad: Tensor, state: dict, group: dict, decoupled: bool, scale: Tensor | None = None
-) -> Tensor:
-    """torch.optim.Adam / AdamW's rule (single-tensor path) with a step count per row; each
-    row's learning rate times ``scale`` (None: 1)."""
-    lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
-    weight_decay = group["weight_decay"]
-    decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
-    rows = None if scale is None else _rows_view(scale.to(p.dtype), p)
-    state["step"] += 1
-    if weight_decay != 0:
-        if decoupled:
-            p.mul_(1 - lr * weight_decay if rows is None else 1 - lr * rows * weight_decay)
-        else:
-            grad = grad.add(p, alpha=weight_decay)
-    state["exp_avg"].lerp_(grad, 1 - beta1)
-    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    step = state["step"]
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
-    step_size = _rows_view((lr / bias_correction1).to(p.dtype), p)
-    if rows is not None:
-        step_size = step_size * rows
-    denom = (state["exp_avg_sq"].sqrt() / _rows_view(bias_correction2_sqrt.to(p.dtype), p)).add_(
-        eps
-    )
-    return p.sub_(step_size * state["exp_avg"] / denom)
-
-
-def clip_gradients_(grads: TensorList, value: float, algorithm: str) -> None:
-    """Lightning's gradient clipping, per client: by each row's total 2-norm
-    (``clip_grad_norm_``: coefficient value/(norm + 1e-6), at most 1) or by value."""
-    if algorithm == "value":
-        torch._foreach_clamp_min_(grads, -value)
-        torch._foreach_clamp_max_(grads, value)
-        return
-    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads], dim=1).norm(dim=1)
-    coef = (value / (norms + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(_rows_view(coef.to(g.dtype), g))
-
-
-# ---------------------------------------------------------------------------- dropout
-class ClientDropout:
-    """Per-client dropout masks for the ``nn.Dropout`` modules of a network.
-
-    The sequential path seeds the global generator with (seed, round, client) when a
-    client starts and ``F.dropout`` draws ``empty_like(x).bernoulli_(1 − p) / (1 − p)`` for
-    every call. Here each client has a generator seeded the same way, and every step draws
-    the same masks in the same order: the shapes of the step's dropout inputs come from
-    one probe forward per batch shape, outside vmap."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.modules = [m for m in module.modules() if type(m) is nn.Dropout]
-        self._shapes: dict[Any, list[tuple[nn.Dropout, torch.Size]]] = {}
-
-    def active(self) -> bool:
-        return any(m.training and m.p > 0 for m in self.modules)
-
-    @contextmanager
-    def _patched(self, forward: Callable[[nn.Dropout, Tensor], Tensor]) -> Iterator[None]:
-        for m in self.modules:
-            if m.training and m.p > 0:
-                m.forward = lambda x, m=m: forward(m, x)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for m in self.modules:
-                m.__dict__.pop("forward", None)
-
-    def shapes(self, key: Any, probe: Callable[[], Any]) -> list[tuple[nn.Dropout, torch.Size]]:
-        """The dropout calls of one client step, in order, for batches of shape ``key``."""
-        if key not in self._shapes:
-            calls: list[tuple[nn.Dropout, torch.Size]] = []
-
-            def record(m: nn.Dropout, x: Tensor) -> Tensor:
-                calls.append((m, x.shape))
-                return x
-
-            with self._patched(record), torch.no_grad():
-                probe()
-            self._shapes[key] = calls
-        return self._shapes[key]
-
-    def masks(
-        self,
-        calls: list[tuple[nn.Dropout, torch.Size]],
-        generators: Sequence[torch.Generator],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> list[Tensor]:
-        """One stacked mask per call, row c drawn from ``generators[c]``."""
-        out = []
-        for m, shape in calls:
-            rows = []
-            for g in generators:
-                if m.p == 1:
-                    rows.append(torch.zeros(shape, dtype=dtype, device=device))
-                else:
-                    noise = torch.empty(shape, dtype=dtype, device=device)
-                    rows.append(noise.bernoulli_(1 - m.p, generator=g).div_(1 - m.p))
-            out.append(torch.stack(rows))
-        return out
-
-    @contextmanager
-    def applying(self, masks: list[Tensor]) -> Iterator[None]:
-        """Inside vmap: each dropout call multiplies by the next mask."""
-        if not masks:
-            yield
-            return
-        queue = iter(masks)
-        with self._patched(lambda m, x: x * next(queue)):
-            yield
-
-
-# ---------------------------------------------------------------------------- the loss
 class _TaskLoss(nn.Module):
     """``functional_call`` target whose forward is the task's ``loss_and_metrics``."""
 
@@ -424,48 +73,6 @@ class _TaskLoss(nn.Module):
 
     def forward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
         return self.task.loss_and_metrics(batch)
-
-
-def stack_batches(batches: Sequence[Any]) -> Any:
-    """Stack the same-shaped batches of several clients along a new leading dimension."""
-    first = batches[0]
-    if isinstance(first, (list, tuple)) and all(isinstance(t, Tensor) for t in first):
-        return [torch.stack(column) for column in zip(*batches)]  # the common (x, y) case
-    leaves = [tree_flatten(b)[0] for b in batches]
-    spec = tree_flatten(first)[1]
-    return tree_unflatten([torch.stack(column) for column in zip(*leaves)], spec)
-
-
-def batch_shape_key(batch: Any) -> tuple:
-    """The shapes of a batch's tensors (batches of one key stack together)."""
-    if isinstance(batch, (list, tuple)) and all(isinstance(t, Tensor) for t in batch):
-        return tuple(t.shape for t in batch)
-    return tuple(
-        tuple(leaf.shape) if isinstance(leaf, Tensor) else leaf for leaf in tree_flatten(batch)[0]
-    )
-
-
-def batch_size_of(batch: Any) -> int:
-    """Samples in a batch: the length of its last tensor (the targets)."""
-    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], Tensor):
-        return len(batch[-1])
-    return len(tree_flatten(batch)[0][-1])
-
-
-#: The per-client hooks a batched chunk start and finish would skip.
-CLIENT_HOOKS = ("on_client_start", "transform_update", "on_client_end")
-
-
-def needs_client_hooks(callback: Any) -> bool:
-    """Whether vectorized clients must run ``callback``'s client hooks one client at a
-    time (its ``vectorized_client_hooks``, or, when None, whether it overrides one)."""
-    from lightning_fl.engine.plugins import FederatedCallback
-
-    declared = callback.vectorized_client_hooks
-    if declared is not None:
-        return declared
-    kind = type(callback)
-    return any(getattr(kind, hook) is not getattr(FederatedCallback, hook) for hook in CLIENT_HOOKS)
 
 
 class ClientChunk:
@@ -617,7 +224,7 @@ class VectorizedStep:
                 probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, 0), randomness="error")
                 probe(params, buffers, batches, None, states)
         except RuntimeError as err:
-            raise _not_vmappable(err) from err
+            raise not_vmappable(err) from err
 
     def _dropout_masks(
         self,
@@ -649,7 +256,7 @@ class VectorizedStep:
         Only from ``on_before_vectorized_optimizer_step``; refused for modules with
         running statistics, which a second forward pass would update."""
         if chunk.num_params < len(chunk.tensors):
-            raise _refuse(
+            raise refuse(
                 "a callback takes a second gradient at every local step, and the module has "
                 "running statistics (BatchNorm) that this second forward pass would update "
                 "per client. Use GroupNorm or LayerNorm."
@@ -745,7 +352,7 @@ class VectorizedStep:
                     params, buffers, batch, masks, client_state
                 )
             except RuntimeError as err:
-                raise _not_vmappable(err) from err
+                raise not_vmappable(err) from err
             wanted = [params[j] for j in self.optimizer.stepped]
             found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         grads: list[Tensor | None] = [None] * len(params)
@@ -758,7 +365,7 @@ class VectorizedStep:
         stepped = [grads[j] for j in self.optimizer.stepped]
         if self.clip is not None:
             clip_gradients_(stepped, *self.clip)
-        self.optimizer.step(chunk.params, stepped, index)
+        self.optimizer.step(chunk.params, stepped, group_rows, index)
         if index is not None:  # the rows' running statistics (BatchNorm), updated in place
             for full, rows in zip(chunk.tensors[chunk.num_params :], buffers):
                 full[index] = rows
@@ -790,9 +397,9 @@ class VectorizedClients:
         check_module(module)
         for cb in trainer.callbacks:
             check_callback(cb)
-        _check_trainer(trainer)
+        check_trainer(trainer)
         if config.compile:
-            _check_compilable(module, trainer.callbacks)
+            check_compilable(module, trainer.callbacks)
         self.batched_lifecycle = not config.keep_optimizer_state and not any(
             needs_client_hooks(cb) for cb in fit.plugins.callbacks
         )
@@ -945,64 +552,9 @@ class VectorizedClients:
         self.chunk = None
 
 
-def _check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:
-    """What the compiled step cannot run (:mod:`lightning_fl.engine.compiled`)."""
-    from lightning_fl.engine.plugins import FederatedCallback
-
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm):
-            raise VectorizationError(
-                f"compile=True: {name} is a {type(sub).__name__}, whose running statistics "
-                "change in place inside the gradient transform, which torch.compile cannot "
-                "trace. Use compile=False (the eager vectorized path keeps them per client)."
-            )
-        if isinstance(sub, nn.Dropout) and sub.p > 0:
-            raise VectorizationError(
-                f"compile=True: {name} is an nn.Dropout with p={sub.p}, whose per-client "
-                "masks are drawn outside the compiled graph. Use compile=False, or p=0."
-            )
-    base = FederatedCallback.vectorized_client_state
-    for cb in callbacks:
-        if isinstance(cb, FederatedCallback) and type(cb).vectorized_client_state is not base:
-            raise VectorizationError(
-                f"compile=True: the callback {type(cb).__name__} installs per-client module "
-                "state around the loss (vectorized_client_state). Use compile=False."
-            )
-
-
-def _check_trainer(trainer: pl.Trainer) -> None:
-    """32-bit precision, exactly one optimizer, and learning-rate schedules per round."""
-    from lightning.pytorch.plugins.precision import Precision
-
-    if type(trainer.precision_plugin) is not Precision:
-        raise VectorizationError(
-            f"vectorize=True runs in 32-bit precision; got "
-            f"{type(trainer.precision_plugin).__name__}. Use Trainer(precision='32-true'), "
-            "or vectorize=False."
-        )
-    if len(trainer.optimizers) != 1:
-        raise VectorizationError(
-            f"vectorize=True needs exactly one optimizer, got {len(trainer.optimizers)}. "
-            "Return one from configure_optimizers, or use vectorize=False."
-        )
-    for config in trainer.lr_scheduler_configs:
-        if config.interval == "step":
-            raise VectorizationError(
-                f"vectorize=True: the {type(config.scheduler).__name__} learning-rate "
-                "scheduler steps every Lightning step, which trains every client of a chunk "
-                "one or more local steps, not one client one step as the sequential path "
-                "does. Step it per round (interval 'epoch'), or use vectorize=False."
-            )
-
-
 __all__ = [
     "ClientChunk",
-    "ClientDropout",
-    "StackedOptimizer",
     "VectorizationError",
     "VectorizedClients",
     "VectorizedStep",
-    "check_callback",
-    "check_module",
-    "clip_gradients_",
 ]

@@ -1,0 +1,225 @@
+"""The module's optimizer and gradient clipping over stacked client parameters.
+
+Vectorized clients (:mod:`lightning_fl.engine.vectorized`) stack the clients' parameters
+along a leading row dimension. :class:`StackedOptimizer` steps them with ``torch.optim``'s
+own functional implementations (``torch.optim.sgd.sgd``, ``torch.optim.adam.adam``,
+``torch.optim.adamw.adamw``, single-tensor path), each client with its own state: the
+update rules, and every option torch implements for them (momentum, dampening, Nesterov,
+weight decay, ``maximize``, ``amsgrad``, decoupled weight decay), are torch's, not a copy.
+The rules act element by element, so one call on a stacked tensor is every row's own step.
+Rows that differ in a setting the functional takes as one number (a step count, whether a
+momentum buffer exists yet, a per-client learning-rate factor) are stepped in groups of
+equal settings; a chunk's clients usually form one group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
+
+from lightning_fl.engine.tensors import TensorList
+from lightning_fl.engine.vectorized_checks import refuse
+
+#: The optimizers a vectorized step can apply, and their functional forms.
+SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class StackedOptimizer:
+    """The module's torch optimizer, applied to stacked client parameters with per-client
+    state. Learning rates and other settings are read from the optimizer's param groups
+    at every step, so LR schedulers keep working. The state of one client converts to
+    and from the optimizer's own ``state_dict()["state"]`` format, which
+    ``keep_optimizer_state`` stores.
+
+    ``lr_scale`` (one factor per row of the chunk, host-side floats, or None) multiplies
+    each client's learning rate, as a sequential callback that scales the param groups'
+    ``lr`` around its client's optimizer steps does (GossipAveraging's (n_t/n)·T·η); it is
+    reset to None when a chunk starts, so callbacks set it in
+    ``on_vectorized_clients_start``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> None:
+        if type(optimizer) not in SUPPORTED:
+            raise refuse(
+                f"the optimizer is {type(optimizer).__name__}; vectorized clients support "
+                "torch.optim.SGD, Adam and AdamW."
+            )
+        self.kind = "sgd" if type(optimizer) is torch.optim.SGD else "adam"
+        self.optimizer = optimizer
+        index_of = {}
+        i = 0
+        for group in optimizer.param_groups:
+            if group.get("differentiable"):
+                raise refuse("differentiable optimizers are not supported.")
+            for p in group["params"]:
+                index_of[id(p)] = (group, i)
+                i += 1
+        #: (position among the module's parameters, its param group, its state index)
+        self.slots = [
+            (j, *index_of[id(p)])
+            for j, p in enumerate(params)
+            if id(p) in index_of and p.requires_grad
+        ]
+        #: per slot: the stacked state tensors (rows = clients)
+        self.state: list[dict[str, Tensor]] = []
+        #: per slot: each row's step count (Adam) or whether its momentum buffer exists
+        #: (SGD); host-side bookkeeping, as torch.optim keeps its step counts on the CPU
+        self.counts: list[list[int]] = []
+        self.lr_scale: list[float] | None = None
+        #: positions of trainable parameters frozen for the current chunk (the module's
+        #: ``requires_grad`` after the clients started: FedRep's head), never stepped
+        self.frozen: set[int] = set()
+
+    @property
+    def trainable(self) -> list[int]:
+        """Positions of the parameters this optimizer updates."""
+        return [j for j, _, _ in self.slots]
+
+    @property
+    def stepped(self) -> list[int]:
+        """Positions of the parameters the current chunk's steps update: the trainable ones
+        less the frozen ones."""
+        return [j for j, _, _ in self.slots if j not in self.frozen]
+
+    def _state_names(self, group: dict) -> tuple[str, ...]:
+        if self.kind == "sgd":
+            return ("momentum_buffer",)
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def reset(self, params: TensorList, saved: Sequence[dict | None]) -> None:
+        """Fresh state for the stacked ``params`` (rows = clients), or each client's saved
+        ``state_dict()["state"]``."""
+        rows = len(saved)
+        self.state, self.counts, self.lr_scale = [], [], None
+        for j, group, index in self.slots:
+            entry = {name: torch.zeros_like(params[j]) for name in self._state_names(group)}
+            counts = [0] * rows
+            for row, state in enumerate(saved):
+                own = (state or {}).get(index)
+                if not own:
+                    continue
+                if self.kind == "sgd":
+                    if own.get("momentum_buffer") is not None:
+                        entry["momentum_buffer"][row] = own["momentum_buffer"]
+                        counts[row] = 1
+                    continue
+                counts[row] = int(own["step"])
+                for name in entry:
+                    entry[name][row] = own[name]
+            self.state.append(entry)
+            self.counts.append(counts)
+
+    def state_of(self, row: int) -> dict[int, dict[str, Any]]:
+        """Client ``row``'s state in the optimizer's ``state_dict()["state"]`` format."""
+        out: dict[int, dict[str, Any]] = {}
+        for (_, group, index), entry, counts in zip(self.slots, self.state, self.counts):
+            if self.kind == "sgd":
+                if group["momentum"] != 0 and counts[row]:
+                    out[index] = {"momentum_buffer": entry["momentum_buffer"][row].clone()}
+            elif counts[row] > 0:
+                out[index] = {  # host: torch.optim keeps a step count on the CPU
+                    "step": torch.tensor(float(counts[row])),
+                    **{name: value[row].clone() for name, value in entry.items()},
+                }
+        return out
+
+    @torch.no_grad()
+    def step(
+        self, params: TensorList, grads: TensorList, rows: list[int], index: Tensor | None
+    ) -> None:
+        """One step of the chunk's rows ``rows`` (``index``: the same rows on the device, or
+        None when they are every row); ``grads[k]`` is the stacked gradient of the k-th
+        :attr:`stepped` parameter, ``rows`` only. A frozen parameter is left alone, its
+        state included (torch skips a parameter without gradient)."""
+        slots = zip(self.slots, self.state, self.counts)
+        active = [(slot, entry, counts) for slot, entry, counts in slots
+                  if slot[0] not in self.frozen]  # fmt: skip
+        for ((j, group, _), entry, counts), grad in zip(active, grads, strict=True):
+            groups = self._row_groups(rows, counts)
+            for (count, factor), members in groups.items():
+                if len(groups) == 1:  # every row of the step: no regrouping
+                    self._apply(params[j], grad, entry, group, count, factor, index)
+                else:
+                    at = torch.tensor([rows[k] for k in members], device=grad.device)
+                    within = torch.tensor(members, device=grad.device)
+                    self._apply(params[j], grad[within], entry, group, count, factor, at)
+            for row in rows:
+                counts[row] = counts[row] + 1 if self.kind == "adam" else 1
+
+    def _row_groups(self, rows: list[int], counts: list[int]) -> dict[tuple[int, float], list[int]]:
+        """Positions in ``rows`` grouped by what the functional takes as one number: the
+        row's count (Adam's step; SGD's "has a momentum buffer") and its lr factor."""
+        groups: dict[tuple[int, float], list[int]] = {}
+        for k, row in enumerate(rows):
+            factor = 1.0 if self.lr_scale is None else self.lr_scale[row]
+            groups.setdefault((counts[row], factor), []).append(k)
+        return groups
+
+    def _apply(
+        self,
+        full: Tensor,
+        grad: Tensor,
+        entry: dict[str, Tensor],
+        group: dict,
+        count: int,
+        factor: float,
+        at: Tensor | None,
+    ) -> None:
+        """Step the rows ``at`` of ``full`` (None: all, in place) with torch's functional
+        rule, their state gathered from ``entry`` and written back."""
+        p = full if at is None else full[at]
+        state = entry if at is None else {name: value[at] for name, value in entry.items()}
+        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
+        if self.kind == "sgd":
+            _sgd_step(p, grad, state, group, lr, fresh=count == 0)
+        else:
+            _adam_step(p, grad, state, group, lr, count, type(self.optimizer))
+        if at is not None:
+            full[at] = p
+            for name, value in state.items():
+                entry[name][at] = value
+
+
+def _sgd_step(p: Tensor, grad: Tensor, state: dict, group: dict, lr: float, fresh: bool) -> None:
+    """``torch.optim.sgd.sgd`` on the stacked rows ``p``; ``fresh``: no momentum buffer yet
+    (torch starts it as a copy of the first gradient)."""
+    buffers = [None if fresh else state["momentum_buffer"]]
+    sgd([p], [grad], buffers, foreach=False, weight_decay=group["weight_decay"],
+        momentum=group["momentum"], lr=lr, dampening=group["dampening"],
+        nesterov=group["nesterov"], maximize=group["maximize"])  # fmt: skip
+    if fresh and buffers[0] is not None:
+        state["momentum_buffer"].copy_(buffers[0])
+
+
+def _adam_step(
+    p: Tensor, grad: Tensor, state: dict, group: dict, lr: float, count: int, kind: type
+) -> None:
+    """``torch.optim.adam.adam`` (``adamw.adamw`` for decoupled weight decay) on the stacked
+    rows ``p``, whose step count is ``count`` before this step."""
+    step = torch.tensor(float(count))  # host: torch.optim keeps a step count on the CPU
+    decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
+    function = adamw if decoupled else adam
+    max_sq = [state["max_exp_avg_sq"]] if group["amsgrad"] else []
+    beta1, beta2 = group["betas"]
+    function([p], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], max_sq, [step],
+             foreach=False, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=lr,
+             weight_decay=group["weight_decay"], eps=group["eps"],
+             maximize=group["maximize"])  # fmt: skip
+
+
+def clip_gradients_(grads: TensorList, value: float, algorithm: str) -> None:
+    """Lightning's gradient clipping, per client: by each row's total 2-norm
+    (``clip_grad_norm_``: coefficient value/(norm + 1e-6), at most 1) or by value."""
+    if algorithm == "value":
+        torch._foreach_clamp_min_(grads, -value)
+        torch._foreach_clamp_max_(grads, value)
+        return
+    norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads], dim=1).norm(dim=1)
+    coef = (value / (norms + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))))
