@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -14,12 +13,12 @@ from lightning_fl.callbacks.objective import client_training_metrics
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
+from lightning_fl.systems.forgetting import ForgettingRequest, forgetting_method
 from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
 from lightning_fl.systems.unlearning import (
     BranchHistory,
     ModelVersions,
     check_privacy,
-    noise_for_sensitivity,
     sensitivity_threshold,
 )
 
@@ -89,8 +88,9 @@ class Unlearning(FederatedCallback):
     with p_i the aggregator's target weight of i renormalized over the remaining clients
     (uniform in the authors' code; see :meth:`sensitivity_increments`) and 0 added for
     the others. A request W_r (at a round of ``requests``, or :meth:`request` between fits)
-    removes W_r for good: its clients are never sampled again, so their training data is
-    never read again. The model then restarts from
+    removes W_r for good: its clients are never sampled again (the sampler is wrapped, see
+    :meth:`wrap_sampler`), so their training data is never read again. The model then
+    restarts from (one object per method, :mod:`lightning_fl.systems.forgetting`)
 
     - ``"sifu"``: θ_ζ^T + N(0, σ² I), with (ζ_r, T_r) from the branch history (eqs.
       5.17–5.19) and Ψ* = εσ/sqrt(2 ln(1.25/δ)) (eq. 5.13);
@@ -146,11 +146,6 @@ class Unlearning(FederatedCallback):
         evaluate_forgotten: bool = False,
         seed: int = 0,
     ) -> None:
-        if method not in ("sifu", "scratch", "fine_tuning", "last", "dp", "fedaccum"):
-            raise ValueError(
-                "method must be one of sifu, scratch, fine_tuning, last, dp, fedaccum; "
-                f"got {method!r}."
-            )
         check_privacy(epsilon, delta, sigma)
         if not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay}.")
@@ -168,6 +163,8 @@ class Unlearning(FederatedCallback):
             )
         if not clip > 0:
             raise ValueError(f"clip must be > 0, got {clip}.")
+        #: the method's object: how a request restarts training, and its training hooks
+        self.forgetting = forgetting_method(method, epsilon, delta, sigma, clip)
         self.method, self.epsilon, self.delta, self.sigma = method, epsilon, delta, sigma
         self.threshold = sensitivity_threshold(epsilon, delta, sigma)
         #: {round: clients} requests, or the on-target queue of client sets
@@ -184,7 +181,6 @@ class Unlearning(FederatedCallback):
         self.pending: list[list[int]] = []
         self.history: BranchHistory | None = None
         self.versions = ModelVersions()
-        self.shadows: dict[tuple[int, ...], torch.Tensor] = {}
         self.phase_rounds: list[int] = []
         self.done_requests: list[dict] = []
         self._phase_start = 0
@@ -226,34 +222,28 @@ class Unlearning(FederatedCallback):
         for clients in due:
             self._forget(sorted(set(clients)), round_idx)
 
+    @property
+    def shadows(self) -> dict[tuple[int, ...], torch.Tensor]:
+        """FEDACCUM's shadow models, one per removal set still to come (empty otherwise)."""
+        return getattr(self.forgetting, "shadows", {})
+
     @torch.no_grad()
     def _forget(self, clients: list[int], round_idx: int) -> None:
         strategy = self._trainer.strategy
         self._validate(clients, self._trainer.datamodule.num_clients)
         model = strategy.federated_tensors
         current = flatten([t.detach() for t in model.tensors])
-        zeta, t = self.history.fork_point(clients)  # SIFU's restart node (eqs. 5.17-5.18)
-        restart = (self.history.branch, self.history.rounds(self.history.branch))  # current
-        if self.method == "sifu":
-            t, start = self.versions.restart_model(self.history, zeta, t, clients)
-            start = start + self._noise(self.sigma, round_idx, current)
-            restart = (zeta, t)
-        elif self.method == "scratch":
-            start = self.initial.clone()
-            restart = (0, 0)  # θ_0^0
-        elif self.method == "last":
-            std = noise_for_sensitivity(self.history.max_sensitivity(), self.epsilon, self.delta)
-            start = current + self._noise(std, round_idx, current)
-        elif self.method == "fedaccum":
-            key = tuple(sorted(set(self.removed) | set(clients)))
-            if key not in self.shadows:
-                raise ValueError(
-                    f"FEDACCUM has no shadow model without {list(key)}: it needs every "
-                    "request in `requests` before training."
-                )
-            start = self.shadows.pop(key)
-        else:  # fine_tuning, dp: keep training the current model
-            start = current
+        request = ForgettingRequest(
+            clients=clients,
+            removed=list(self.removed),
+            current=current,
+            history=self.history,
+            versions=self.versions,
+            noise=lambda std: self._noise(std, round_idx, current),
+        )
+        start, restart = self.forgetting.restart(request)
+        if restart is None:  # the current node
+            restart = (self.history.branch, self.history.rounds(self.history.branch))
         self.removed = sorted(set(self.removed) | set(clients))
         self.history.fork(clients)
         self.versions.keep((self.history.branch, 0), start.clone())
@@ -279,15 +269,12 @@ class Unlearning(FederatedCallback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._trainer = trainer
-        strategy = trainer.strategy
-        if self.method == "fedaccum" and trainer.world_size > 1:
-            raise ValueError("FEDACCUM re-aggregates every client's model: use devices=1.")
-        model = flatten([t.detach() for t in strategy.federated_tensors.tensors])
+        self.forgetting.check(trainer.world_size)
+        model = flatten([t.detach() for t in trainer.strategy.federated_tensors.tensors])
         if self.history is None:
             self.history = BranchHistory(trainer.datamodule.num_clients, self.threshold)
             self.versions.keep((0, 0), model.clone())
-            if self.method == "fedaccum":
-                self.shadows = {key: model.clone() for key in self._removal_sets()}
+            self.forgetting.prepare(model, self._removal_sets())
         self._foretold = self._check_run_length(trainer)
 
     def _check_run_length(self, trainer: pl.Trainer) -> bool:
@@ -349,19 +336,14 @@ class Unlearning(FederatedCallback):
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         self._start = flatten(state.global_tensors).clone()
         self._deltas = {}
-        if self.method == "dp" and trainer.global_rank == 0:
-            m = max(len(self._remaining()), 1)
-            std = (2 * self.clip / m) * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+        std = self.forgetting.round_noise_std(len(self._remaining()))
+        if std is not None and trainer.global_rank == 0:
             noise = self._noise(std, state.round_idx, self._start)
             lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
             add_flat_(state.update_sum, noise / lr)  # θ^{n+1} gets N(0, std²) once
 
-    @torch.no_grad()
     def transform_update(self, trainer, pl_module, client, update: TensorList, state):
-        if self.method != "dp":
-            return update
-        norm = math.sqrt(sum(float(u.pow(2).sum()) for u in update))
-        return update if norm <= self.clip else [u * (self.clip / norm) for u in update]
+        return self.forgetting.transform_update(update)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         self._deltas[client] = flatten([u.detach() for u in update])
@@ -378,8 +360,7 @@ class Unlearning(FederatedCallback):
         branch = self.history.branch
         self.versions.keep((branch, self.history.rounds(branch)), new.clone())
         self.versions.prune(self.history, remaining)
-        if self.method == "fedaccum":
-            self._update_shadows(state)
+        self.forgetting.after_round(self._deltas, {c: state.weight_of(c) for c in self._deltas})
 
     def sensitivity_increments(
         self, state: RoundState, remaining: list[int], new: torch.Tensor
@@ -406,19 +387,6 @@ class Unlearning(FederatedCallback):
                 scale = server_lr * p_c / (1 - p_c)
                 increments[client] = scale * float((delta - mean_update).double().norm())
         return increments
-
-    def _update_shadows(self, state: RoundState) -> None:
-        """Each shadow: the weighted average of this round's local models θ^n + Δ_i of the
-        participants outside its removal set (renormalized), applied to the shadow."""
-        for key, shadow in self.shadows.items():
-            kept = [c for c in self._deltas if c not in key]
-            if not kept:
-                continue
-            # host: read back as Python floats
-            weights = torch.tensor([state.weight_of(c) for c in kept], dtype=torch.float64)
-            weights = weights / weights.sum()
-            step = sum(float(w) * self._deltas[c] for w, c in zip(weights, kept))
-            self.shadows[key] = shadow + step
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch = trainer.current_epoch
@@ -451,7 +419,7 @@ class Unlearning(FederatedCallback):
             "removed": self.removed, "pending": self.pending, "queue": self.queue,
             "history": None if self.history is None else self.history.state_dict(),
             "versions": {f"{s},{n}": m for (s, n), m in self.versions.models.items()},
-            "shadows": {",".join(map(str, k)): v for k, v in self.shadows.items()},
+            "shadows": self.forgetting.state_dict(),
             "phase_rounds": self.phase_rounds, "phase_start": self._phase_start,
             "done_requests": self.done_requests,
         }  # fmt: skip
@@ -478,9 +446,7 @@ class Unlearning(FederatedCallback):
         self.versions.models = {
             tuple(int(x) for x in k.split(",")): v for k, v in state["versions"].items()
         }
-        self.shadows = {
-            tuple(int(x) for x in k.split(",") if x): v for k, v in state["shadows"].items()
-        }
+        self.forgetting.load_state_dict(state["shadows"])
         self.phase_rounds, self._phase_start = list(state["phase_rounds"]), state["phase_start"]
         self.done_requests = list(state["done_requests"])
 

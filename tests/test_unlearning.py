@@ -293,3 +293,38 @@ def test_a_request_of_the_wrong_shape_names_the_problem_and_the_fix(kwargs, mess
     with pytest.raises(ValueError) as refused:
         Unlearning(**kwargs)
     assert str(refused.value) == message
+
+
+def test_the_dp_baselines_noise_and_clipping_by_hand():
+    """The DP baseline's round noise s = (2C/M)·sqrt(2 ln(1.25/δ))/ε at C = 0.5, M = 4,
+    δ = 0.01, ε = 10 (by hand: 0.25 · sqrt(2 · 4.8283137) / 10 = 0.0776878), and its
+    clipping of an update of norm 5 to norm C; a smaller update is left alone."""
+    from lightning_fl.systems.forgetting import DPBaseline
+
+    dp = DPBaseline(clip=0.5, epsilon=10.0, delta=0.01)
+    assert dp.round_noise_std(4) == pytest.approx(0.0776878, abs=1e-7)
+    assert dp.round_noise_std(0) == pytest.approx(4 * 0.0776878, abs=1e-6)  # M ≥ 1
+    clipped = dp.transform_update([torch.tensor([3.0]), torch.tensor([4.0])])
+    assert [float(u) for u in clipped] == pytest.approx([0.3, 0.4])
+    small = [torch.tensor([0.1]), torch.tensor([0.2])]
+    assert dp.transform_update(small) is small
+
+
+def test_fedaccum_shadows_reaggregate_without_their_removal_set_by_hand():
+    """Shadow F = {1}: Δ_0 = (1, 0), Δ_2 = (2, 2) with ω = 0.2, 0.5 renormalized over the
+    kept clients: θ_F + (0.2·(1, 0) + 0.5·(2, 2))/0.7 = (1.2, 1.0)/0.7; shadow F = {0, 1, 2}
+    keeps nobody and stays; a request restarts from its own shadow and removes it."""
+    from lightning_fl.systems.forgetting import FedAccum, ForgettingRequest
+
+    method = FedAccum()
+    method.prepare(torch.zeros(2, dtype=torch.float64), [(1,), (0, 1, 2)])
+    deltas = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([0.0, 1.0]), 2: torch.tensor([2.0, 2.0])}
+    method.after_round(deltas, {0: 0.2, 1: 0.3, 2: 0.5})
+    assert method.shadows[(1,)].tolist() == pytest.approx([1.2 / 0.7, 1.0 / 0.7])
+    assert method.shadows[(0, 1, 2)].tolist() == [0.0, 0.0]
+    request = ForgettingRequest([1], [], torch.zeros(2), None, None, lambda std: 0)
+    start, node = method.restart(request)
+    assert start.tolist() == pytest.approx([1.2 / 0.7, 1.0 / 0.7]) and node is None
+    assert list(method.shadows) == [(0, 1, 2)]
+    with pytest.raises(ValueError, match=r"no shadow model without \[1\]"):
+        method.restart(request)

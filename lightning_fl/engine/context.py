@@ -76,11 +76,13 @@ class Ranks:
 
 class Federation:
     """The clients of a fit: the datamodule and every client's training sample count, read
-    from it once (``sample_counts("train")``, unseen clients counting 0)."""
+    from it once (``sample_counts("train")``, unseen clients counting 0). ``require_data``:
+    refuse a federation without any training data (a fit's)."""
 
-    def __init__(self, datamodule: FederatedDataModule) -> None:
+    def __init__(self, datamodule: FederatedDataModule, require_data: bool = True) -> None:
         self.datamodule = datamodule
-        self.training_counts: tuple[int, ...] = tuple(client_training_counts(datamodule))
+        counts = client_training_counts(datamodule, require_data)
+        self.training_counts: tuple[int, ...] = tuple(counts)
 
     @property
     def num_clients(self) -> int:
@@ -99,12 +101,12 @@ class Federation:
         }
 
 
-def client_training_counts(dm: FederatedDataModule) -> list[int]:
+def client_training_counts(dm: FederatedDataModule, require_data: bool = True) -> list[int]:
     """Training samples per client; unseen (held-out) clients count 0."""
     counts = dm.sample_counts("train")
     for c in dm.unseen_clients:
         counts[c] = 0
-    if sum(counts) == 0:
+    if require_data and sum(counts) == 0:
         raise ValueError(
             "Every client has an empty training set: there is nothing to train on. "
             "Check the datamodule's split fractions and data path."

@@ -386,7 +386,7 @@ class FederatedStrategy(DDPStrategy):
             sampler = cb.wrap_sampler(sampler)
         composition.check(trainer, sampler, self.config.vectorize, self.world_size)
         plugins = Plugins(tuple(self.federated_callbacks), aggregator, sampler)
-        federation, packed = Federation(trainer.datamodule), None  # the counts, once per fit
+        federation, packed = self._federation(trainer.datamodule, fitting)
         if fitting:
             self._skip_validation_without_data(trainer)
             packed = self._pack_federation(trainer, federation.training_counts)
@@ -420,6 +420,16 @@ class FederatedStrategy(DDPStrategy):
                 f"{self.world_size} processes but only {trainer.datamodule.num_clients} "
                 "clients: every rank must own at least one client; use fewer devices."
             )
+
+    def _federation(
+        self, datamodule: FederatedDataModule, fitting: bool
+    ) -> tuple[Federation, PackedFederation | None]:
+        """The fit's federation (its sample counts, read once) and packed data: new for a
+        fit; for validation or test, the last fit's when it had this datamodule."""
+        last = self.fit
+        if not fitting and last is not None and last.datamodule is datamodule:
+            return last.federation, last.packed
+        return Federation(datamodule, require_data=fitting), None
 
     @staticmethod
     def _skip_validation_without_data(trainer: pl.Trainer) -> None:

@@ -1,0 +1,210 @@
+"""The ways an unlearning request restarts training: SIFU and the baselines of its paper
+(Fraboni et al., AISTATS 2024, §5 and App. D.2; Fraboni thesis ch. 5).
+
+Each method is a small object with the one job its paper gives it: :meth:`ForgettingMethod.
+restart` returns the model training continues from once a request W_r is removed (and the
+node of the branch history it restarts at), and the training-time hooks of the methods
+that act during training (the DP baseline's clipping and noise, FEDACCUM's shadow models)
+are theirs. :class:`~lightning_fl.callbacks.Unlearning` keeps the requests, the branch
+history and the kept model versions, and hands a method a :class:`ForgettingRequest`
+holding what it reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_fl.engine.tensors import TensorList
+from lightning_fl.systems.unlearning import BranchHistory, ModelVersions, noise_for_sensitivity
+
+
+@dataclass(frozen=True)
+class ForgettingRequest:
+    """One request as a method sees it: the clients W_r to forget, those removed before,
+    the current global model θ (flat), the branch history and kept versions, and
+    ``noise(std)``: a draw of N(0, std² I) shaped like θ, from the request's seed."""
+
+    clients: list[int]
+    removed: list[int]
+    current: torch.Tensor
+    history: BranchHistory
+    versions: ModelVersions
+    noise: Callable[[float], torch.Tensor]
+
+
+#: A restart: the flat model to continue from, and the (branch, round) node it is, or
+#: None for the current node (the method keeps training the current branch's model).
+Restart = tuple[torch.Tensor, tuple[int, int] | None]
+
+
+class ForgettingMethod:
+    """How a request restarts training; the default hooks do nothing during training."""
+
+    name: str = ""
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        raise NotImplementedError
+
+    def check(self, world_size: int) -> None:
+        """Refuse a run this method cannot serve (at the fit's start)."""
+
+    def prepare(self, model: torch.Tensor, removal_sets: Sequence[tuple[int, ...]]) -> None:
+        """At the first fit's start, with θ_0^0 and the known removal sets F_r."""
+
+    def round_noise_std(self, remaining: int) -> float | None:
+        """The std of the noise added to the global model after this round's aggregation,
+        or None for no noise."""
+        return None
+
+    def transform_update(self, update: TensorList) -> TensorList:
+        return update
+
+    def after_round(self, deltas: dict[int, torch.Tensor], weights: dict[int, float]) -> None:
+        """After aggregation, with this rank's accepted updates Δ_i and their weights ω_i."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class Sifu(ForgettingMethod):
+    """SIFU (thesis Alg. 7; IFU, Alg. 6, for one request): restart from θ_ζ^T, the last
+    kept model of the latest branch ζ_r whose sensitivity to W_r stays under Ψ* before
+    round T_r (eqs. 5.17–5.19), plus N(0, σ² I) (eq. 5.13's calibration)."""
+
+    name = "sifu"
+
+    def __init__(self, sigma: float) -> None:
+        self.sigma = sigma
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        zeta, t = request.history.fork_point(request.clients)
+        t, start = request.versions.restart_model(request.history, zeta, t, request.clients)
+        return start + request.noise(self.sigma), (zeta, t)
+
+
+class Scratch(ForgettingMethod):
+    """SCRATCH: retrain from the initial model θ_0^0 (the gold standard: no guarantee to
+    prove, the most rounds)."""
+
+    name = "scratch"
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        return request.versions.models[(0, 0)].clone(), (0, 0)
+
+
+class FineTuning(ForgettingMethod):
+    """FINE-TUNING: keep training the current model without the removed clients (no
+    forgetting mechanism: the lower reference)."""
+
+    name = "fine_tuning"
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        return request.current, None
+
+
+class Last(ForgettingMethod):
+    """LAST: the current model + N(0, σ_L² I), σ_L = Ψ_max·sqrt(2 ln(1.25/δ))/ε for the
+    branch's largest sensitivity Ψ_max (thesis Thm 5.2)."""
+
+    name = "last"
+
+    def __init__(self, epsilon: float, delta: float) -> None:
+        self.epsilon, self.delta = epsilon, delta
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        psi = request.history.max_sensitivity()
+        std = noise_for_sensitivity(psi, self.epsilon, self.delta)
+        return request.current + request.noise(std), None
+
+
+class DPBaseline(ForgettingMethod):
+    """DP: training itself is kept private, so a request keeps the current model. Every
+    client update is clipped to norm C and, after every aggregation, the global model gets
+    N(0, s² I) with s = (2C/M)·sqrt(2 ln(1.25/δ))/ε over M remaining clients (the
+    Gaussian mechanism at sensitivity 2C/M; the authors' DP baseline)."""
+
+    name = "dp"
+
+    def __init__(self, clip: float, epsilon: float, delta: float) -> None:
+        self.clip, self.epsilon, self.delta = clip, epsilon, delta
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        return request.current, None
+
+    def round_noise_std(self, remaining: int) -> float:
+        m = max(remaining, 1)
+        return (2 * self.clip / m) * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
+
+    @torch.no_grad()
+    def transform_update(self, update: TensorList) -> TensorList:
+        norm = math.sqrt(sum(float(u.pow(2).sum()) for u in update))
+        return update if norm <= self.clip else [u * (self.clip / norm) for u in update]
+
+
+class FedAccum(ForgettingMethod):
+    """FEDACCUM (the authors' code): one shadow model per future removal set F_r, which
+    every round re-aggregates the received local models without F_r's clients:
+    θ_F ← θ_F + Σ_{i∉F} ω_i Δ_i / Σ_{i∉F} ω_i. A request restarts from its shadow. Needs
+    every request known before training, and one process (it reads every update)."""
+
+    name = "fedaccum"
+
+    def __init__(self) -> None:
+        self.shadows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def check(self, world_size: int) -> None:
+        if world_size > 1:
+            raise ValueError("FEDACCUM re-aggregates every client's model: use devices=1.")
+
+    def prepare(self, model: torch.Tensor, removal_sets: Sequence[tuple[int, ...]]) -> None:
+        self.shadows = {key: model.clone() for key in removal_sets}
+
+    def restart(self, request: ForgettingRequest) -> Restart:
+        key = tuple(sorted(set(request.removed) | set(request.clients)))
+        if key not in self.shadows:
+            raise ValueError(
+                f"FEDACCUM has no shadow model without {list(key)}: it needs every "
+                "request in `requests` before training."
+            )
+        return self.shadows.pop(key), None
+
+    def after_round(self, deltas: dict[int, torch.Tensor], weights: dict[int, float]) -> None:
+        for key, shadow in self.shadows.items():
+            kept = [c for c in deltas if c not in key]
+            if not kept:
+                continue
+            # host: read back as Python floats
+            omega = torch.tensor([weights[c] for c in kept], dtype=torch.float64)
+            omega = omega / omega.sum()
+            step = sum(float(w) * deltas[c] for w, c in zip(omega, kept))
+            self.shadows[key] = shadow + step
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {",".join(map(str, k)): v for k, v in self.shadows.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.shadows = {tuple(int(x) for x in k.split(",") if x): v for k, v in state.items()}
+
+
+def forgetting_method(
+    name: str, epsilon: float, delta: float, sigma: float, clip: float
+) -> ForgettingMethod:
+    """The method called ``name``, given the settings it reads."""
+    methods: dict[str, Callable[[], ForgettingMethod]] = {
+        "sifu": lambda: Sifu(sigma),
+        "scratch": Scratch,
+        "fine_tuning": FineTuning,
+        "last": lambda: Last(epsilon, delta),
+        "dp": lambda: DPBaseline(clip, epsilon, delta),
+        "fedaccum": FedAccum,
+    }
+    if name not in methods:
+        raise ValueError(f"method must be one of {', '.join(methods)}; got {name!r}.")
+    return methods[name]()
