@@ -170,7 +170,7 @@ class GossipAveraging(Aggregator):
 
     def _topology(self, trainer):
         bits = 32.0 * sum(p.numel() for p in trainer.strategy.federated_tensors.params)
-        return self.topology.build(len(self.nodes), bits, trainer.strategy.local_steps)
+        return self.topology.build(len(self.nodes), bits, trainer.strategy.config.local_steps)
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if sorted(state.participation.clients) != self.nodes:

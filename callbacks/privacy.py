@@ -199,14 +199,16 @@ class ServerReference(FederatedCallback):
             shuffle=True,
             generator=generator(strategy.seed, "server_reference", state.round_idx),
         )
-        steps = strategy.local_steps
+        steps = strategy.config.local_steps
         model = strategy.federated_tensors
         params = list(pl_module.parameters())
         # its own dropout draws, as a client's: not what the last client left in the RNG
         seed_global_rng(derive_seed(strategy.seed, "server_reference", state.round_idx),
                         pl_module.device)  # fmt: skip
         if steps is None:
-            sgd(pl_module, params, loader, pl_module.hparams.lr, epochs=strategy.local_epochs)
+            sgd(
+                pl_module, params, loader, pl_module.hparams.lr, epochs=strategy.config.local_epochs
+            )
         else:
             cycled = _Cycled(loader, steps)
             sgd(pl_module, params, cycled, pl_module.hparams.lr, epochs=1)

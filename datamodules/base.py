@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -64,6 +65,13 @@ def batch_loader(
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
+def arguments(values: dict[str, Any]) -> SimpleNamespace:
+    """A constructor's arguments (its ``locals()`` taken at its first line), kept to read
+    the data at set-up. Not ``hparams``: under LightningCLI, a datamodule nested in another
+    (a stream's ``source``) gets the outer one's configuration there."""
+    return SimpleNamespace(**{k: v for k, v in values.items() if k not in ("self", "__class__")})
+
+
 class FederatedLoader:
     """What ``train/val/test_dataloader`` return: a handle that FederatedStrategy expands
     into one round's client-by-client batches. Iterating it without the strategy is an error.
@@ -88,6 +96,11 @@ class FederatedDataModule(pl.LightningDataModule):
 
     ``client_dataset(c, split)`` may build datasets lazily; it returns ``None`` or an empty
     dataset when client ``c`` has no data for that split.
+
+    Constructors only store and validate their arguments (Lightning's convention): data is
+    downloaded in ``prepare_data`` and read in ``setup``, or at its first use by a script
+    that reads a datamodule without a Trainer, so that parsing a configuration reads no
+    dataset.
     """
 
     def __init__(self, batch_size: int = 32, eval_batch_size: int | None = None) -> None:
@@ -96,21 +109,33 @@ class FederatedDataModule(pl.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
-        #: Clients held out of training ("unseen"); evaluation reports them apart.
-        self.unseen_clients: list[int] = []
+        self._unseen_fraction = 0.0
+        self._unseen: list[int] | None = None
 
     @property
     def num_clients(self) -> int:
         raise NotImplementedError
 
+    @property
+    def unseen_clients(self) -> list[int]:
+        """Clients held out of training ("unseen"); evaluation reports them apart."""
+        if self._unseen is None:
+            n = self.num_clients
+            self._unseen = list(range(n - round(self._unseen_fraction * n), n))
+        return self._unseen
+
+    @unseen_clients.setter
+    def unseen_clients(self, clients: Sequence[int]) -> None:
+        self._unseen = list(clients)
+
     def hold_out(self, unseen_fraction: float) -> None:
         """Make the last ``round(unseen_fraction · num_clients)`` clients unseen: they never
         train, are left out of the pooled data, and are evaluated apart (FedEM Table 3.3 and
-        kNN-Per Table 3.6 hold out 20%)."""
+        kNN-Per Table 3.6 hold out 20%). Reads no data: the clients are counted when the
+        unseen ones are first asked for."""
         if not 0 <= unseen_fraction < 1:
             raise ValueError(f"unseen_fraction must be in [0, 1), got {unseen_fraction}.")
-        num_unseen = round(unseen_fraction * self.num_clients)
-        self.unseen_clients = list(range(self.num_clients - num_unseen, self.num_clients))
+        self._unseen_fraction, self._unseen = unseen_fraction, None
 
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
         raise NotImplementedError
@@ -171,22 +196,51 @@ class FederatedDataModule(pl.LightningDataModule):
         return FederatedLoader(self, "test")
 
 
+#: One client's tensors per split: ``{"train": (x, y), "val": (x, y), "test": (x, y)}``.
+ClientTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
 class InMemoryFederatedDataModule(FederatedDataModule):
-    """Clients given as tensors: ``clients[c][split] = (x, y)``. Useful for tests and benchmarks."""
+    """Clients as tensors: ``clients[c][split] = (x, y)``, given (tests and benchmarks) or
+    read by a subclass's :meth:`read_clients`, once, at ``setup`` or the first use."""
 
     def __init__(
         self,
-        clients: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]],
+        clients: Sequence[ClientTensors] | None = None,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
         server: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(batch_size, eval_batch_size)
-        self._clients = list(clients)
-        self._server = server
+        self._given = None if clients is None else (list(clients), server)
+        self._loaded: tuple[list[ClientTensors], tuple | None] | None = None
+
+    def read_clients(self) -> tuple[list[ClientTensors], tuple[torch.Tensor, ...] | None]:
+        """Every client's tensors and the server's own data (or None): what the constructor
+        was given; a subclass reads and partitions its dataset here."""
+        if self._given is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} gives no clients: pass clients=[...] or override "
+                "read_clients()."
+            )
+        return self._given
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the clients' data (once)."""
+        self._data()
+
+    def _data(self) -> tuple[list[ClientTensors], tuple | None]:
+        if self._loaded is None:
+            self._loaded = self.read_clients()
+        return self._loaded
+
+    @property
+    def _clients(self) -> list[ClientTensors]:
+        return self._data()[0]
 
     def server_dataset(self) -> Dataset | None:
-        return None if self._server is None else TensorDataset(*self._server)
+        server = self._data()[1]
+        return None if server is None else TensorDataset(*server)
 
     @property
     def num_clients(self) -> int:

@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.download import download, verify
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
@@ -217,34 +217,57 @@ class CifarDataModule(InMemoryFederatedDataModule):
         batch_size: int = 32,
         eval_batch_size: int | None = 256,
     ) -> None:
+        self._args = arguments(locals())
         if dataset not in CIFAR:
             raise ValueError(f"dataset must be cifar10 or cifar100, got {dataset!r}.")
         if not 0 <= unseen_fraction < 1:
             raise ValueError(f"unseen_fraction must be in [0, 1), got {unseen_fraction}.")
-        spec = CIFAR[dataset]
+        partitions = ("dirichlet", "shards", "pachinko", "iid", "unbalanced")
+        if partition not in partitions:
+            raise ValueError(
+                f"Unknown partition {partition!r}; use dirichlet, shards, pachinko or iid."
+            )
+        if partition == "pachinko" and dataset != "cifar100":
+            raise ValueError("The pachinko partition needs CIFAR-100's coarse labels.")
         self.root = Path(root) if root else CACHE / dataset
-        if generate:
-            check_md5 = False
+        super().__init__(None, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
+        self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        """Write the generated files (``generate=True``) or download the archive
+        (``download=True``) when they are missing."""
+        h, spec = self._args, CIFAR[self._args.dataset]
+        if h.generate:
             if not (self.root / spec.folder).exists():
-                write_synthetic_cifar(self.root, spec, *generate_sizes, seed=seed)
-        elif download and not (self.root / spec.folder).exists():
+                write_synthetic_cifar(self.root, spec, *h.generate_sizes, seed=h.seed)
+        elif h.download and not (self.root / spec.folder).exists():
             fetch_cifar(self.root, spec)
+
+    def read_clients(self):
+        """Read the batches and partition the training and test images over the clients
+        (each client's test share split the same way as its training share)."""
+        self.prepare_data()  # a no-op when the files are there
+        h, spec = self._args, CIFAR[self._args.dataset]
+        seed, num_clients, partition, alpha = h.seed, h.num_clients, h.partition, h.alpha
+        samples_per_client, val_fraction = h.samples_per_client, h.val_fraction
+        check_md5 = h.check_md5 and not h.generate
         train = read_cifar(self.root, spec, "train", check_md5)
         test = read_cifar(self.root, spec, "test", check_md5)
 
         def split(data: dict[str, np.ndarray], part_seed: int, per_client: int) -> list[np.ndarray]:
             y = data["labels"]
-            if partition == "dirichlet" and num_groups:
-                return grouped_dirichlet_partition(y, num_clients, alpha, num_groups, part_seed)
+            if partition == "dirichlet" and h.num_groups:
+                return grouped_dirichlet_partition(y, num_clients, alpha, h.num_groups, part_seed)
             if partition == "dirichlet":
                 return dirichlet_partition(y, num_clients, alpha, part_seed)
             if partition == "shards":
-                return shard_partition(y, num_clients, shards_per_client, part_seed)
+                return shard_partition(y, num_clients, h.shards_per_client, part_seed)
             if partition == "pachinko":
                 if "coarse" not in data:
                     raise ValueError("The pachinko partition needs CIFAR-100's coarse labels.")
                 return pachinko_partition(
-                    data["coarse"], y, num_clients, per_client, alpha, beta, part_seed
+                    data["coarse"], y, num_clients, per_client, alpha, h.beta, part_seed
                 )
             if partition == "iid":
                 return iid_partition(y, num_clients, part_seed)
@@ -269,6 +292,4 @@ class CifarDataModule(InMemoryFederatedDataModule):
             fit_idx, val_idx = split_fractions(tr, (1 - val_fraction, val_fraction), seed + 31 * c)
             clients.append({"train": to_tensor(train, fit_idx), "val": to_tensor(train, val_idx),
                             "test": to_tensor(test, te)})  # fmt: skip
-        super().__init__(clients, batch_size, eval_batch_size)
-        self.hold_out(unseen_fraction)
-        self.save_hyperparameters()
+        return clients, None

@@ -13,8 +13,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.partition import (
+    check_label_partition,
     label_partition,
     server_split,
     split_fractions,
@@ -68,16 +69,29 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         server_samples: int = 0,
         watermark: int = 0,
     ) -> None:
+        self._args = arguments(locals())
         if watermark < 0:
             raise ValueError(f"watermark must be >= 0 pixels, got {watermark}.")
+        check_label_partition(partition)
+        super().__init__(None, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
+        self.save_hyperparameters()
+
+    def read_clients(self):
+        """Load the digits, draw the server's samples, partition the rest over the clients
+        and split each client's part into train, val and test."""
+        h = self._args
+        image, seed, watermark = h.image, h.seed, h.watermark
         x, y = load_digits()
-        held, kept = server_split(len(y), server_samples, seed, "the digits")
+        held, kept = server_split(len(y), h.server_samples, seed, "the digits")
         server = None
-        if server_samples:
+        if h.server_samples:
             server_x = torch.from_numpy(x[held])
             server = (server_x.view(-1, 1, 8, 8) if image else server_x, torch.from_numpy(y[held]))
         x, y = x[kept], y[kept]
-        parts = label_partition(y, partition, num_clients, seed, alpha, min_size, shards_per_client)
+        parts = label_partition(
+            y, h.partition, h.num_clients, seed, h.alpha, h.min_size, h.shards_per_client
+        )
         features = torch.from_numpy(x)
         if image:
             features = features.view(-1, 1, 8, 8)
@@ -85,7 +99,7 @@ class DigitsDataModule(InMemoryFederatedDataModule):
         clients = []
         top = float(features.max())
         for c, idx in enumerate(parts):
-            pieces = split_fractions(idx, tuple(split), seed + 7919 * (c + 1))
+            pieces = split_fractions(idx, tuple(h.split), seed + 7919 * (c + 1))
             client = {
                 name: (features[torch.from_numpy(p)], labels[torch.from_numpy(p)])
                 for name, p in zip(("train", "val", "test"), pieces)
@@ -96,9 +110,7 @@ class DigitsDataModule(InMemoryFederatedDataModule):
                     for k, (x_part, y_part) in client.items()
                 }
             clients.append(client)
-        super().__init__(clients, batch_size, eval_batch_size, server=server)
-        self.hold_out(unseen_fraction)
-        self.save_hyperparameters()
+        return clients, server
 
 
 def watermarked(features: torch.Tensor, client: int, pixels: int, value: float) -> torch.Tensor:

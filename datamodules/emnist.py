@@ -14,8 +14,13 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule
-from lightning_fl.datamodules.partition import label_partition, split_fractions
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
+from lightning_fl.datamodules.download import download
+from lightning_fl.datamodules.partition import (
+    check_label_partition,
+    label_partition,
+    split_fractions,
+)
 
 EMNIST_URL = "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip"
 EMNIST_MD5 = "58c8d27c78d21e728a6bc7b3cc06412e"  # the value torchvision checks
@@ -90,12 +95,23 @@ class EmnistDataModule(InMemoryFederatedDataModule):
         batch_size: int = 128,
         eval_batch_size: int | None = 512,
     ) -> None:
+        self._args = arguments(locals())
         if not 0 < data_fraction <= 1:
             raise ValueError(f"data_fraction must be in (0, 1], got {data_fraction}.")
-        base = Path(root) if root else CACHE / "emnist"
+        check_label_partition(partition)
+        super().__init__(None, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
+        self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        """Download and extract NIST's archive when it is missing (``download=True``)."""
+        self._folder(fetch=self._args.download)
+
+    def _folder(self, fetch: bool) -> Path:
+        base = Path(self._args.root) if self._args.root else CACHE / "emnist"
         folder = base / "gzip"
         if not folder.exists():
-            if not download:
+            if not fetch:
                 raise FileNotFoundError(
                     f"{folder} is missing: pass download=True or extract NIST's gzip.zip "
                     f"into {base}."
@@ -103,11 +119,17 @@ class EmnistDataModule(InMemoryFederatedDataModule):
             archive = download(EMNIST_URL, base / "gzip.zip", EMNIST_MD5, algorithm="md5")
             with zipfile.ZipFile(archive) as zipped:
                 zipped.extractall(base)
-        images, labels = read_emnist(folder, split)
+        return folder
+
+    def read_clients(self):
+        """Read the split, keep ``data_fraction`` of it and partition it over the clients."""
+        h = self._args
+        seed, test_fraction, val_fraction = h.seed, h.test_fraction, h.val_fraction
+        images, labels = read_emnist(self._folder(fetch=h.download), h.split)
         rng = np.random.default_rng(seed)
-        keep = np.sort(rng.permutation(len(labels))[: max(1, round(data_fraction * len(labels)))])
+        keep = np.sort(rng.permutation(len(labels))[: max(1, round(h.data_fraction * len(labels)))])
         images, labels = images[keep], labels[keep]
-        parts = label_partition(labels, partition, num_clients, seed, alpha)
+        parts = label_partition(labels, h.partition, h.num_clients, seed, h.alpha)
         x = torch.from_numpy(images.copy()).float().div_(255.0).unsqueeze(1)
         y = torch.from_numpy(labels)
         clients = []
@@ -118,6 +140,4 @@ class EmnistDataModule(InMemoryFederatedDataModule):
             clients.append(
                 {k: (x[torch.from_numpy(p)], y[torch.from_numpy(p)]) for k, p in parts_c.items()}
             )
-        super().__init__(clients, batch_size, eval_batch_size)
-        self.hold_out(unseen_fraction)
-        self.save_hyperparameters()
+        return clients, None

@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.digits import watermarked
 from lightning_fl.datamodules.emnist import CACHE, read_idx
 from lightning_fl.datamodules.partition import (
@@ -168,6 +168,7 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
         batch_size: int = 20,
         eval_batch_size: int | None = 1000,
     ) -> None:
+        self._args = arguments(locals())
         if partition not in ("iid", "shards", "dirichlet", "one_class", "sifu"):
             raise ValueError(
                 f"partition must be iid, shards, dirichlet, one_class or sifu; got {partition!r}."
@@ -181,22 +182,36 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
                 f"normalize must be (mean, std) with std > 0, got {normalize!r}; "
                 "for example [0.5, 0.5]."
             )
-        folder = fashion_mnist_folder(root, download)
+        super().__init__(None, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
+        self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        """Find the IDX files, or download them (``download=True``)."""
+        fashion_mnist_folder(self._args.root, self._args.download)
+
+    def read_clients(self):
+        """Read the IDX files, draw the server's and the subsets' samples, partition the
+        rest over the clients (train and test apart) and watermark and scale them."""
+        h = self._args
+        seed, num_clients, partition, image = h.seed, h.num_clients, h.partition, h.image
+        normalize, watermark, val_fraction = h.normalize, h.watermark, h.val_fraction
+        folder = fashion_mnist_folder(h.root, h.download)
         x_train, y_train, x_test, y_test = read_fashion_mnist(folder)
-        held, kept = server_split(len(y_train), server_samples, seed, "the training images")
+        held, kept = server_split(len(y_train), h.server_samples, seed, "the training images")
         server_images, server_labels = x_train[held], y_train[held]
-        kept = kept[random_subset(len(kept), train_samples, seed, "train_samples")]
+        kept = kept[random_subset(len(kept), h.train_samples, seed, "train_samples")]
         if len(kept) < len(y_train):  # otherwise every index: no copy of the 47 MB array
             x_train, y_train = x_train[kept], y_train[kept]
-        if test_samples is not None:
-            tested = random_subset(len(y_test), test_samples, seed + 1, "test_samples")
+        if h.test_samples is not None:
+            tested = random_subset(len(y_test), h.test_samples, seed + 1, "test_samples")
             x_test, y_test = x_test[tested], y_test[tested]
 
         def parts(labels: np.ndarray, offset: int) -> list[np.ndarray]:
             if partition == "sifu":
-                return sifu_partition(labels, num_clients, samples_per_client, seed + offset)
-            return label_partition(labels, partition, num_clients, seed, alpha, 0,
-                                   shards_per_client)  # fmt: skip
+                return sifu_partition(labels, num_clients, h.samples_per_client, seed + offset)
+            return label_partition(labels, partition, num_clients, seed, h.alpha, 0,
+                                   h.shards_per_client)  # fmt: skip
 
         def tensors(images: np.ndarray) -> torch.Tensor:
             x = torch.from_numpy(images.astype(np.float32) / 255.0)
@@ -206,7 +221,7 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
             return x if normalize is None else (x - normalize[0]) / normalize[1]
 
         server = None
-        if server_samples:
+        if h.server_samples:
             server = (scaled(tensors(server_images)), torch.from_numpy(server_labels))
         xs, ys = tensors(x_train), torch.from_numpy(y_train)
         xt, yt = tensors(x_test), torch.from_numpy(y_test)
@@ -224,6 +239,4 @@ class FashionMnistDataModule(InMemoryFederatedDataModule):
                     for k, (x, y) in client.items()
                 }
             clients.append({k: (scaled(x), y) for k, (x, y) in client.items()})
-        super().__init__(clients, batch_size, eval_batch_size, server=server)
-        self.hold_out(unseen_fraction)
-        self.save_hyperparameters()
+        return clients, server

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, Split
+from lightning_fl.datamodules.base import (
+    ClientTensors,
+    InMemoryFederatedDataModule,
+    Split,
+    arguments,
+)
 from lightning_fl.datamodules.download import download, verify
 
 CACHE = Path(os.environ.get("LIGHTNING_FL_CACHE", Path.home() / ".cache" / "lightning_fl"))
@@ -160,11 +165,26 @@ def heart_disease_tables(root: str | os.PathLike) -> list[dict[str, np.ndarray]]
 
 class _TabularCenters(InMemoryFederatedDataModule):
     """Clients given as per-center ``{train: (x, y), test: (x, y)}`` plus a pooled version
-    with its own preprocessing (FLamby normalizes pooled data with pooled statistics)."""
+    with its own preprocessing (FLamby normalizes pooled data with pooled statistics), both
+    read by a subclass's :meth:`read_centers` at set-up or first use."""
 
     def __init__(self, batch_size: int, eval_batch_size: int | None) -> None:
-        super().__init__([], batch_size, eval_batch_size)
-        self.pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        super().__init__(None, batch_size, eval_batch_size)
+        self._pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def read_centers(self) -> tuple[list[ClientTensors], dict[str, tuple[torch.Tensor, ...]]]:
+        """Every center's tensors, and the pooled ones by split."""
+        raise NotImplementedError
+
+    def read_clients(self):
+        clients, self._pooled = self.read_centers()
+        return clients, None
+
+    @property
+    def pooled(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The pooled data by split (the centralized baseline's)."""
+        self._data()
+        return self._pooled
 
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         return TensorDataset(*self.pooled[split])
@@ -187,9 +207,20 @@ class FedHeartDiseaseDataModule(_TabularCenters):
         batch_size: int = 4,
         eval_batch_size: int | None = 1024,
     ) -> None:
+        self._args = arguments(locals())
         super().__init__(batch_size, eval_batch_size)
         self.root = Path(root) if root else CACHE / "fed_heart_disease"
-        _check_files(self.root, HEART_SHA256, HEART_URLS if download else None)
+        self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        """Check the four files, downloading the missing ones with ``download=True``."""
+        _check_files(self.root, HEART_SHA256, HEART_URLS if self._args.download else None)
+
+    def read_centers(self):
+        """Read the four tables and normalize each center's features with its own training
+        statistics (the pooled version with the pooled ones)."""
+        self.prepare_data()
+        normalize, clients = self._args.normalize, []
         tables = heart_disease_tables(self.root)
         pooled_train = np.concatenate([t["x"][t["train"]] for t in tables])
         pooled: dict[str, list] = {"train": [], "test": []}
@@ -203,9 +234,8 @@ class FedHeartDiseaseDataModule(_TabularCenters):
                 y = torch.from_numpy(t["y"][mask]).float()
                 center[split] = (torch.from_numpy(xc).float(), y)
                 pooled[split].append((torch.from_numpy(xp).float(), y))
-            self._clients.append(center)
-        self.pooled = {s: tuple(torch.cat(v) for v in zip(*parts)) for s, parts in pooled.items()}
-        self.save_hyperparameters()
+            clients.append(center)
+        return clients, {s: tuple(torch.cat(v) for v in zip(*p)) for s, p in pooled.items()}
 
 
 # ----------------------------------------------------------------------------- Fed-TCGA-BRCA
@@ -271,19 +301,27 @@ class FedTcgaBrcaDataModule(_TabularCenters):
         batch_size: int = 8,
         eval_batch_size: int | None = 4096,
     ) -> None:
+        self._args = arguments(locals())
         super().__init__(batch_size, eval_batch_size)
         self.root = Path(root) if root else CACHE / "fed_tcga_brca"
-        _check_files(self.root, TCGA_SHA256, TCGA_URLS if download else None)
+        self.save_hyperparameters()
+
+    def prepare_data(self) -> None:
+        """Check the two files, downloading the missing ones with ``download=True``."""
+        _check_files(self.root, TCGA_SHA256, TCGA_URLS if self._args.download else None)
+
+    def read_centers(self):
+        """Read the table and FLamby's split into the 6 regions' and the pooled tensors."""
+        self.prepare_data()
         tables = tcga_brca_tables(self.root)
 
         def tensors(pair):
             return tuple(torch.from_numpy(a).float() for a in pair)
 
-        self._clients = [
+        clients = [
             {split: tensors(tables[str(k)][split]) for split in ("train", "test")} for k in range(6)
         ]
-        self.pooled = {split: tensors(tables["pooled"][split]) for split in ("train", "test")}
-        self.save_hyperparameters()
+        return clients, {split: tensors(tables["pooled"][split]) for split in ("train", "test")}
 
 
 # ----------------------------------------------------------------------------- generic
@@ -319,10 +357,31 @@ class NaturalSplitDataModule(_TabularCenters):
         super().__init__(batch_size, eval_batch_size)
         if not 0 < test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
-        groups = self._read(Path(path), center_column)
-        self.center_names = sorted(groups)
+        self.path, self.target_columns, self.center_column = (
+            Path(path),
+            target_columns,
+            center_column,
+        )
+        self.feature_columns, self.test_fraction = feature_columns, test_fraction
+        self.normalize, self.seed = normalize, seed
+        self._center_names: list[str] = []
+
+    @property
+    def center_names(self) -> list[str]:
+        """The centers' names, in the clients' order."""
+        self._data()
+        return self._center_names
+
+    def read_centers(self):
+        """Read the table(s), one client per center, and split and normalize each one."""
+        target_columns, center_column = self.target_columns, self.center_column
+        feature_columns, test_fraction = self.feature_columns, self.test_fraction
+        normalize, seed = self.normalize, self.seed
+        groups = self._read(self.path, center_column)
+        self._center_names = sorted(groups)
         pooled: dict[str, list] = {"train": [], "test": []}
-        for name in self.center_names:
+        clients = []
+        for name in self._center_names:
             header, rows, source = groups[name]
             for col in [*target_columns, *(feature_columns or [])]:
                 if col not in header:
@@ -358,8 +417,8 @@ class NaturalSplitDataModule(_TabularCenters):
                 )
                 center[split] = (torch.from_numpy(xs).float(), ys)
                 pooled[split].append(center[split])
-            self._clients.append(center)
-        self.pooled = {s: tuple(torch.cat(v) for v in zip(*parts)) for s, parts in pooled.items()}
+            clients.append(center)
+        return clients, {s: tuple(torch.cat(v) for v in zip(*p)) for s, p in pooled.items()}
 
     @staticmethod
     def _read(

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split
+from lightning_fl.datamodules.base import FederatedDataModule, Split, arguments
 from lightning_fl.datamodules.partition import split_fractions
 
 LeafName = Literal["femnist", "shakespeare", "sent140", "celeba", "synthetic"]
@@ -111,6 +111,7 @@ class LeafDataModule(FederatedDataModule):
         batch_size: int = 32,
         eval_batch_size: int | None = 256,
     ) -> None:
+        self._args = arguments(locals())
         super().__init__(batch_size, eval_batch_size)
         if max_users is not None and max_users < 1:
             raise ValueError(f"max_users must be >= 1, got {max_users}.")
@@ -118,7 +119,39 @@ class LeafDataModule(FederatedDataModule):
             raise ValueError(f"user_fraction must be in (0, 1], got {user_fraction}.")
         self.root, self.dataset, self.image_root = Path(root), dataset, image_root
         self.max_words = max_words
-        splits = self._read_splits(self.root, test_fraction, seed)
+        self._read: tuple[list[str], list[dict[str, dict[str, list]]], dict | None] | None = None
+        self.save_hyperparameters()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the users' JSON files (once)."""
+        self._users()
+
+    @property
+    def users(self) -> list[str]:
+        """The kept users, one client each, in order."""
+        return self._users()[0]
+
+    @property
+    def _raw(self) -> list[dict[str, dict[str, list]]]:
+        return self._users()[1]
+
+    @property
+    def vocabulary(self) -> dict[str, int] | None:
+        """Sent140's vocabulary of the training words (word → index; 0 pads); None else."""
+        return self._users()[2]
+
+    def _users(self) -> tuple[list[str], list[dict[str, dict[str, list]]], dict | None]:
+        if self._read is None:
+            self.prepare_data()
+            self._read = self._read_users()
+        return self._read
+
+    def _read_users(self) -> tuple[list[str], list[dict[str, dict[str, list]]], dict | None]:
+        """Read the splits, keep the users that pass the filters and split each one's
+        training samples into train and validation."""
+        h = self._args
+        min_samples, user_fraction, seed = h.min_samples, h.user_fraction, h.seed
+        splits = self._read_splits(self.root, h.test_fraction, seed)
         users = [u for u in splits["train"] if len(splits["train"][u]["y"]) >= min_samples]
         if user_fraction < 1:
             rng = np.random.default_rng(seed)
@@ -126,23 +159,21 @@ class LeafDataModule(FederatedDataModule):
             users = [users[i] for i in sorted(rng.choice(len(users), keep, replace=False))]
         if not users:
             raise ValueError(f"{self.root}: no user has >= {min_samples} training samples.")
-        users = users[:max_users]
-        self.users = users
-        self._raw: list[dict[str, dict[str, list]]] = []
+        users = users[: h.max_users]
+        raw: list[dict[str, dict[str, list]]] = []
         for i, user in enumerate(users):
             train = splits["train"][user]
             fit, val = split_fractions(
-                np.arange(len(train["y"])), (1 - val_fraction, val_fraction), seed + i
+                np.arange(len(train["y"])), (1 - h.val_fraction, h.val_fraction), seed + i
             )
             pick = lambda d, idx: {"x": [d["x"][j] for j in idx], "y": [d["y"][j] for j in idx]}  # noqa: E731
             test = splits["test"].get(user, {"x": [], "y": []})
-            self._raw.append({"train": pick(train, fit), "val": pick(train, val), "test": test})
-        if dataset == "sent140":
-            counts = Counter(
-                w for r in self._raw for x in r["train"]["x"] for w in _sent140_words(x[4])
-            )
-            self.vocabulary = {w: i + 1 for i, w in enumerate(sorted(counts))}  # 0 = padding
-        self.save_hyperparameters()
+            raw.append({"train": pick(train, fit), "val": pick(train, val), "test": test})
+        vocabulary = None
+        if self.dataset == "sent140":
+            counts = Counter(w for r in raw for x in r["train"]["x"] for w in _sent140_words(x[4]))
+            vocabulary = {w: i + 1 for i, w in enumerate(sorted(counts))}  # 0 = padding
+        return users, raw, vocabulary
 
     @staticmethod
     def _read_splits(root: Path, test_fraction: float, seed: int) -> dict[str, dict]:
@@ -309,9 +340,13 @@ class GeneratedLeafDataModule(LeafDataModule):
         batch_size: int = 32,
         eval_batch_size: int | None = 256,
     ) -> None:
-        if not (Path(root) / "train").is_dir():
-            write_synthetic_leaf(root, dataset, num_users, samples, seed)
+        self._generate = (num_users, samples, seed)
         super().__init__(
             root, dataset, seed=seed, val_fraction=val_fraction, batch_size=batch_size,
             eval_batch_size=eval_batch_size,
         )  # fmt: skip
+
+    def prepare_data(self) -> None:
+        """Generate the data into ``root`` when it holds none yet."""
+        if not (self.root / "train").is_dir():
+            write_synthetic_leaf(self.root, self.dataset, *self._generate)

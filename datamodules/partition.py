@@ -90,6 +90,18 @@ def shard_partition(
     return [np.sort(np.concatenate([shards[s] for s in row])) for row in assignment]
 
 
+#: The partitions :func:`label_partition` draws.
+LABEL_PARTITIONS = ("dirichlet", "iid", "shards", "one_class")
+
+
+def check_label_partition(partition: str) -> None:
+    """Refuse a partition :func:`label_partition` does not draw (at a constructor)."""
+    if partition not in LABEL_PARTITIONS:
+        raise ValueError(
+            f"Unknown partition {partition!r}; use dirichlet, iid, shards or one_class."
+        )
+
+
 def label_partition(
     labels,
     partition: str,
@@ -109,7 +121,8 @@ def label_partition(
         return shard_partition(labels, num_clients, shards_per_client, seed)
     if partition == "one_class":
         return one_class_partition(labels, num_clients, seed)
-    raise ValueError(f"Unknown partition {partition!r}; use dirichlet, iid, shards or one_class.")
+    check_label_partition(partition)
+    raise AssertionError(partition)  # pragma: no cover - checked above
 
 
 def one_class_partition(labels, num_clients: int, seed: int) -> list[np.ndarray]:

@@ -18,7 +18,11 @@ from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 from lightning_fl.datamodules.base import FederatedDataModule, Split
 from lightning_fl.datamodules.digits import load_digits
 from lightning_fl.datamodules.download import download
-from lightning_fl.datamodules.partition import label_partition, split_fractions
+from lightning_fl.datamodules.partition import (
+    check_label_partition,
+    label_partition,
+    split_fractions,
+)
 from lightning_fl.datamodules.reference import WERMDataset
 
 #: Shokri et al.'s published archives (privacytrustlab/datasets). No checksum is published:
@@ -107,8 +111,8 @@ class ReferenceDataModule(FederatedDataModule):
 
     def __init__(
         self,
-        features: np.ndarray,
-        labels: np.ndarray,
+        features: np.ndarray | None = None,
+        labels: np.ndarray | None = None,
         num_clients: int = 1,
         partition: Literal["iid", "dirichlet"] = "iid",
         alpha: float = 0.5,
@@ -123,19 +127,47 @@ class ReferenceDataModule(FederatedDataModule):
             raise ValueError(f"reference must be 'client', 'server' or 'none', got {reference!r}.")
         if len(split) != 4:
             raise ValueError(f"split gives (train, reference, val, test) fractions, got {split}.")
+        check_label_partition(partition)
+        self.reference = reference
+        self._table = None if features is None else (features, labels)
+        self._partition = (num_clients, partition, alpha, tuple(split), seed)
+        self._parts: list[dict[str, TensorDataset]] | None = None
+
+    def read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The features and labels: those given; a subclass reads or generates them."""
+        if self._table is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: pass features and labels, or override read_table()."
+            )
+        return self._table
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the table and split it over the clients (once)."""
+        self._clients  # noqa: B018 - reads it
+
+    @property
+    def _clients(self) -> list[dict[str, TensorDataset]]:
+        if self._parts is None:
+            self._parts = self._split(*self.read_table())
+        return self._parts
+
+    def _split(self, features: np.ndarray, labels: np.ndarray) -> list[dict[str, TensorDataset]]:
+        """Partition the samples over the clients and each client's share into (train,
+        reference, val, test)."""
+        num_clients, partition, alpha, split, seed = self._partition
         parts = label_partition(labels, partition, num_clients, seed, alpha)
         x, y = torch.from_numpy(np.ascontiguousarray(features)), torch.from_numpy(labels)
-        self.reference = reference
-        self._clients: list[dict[str, TensorDataset]] = []
+        clients = []
         for c, idx in enumerate(parts):
-            pieces = split_fractions(idx, tuple(split), seed + 7919 * (c + 1))
+            pieces = split_fractions(idx, split, seed + 7919 * (c + 1))
             names = ("train", "reference", "val", "test")
-            self._clients.append(
+            clients.append(
                 {
                     n: TensorDataset(x[torch.from_numpy(p)], y[torch.from_numpy(p)])
                     for n, p in zip(names, pieces)
                 }
             )
+        return clients
 
     @property
     def num_clients(self) -> int:
@@ -173,15 +205,23 @@ class Purchase100DataModule(ReferenceDataModule):
         sha256: str | None = None,
         **kwargs,
     ) -> None:
-        path = Path(root) / "dataset_purchase"
+        super().__init__(**kwargs)
+        self.root, self.download, self.sha256 = Path(root), download, sha256
+
+    def prepare_data(self) -> None:
+        """Download and extract the archive when ``dataset_purchase`` is missing
+        (``download=True``)."""
+        path = self.root / "dataset_purchase"
         if not path.exists():
-            if not download:
+            if not self.download:
                 raise FileNotFoundError(
                     f"{path} is missing: pass download=True or copy dataset_purchase there."
                 )
-            _extract(_fetch(PURCHASE_URL, Path(root), sha256), Path(root))
-        features, labels = load_purchase100(path)
-        super().__init__(features, labels, **kwargs)
+            _extract(_fetch(PURCHASE_URL, self.root, self.sha256), self.root)
+
+    def read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        self.prepare_data()
+        return load_purchase100(self.root / "dataset_purchase")
 
 
 class Texas100DataModule(ReferenceDataModule):
@@ -196,18 +236,24 @@ class Texas100DataModule(ReferenceDataModule):
         sha256: str | None = None,
         **kwargs,
     ) -> None:
-        if not (Path(root) / "texas" / "100" / "feats").exists() and download:
-            _extract(_fetch(TEXAS_URL, Path(root), sha256), Path(root))
-        features, labels = load_texas100(root)
-        super().__init__(features, labels, **kwargs)
+        super().__init__(**kwargs)
+        self.root, self.download, self.sha256 = Path(root), download, sha256
+
+    def prepare_data(self) -> None:
+        """Download and extract the archive when the files are missing (``download=True``)."""
+        if not (self.root / "texas" / "100" / "feats").exists() and self.download:
+            _extract(_fetch(TEXAS_URL, self.root, self.sha256), self.root)
+
+    def read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        self.prepare_data()
+        return load_texas100(str(self.root))
 
 
 class DigitsReferenceDataModule(ReferenceDataModule):
     """The CPU variant: the embedded digits (1,797 samples, 64 features, 10 classes)."""
 
-    def __init__(self, **kwargs) -> None:
-        features, labels = load_digits()
-        super().__init__(features, labels, **kwargs)
+    def read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        return load_digits()
 
 
 def generate_purchase_like(
@@ -243,10 +289,13 @@ class SyntheticPurchaseDataModule(ReferenceDataModule):
         data_seed: int = 0,
         **kwargs,
     ) -> None:
-        features, labels = generate_purchase_like(
-            num_samples, num_features, num_classes, flip_probability, data_seed
-        )
-        super().__init__(features, labels, **kwargs)
+        if not 0.0 <= flip_probability <= 0.5:
+            raise ValueError(f"flip_probability must be in [0, 0.5], got {flip_probability}.")
+        super().__init__(**kwargs)
+        self._generate = (num_samples, num_features, num_classes, flip_probability, data_seed)
+
+    def read_table(self) -> tuple[np.ndarray, np.ndarray]:
+        return generate_purchase_like(*self._generate)
 
 
 def _fetch(url: str, root: Path, sha256: str | None) -> Path:

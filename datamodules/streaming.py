@@ -122,19 +122,35 @@ class StreamingDataModule(FederatedDataModule):
             )
         if cache not in ("current", "fifo", "srsr", "drsr", "lazy"):
             raise ValueError(f"cache must be current, fifo, srsr, drsr or lazy; got {cache!r}.")
-        if not 0 <= historical <= source.num_clients:
-            raise ValueError(f"historical must be in [0, {source.num_clients}], got {historical}.")
+        if historical < 0:
+            raise ValueError(f"historical must be >= 0 clients, got {historical}.")
         if cache == "srsr" and not 0 <= theta <= 1:
             raise ValueError(f"SRSR theta must be in [0, 1], got {theta}.")
         self.source, self.historical, self.rate = source, historical, rate
         self.cache_rule, self.capacity, self.theta = cache, capacity, theta
         self.rounds, self.seed, self.drift = rounds, seed, drift
-        self.unseen_clients = list(source.unseen_clients)
         self._round = -1
         self._caches: list[Cache | None] = []
         self._streams: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
         self._warned = False
+
+    def prepare_data(self) -> None:
+        self.source.prepare_data()
+
+    def setup(self, stage: str | None = None) -> None:
+        """The source's set-up (its data read), and the check of ``historical`` against
+        its number of clients."""
+        self.source.setup(stage)
+        if self.historical > self.source.num_clients:
+            raise ValueError(
+                f"historical must be in [0, {self.source.num_clients}], got {self.historical}."
+            )
+
+    @property
+    def unseen_clients(self) -> list[int]:
+        """The source's unseen clients."""
+        return self.source.unseen_clients
 
     @property
     def num_clients(self) -> int:
@@ -336,7 +352,15 @@ class LogisticStreamsDataModule(InMemoryFederatedDataModule):
             raise ValueError(f"historical must be in [0, {num_clients}], got {historical}.")
         if not epsilon >= 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
-        g = torch.Generator().manual_seed(seed)
+        super().__init__(None, batch_size=batch_size)
+        self._sizes = (num_clients, historical, historical_samples, fresh_samples, test_samples)
+        self._dim, self._epsilon, self._seed = dim, epsilon, seed
+
+    def read_clients(self):
+        """Draw θ_0, every client's θ_m and its samples, from ``seed``."""
+        num_clients, historical, historical_samples, fresh_samples, test_samples = self._sizes
+        dim, epsilon = self._dim, self._epsilon
+        g = torch.Generator().manual_seed(self._seed)
         theta0 = torch.randn(dim, generator=g)
         clients = []
         for m in range(num_clients):
@@ -345,4 +369,4 @@ class LogisticStreamsDataModule(InMemoryFederatedDataModule):
             x = 2 * torch.rand(size + test_samples, dim, generator=g) - 1
             y = torch.bernoulli(torch.sigmoid(x @ theta), generator=g)
             clients.append({"train": (x[:size], y[:size]), "test": (x[size:], y[size:])})
-        super().__init__(clients, batch_size=batch_size)
+        return clients, None

@@ -11,7 +11,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule
+from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.partition import split_fractions
 
 
@@ -209,12 +209,26 @@ class SyntheticMixtureDataModule(InMemoryFederatedDataModule):
         generator: Generator = "corrected",
         num_test_per_task: int | None = None,
     ) -> None:
-        tasks = generate_mixture_tasks(
-            num_tasks, num_components, dimension, alpha, noise_level, num_test, seed,
-            generator, num_test_per_task,
+        self._args = arguments(locals())
+        super().__init__(None, batch_size, eval_batch_size)
+        self.hold_out(unseen_fraction)
+        self.save_hyperparameters()
+
+    @property
+    def tasks(self):
+        """The generated mixture (its components, weights and every task's data)."""
+        self._data()
+        return self._tasks
+
+    def read_clients(self):
+        """Generate the tasks and split each one's training samples into train and val."""
+        h = self._args
+        self._tasks = tasks = generate_mixture_tasks(
+            h.num_tasks, h.num_components, h.dimension, h.alpha, h.noise_level, h.num_test,
+            h.seed, h.generator, h.num_test_per_task,
         )  # fmt: skip
-        clients = []
-        fractions = (1 - val_fraction, val_fraction)
+        clients, seed = [], h.seed
+        fractions = (1 - h.val_fraction, h.val_fraction)
         for t, (x, y) in enumerate(zip(tasks.features, tasks.labels)):
             n = tasks.train_sizes[t]
             fit, val = split_fractions(np.arange(n), fractions, seed + 31 * t)
@@ -222,7 +236,4 @@ class SyntheticMixtureDataModule(InMemoryFederatedDataModule):
             clients.append(
                 {k: (torch.from_numpy(x[i]), torch.from_numpy(y[i])) for k, i in parts.items()}
             )
-        super().__init__(clients, batch_size, eval_batch_size)
-        self.tasks = tasks
-        self.hold_out(unseen_fraction)
-        self.save_hyperparameters()
+        return clients, None

@@ -35,14 +35,14 @@ def test_reads_official_format_and_splits_every_sample_once(cifar10_root):
 
 def test_checksum_mismatch_names_the_file(cifar10_root):
     with pytest.raises(ChecksumError, match="data_batch_1: md5 is"):
-        CifarDataModule("cifar10", root=str(cifar10_root), num_clients=2)
+        CifarDataModule("cifar10", root=str(cifar10_root), num_clients=2).setup()
 
 
 def test_corrupt_pickle_names_the_file(cifar10_root):
     path = cifar10_root / "cifar-10-batches-py" / "data_batch_2"
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ValueError, match="data_batch_2: not a valid CIFAR pickle batch"):
-        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2).setup()
 
 
 class _Exploit:
@@ -65,16 +65,16 @@ def test_wrong_image_size_and_missing_keys_name_the_file(cifar10_root):
     batch[b"data"] = np.zeros((60, 1024), dtype=np.uint8)
     path.write_bytes(pickle.dumps(batch, protocol=2))
     with pytest.raises(ValueError, match=r"data_batch_3: images must be rows of 3072"):
-        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2).setup()
     del batch[b"labels"]
     path.write_bytes(pickle.dumps(batch, protocol=2))
     with pytest.raises(ValueError, match="data_batch_3: missing key 'labels'"):
-        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2)
+        CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=2).setup()
 
 
 def test_missing_files_say_how_to_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="download=True"):
-        CifarDataModule("cifar10", root=str(tmp_path), num_clients=2)
+        CifarDataModule("cifar10", root=str(tmp_path), num_clients=2).setup()
 
 
 def test_grouped_dirichlet_keeps_each_label_group_together():

@@ -137,3 +137,39 @@ def test_watermark_sets_the_same_ten_pixels_to_the_maximum_for_each_client():
         assert bool((x[:, positions] == 1.0).all())  # the data's maximum (16/16)
         others = np.setdiff1d(np.arange(64), positions)
         assert torch.equal(x[:, others], original[:, others])
+
+
+def test_constructors_store_and_validate_and_setup_reads_the_data_once(monkeypatch, tmp_path):
+    """Lightning's convention (issue 37): a constructor reads no data, so a process that
+    parses a configuration reads no dataset; ``setup`` (or the first use) reads it, once.
+    A missing dataset is named at set-up; an invalid argument still at construction."""
+    from lightning_fl.datamodules import (
+        CifarDataModule,
+        FashionMnistDataModule,
+        FedHeartDiseaseDataModule,
+        LeafDataModule,
+        Purchase100DataModule,
+    )
+    from lightning_fl.datamodules import digits as digits_module
+
+    reads = []
+    original = digits_module.load_digits
+    monkeypatch.setattr(digits_module, "load_digits", lambda: reads.append(1) or original())
+    dm = DigitsDataModule(num_clients=10, unseen_fraction=0.2)
+    assert reads == []
+    dm.setup("fit")
+    dm.setup("test")
+    assert reads == [1]
+    assert dm.num_clients == 10 and dm.unseen_clients == [8, 9]
+    nowhere = str(tmp_path / "nowhere")
+    for missing in (
+        FashionMnistDataModule(root=nowhere),
+        CifarDataModule("cifar10", root=nowhere, num_clients=2),
+        LeafDataModule(nowhere, "femnist"),
+        FedHeartDiseaseDataModule(root=nowhere),
+        Purchase100DataModule(root=nowhere),
+    ):
+        with pytest.raises(FileNotFoundError, match="nowhere"):
+            missing.setup("fit")
+    with pytest.raises(ValueError, match="Unknown partition 'zipf'"):
+        DigitsDataModule(partition="zipf")

@@ -69,4 +69,4 @@ def test_bad_idx_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="truncated"):
         read_idx(bad)
     with pytest.raises(FileNotFoundError, match="download=True"):
-        EmnistDataModule(root=str(tmp_path / "nothing"))
+        EmnistDataModule(root=str(tmp_path / "nothing")).setup()

@@ -66,7 +66,7 @@ def test_a_truncated_file_is_refused(tmp_path):
 
 def test_missing_files_name_the_apt_package_and_the_root_flag(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
-        FashionMnistDataModule(root=str(tmp_path / "nowhere"))
+        FashionMnistDataModule(root=str(tmp_path / "nowhere")).setup()
     message = str(info.value)
     assert "apt-get install dataset-fashion-mnist" in message
     assert "--data.init_args.root" in message
@@ -186,7 +186,7 @@ def test_server_samples_are_held_out_before_the_split():
     assert torch.bincount(labels).tolist() == [6000] * 10
     assert len(set(y.tolist())) == 10
     with pytest.raises(ValueError, match="server_samples must be in"):
-        FashionMnistDataModule(num_clients=10, server_samples=60000)
+        FashionMnistDataModule(num_clients=10, server_samples=60000).setup()
 
 
 @_NEED_REAL
@@ -239,7 +239,7 @@ def test_train_and_test_samples_draw_distinct_real_images_before_the_split():
     with pytest.raises(
         ValueError, match="train_samples: asked for 60001 samples, but there are 60000"
     ):
-        FashionMnistDataModule(num_clients=5, train_samples=60001)
+        FashionMnistDataModule(num_clients=5, train_samples=60001).setup()
 
 
 @_NEED_REAL

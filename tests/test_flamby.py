@@ -116,10 +116,10 @@ def test_checksum_mismatch_and_missing_files_name_the_file(tmp_path):
     with open(tmp_path / "processed.va.data", "a") as handle:
         handle.write("1,1,1,1,1,1,1,1,1,1,1,1,1,1\n")
     with pytest.raises(ChecksumError, match="processed.va.data: sha256 is"):
-        FedHeartDiseaseDataModule(root=str(tmp_path))
+        FedHeartDiseaseDataModule(root=str(tmp_path)).setup()
     (tmp_path / "processed.va.data").unlink()
     with pytest.raises(FileNotFoundError, match="missing processed.va.data.*download=True"):
-        FedHeartDiseaseDataModule(root=str(tmp_path))
+        FedHeartDiseaseDataModule(root=str(tmp_path)).setup()
 
 
 def test_tcga_wrong_columns_names_the_file(tmp_path):
@@ -155,9 +155,11 @@ def test_natural_split_from_a_table_and_from_a_folder(tmp_path):
     x, y = dm.client_dataset(2, "train")[:]
     assert x.shape == (15, 2) and y.dtype == torch.int64
     with pytest.raises(ValueError, match="all.csv: no center column 'site'"):
-        NaturalSplitDataModule(str(tmp_path / "all.csv"), ["label"], center_column="site")
+        NaturalSplitDataModule(str(tmp_path / "all.csv"), ["label"], center_column="site").setup()
     with pytest.raises(ValueError, match="no column 'target'"):
-        NaturalSplitDataModule(str(tmp_path / "all.csv"), ["target"], center_column="hospital")
+        NaturalSplitDataModule(
+            str(tmp_path / "all.csv"), ["target"], center_column="hospital"
+        ).setup()
 
 
 def test_natural_split_refuses_to_normalize_a_center_with_one_training_row(tmp_path):
@@ -165,7 +167,7 @@ def test_natural_split_refuses_to_normalize_a_center_with_one_training_row(tmp_p
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     args = (str(tmp_path / "t.csv"), ["label"])
     with pytest.raises(ValueError, match="center 'b' has 1 training row.*normalize=False"):
-        NaturalSplitDataModule(*args, center_column="site", test_fraction=0.5)
+        NaturalSplitDataModule(*args, center_column="site", test_fraction=0.5).setup()
     dm = NaturalSplitDataModule(*args, center_column="site", test_fraction=0.5, normalize=False)
     assert torch.isfinite(dm.client_dataset(1, "train")[:][0]).all()
 

@@ -115,7 +115,7 @@ def test_malformed_json_names_the_file(tmp_path, mutate, message):
     mutate(content)
     path.write_text(json.dumps(content))
     with pytest.raises(ValueError, match=f"all_train.json: .*{message}"):
-        LeafDataModule(str(tmp_path), "femnist")
+        LeafDataModule(str(tmp_path), "femnist").setup()
 
 
 def test_wrong_image_size_names_the_user(tmp_path):
@@ -129,7 +129,7 @@ def test_not_json_names_the_file(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="broken.json: not a readable LEAF JSON file"):
-        LeafDataModule(str(tmp_path), "femnist")
+        LeafDataModule(str(tmp_path), "femnist").setup()
 
 
 def test_generated_femnist_stand_in_carries_a_learnable_signal(tmp_path):

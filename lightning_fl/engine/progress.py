@@ -42,7 +42,7 @@ class FederatedProgressBar(TQDMProgressBar):
                 first, last = plan.chunks[index][0], plan.chunks[index][-1]
                 metrics["clients"] = f"{first + 1}–{last + 1}/{len(plan.schedule.clients)}"
                 local = plan.chunk_local_steps(index)
-                fused = getattr(strategy, "local_steps_per_training_step", 1) or local
+                fused = strategy.config.local_steps_per_training_step or local
                 low, high = step * fused + 1, min((step + 1) * fused, local)
                 span = f"{low}" if low == high else f"{low}–{high}"
                 metrics["step"] = f"{span}/{local}"
