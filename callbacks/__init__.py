@@ -1,4 +1,26 @@
-"""Algorithms that plug into a federated round (installed as ``lightning_fl.callbacks``)."""
+"""Algorithms that plug into a federated round (installed as ``lightning_fl.callbacks``).
+
+Every plugin is a :class:`FederatedCallback` (the contract, :mod:`lightning_fl.engine.plugins`:
+round hooks and capability flags); exactly one is the :class:`Aggregator` that writes
+θ^{t+1} (:class:`FedAvg` when a run names none). Read by family:
+
+- aggregation: :mod:`.aggregation` (FedAvg and the server optimizers FedAvgM, FedAdam,
+  FedYogi, FedAdagrad), :mod:`.fedprox`, :mod:`.scaffold`, :mod:`.baselines` (Local,
+  Pooled), :mod:`.streams` (historical and fresh clients' weights, the cache discrepancy);
+- personalization: :mod:`.personalized` (FedAvg+, Ditto, APFL, FedRep, pFedMe),
+  :mod:`.fedem` (FedEM mixtures), :mod:`.knn_per` (kNN-Per datastores), :mod:`.clustered`
+  (Clustered FL), :mod:`.gossip` (decentralized averaging over a topology);
+- participation and time: :mod:`.asynchronous` (FedFix, FedBuff on a simulated clock),
+  :mod:`.safari` (server-assisted FedAvg), :mod:`.objective` (the federated objective
+  measured on the training data);
+- privacy and robustness: :mod:`.privacy` (DP-SGD, membership inference, WERM's server
+  reference), :mod:`.unlearning` (SIFU and its baselines; the methods are
+  :mod:`lightning_fl.systems.forgetting`), :mod:`.free_riders` (attacks and their detector);
+- :mod:`.catalog`: the README's table of the main plugins, generated from them.
+
+The papers' mathematics the plugins call lives in :mod:`lightning_fl.systems`; the plugins
+connect it to a round. ``FederatedPlots`` (the run's figures) is :mod:`lightning_fl.plots`'.
+"""
 
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 from lightning_fl.callbacks.asynchronous import AsynchronousFL

@@ -1,4 +1,22 @@
-"""Federated LightningDataModules and partitioners (installed as ``lightning_fl.datamodules``)."""
+"""Federated LightningDataModules and partitioners (installed as ``lightning_fl.datamodules``).
+
+A :class:`FederatedDataModule` gives each client's datasets by split (``client_dataset``),
+the clients' sample counts and the loaders the strategy expands into rounds
+(:mod:`.base`). Constructors store and validate their arguments; data is downloaded in
+``prepare_data`` and read in ``setup`` (or at its first use). By source:
+
+- :mod:`.digits`: the embedded UCI digits (no download), the quickstart's;
+- :mod:`.fashion_mnist`, :mod:`.emnist`, :mod:`.cifar`: image datasets split over clients
+  by the partitions of :mod:`.partition` (Dirichlet, shards, pachinko, one class, SIFU's);
+- :mod:`.leaf`: LEAF's natural per-user splits (FEMNIST, Shakespeare, Sent140, CelebA);
+- :mod:`.flamby`: FLamby's natural per-center splits (Fed-Heart-Disease, Fed-TCGA-BRCA)
+  and any table with a center column;
+- :mod:`.synthetic`: FedEM's synthetic mixture; :mod:`.streaming`: data streams with cache
+  rules over any datamodule, and P1's logistic streams;
+- :mod:`.privacy` and :mod:`.reference`: clients with reference data (WERM, membership
+  inference: Purchase100, Texas100, their CPU variants);
+- :mod:`.download`: checked downloads (SHA-256 or MD5).
+"""
 
 from lightning_fl.datamodules.base import (
     FederatedDataModule,
