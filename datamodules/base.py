@@ -91,6 +91,10 @@ class FederatedLoader:
         yield  # pragma: no cover
 
 
+class SiloError(RuntimeError):
+    """In silo mode, a rank asked for the data of a client that another silo holds."""
+
+
 class FederatedDataModule(pl.LightningDataModule):
     """Base class. Subclasses implement :attr:`num_clients` and :meth:`client_dataset`.
 
@@ -111,10 +115,43 @@ class FederatedDataModule(pl.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self._unseen_fraction = 0.0
         self._unseen: list[int] | None = None
+        #: (rank, world size) in silo mode: this process holds only the clients it owns
+        self.silo: tuple[int, int] | None = None
 
     @property
     def num_clients(self) -> int:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ silo mode
+    def enter_silo(self, rank: int, world_size: int) -> None:
+        """Silo mode (``FederatedStrategy(silos=True)``, called before ``setup``): this
+        process is silo ``rank`` of ``world_size`` and holds only its own clients, those
+        with ``client % world_size == rank``; it opens only their data, and asking for
+        another client's is a :class:`SiloError`."""
+        self.silo = (rank, world_size)
+
+    def owns(self, client: int) -> bool:
+        """Whether this process holds ``client``'s data (always, outside silo mode)."""
+        return self.silo is None or client % self.silo[1] == self.silo[0]
+
+    def local_clients(self) -> list[int]:
+        """The clients whose data this process holds: every client outside silo mode."""
+        return [c for c in range(self.num_clients) if self.owns(c)]
+
+    def check_owned(self, client: int) -> None:
+        """Refuse to open ``client``'s data on a silo that does not hold it."""
+        if not self.owns(client):
+            rank, world_size = self.silo
+            raise SiloError(
+                f"client {client}'s data is held by silo {client % world_size}, not by this "
+                f"one ({rank} of {world_size}): in silo mode a process opens only its own "
+                "clients' data. A plugin that reads every client's data cannot run with "
+                "FederatedStrategy(silos=True); drop it, or set silos=False."
+            )
+
+    def local_sample_counts(self, split: Split = "train") -> dict[int, int]:
+        """Samples in ``split`` of each client this process holds (0 when it has none)."""
+        return {c: _size(self.client_dataset(c, split)) for c in self.local_clients()}
 
     @property
     def unseen_clients(self) -> list[int]:
@@ -169,6 +206,11 @@ class FederatedDataModule(pl.LightningDataModule):
 
     def pooled_dataset(self, split: Split = "train") -> Dataset:
         """The union of the seen clients' data (the centralized baseline)."""
+        if self.silo is not None:
+            raise SiloError(
+                "the pooled dataset is every client's data in one process, which silo mode "
+                "forbids: use silos=False for the centralized baseline."
+            )
         parts = [self.client_dataset(c, split) for c in self.seen_clients()]
         return torch.utils.data.ConcatDataset([d for d in parts if _size(d) > 0])
 
@@ -247,6 +289,7 @@ class InMemoryFederatedDataModule(FederatedDataModule):
         return len(self._clients)
 
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        self.check_owned(client)
         data = self._clients[client].get(split)
         return None if data is None else TensorDataset(*data)
 

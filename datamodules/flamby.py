@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -134,21 +135,35 @@ def read_heart_center(path: str | os.PathLike) -> np.ndarray:
     return np.asarray(table, dtype=np.float64)
 
 
-def heart_disease_tables(root: str | os.PathLike) -> list[dict[str, np.ndarray]]:
-    """FLamby's Fed-Heart-Disease preprocessing, per center (Cleveland, Hungary,
-    Switzerland, VA Long Beach): drop columns 10-12, drop rows with a missing value,
-    binarize the label (> 0 → 1), one-hot encode columns 2 and 6 over the levels of all
-    centers (first level dropped; dummies appended after the other columns), and a 66/34
-    train/test split per center, stratified by label, random_state 43.
+#: The levels of the one-hot encoded columns 2 (chest pain type) and 6 (resting ECG) after
+#: the first, over the four centers' complete rows: the encoding every silo shares, so that
+#: a silo encodes its own file without reading the others (tests check it against the data).
+HEART_LEVELS = {2: (2.0, 3.0, 4.0), 6: (1.0, 2.0)}
+
+
+def heart_disease_tables(
+    root: str | os.PathLike,
+    centers: Sequence[str] = HEART_CENTERS,
+    levels: dict[int, Sequence[float]] | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """FLamby's Fed-Heart-Disease preprocessing, per center of ``centers`` (Cleveland,
+    Hungary, Switzerland, VA Long Beach): drop columns 10-12, drop rows with a missing value,
+    binarize the label (> 0 → 1), one-hot encode columns 2 and 6 over ``levels`` (default:
+    the levels of the centers read, first level dropped, as FLamby; dummies appended after
+    the other columns), and a 66/34 train/test split per center, stratified by label,
+    random_state 43. Opens only the files of ``centers``.
 
     Returns raw (unnormalized) ``x`` (n, 13), ``y`` (n,) and ``train`` (bool mask).
     """
     root = Path(root)
-    centers = []
-    for name in HEART_CENTERS:
+    tables = []
+    for name in centers:
         table = np.delete(read_heart_center(root / f"processed.{name}.data"), [10, 11, 12], axis=1)
-        centers.append(table[~np.isnan(table).any(axis=1)])
-    levels = {c: np.unique(np.concatenate([t[:, c] for t in centers]))[1:] for c in (2, 6)}
+        tables.append(table[~np.isnan(table).any(axis=1)])
+    if levels is None:
+        levels = {c: np.unique(np.concatenate([t[:, c] for t in tables]))[1:] for c in (2, 6)}
+    levels = {c: np.asarray(v, dtype=np.float64) for c, v in levels.items()}
+    centers = tables
     keep = [c for c in range(10) if c not in (2, 6)]
     out = []
     for table in centers:
@@ -197,6 +212,11 @@ class FedHeartDiseaseDataModule(_TabularCenters):
     (centralized baseline) uses the pooled training statistics, as in FLamby. FLamby's
     benchmark: batch size 4, Adam lr 1e-3, logistic regression, accuracy. There is no
     validation split: evaluation is on each center's test set.
+
+    In silo mode (``FederatedStrategy(silos=True)``), process r holds the centers c with
+    c % world_size == r and opens only their files, in ``root`` with ``{rank}`` replaced by
+    r (``root: data/heart/{rank}`` gives each silo its own folder); the one-hot encoding is
+    :data:`HEART_LEVELS`, the same as the four files give.
     """
 
     def __init__(
@@ -212,14 +232,36 @@ class FedHeartDiseaseDataModule(_TabularCenters):
         self.root = Path(root) if root else CACHE / "fed_heart_disease"
         self.save_hyperparameters()
 
+    def _files(self) -> tuple[Path, dict[str, str]]:
+        """The folder and the files (name → SHA-256) this process reads: this silo's, or all
+        four."""
+        if self.silo is None:
+            if "{rank}" in str(self.root):
+                raise ValueError(
+                    f"root {str(self.root)!r} names a folder per silo ({{rank}}): run it with "
+                    "FederatedStrategy(silos=True), or give the folder of the four files."
+                )
+            return self.root, HEART_SHA256
+        names = [HEART_CENTERS[c] for c in range(len(HEART_CENTERS)) if self.owns(c)]
+        files = {f"processed.{name}.data": HEART_SHA256[f"processed.{name}.data"] for name in names}
+        return Path(str(self.root).format(rank=self.silo[0])), files
+
     def prepare_data(self) -> None:
-        """Check the four files, downloading the missing ones with ``download=True``."""
-        _check_files(self.root, HEART_SHA256, HEART_URLS if self._args.download else None)
+        """Check the files, downloading the missing ones with ``download=True``."""
+        root, files = self._files()
+        _check_files(root, files, HEART_URLS if self._args.download else None)
+
+    @property
+    def num_clients(self) -> int:
+        return len(HEART_CENTERS)
 
     def read_centers(self):
         """Read the four tables and normalize each center's features with its own training
-        statistics (the pooled version with the pooled ones)."""
+        statistics (the pooled version with the pooled ones); in silo mode, this silo's
+        tables only (no pooled version)."""
         self.prepare_data()
+        if self.silo is not None:
+            return self._read_silo(), {}
         normalize, clients = self._args.normalize, []
         tables = heart_disease_tables(self.root)
         pooled_train = np.concatenate([t["x"][t["train"]] for t in tables])
@@ -236,6 +278,21 @@ class FedHeartDiseaseDataModule(_TabularCenters):
                 pooled[split].append((torch.from_numpy(xp).float(), y))
             clients.append(center)
         return clients, {s: tuple(torch.cat(v) for v in zip(*p)) for s, p in pooled.items()}
+
+    def _read_silo(self) -> list[ClientTensors]:
+        """This silo's centers, each normalized with its own training statistics; the other
+        centers' entries are empty (their data is not here)."""
+        root, _ = self._files()
+        mine = [c for c in range(len(HEART_CENTERS)) if self.owns(c)]
+        tables = heart_disease_tables(root, [HEART_CENTERS[c] for c in mine], HEART_LEVELS)
+        clients: list[ClientTensors] = [{} for _ in HEART_CENTERS]
+        for c, t in zip(mine, tables):
+            train_x = t["x"][t["train"]]
+            for split, mask in (("train", t["train"]), ("test", ~t["train"])):
+                x = _normalize(t["x"][mask], train_x) if self._args.normalize else t["x"][mask]
+                y = torch.from_numpy(t["y"][mask]).float()
+                clients[c][split] = (torch.from_numpy(x).float(), y)
+        return clients
 
 
 # ----------------------------------------------------------------------------- Fed-TCGA-BRCA

@@ -200,6 +200,7 @@ class LeafDataModule(FederatedDataModule):
         return len(self.users)
 
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        self.check_owned(client)
         raw = self._raw[client][split]
         if not raw["y"]:
             return None

@@ -174,6 +174,7 @@ class ReferenceDataModule(FederatedDataModule):
         return len(self._clients)
 
     def client_dataset(self, client: int, split: Split) -> Dataset | None:
+        self.check_owned(client)
         data = self._clients[client]
         if split == "train" and self.reference == "client" and len(data["reference"]):
             return WERMDataset(data["train"], data["reference"])

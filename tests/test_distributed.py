@@ -297,7 +297,7 @@ def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=
     fit = SimpleNamespace(  # the fields of a FitContext that the planner's ranks read
         ranks=Ranks(world_size, 0),
         plugins=Plugins(tuple(callbacks), callbacks[0], FullParticipation()),
-        config=SimpleNamespace(keep_optimizer_state=keep_optimizer_state),
+        config=SimpleNamespace(keep_optimizer_state=keep_optimizer_state, silos=False),
         datamodule=datamodule or tiny_datamodule(),
     )
     return RoundPlanner(fit)
@@ -345,7 +345,7 @@ def test_ranks_pad_to_the_same_number_of_fused_training_steps():
     from lightning_fl.engine.planning import PADDING, RoundPlanner
 
     config = SimpleNamespace(
-        vectorize=True, max_vectorized_clients=2, local_steps_per_training_step=3
+        vectorize=True, max_vectorized_clients=2, local_steps_per_training_step=3, silos=False
     )
     planner = RoundPlanner(SimpleNamespace(config=config))
     per_rank = [[5, 7, 2], [9]]

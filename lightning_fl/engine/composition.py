@@ -68,6 +68,14 @@ class Refusal:
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal(
+        "silos",
+        ("Pooled", "StreamingDataModule"),
+        "silo mode keeps each client's data in its own process: the pooled baseline trains on "
+        "every client's data in one process, and a stream's schedule is decided over every "
+        "client's arrival window",
+        "set silos=False for this run",
+    ),
+    Refusal(
         "GossipAveraging",
         (*PARTIAL_SAMPLERS, "Unlearning"),
         "gossip mixes every client's model with its neighbours' in every round, over a "
@@ -160,7 +168,11 @@ REFUSALS: tuple[Refusal, ...] = (
 
 
 def plugin_names(
-    trainer: pl.Trainer, sampler: ClientSampler, vectorize: bool, world_size: int
+    trainer: pl.Trainer,
+    sampler: ClientSampler,
+    vectorize: bool,
+    world_size: int,
+    silos: bool = False,
 ) -> dict[str, str]:
     """Every class name (along the MRO) of the run's plugins (the Trainer's callbacks,
     datamodule and module, and ``sampler`` with the samplers it wraps), mapped to the name
@@ -187,15 +199,21 @@ def plugin_names(
         names["vectorize"] = "FederatedStrategy(vectorize=True)"
     if world_size > 1:
         names["2 processes"] = f"{world_size} processes"
+    if silos:
+        names["silos"] = "FederatedStrategy(silos=True)"
     return names
 
 
 def check(
-    trainer: pl.Trainer, sampler: ClientSampler, vectorize: bool = False, world_size: int = 1
+    trainer: pl.Trainer,
+    sampler: ClientSampler,
+    vectorize: bool = False,
+    world_size: int = 1,
+    silos: bool = False,
 ) -> None:
     """Refuse the run's first incompatible pair of plugins (see :data:`REFUSALS`) and
     callbacks or samplers whose needs the module does not meet."""
-    names = plugin_names(trainer, sampler, vectorize, world_size)
+    names = plugin_names(trainer, sampler, vectorize, world_size, silos)
     for rule in REFUSALS:
         if rule.first not in names:
             continue

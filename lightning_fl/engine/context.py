@@ -51,6 +51,9 @@ class FederatedConfig:
     max_vectorized_clients: int | None
     local_steps_per_training_step: int | None
     allow_new_federation: bool
+    #: silo mode: client c lives on rank c % world_size for the whole run, and each rank
+    #: opens only its own clients' data
+    silos: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,63 @@ class Ranks:
 class Federation:
     """The clients of a fit: the datamodule and every client's training sample count, read
     from it once (``sample_counts("train")``, unseen clients counting 0). ``require_data``:
-    refuse a federation without any training data (a fit's)."""
+    refuse a federation without any training data (a fit's).
 
-    def __init__(self, datamodule: FederatedDataModule, require_data: bool = True) -> None:
+    In silo mode (the datamodule's ``silo`` is set) each rank reads only its own clients'
+    counts, and one ``all_gather_object`` at set-up shares every silo's: its clients'
+    training and validation sample counts and training batches per pass (what the rounds
+    are planned from). Nothing else about a client crosses ranks."""
+
+    def __init__(
+        self,
+        datamodule: FederatedDataModule,
+        require_data: bool = True,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.datamodule = datamodule
-        counts = client_training_counts(datamodule, require_data)
+        #: in silo mode, every client's training batches per pass over its data
+        self.batches_per_pass: tuple[int, ...] | None = None
+        self._validation_counts: list[int] | None = None
+        if datamodule.silo is None:
+            counts = client_training_counts(datamodule, require_data)
+        else:
+            counts = self._gather_silos(ranks or Ranks(1, 0), require_data)
         self.training_counts: tuple[int, ...] = tuple(counts)
 
     @property
     def num_clients(self) -> int:
         return self.datamodule.num_clients
+
+    def has_validation_data(self) -> bool:
+        """Whether any client has a validation split."""
+        if self._validation_counts is None:
+            self._validation_counts = self.datamodule.sample_counts("val")
+        return any(self._validation_counts)
+
+    def _gather_silos(self, ranks: Ranks, require_data: bool) -> list[int]:
+        """Every silo's counts (one collective), as the lists of all clients."""
+        dm = self.datamodule
+        train = dm.local_sample_counts("train")
+        batches = {c: len(dm.client_dataloader(dm.client_dataset(c, "train"), "train"))
+                   if n else 0 for c, n in train.items()}  # fmt: skip
+        local = {"train": train, "val": dm.local_sample_counts("val"), "batches": batches}
+        parts = [local]
+        if ranks.distributed:
+            parts = [None] * ranks.world_size
+            dist.all_gather_object(parts, local)
+        every = {k: {c: n for part in parts for c, n in part[k].items()} for k in local}
+        n = dm.num_clients
+        counts = [every["train"].get(c, 0) for c in range(n)]
+        for c in dm.unseen_clients:
+            counts[c] = 0
+        if require_data and sum(counts) == 0:
+            raise ValueError(
+                "Every silo's clients have an empty training set: there is nothing to train "
+                "on. Check each silo's data folder."
+            )
+        self._validation_counts = [every["val"].get(c, 0) for c in range(n)]
+        self.batches_per_pass = tuple(every["batches"].get(c, 0) for c in range(n))
+        return counts
 
     def identity(self) -> dict[str, Any]:
         """What identifies the federation a checkpoint belongs to: the datamodule's class,

@@ -50,7 +50,7 @@ class CheckpointReadError(RuntimeError):
 def federated_state_dict(fit: FitContext, engine: RoundEngine) -> dict[str, Any]:
     """The federated state of a fit, with every rank's clients."""
     store = fit.store.state_dict()
-    if fit.ranks.distributed:  # every rank's clients, in one file
+    if fit.ranks.distributed and not fit.config.silos:  # every rank's clients, in one file
         parts: list[Any] = [None] * fit.ranks.world_size
         dist.all_gather_object(
             parts, {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}

@@ -92,7 +92,8 @@ class RoundPlanner:
         # participant's batch count depend on its loader's length. Vectorized clients
         # whose data is packed on the device need none: their chunks draw by index.
         built: dict[int, DataLoader | None] = {}
-        if config.local_steps is None and fit.packed is None:
+        silos = fit.federation.batches_per_pass is not None
+        if config.local_steps is None and fit.packed is None and not silos:
             built = {i: self._loader(c, round_idx) for i, c in enumerate(clients)}
         batches = self._num_batches(clients, built, round_idx)
         ranks = self.ranks(clients, batches)
@@ -167,6 +168,8 @@ class RoundPlanner:
         per-client state keeps all of it in the client store (``client_state_in_store``:
         it moves with the client; so does a kept optimizer state), and the datamodule has
         no per-client stream state (``set_round``)."""
+        if self.fit.config.silos:
+            return False  # a client never leaves its silo
         if self._balanced is None:
             fixed = [cb for cb in self.fit.plugins.callbacks
                      if cb.keeps_client_state and not cb.client_state_in_store]  # fmt: skip
@@ -271,6 +274,9 @@ class RoundPlanner:
         config, packed = self.fit.config, self.fit.packed
         if config.local_steps is not None:
             return [1 if c == SERVER_CLIENT else config.local_steps for c in clients]
+        per_pass = self.fit.federation.batches_per_pass
+        if per_pass is not None:  # silo mode: from every silo's counts, no other's loader
+            return [1 if c == SERVER_CLIENT else config.local_epochs * per_pass[c] for c in clients]
         if packed is not None and (not clients or min(clients) >= 0):
             per_pass = packed.num_batches_per_pass(clients)
             return (config.local_epochs * per_pass).tolist()

@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
+from lightning_fl.engine import silo_checkpoints
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Plugins, Ranks
@@ -122,6 +123,14 @@ class FederatedStrategy(DDPStrategy):
             datamodule's class, number of clients, per-client training counts, partition
             seed) differs from this run's; the stored state of clients that no longer
             exist is dropped. Default: refuse, with :class:`FederationMismatchError`.
+        silos: silo mode, for a deployment across institutions (README, "Deploying across
+            silos"): client c lives on rank c % world_size for the whole run (no balancing
+            of participants across ranks), each rank's datamodule opens only its own
+            clients' data (``FederatedDataModule.enter_silo``), their sample counts are
+            shared with one collective at set-up, and checkpoints keep each silo's client
+            state in its own shard (:mod:`lightning_fl.engine.silo_checkpoints`). What
+            crosses ranks is the round's summed update, the metrics and the global part of
+            checkpoints.
         enable_plots: install :class:`~lightning_fl.callbacks.FederatedPlots` (the
             participation and per-client figures in the run's folder) unless the Trainer
             already has one.
@@ -162,6 +171,7 @@ class FederatedStrategy(DDPStrategy):
         max_vectorized_clients: int | None = None,
         local_steps_per_training_step: int | None = 1,
         allow_new_federation: bool = False,
+        silos: bool = False,
         enable_plots: bool = True,
         data_on_device: bool | Literal["auto"] = "auto",
     ) -> None:
@@ -206,6 +216,7 @@ class FederatedStrategy(DDPStrategy):
             max_vectorized_clients=max_vectorized_clients,
             local_steps_per_training_step=local_steps_per_training_step,
             allow_new_federation=allow_new_federation,
+            silos=silos,
         )
         self.num_threads = num_threads
         self.enable_plots = enable_plots
@@ -319,6 +330,16 @@ class FederatedStrategy(DDPStrategy):
         else:
             super().setup_distributed()
 
+    def setup_environment(self) -> None:
+        """Lightning's (the process group), then, in silo mode, the datamodule learns which
+        silo this process is, before Lightning calls its ``prepare_data`` and ``setup``."""
+        super().setup_environment()
+        if self.config.silos:
+            datamodule = self.lightning_module.trainer.datamodule
+            if not isinstance(datamodule, FederatedDataModule):
+                _check_trainer(self.lightning_module.trainer)
+            datamodule.enter_silo(self.global_rank, self.world_size)
+
     def configure_ddp(self) -> None:
         """Never wrap the model in DistributedDataParallel: ranks train different clients."""
 
@@ -384,11 +405,13 @@ class FederatedStrategy(DDPStrategy):
         sampler = self.sampler
         for cb in self.federated_callbacks:
             sampler = cb.wrap_sampler(sampler)
-        composition.check(trainer, sampler, self.config.vectorize, self.world_size)
+        composition.check(
+            trainer, sampler, self.config.vectorize, self.world_size, self.config.silos
+        )
         plugins = Plugins(tuple(self.federated_callbacks), aggregator, sampler)
         federation, packed = self._federation(trainer.datamodule, fitting)
         if fitting:
-            self._skip_validation_without_data(trainer)
+            self._skip_validation_without_data(trainer, federation)
             packed = self._pack_federation(trainer, federation.training_counts)
             if not aggregator.pools_clients:
                 sampler.check(sum(1 for n in federation.training_counts if n > 0))
@@ -429,13 +452,14 @@ class FederatedStrategy(DDPStrategy):
         last = self.fit
         if not fitting and last is not None and last.datamodule is datamodule:
             return last.federation, last.packed
-        return Federation(datamodule, require_data=fitting), None
+        ranks = Ranks(self.world_size, self.global_rank)
+        return Federation(datamodule, require_data=fitting, ranks=ranks), None
 
     @staticmethod
-    def _skip_validation_without_data(trainer: pl.Trainer) -> None:
+    def _skip_validation_without_data(trainer: pl.Trainer, federation: Federation) -> None:
         """No client has a validation split: no validation loop (instead of Lightning's
         "Total length of `EvalRounds` across ranks is zero")."""
-        if trainer.limit_val_batches != 0 and not any(trainer.datamodule.sample_counts("val")):
+        if trainer.limit_val_batches != 0 and not federation.has_validation_data():
             rank_zero_info("No client has validation data: validation is skipped.")
             trainer.limit_val_batches = 0
 
@@ -476,6 +500,9 @@ class FederatedStrategy(DDPStrategy):
         if wanted == "auto":
             wanted = self.config.vectorize or self.root_device.type != "cpu"
         if not wanted or self.aggregator.pools_clients:
+            return None
+        if self.config.silos:  # packing reads every client's data
+            rank_zero_info("lightning_fl: silo mode: the training data stays with its silo.")
             return None
         packed, reason = pack_federation(trainer.datamodule, list(counts), self.root_device)
         if packed is None:
@@ -579,14 +606,41 @@ class FederatedStrategy(DDPStrategy):
         return self.evaluation.step(super().test_step, args, kwargs)
 
     # ------------------------------------------------------------------ checkpoint I/O
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """Lightning's saving (rank 0 writes the file); in silo mode every rank first
+        writes its own clients' store to its shard beside it."""
+        if self.config.silos and silo_checkpoints.DRIVER_KEY in checkpoint.get("callbacks", {}):
+            shard = silo_checkpoints.split_off_shard(checkpoint, self.global_rank, self.world_size)
+            path = silo_checkpoints.shard_path(filepath, self.global_rank, self.world_size)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            torch.save(shard, path)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal (rank 0); in silo mode every rank removes its shard."""
+        if self.config.silos:
+            path = silo_checkpoints.shard_path(filepath, self.global_rank, self.world_size)
+            if os.path.exists(path):
+                os.remove(path)
+        super().remove_checkpoint(filepath)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
-        """Lightning's loading, with errors that name the file."""
+        """Lightning's loading, with errors that name the file; in silo mode each rank
+        adds its own shard (:mod:`lightning_fl.engine.silo_checkpoints`)."""
         try:
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
             raise
         except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
             raise CheckpointReadError.of(checkpoint_path, err) from err
+        if self.config.silos:
+            return silo_checkpoints.merge_shard(
+                checkpoint, checkpoint_path, self.global_rank, self.world_size
+            )
+        silo_checkpoints.check_not_sharded(checkpoint, checkpoint_path)
+        return checkpoint
 
 
 def _check_arguments(

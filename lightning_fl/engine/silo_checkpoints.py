@@ -1,0 +1,81 @@
+"""Sharded federated checkpoints of silo mode (``FederatedStrategy(silos=True)``).
+
+Outside silo mode a checkpoint gathers every rank's client store into rank 0's file. In
+silo mode a silo's private state (its clients' personal models, control variates,
+mixture weights, kept optimizer states: the client store) never leaves it: rank 0's file
+holds the global part (the model, the optimizer and server state, the round, the sampler's
+state, every callback's server-side state) and each rank writes its own clients' store
+beside it, ``<checkpoint>.silo<rank>-of-<world size>``. On resume each rank reads the
+global file and its own shard; a missing shard, or a run on another number of silos, is
+refused with the file it needs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+#: Where a checkpoint's federated state lives (the round driver's callback state).
+DRIVER_KEY = "_RoundDriver"
+
+
+class SiloCheckpointError(RuntimeError):
+    """A silo cannot resume: its shard is missing, or the checkpoint is of another layout."""
+
+
+def shard_path(filepath: str | os.PathLike, rank: int, world_size: int) -> str:
+    """The file beside ``filepath`` that holds silo ``rank``'s client store."""
+    return f"{os.fspath(filepath)}.silo{rank}-of-{world_size}"
+
+
+def split_off_shard(checkpoint: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Take this silo's client store out of ``checkpoint`` (which keeps an empty store and
+    the number of silos) and return the shard to write beside it."""
+    state = checkpoint["callbacks"][DRIVER_KEY]
+    shard = {"client_store": state["client_store"], "rank": rank, "world_size": world_size}
+    state["client_store"] = {}
+    state["silos"] = world_size
+    return shard
+
+
+def merge_shard(
+    checkpoint: dict[str, Any], filepath: str | os.PathLike, rank: int, world_size: int
+) -> dict[str, Any]:
+    """Put silo ``rank``'s shard of ``filepath`` back into its loaded ``checkpoint``."""
+    state = checkpoint.get("callbacks", {}).get(DRIVER_KEY)
+    if state is None:
+        return checkpoint
+    saved = state.get("silos")
+    if saved is None:
+        raise SiloCheckpointError(
+            f"{filepath}: made without silo mode (one file with every client's state): "
+            "resume it with FederatedStrategy(silos=False), or start the silo run anew."
+        )
+    if saved != world_size:
+        raise SiloCheckpointError(
+            f"{filepath}: made by {saved} silos, resumed by {world_size}: each silo restores "
+            f"its own clients' state, so resume with {saved} processes."
+        )
+    path = shard_path(filepath, rank, world_size)
+    if not os.path.exists(path):
+        raise SiloCheckpointError(
+            f"{path} is missing: silo {rank} restores its clients' state from it (it never "
+            "leaves the silo). Copy it back beside the checkpoint, or resume from a "
+            "checkpoint whose shards every silo has."
+        )
+    shard = torch.load(path, map_location="cpu", weights_only=True)
+    state["client_store"] = shard["client_store"]
+    return checkpoint
+
+
+def check_not_sharded(checkpoint: dict[str, Any], filepath: str | os.PathLike) -> None:
+    """Refuse to resume a silo checkpoint outside silo mode: its clients' state is in
+    shards that one process cannot read."""
+    state = checkpoint.get("callbacks", {}).get(DRIVER_KEY) or {}
+    if state.get("silos"):
+        raise SiloCheckpointError(
+            f"{filepath}: made by {state['silos']} silos, whose clients' state is in their "
+            "own shards: resume it with FederatedStrategy(silos=True) on as many processes."
+        )

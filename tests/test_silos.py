@@ -1,0 +1,149 @@
+"""Silo mode (issue 36): each rank a silo that opens only its own clients' data, shares
+their sample counts once, and keeps their state in its own checkpoint shard.
+
+The 4-silo Fed-Heart-Disease recipe runs as 4 gloo processes with an open-file audit
+(tests/silo_audit.py): every rank opened its own center's file and no other, and the
+model equals the 1-process simulation's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import FederatedStrategy
+from lightning_fl.callbacks import SCAFFOLD, FedAvg, Pooled
+from lightning_fl.datamodules import DigitsDataModule, FedHeartDiseaseDataModule
+from lightning_fl.datamodules.base import SiloError
+from lightning_fl.datamodules.flamby import HEART_CENTERS, HEART_LEVELS, heart_disease_tables
+from lightning_fl.engine import silo_checkpoints
+from lightning_fl.engine.composition import CompositionError
+from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
+from tests.recipes_distributed import run_file
+
+ROOT = Path(__file__).resolve().parents[1]
+HEART = ROOT.parent / "shared" / "data" / "fed_heart_disease"
+needs_heart = pytest.mark.skipif(not HEART.exists(), reason=f"real data not found at {HEART}")
+
+
+def test_a_silo_opens_only_its_own_clients_and_says_whose_the_others_are():
+    dm = DigitsDataModule(num_clients=6)
+    dm.enter_silo(1, 4)
+    assert dm.local_clients() == [1, 5]
+    assert len(dm.client_dataset(5, "train")) > 0
+    with pytest.raises(SiloError, match="client 2's data is held by silo 2, not by this one"):
+        dm.client_dataset(2, "train")
+    with pytest.raises(SiloError, match="pooled dataset"):
+        dm.pooled_dataset()
+    assert set(dm.local_sample_counts("train")) == {1, 5}
+
+
+@needs_heart
+def test_the_shared_heart_encoding_is_the_one_the_four_files_give(tmp_path):
+    """A silo encodes its own file with HEART_LEVELS; FLamby's levels come from the four
+    files: they agree, so silo and simulation see the same features. A silo reads only
+    its own file: its folder holds nothing else."""
+    computed = heart_disease_tables(HEART)
+    shared = heart_disease_tables(HEART, levels=HEART_LEVELS)
+    assert all((a["x"] == b["x"]).all() for a, b in zip(computed, shared))
+    (tmp_path / "2").mkdir()
+    shutil.copy(HEART / "processed.switzerland.data", tmp_path / "2")
+    dm = FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}"))
+    dm.enter_silo(2, 4)
+    dm.setup("fit")
+    whole = FedHeartDiseaseDataModule(root=str(HEART))
+    for split in ("train", "test"):
+        assert torch.equal(dm.client_dataset(2, split).tensors[0],
+                           whole.client_dataset(2, split).tensors[0])  # fmt: skip
+    with pytest.raises(ValueError, match=r"names a folder per silo \(\{rank\}\)"):
+        FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}")).setup("fit")
+
+
+def test_silo_mode_refuses_the_pooled_baseline_naming_both():
+    trainer = make_trainer(FederatedStrategy(silos=True, local_steps=1), 1, [Pooled()])
+    with pytest.raises(CompositionError, match=r"silos=True\) cannot be combined with Pooled"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+
+
+def _silo_fit(rounds: int, dirpath: Path, ckpt_path: str | None = None):
+    strategy = FederatedStrategy(silos=True, local_steps=2, seed=3)
+    checkpoint = ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=0)
+    trainer = make_trainer(strategy, rounds, [SCAFFOLD(), FedAvg(), checkpoint],
+                           enable_checkpointing=True)  # fmt: skip
+    module = tiny_module()
+    trainer.fit(module, datamodule=tiny_datamodule(), ckpt_path=ckpt_path, weights_only=True)
+    return module
+
+
+def test_a_silo_checkpoint_keeps_client_state_in_its_shard_and_resumes_exactly(tmp_path):
+    """SCAFFOLD's control variates c_i (client state) go to the silo's shard, not to the
+    global file; resuming round 3 of 4 from them equals the run that never stopped; a
+    missing shard, another number of silos and a resume outside silo mode are refused
+    naming the file."""
+    straight = _silo_fit(4, tmp_path / "straight")
+    _silo_fit(3, tmp_path / "first")
+    last = tmp_path / "first" / "last.ckpt"
+    shard = Path(silo_checkpoints.shard_path(last, 0, 1))
+    saved = torch.load(last, weights_only=True)["callbacks"]["_RoundDriver"]
+    assert saved["client_store"] == {} and saved["silos"] == 1
+    assert sorted(torch.load(shard, weights_only=True)["client_store"]) == list(range(10))
+    resumed = _silo_fit(4, tmp_path / "resumed", ckpt_path=str(last))
+    assert max_abs_diff(params_of(straight), params_of(resumed)) == 0.0
+    checkpoint = torch.load(last, weights_only=True)
+    with pytest.raises(silo_checkpoints.SiloCheckpointError, match="made by 1 silos, resumed by 2"):
+        silo_checkpoints.merge_shard(checkpoint, last, 0, 2)
+    with pytest.raises(silo_checkpoints.SiloCheckpointError, match="silos=True"):
+        silo_checkpoints.check_not_sharded(checkpoint, last)
+    shard.unlink()
+    with pytest.raises(silo_checkpoints.SiloCheckpointError, match=f"{shard.name} is missing"):
+        silo_checkpoints.merge_shard(checkpoint, last, 0, 1)
+
+
+@needs_heart
+def test_four_silos_open_only_their_own_file_and_equal_one_process(tmp_path):
+    """The recipe on 4 gloo processes, the four files in one folder: the audit shows each
+    rank opened exactly its own center's file; each shard holds its own client's SCAFFOLD
+    state and the global file none; the model equals the 1-process simulation's."""
+    data, out = tmp_path / "data", tmp_path / "audit"
+    data.mkdir()
+    out.mkdir()
+    for name in HEART_CENTERS:
+        shutil.copy(HEART / f"processed.{name}.data", data)
+    recipe = str(ROOT / "recipes" / "flamby" / "heart_silos.yaml")
+    common = ["--config", recipe, "--trainer.max_epochs", "3", "--data.init_args.root", str(data),
+              "--trainer.enable_progress_bar", "false", "--test_after_fit", "false"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    silos = tmp_path / "silos"
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.silo_audit", str(data), str(out), "--", "fit", *common,
+         "--trainer.default_root_dir", str(silos), "--trainer.logger.init_args.save_dir",
+         str(silos)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank, name in enumerate(HEART_CENTERS):
+        opened = json.loads((out / f"opened_rank{rank}.json").read_text())
+        assert opened == [str((data / f"processed.{name}.data").resolve())], (rank, opened)
+    last = run_file(silos, "last.ckpt")
+    assert torch.load(last, weights_only=True)["callbacks"]["_RoundDriver"]["client_store"] == {}
+    for rank in range(4):
+        shard = torch.load(silo_checkpoints.shard_path(last, rank, 4), weights_only=True)
+        assert list(shard["client_store"]) == [rank]
+    one = tmp_path / "one"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", *common, "--trainer.devices", "1",
+         "--trainer.strategy.init_args.silos", "false", "--trainer.default_root_dir", str(one),
+         "--trainer.logger.init_args.save_dir", str(one)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = torch.load(last, weights_only=True)["state_dict"]
+    b = torch.load(run_file(one, "last.ckpt"), weights_only=True)["state_dict"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
