@@ -117,7 +117,7 @@ def test_digits_server_samples_are_held_out_before_the_split():
     assert clients == 1797 - 100
     assert DigitsDataModule(num_clients=10, partition="iid", seed=0).server_dataset() is None
     with pytest.raises(ValueError, match="server_samples must be in"):
-        DigitsDataModule(server_samples=5000)
+        DigitsDataModule(server_samples=5000).setup()
 
 
 def test_safari_recipe_runs_and_mixes_server_rounds(tmp_path):

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy
@@ -327,6 +328,13 @@ class FederatedStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if self._single_process and not dist.is_initialized():
             self.set_world_ranks()
+        elif (store := _restarted_worker_store(self.world_size, self._timeout)) is not None:
+            self.set_world_ranks()  # Lightning's set-up, with a store of this attempt's own
+            self._process_group_backend = self._get_process_group_backend()
+            _init_dist_connection(
+                self.cluster_environment, self._process_group_backend, store=store,
+                timeout=self._timeout,
+            )  # fmt: skip
         else:
             super().setup_distributed()
 
@@ -641,6 +649,22 @@ class FederatedStrategy(DDPStrategy):
             )
         silo_checkpoints.check_not_sharded(checkpoint, checkpoint_path)
         return checkpoint
+
+
+def _restarted_worker_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, the workers' process group meets in the agent's store, which
+    outlives a restart: the keys of the failed attempt's group (every rank's address) are
+    still there, and a restarted worker would read a dead rank's address ("Connection
+    refused"). This attempt's keys get a prefix of its own (``TORCHELASTIC_RESTART_COUNT``);
+    None outside a restarted torchrun worker."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout,
+    )  # fmt: skip
+    return dist.PrefixStore(f"/lightning_fl/attempt_{attempt}", agent)
 
 
 def _check_arguments(
