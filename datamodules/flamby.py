@@ -369,6 +369,12 @@ class FedTcgaBrcaDataModule(_TabularCenters):
 
     def read_centers(self):
         """Read the table and FLamby's split into the 6 regions' and the pooled tensors."""
+        if self.silo is not None:
+            raise ValueError(
+                "Fed-TCGA-BRCA ships one table of every region, which no silo may hold: "
+                "split it into one CSV per region and read them with "
+                "NaturalSplitDataModule(path=..., centers=[...]) in silo mode."
+            )
         self.prepare_data()
         tables = tcga_brca_tables(self.root)
 
@@ -397,6 +403,10 @@ class NaturalSplitDataModule(_TabularCenters):
             is one column of labels).
         normalize: standardize features with each center's training statistics (mean and
             unbiased std, as FLamby); a center needs at least 2 training rows for that.
+        centers: every center's name, in the clients' order (default: the names found,
+            sorted). Needed in silo mode (``FederatedStrategy(silos=True)``), where process
+            r holds the centers c with c % world_size == r and reads only their files,
+            ``<path>/<name>.csv``, with ``{rank}`` in ``path`` replaced by r.
     """
 
     def __init__(
@@ -410,8 +420,10 @@ class NaturalSplitDataModule(_TabularCenters):
         seed: int = 0,
         batch_size: int = 32,
         eval_batch_size: int | None = 1024,
+        centers: list[str] | None = None,
     ) -> None:
         super().__init__(batch_size, eval_batch_size)
+        self.centers = None if centers is None else list(centers)
         if not 0 < test_fraction < 1:
             raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}.")
         self.path, self.target_columns, self.center_column = (
@@ -429,53 +441,94 @@ class NaturalSplitDataModule(_TabularCenters):
         self._data()
         return self._center_names
 
+    @property
+    def num_clients(self) -> int:
+        return len(self.centers) if self.centers is not None else len(self._clients)
+
     def read_centers(self):
-        """Read the table(s), one client per center, and split and normalize each one."""
-        target_columns, center_column = self.target_columns, self.center_column
-        feature_columns, test_fraction = self.feature_columns, self.test_fraction
-        normalize, seed = self.normalize, self.seed
-        groups = self._read(self.path, center_column)
-        self._center_names = sorted(groups)
+        """Read the table(s), one client per center, and split and normalize each one; in
+        silo mode, this silo's centers' files only (no pooled version)."""
+        if self.silo is not None:
+            return self._read_silo(), {}
+        groups = self._read(self.path, self.center_column)
+        names = sorted(groups) if self.centers is None else self.centers
+        if set(names) != set(groups):
+            raise ValueError(
+                f"{self.path}: centers {sorted(groups)} found, {sorted(names)} named in "
+                "centers: name every center once."
+            )
+        self._center_names = list(names)
         pooled: dict[str, list] = {"train": [], "test": []}
         clients = []
         for name in self._center_names:
-            header, rows, source = groups[name]
-            for col in [*target_columns, *(feature_columns or [])]:
-                if col not in header:
-                    raise ValueError(f"{source}: no column {col!r}; columns are {header}.")
-            features = feature_columns or [
-                h for h in header if h not in target_columns and h != center_column
-            ]
-            try:
-                x = np.asarray([[float(r[header.index(c)]) for c in features] for r in rows])
-                y = np.asarray([[float(r[header.index(c)]) for c in target_columns] for r in rows])
-            except ValueError as err:
-                raise ValueError(f"{source}: non-numeric value ({err}).") from err
-            labels = y[:, 0].astype(np.int64) if y.shape[1] == 1 else None
-            stratify = (
-                labels
-                if labels is not None and min(np.bincount(labels - labels.min())) > 2
-                else None
-            )
-            train_idx, test_idx = train_test_indices(stratify, len(rows), 1 - test_fraction, seed)
-            if normalize and len(train_idx) < 2:
-                raise ValueError(
-                    f"{source}: center {name!r} has {len(train_idx)} training row(s); "
-                    "per-center normalization needs at least 2 to estimate a std. Add rows, "
-                    "merge the center with another, or set normalize=False."
-                )
-            center = {}
-            for split, idx in (("train", train_idx), ("test", test_idx)):
-                xs = _normalize(x[idx], x[train_idx]) if normalize else x[idx]
-                ys = (
-                    torch.from_numpy(labels[idx])
-                    if labels is not None
-                    else torch.from_numpy(y[idx]).float()
-                )
-                center[split] = (torch.from_numpy(xs).float(), ys)
+            center = self._center(name, *groups[name])
+            for split in ("train", "test"):
                 pooled[split].append(center[split])
             clients.append(center)
         return clients, {s: tuple(torch.cat(v) for v in zip(*p)) for s, p in pooled.items()}
+
+    def _read_silo(self) -> list[ClientTensors]:
+        """This silo's centers, each from its own file; the others' entries stay empty."""
+        if self.centers is None:
+            raise ValueError(
+                "NaturalSplitDataModule in silo mode needs centers=[...]: every center's "
+                "name in the clients' order, the same list on every silo."
+            )
+        folder = Path(str(self.path).format(rank=self.silo[0]))
+        if not folder.is_dir():
+            raise ValueError(
+                f"{folder}: in silo mode path is the folder of this silo's center files "
+                "(<name>.csv), not one table of every center."
+            )
+        self._center_names = list(self.centers)
+        clients: list[ClientTensors] = [{} for _ in self.centers]
+        for c, name in enumerate(self.centers):
+            if self.owns(c):
+                source = folder / f"{name}.csv"
+                rows = _read_csv_rows(source)
+                clients[c] = self._center(name, rows[0], rows[1:], source)
+        return clients
+
+    def _center(
+        self, name: str, header: list[str], rows: list[list[str]], source: Path
+    ) -> ClientTensors:
+        """One center's rows as train and test tensors, normalized with its training
+        statistics."""
+        target_columns, center_column = self.target_columns, self.center_column
+        feature_columns, test_fraction = self.feature_columns, self.test_fraction
+        normalize, seed = self.normalize, self.seed
+        for col in [*target_columns, *(feature_columns or [])]:
+            if col not in header:
+                raise ValueError(f"{source}: no column {col!r}; columns are {header}.")
+        features = feature_columns or [
+            h for h in header if h not in target_columns and h != center_column
+        ]
+        try:
+            x = np.asarray([[float(r[header.index(c)]) for c in features] for r in rows])
+            y = np.asarray([[float(r[header.index(c)]) for c in target_columns] for r in rows])
+        except ValueError as err:
+            raise ValueError(f"{source}: non-numeric value ({err}).") from err
+        labels = y[:, 0].astype(np.int64) if y.shape[1] == 1 else None
+        stratify = (
+            labels if labels is not None and min(np.bincount(labels - labels.min())) > 2 else None
+        )
+        train_idx, test_idx = train_test_indices(stratify, len(rows), 1 - test_fraction, seed)
+        if normalize and len(train_idx) < 2:
+            raise ValueError(
+                f"{source}: center {name!r} has {len(train_idx)} training row(s); "
+                "per-center normalization needs at least 2 to estimate a std. Add rows, "
+                "merge the center with another, or set normalize=False."
+            )
+        center = {}
+        for split, idx in (("train", train_idx), ("test", test_idx)):
+            xs = _normalize(x[idx], x[train_idx]) if normalize else x[idx]
+            ys = (
+                torch.from_numpy(labels[idx])
+                if labels is not None
+                else torch.from_numpy(y[idx]).float()
+            )
+            center[split] = (torch.from_numpy(xs).float(), ys)
+        return center
 
     @staticmethod
     def _read(

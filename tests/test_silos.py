@@ -111,6 +111,12 @@ def test_four_silos_open_only_their_own_file_and_equal_one_process(tmp_path):
     """The recipe on 4 gloo processes, the four files in one folder: the audit shows each
     rank opened exactly its own center's file; each shard holds its own client's SCAFFOLD
     state and the global file none; the model equals the 1-process simulation's."""
+    from tests.test_flamby import _recipe_settings
+
+    recipes = ROOT / "recipes" / "flamby"
+    assert _recipe_settings(recipes / "heart_silos.yaml") == _recipe_settings(
+        recipes / "heart_scaffold.yaml"
+    )  # FLamby's SCAFFOLD setup, on 4 silos
     data, out = tmp_path / "data", tmp_path / "audit"
     data.mkdir()
     out.mkdir()
@@ -214,3 +220,42 @@ def test_a_silo_killed_mid_round_restarts_and_the_run_ends_bit_identical(tmp_pat
             for key, value in entry.items():
                 other = shards[1]["client_store"][client][key]
                 assert all(torch.equal(x, y) for x, y in zip(value, other)), (client, key)
+
+
+def test_a_natural_split_silo_reads_only_its_own_center_files(tmp_path):
+    """Centers a, b, c on 2 silos: silo 1 holds b only (its folder has nothing else) and
+    gets the same tensors as a simulation reading the three files; it refuses a's data,
+    and silo mode without the centers' list or with one table is refused with the fix."""
+    from lightning_fl.datamodules import NaturalSplitDataModule
+
+    def table(path: Path, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        rows = ["f1,f2,label"] + [
+            f"{float(a):.4f},{float(b):.4f},{i % 2}"
+            for i, (a, b) in enumerate(torch.randn(20, 2, generator=g))
+        ]
+        path.write_text("\n".join(rows) + "\n")
+
+    every, own = tmp_path / "every", tmp_path / "silo1"
+    every.mkdir()
+    own.mkdir()
+    for seed, name in enumerate("abc"):
+        table(every / f"{name}.csv", seed)
+    shutil.copy(every / "b.csv", own)
+    whole = NaturalSplitDataModule(str(every), ["label"], centers=["a", "b", "c"])
+    silo = NaturalSplitDataModule(str(tmp_path / "silo{rank}"), ["label"], centers=["a", "b", "c"])
+    silo.enter_silo(1, 2)
+    assert silo.num_clients == 3 and silo.local_clients() == [1]
+    for split in ("train", "test"):
+        pairs = zip(silo.client_dataset(1, split).tensors, whole.client_dataset(1, split).tensors)
+        assert all(torch.equal(s, w) for s, w in pairs)
+    with pytest.raises(SiloError, match="client 0's data is held by silo 0"):
+        silo.client_dataset(0, "train")
+    bare = NaturalSplitDataModule(str(own), ["label"])
+    bare.enter_silo(1, 2)
+    with pytest.raises(ValueError, match=r"needs centers=\[\.\.\.\]"):
+        bare.setup("fit")
+    one_table = NaturalSplitDataModule(str(every / "a.csv"), ["label"], centers=["a"])
+    one_table.enter_silo(0, 1)
+    with pytest.raises(ValueError, match="not one table of every center"):
+        one_table.setup("fit")
