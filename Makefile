@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 # Fashion-MNIST's IDX files come from Debian's package (as root: CI; elsewhere it says how).
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: install data quickstart test test-gpu lint bench
+.PHONY: install data quickstart test test-gpu lint bench mutate
 install: $(STAMP)
 
 data:
@@ -38,6 +38,12 @@ test: lint
 GPU_PYTHON ?= python3
 test-gpu:
 	WANDB_MODE=offline $(GPU_PYTHON) -m pytest -q --accelerator gpu -n 4 --dist loadfile --durations=15
+
+# Mutation testing of one module (tests/mutate.py, issue 39): realistic bugs written into
+# MODULE one at a time, TESTS run against each, the survivors printed.
+#   make mutate MODULE=lightning_fl/systems/forgetting.py TESTS=tests/test_unlearning.py
+mutate: $(STAMP)
+	$(PY) -m tests.mutate $(MODULE) $(TESTS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

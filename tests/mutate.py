@@ -1,0 +1,217 @@
+"""Mutation testing of one module (issue 39): write realistic bugs into it, one at a time,
+run the tests that exercise it, and print the mutants no test caught.
+
+    python -m tests.mutate lightning_fl/systems/forgetting.py tests/test_unlearning.py
+    make mutate MODULE=lightning_fl/systems/forgetting.py TESTS=tests/test_unlearning.py
+
+The bugs are the ones issue 39 lists, as AST rewrites of the module's function bodies
+(docstrings, annotations and message strings are left alone): a comparison turned
+(``<`` and ``<=``, ``==`` and ``!=``), an arithmetic operator swapped (``+``/``-``,
+``*``/``/``), an integer off by one, ``True``/``False`` and ``and``/``or`` exchanged, a
+``not`` or a unary minus dropped, a statement dropped (an expression, an assignment to an
+attribute or item, an augmented assignment, a ``continue``/``break``), a call's result
+replaced by its first argument. Each mutant is written over the module, the tests run
+(``pytest -x``, stopping at the first failure, with a time limit of 5 times the clean
+run's), and the module is restored, whatever happens. A mutant is caught when the tests
+fail or time out. The summary line and the survivors go to stdout and, with ``--json``,
+to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SWAPS = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+    ast.In: ast.NotIn, ast.NotIn: ast.In,
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Div, ast.And: ast.Or, ast.Or: ast.And,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """The ``index``-th rewrite site of the module: what it does, and where."""
+
+    index: int
+    line: int
+    description: str
+
+
+def _skipped(tree: ast.Module) -> set[int]:
+    """ids of nodes never mutated: docstrings, annotations, strings, decorators."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                skip.update(id(n) for n in ast.walk(body[0]))
+        annotations = []
+        if isinstance(node, ast.AnnAssign):
+            annotations.append(node.annotation)
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            annotations.append(node.annotation)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            annotations += [n for n in (node.returns, *node.decorator_list) if n is not None]
+        if isinstance(node, (ast.JoinedStr, ast.Raise)):
+            annotations.append(node)
+        for a in annotations:
+            skip.update(id(n) for n in ast.walk(a))
+    return skip
+
+
+def _inside_functions(tree: ast.Module) -> set[int]:
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for child in node.body:
+                inside.update(id(n) for n in ast.walk(child))
+    return inside
+
+
+def _rewrites(node: ast.AST) -> Iterator[str]:
+    """The rewrites of ``node`` (by name), applied by :func:`_apply`."""
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in SWAPS:
+        yield f"{type(node.ops[0]).__name__} -> {SWAPS[type(node.ops[0])].__name__}"
+    elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in SWAPS:
+        yield f"{type(node.op).__name__} -> {SWAPS[type(node.op)].__name__}"
+    elif isinstance(node, ast.BoolOp) and type(node.op) in SWAPS:
+        yield f"{type(node.op).__name__} -> {SWAPS[type(node.op)].__name__}"
+    elif isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool):
+            yield f"{value} -> {not value}"
+        elif isinstance(value, int):
+            yield f"{value} -> {value + 1}"
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
+        yield f"drop {type(node.op).__name__}"
+    if isinstance(node, (ast.Expr, ast.AugAssign, ast.Continue, ast.Break)) or (
+        isinstance(node, ast.Assign)
+        and all(isinstance(t, (ast.Attribute, ast.Subscript)) for t in node.targets)
+    ):
+        yield "drop statement"
+    if isinstance(node, ast.Call) and node.args and not isinstance(node.func, ast.Attribute):
+        yield "call -> its first argument"
+
+
+def _apply(node: ast.AST, rewrite: str) -> ast.AST:
+    """``node`` rewritten (a new node, or ``node`` changed in place)."""
+    if rewrite == "drop statement":
+        return ast.Pass()
+    if rewrite == "call -> its first argument":
+        return node.args[0]
+    if rewrite.startswith("drop "):
+        return node.operand
+    if isinstance(node, ast.Compare):
+        node.ops = [SWAPS[type(node.ops[0])]()]
+    elif isinstance(node, (ast.BinOp, ast.AugAssign, ast.BoolOp)):
+        node.op = SWAPS[type(node.op)]()
+    elif isinstance(node, ast.Constant):
+        node.value = (not node.value) if isinstance(node.value, bool) else node.value + 1
+    return node
+
+
+def mutants(source: str) -> list[Mutant]:
+    """Every mutant of ``source``, in order."""
+    tree = ast.parse(source)
+    skip, inside = _skipped(tree), _inside_functions(tree)
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip or id(node) not in inside:
+            continue
+        for rewrite in _rewrites(node):
+            found.append(Mutant(len(found), getattr(node, "lineno", 0), rewrite))
+    return found
+
+
+def mutated_source(source: str, mutant: Mutant) -> str:
+    """``source`` with ``mutant`` applied."""
+    tree = ast.parse(source)
+    skip, inside = _skipped(tree), _inside_functions(tree)
+    count = 0
+    for node in ast.walk(tree):  # the order of :func:`mutants`
+        if id(node) in skip or id(node) not in inside:
+            continue
+        for rewrite in _rewrites(node):
+            if count == mutant.index:
+                _replace(tree, node, _apply(copy.deepcopy(node), rewrite))
+                return ast.unparse(ast.fix_missing_locations(tree))
+            count += 1
+    raise IndexError(mutant)
+
+
+def _replace(tree: ast.Module, old: ast.AST, new: ast.AST) -> None:
+    """Put ``new`` where ``old`` is in ``tree``."""
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is old:
+                setattr(parent, field, new)
+                return
+            if isinstance(value, list) and any(v is old for v in value):
+                value[[v is old for v in value].index(True)] = new
+                return
+
+
+def run_tests(tests: list[str], timeout: float) -> bool:
+    """Whether the tests pass (False on a failure or a timeout)."""
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "-p", "no:randomly", *tests]  # fmt: skip
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return result.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("module", type=Path, help="the module's file, from the repository root")
+    parser.add_argument("tests", nargs="+", help="pytest arguments: the tests that exercise it")
+    parser.add_argument("--json", type=Path, help="also write the result to this file")
+    parser.add_argument("--limit", type=int, help="try only the first N mutants")
+    args = parser.parse_args(argv)
+    path = (ROOT / args.module).resolve()
+    original = path.read_text()
+    start = time.perf_counter()
+    if not run_tests(args.tests, timeout=3600):
+        print(f"the tests fail on the unmutated {args.module}: fix them first")
+        return 2
+    timeout = 5 * (time.perf_counter() - start) + 10
+    found = mutants(original)[: args.limit]
+    survivors = []
+    try:
+        for mutant in found:
+            path.write_text(mutated_source(original, mutant))
+            if run_tests(args.tests, timeout):
+                survivors.append(mutant)
+                print(f"survived: {args.module}:{mutant.line} {mutant.description}", flush=True)
+    finally:
+        path.write_text(original)
+    caught = len(found) - len(survivors)
+    rate = caught / len(found) if found else 1.0
+    print(f"{args.module}: {len(found)} mutants, {caught} caught, {len(survivors)} survived "
+          f"({rate:.0%})")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({
+            "module": str(args.module), "tests": args.tests, "mutants": len(found),
+            "caught": caught, "survivors": [m.__dict__ for m in survivors],
+        }, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

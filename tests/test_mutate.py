@@ -1,0 +1,50 @@
+"""The mutation runner (tests/mutate.py, issue 39) on a module written for it: it finds
+the rewrites it should, applies the one asked for, restores the module, and reports as
+survivors exactly the mutants the tests cannot tell apart."""
+
+from __future__ import annotations
+
+import json
+
+from tests.mutate import main, mutants, mutated_source
+
+MODULE = '''"""A clamp."""
+
+
+def clamp(x, low, high):
+    """x within [low, high]."""
+    if x < low:
+        return low
+    return min(x, high)
+'''
+
+TESTS = """import sys
+
+sys.path.insert(0, {folder!r})
+from clamp import clamp
+
+
+def test_clamp():
+    assert clamp(5, 0, 3) == 3 and clamp(-1, 0, 3) == 0 and clamp(2, 0, 3) == 2
+"""
+
+
+def test_mutants_are_the_rewrites_of_function_bodies_only():
+    found = [(m.line, m.description) for m in mutants(MODULE)]
+    assert found == [(6, "Lt -> LtE"), (8, "call -> its first argument")]
+    assert "if x <= low:" in mutated_source(MODULE, mutants(MODULE)[0])
+    assert "return x\n" in mutated_source(MODULE, mutants(MODULE)[1]) + "\n"
+
+
+def test_the_runner_reports_the_survivor_and_restores_the_module(tmp_path):
+    """x < low and x <= low return the same value (x == low): an equivalent mutant, which
+    survives; min(x, high) → x is caught by clamp(5, 0, 3)."""
+    module, tests = tmp_path / "clamp.py", tmp_path / "test_clamp.py"
+    module.write_text(MODULE)
+    tests.write_text(TESTS.format(folder=str(tmp_path)))
+    result = tmp_path / "result.json"
+    assert main([str(module), str(tests), "--json", str(result)]) == 0
+    summary = json.loads(result.read_text())
+    assert (summary["mutants"], summary["caught"]) == (2, 1)
+    assert [s["description"] for s in summary["survivors"]] == ["Lt -> LtE"]
+    assert module.read_text() == MODULE
