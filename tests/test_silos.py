@@ -66,10 +66,18 @@ def test_the_shared_heart_encoding_is_the_one_the_four_files_give(tmp_path):
         FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}")).setup("fit")
 
 
-def test_silo_mode_refuses_the_pooled_baseline_naming_both():
+def test_silo_mode_refuses_the_pooled_baseline_and_streams_naming_both():
+    """Both rules of silo mode's row of the refusal table (the pair matrix runs without
+    silo mode)."""
+    from lightning_fl.datamodules import StreamingDataModule
+
     trainer = make_trainer(FederatedStrategy(silos=True, local_steps=1), 1, [Pooled()])
     with pytest.raises(CompositionError, match=r"silos=True\) cannot be combined with Pooled"):
         trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    streams = StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, rounds=2)
+    trainer = make_trainer(FederatedStrategy(silos=True, local_steps=1), 1)
+    with pytest.raises(CompositionError, match="cannot be combined with StreamingDataModule"):
+        trainer.fit(tiny_module(), datamodule=streams)
 
 
 def _silo_fit(rounds: int, dirpath: Path, ckpt_path: str | None = None):
