@@ -180,10 +180,13 @@ def run_tests(tests: list[str], timeout: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("module", type=Path, help="the module's file, from the repository root")
-    parser.add_argument("tests", nargs="+", help="pytest arguments: the tests that exercise it")
+    parser.add_argument(
+        "tests", nargs="+", help="pytest arguments: the tests that exercise it (-k ... too)"
+    )
     parser.add_argument("--json", type=Path, help="also write the result to this file")
     parser.add_argument("--limit", type=int, help="try only the first N mutants")
-    args = parser.parse_args(argv)
+    args, pytest_options = parser.parse_known_args(argv)  # -k, -m: pytest's
+    args.tests += pytest_options
     path = (ROOT / args.module).resolve()
     original = path.read_text()
     start = time.perf_counter()

@@ -25,6 +25,7 @@ from lightning_fl.datamodules.base import SiloError
 from lightning_fl.datamodules.flamby import HEART_CENTERS, HEART_LEVELS, heart_disease_tables
 from lightning_fl.engine import silo_checkpoints
 from lightning_fl.engine.composition import CompositionError
+from lightning_fl.engine.federated_state import CheckpointReadError
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
 from tests.recipes_distributed import run_file
 
@@ -109,9 +110,16 @@ def test_a_silo_checkpoint_keeps_client_state_in_its_shard_and_resumes_exactly(t
         silo_checkpoints.merge_shard(checkpoint, last, 0, 2)
     with pytest.raises(silo_checkpoints.SiloCheckpointError, match="silos=True"):
         silo_checkpoints.check_not_sharded(checkpoint, last)
+    torch.save({"client_store": {0: {"x": _NotData()}}, "rank": 0, "world_size": 1}, shard)
+    with pytest.raises(CheckpointReadError, match=f"{shard.name}: cannot be read as a checkpoint"):
+        silo_checkpoints.merge_shard(checkpoint, last, 0, 1)  # weights_only: no object loaded
     shard.unlink()
     with pytest.raises(silo_checkpoints.SiloCheckpointError, match=f"{shard.name} is missing"):
         silo_checkpoints.merge_shard(checkpoint, last, 0, 1)
+
+
+class _NotData:
+    """An object a shard must never load (weights_only refuses it)."""
 
 
 @needs_heart

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lightning_fl.engine.federated_state import CheckpointReadError
+
 #: Where a checkpoint's federated state lives (the round driver's callback state).
 DRIVER_KEY = "_RoundDriver"
 
@@ -65,7 +67,10 @@ def merge_shard(
             "leaves the silo). Copy it back beside the checkpoint, or resume from a "
             "checkpoint whose shards every silo has."
         )
-    shard = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # weights_only: a shard is data, never code to run
+        shard = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+        raise CheckpointReadError.of(path, err) from err
     state["client_store"] = shard["client_store"]
     return checkpoint
 
