@@ -328,3 +328,58 @@ def test_fedaccum_shadows_reaggregate_without_their_removal_set_by_hand():
     assert list(method.shadows) == [(0, 1, 2)]
     with pytest.raises(ValueError, match=r"no shadow model without \[1\]"):
         method.restart(request)
+
+
+def _request(clients, removed=(), current=None, history=None, versions=None):
+    """A ForgettingRequest whose noise is deterministic: std in every coordinate."""
+    from lightning_fl.systems.forgetting import ForgettingRequest
+
+    current = torch.tensor([1.0, 2.0]) if current is None else current
+    noise = lambda std: torch.full_like(current, std)  # noqa: E731
+    return ForgettingRequest(list(clients), list(removed), current, history, versions, noise)
+
+
+def test_each_method_restarts_from_its_own_model_by_hand():
+    """SIFU: θ_ζ^T + N (here +σ in every coordinate) at node (ζ, T); SCRATCH: θ_0^0, not
+    another kept round; LAST: θ + N with σ_L from Ψ_max; FINE-TUNING and DP: θ itself."""
+    from types import SimpleNamespace
+
+    from lightning_fl.systems.forgetting import DPBaseline, FineTuning, Last, Scratch, Sifu
+    from lightning_fl.systems.unlearning import ModelVersions, noise_for_sensitivity
+
+    versions = ModelVersions()
+    for key, value in {(0, 0): 0.0, (0, 1): 1.0, (1, 0): 2.0, (1, 3): 5.0}.items():
+        versions.keep(key, torch.full((2,), value))
+    history = SimpleNamespace(fork_point=lambda clients: (1, 3), max_sensitivity=lambda: 0.4)
+    versions.restart_model = lambda h, branch, t, clients: (t, versions.models[(branch, t)])
+    request = _request([4], history=history, versions=versions)
+    start, node = Sifu(sigma=0.05).restart(request)
+    assert start.tolist() == pytest.approx([5.05, 5.05]) and node == (1, 3)
+    start, node = Scratch().restart(request)
+    assert start.tolist() == [0.0, 0.0] and node == (0, 0)
+    std = noise_for_sensitivity(0.4, 10.0, 0.01)
+    start, node = Last(10.0, 0.01).restart(request)
+    assert start.tolist() == pytest.approx([1 + std, 2 + std]) and node is None
+    for method in (FineTuning(), DPBaseline(0.5, 10.0, 0.01)):
+        start, node = method.restart(request)
+        assert start is request.current and node is None
+
+
+def test_fedaccum_refuses_two_processes_keys_its_shadows_by_the_sorted_set_and_checkpoints_them():
+    """FEDACCUM reads every update: 2 processes are refused, 1 is fine. A request of client
+    1 after client 9's finds the shadow of {1, 9} (the sorted set, whatever order the
+    requests came in). Its shadows survive a state_dict round trip, keys included."""
+    from lightning_fl.systems.forgetting import FedAccum
+
+    method = FedAccum()
+    method.check(1)
+    with pytest.raises(ValueError, match="use devices=1"):
+        method.check(2)
+    method.prepare(torch.zeros(2), [(9,), (1, 9), ()])
+    method.shadows[(1, 9)] = torch.tensor([3.0, 4.0])
+    restored = FedAccum()
+    restored.load_state_dict(method.state_dict())
+    assert sorted(restored.shadows) == [(), (1, 9), (9,)]
+    assert all(torch.equal(restored.shadows[k], method.shadows[k]) for k in method.shadows)
+    start, _ = restored.restart(_request([1], removed=[9]))
+    assert start.tolist() == [3.0, 4.0]
