@@ -24,6 +24,7 @@ import ast
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -217,4 +218,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # a SIGTERM (``timeout``, a CI limit) unwinds through ``finally``: the module is restored
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

@@ -191,3 +191,52 @@ def test_a_sample_count_is_read_once_and_every_reader_asks_the_federation(monkey
     assert state.target_weights.tolist() == pytest.approx(expected, rel=1e-12)
     assert state.sample_counts == counts
     assert fit.federation.identity()["train_counts"] == counts
+
+
+def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
+    """Silo mode's one collective, with 2 silos of unequal clients (tiny_datamodule: client
+    c holds its own counts): each silo contributes only its own clients' train and
+    validation counts and batches per pass; the merged lists equal the simulation's, the
+    unseen clients count 0 for training, and batches per pass are ⌈n/B⌉."""
+    import math
+
+    import torch.distributed as dist
+
+    from lightning_fl.engine.context import Federation, Ranks
+    from tests.helpers import tiny_datamodule
+
+    silos = []
+    for rank in (0, 1):
+        dm = tiny_datamodule(batch_size=3)
+        dm.unseen_clients = [9]
+        dm.enter_silo(rank, 2)
+        silos.append(dm)
+    gathered = []
+
+    def all_gather_object(parts, local):  # the other silo's contribution, as gloo gives it
+        gathered.append(local)
+        other = silos[1].local_sample_counts("train")
+        mine = {"train": other, "val": silos[1].local_sample_counts("val"),
+                "batches": {c: math.ceil(n / 3) for c, n in other.items()}}  # fmt: skip
+        parts[:] = [local, mine]
+
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    federation = Federation(silos[0], ranks=Ranks(2, 0))
+    whole = tiny_datamodule(batch_size=3)
+    train = whole.sample_counts("train")
+    assert len(gathered) == 1 and set(gathered[0]["train"]) == {0, 2, 4, 6, 8}
+    assert len(set(train)) > 1
+    assert list(federation.training_counts) == [*train[:9], 0]  # client 9 unseen
+    assert federation.has_validation_data() == any(whole.sample_counts("val"))
+    assert federation._validation_counts == whole.sample_counts("val")
+    per_pass = federation.batches_per_pass  # indexed by client, as the planner reads it
+    assert [per_pass[c] for c in range(10)] == [math.ceil(n / 3) for n in train]
+    outside = Federation(tiny_datamodule(batch_size=3))
+    assert outside.batches_per_pass is None and list(outside.training_counts) == train
+    empty = tiny_datamodule()
+    empty.unseen_clients = list(range(10))
+    empty.enter_silo(0, 1)
+    with pytest.raises(ValueError, match="Every silo's clients have an empty training set"):
+        Federation(empty, ranks=Ranks(1, 0))
+    assert Federation(empty, require_data=False, ranks=Ranks(1, 0)).training_counts == (0,) * 10
