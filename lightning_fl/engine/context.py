@@ -126,14 +126,11 @@ class Federation:
             dist.all_gather_object(parts, local)
         every = {k: {c: n for part in parts for c, n in part[k].items()} for k in local}
         n = dm.num_clients
-        counts = [every["train"].get(c, 0) for c in range(n)]
-        for c in dm.unseen_clients:
-            counts[c] = 0
-        if require_data and sum(counts) == 0:
-            raise ValueError(
-                "Every silo's clients have an empty training set: there is nothing to train "
-                "on. Check each silo's data folder."
-            )
+        counts = _seen_training_counts(
+            [every["train"].get(c, 0) for c in range(n)], dm, require_data,
+            "Every silo's clients have an empty training set: there is nothing to train on. "
+            "Check each silo's data folder.",
+        )  # fmt: skip
         self._validation_counts = [every["val"].get(c, 0) for c in range(n)]
         self.batches_per_pass = tuple(every["batches"].get(c, 0) for c in range(n))
         return counts
@@ -153,14 +150,22 @@ class Federation:
 
 def client_training_counts(dm: FederatedDataModule, require_data: bool = True) -> list[int]:
     """Training samples per client; unseen (held-out) clients count 0."""
-    counts = dm.sample_counts("train")
+    return _seen_training_counts(
+        dm.sample_counts("train"), dm, require_data,
+        "Every client has an empty training set: there is nothing to train on. Check the "
+        "datamodule's split fractions and data path.",
+    )  # fmt: skip
+
+
+def _seen_training_counts(
+    counts: list[int], dm: FederatedDataModule, require_data: bool, empty: str
+) -> list[int]:
+    """``counts`` with the unseen clients at 0; with ``require_data``, the error ``empty``
+    when no client is left with training data."""
     for c in dm.unseen_clients:
         counts[c] = 0
     if require_data and sum(counts) == 0:
-        raise ValueError(
-            "Every client has an empty training set: there is nothing to train on. "
-            "Check the datamodule's split fractions and data path."
-        )
+        raise ValueError(empty)
     return counts
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim.adam import adam
@@ -69,7 +70,7 @@ class StackedOptimizer:
         self.state: list[dict[str, Tensor]] = []
         #: per slot: each row's step count (Adam) or whether its momentum buffer exists
         #: (SGD); host-side bookkeeping, as torch.optim keeps its step counts on the CPU
-        self.counts: list[list[int]] = []
+        self.counts: list[np.ndarray] = []
         self.lr_scale: list[float] | None = None
         #: positions of trainable parameters frozen for the current chunk (the module's
         #: ``requires_grad`` after the clients started: FedRep's head), never stepped
@@ -98,7 +99,7 @@ class StackedOptimizer:
         self.state, self.counts, self.lr_scale = [], [], None
         for j, group, index in self.slots:
             entry = {name: torch.zeros_like(params[j]) for name in self._state_names(group)}
-            counts = [0] * rows
+            counts = np.zeros(rows, dtype=np.int64)
             for row, state in enumerate(saved):
                 own = (state or {}).get(index)
                 if not own:
@@ -139,25 +140,38 @@ class StackedOptimizer:
         slots = zip(self.slots, self.state, self.counts)
         active = [(slot, entry, counts) for slot, entry, counts in slots
                   if slot[0] not in self.frozen]  # fmt: skip
+        at_rows = np.asarray(rows)
         for ((j, group, _), entry, counts), grad in zip(active, grads, strict=True):
-            groups = self._row_groups(rows, counts)
+            groups = self._row_groups(rows, counts[at_rows])
             for (count, factor), members in groups.items():
-                if len(groups) == 1:  # every row of the step: no regrouping
+                if members is None:  # every row of the step: no regrouping
                     self._apply(params[j], grad, entry, group, count, factor, index)
                 else:
                     at = torch.tensor([rows[k] for k in members], device=grad.device)
                     within = torch.tensor(members, device=grad.device)
                     self._apply(params[j], grad[within], entry, group, count, factor, at)
-            for row in rows:
-                counts[row] = counts[row] + 1 if self.kind == "adam" else 1
+            if self.kind == "adam":
+                counts[at_rows] += 1
+            else:
+                counts[at_rows] = 1
 
-    def _row_groups(self, rows: list[int], counts: list[int]) -> dict[tuple[int, float], list[int]]:
+    def _row_groups(
+        self, rows: list[int], counts: np.ndarray
+    ) -> dict[tuple[int, float], list[int] | None]:
         """Positions in ``rows`` grouped by what the functional takes as one number: the
-        row's count (Adam's step; SGD's "has a momentum buffer") and its lr factor."""
-        groups: dict[tuple[int, float], list[int]] = {}
+        row's count (Adam's step; SGD's "has a momentum buffer", ``counts``: the rows') and
+        its lr factor. One group of every row (the usual case: positions None) is found
+        without a Python loop over the rows."""
+        if not len(counts):
+            return {}
+        if self.lr_scale is None and counts.min() == counts.max():
+            return {(int(counts[0]), 1.0): None}
+        groups: dict[tuple[int, float], list[int] | None] = {}
         for k, row in enumerate(rows):
             factor = 1.0 if self.lr_scale is None else self.lr_scale[row]
-            groups.setdefault((counts[row], factor), []).append(k)
+            groups.setdefault((int(counts[k]), factor), []).append(k)
+        if len(groups) == 1:
+            return dict.fromkeys(groups)  # every row: no regrouping
         return groups
 
     def _apply(
