@@ -9,14 +9,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from lightning.pytorch import Callback
 
 from lightning_fl.cli import run
 
 
-def run_recipe(recipe: Path, edit: Callable[[dict], None], seed: int | None = None):
-    """Fit ``recipe`` (without checkpoints) after ``edit(config)``; with ``seed``, every
-    seed of the recipe (run, strategy, data) is set to it. Returns the LightningCLI and
-    the rows of its metrics.csv."""
+def run_recipe(
+    recipe: Path, edit: Callable[[dict], None], seed: int | None = None, args: list[str] = ()
+):
+    """Fit ``recipe`` (without checkpoints) after ``edit(config)``, with the extra command
+    line ``args`` (``["--ckpt_path", path]`` resumes); with ``seed``, every seed of the
+    recipe (run, strategy, data) is set to it. Returns the LightningCLI and the rows of its
+    metrics.csv."""
     config = yaml.safe_load(Path(recipe).read_text())
     if seed is not None:
         config["seed_everything"] = seed
@@ -30,11 +34,25 @@ def run_recipe(recipe: Path, edit: Callable[[dict], None], seed: int | None = No
         path.write_text(yaml.safe_dump(config))
         cli = run(["fit", "--config", str(path), "--trainer.enable_progress_bar", "false",
                    "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", workdir,
-                   "--trainer.logger.init_args.save_dir", workdir])  # fmt: skip
+                   "--trainer.logger.init_args.save_dir", workdir, *args])  # fmt: skip
         (metrics,) = glob.glob(f"{workdir}/**/metrics.csv", recursive=True)
         with open(metrics) as handle:
             rows = list(csv.DictReader(handle))
     return cli, rows
+
+
+class PhaseCheckpoint(Callback):
+    """Save the fit to ``path`` and stop it when the ``Unlearning`` callback has finished
+    ``phases`` phases (after that callback's round end: list this one after it)."""
+
+    def __init__(self, path: str, phases: int = 1) -> None:
+        self.path, self.phases = path, phases
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        unlearning = next(c for c in trainer.callbacks if type(c).__name__ == "Unlearning")
+        if len(unlearning.phase_rounds) == self.phases and not trainer.should_stop:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
 
 
 def callback_of(cli, name: str):

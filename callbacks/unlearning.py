@@ -13,7 +13,7 @@ from lightning_fl.callbacks.objective import client_training_metrics
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
-from lightning_fl.systems.forgetting import ForgettingRequest, forgetting_method
+from lightning_fl.systems.forgetting import SHARED_TRAINING, ForgettingRequest, forgetting_method
 from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
 from lightning_fl.systems.unlearning import (
     BranchHistory,
@@ -29,7 +29,16 @@ class StopAtTarget(pl.Callback):
     """Stop training once ``monitor`` reaches ``target`` (≥ for ``mode="max"``), after at
     least ``min_rounds`` rounds and at most ``max_rounds`` (the stopping rule of the
     unlearning experiments, thesis §5.5: target accuracy, 50 to 10,000 rounds).
-    :meth:`reached` is the test, for callbacks that chain phases on it."""
+    :meth:`reached` is the test, for callbacks that chain phases on it.
+
+    The check runs every ``check_every`` rounds of a phase, more often as the value nears
+    the target: ``check_near=[(gap, every), ...]`` checks every ``every`` rounds once a
+    checked value came within ``gap`` of the target, for the rest of the phase. The SIFU
+    authors' schedule (``FL/simu_unlearning.py`` of the SIFU branch of
+    Accenture/Labs-Federated-Learning, accuracies in percent there) is ``check_every=20``,
+    ``check_near=[(0.05, 10), (0.025, 5), (0.01, 2), (0.005, 1)]``, counted from the phase's
+    round 0 (the model it starts from, see :meth:`observe`). The defaults check every
+    round."""
 
     def __init__(
         self,
@@ -38,6 +47,8 @@ class StopAtTarget(pl.Callback):
         min_rounds: int = 0,
         max_rounds: int | None = None,
         mode: Literal["max", "min"] = "max",
+        check_every: int = 1,
+        check_near: list[tuple[float, int]] | None = None,
     ) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}.")
@@ -45,8 +56,47 @@ class StopAtTarget(pl.Callback):
             raise ValueError(
                 f"Need 0 <= min_rounds <= max_rounds, got {min_rounds} and {max_rounds}."
             )
+        near = [(float(gap), int(every)) for gap, every in (check_near or [])]
+        if check_every < 1 or any(gap < 0 or every < 1 for gap, every in near):
+            raise ValueError(
+                f"Need check_every >= 1 and check_near pairs (gap >= 0, every >= 1), got "
+                f"check_every={check_every}, check_near={check_near}."
+            )
         self.monitor, self.target, self.mode = monitor, target, mode
         self.min_rounds, self.max_rounds = min_rounds, max_rounds
+        self.check_every, self.check_near = check_every, near
+        #: rounds between checks in the current phase (only ever decreases within one)
+        self.period = check_every
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the checks can be less frequent than every round."""
+        return self.check_every > 1
+
+    def start_phase(self) -> None:
+        """A new phase checks every ``check_every`` rounds again."""
+        self.period = self.check_every
+
+    def due(self, rounds: int) -> bool:
+        """Whether the value is checked after ``rounds`` rounds of the phase (always at
+        ``max_rounds``, which ends it)."""
+        capped = self.max_rounds is not None and rounds >= self.max_rounds
+        return capped or rounds % self.period == 0
+
+    def observe(self, value: float) -> None:
+        """Check more often from now on when ``value`` is within a ``check_near`` gap of
+        the target (the authors' ``T_loss_acc``, set after each check that does not stop,
+        including the check of the model a phase starts from)."""
+        for gap, every in self.check_near:  # as the authors compare: acc >= target - gap
+            near = value >= self.target - gap if self.mode == "max" else value <= self.target + gap
+            if near:
+                self.period = min(self.period, every)
+
+    def state_dict(self) -> dict:
+        return {"period": self.period}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.period = int(state["period"])
 
     def reached(self, value: float | None, rounds: int) -> bool:
         """True when ``rounds`` rounds with a last value ``value`` end the phase."""
@@ -57,9 +107,15 @@ class StopAtTarget(pl.Callback):
         return value >= self.target if self.mode == "max" else value <= self.target
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        rounds = trainer.current_epoch + 1
+        if not self.due(rounds):
+            return
         value = trainer.callback_metrics.get(self.monitor)
-        if self.reached(None if value is None else float(value), trainer.current_epoch + 1):
+        value = None if value is None else float(value)
+        if self.reached(value, rounds):
             trainer.should_stop = True
+        elif value is not None:
+            self.observe(value)
 
 
 class _RequestAwareSampler(SamplerWrapper):
@@ -117,7 +173,8 @@ class Unlearning(FederatedCallback):
             :attr:`phase_rounds`.
         decay: (1 − η_l λ)^K for an L2 weight λ (Cor. 5.1); 1 without.
         clip: C of the DP baseline.
-        evaluate_every: rounds between evaluations of the remaining clients.
+        evaluate_every: rounds between evaluations of the remaining clients without
+            ``on_target``; with it, ``on_target`` says when (:meth:`StopAtTarget.due`).
         evaluate_forgotten: also measure the accuracy on the removed clients' training
             data (an experimenter's metric: a real server no longer holds that data, and
             without it the removed clients' data is never read again).
@@ -334,6 +391,9 @@ class Unlearning(FederatedCallback):
 
     # ---- every round -------------------------------------------------------------------
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        if self.on_target is not None and self.on_target.scheduled:
+            if state.round_idx == self._phase_start:  # the model the phase starts from
+                self.on_target.observe(self._measure(trainer, pl_module, log=False))
         self._start = flatten(state.global_tensors).clone()
         self._deltas = {}
         std = self.forgetting.round_noise_std(len(self._remaining()))
@@ -390,27 +450,41 @@ class Unlearning(FederatedCallback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch = trainer.current_epoch
-        if (epoch + 1) % self.evaluate_every and self.on_target is None:
+        phase = epoch + 1 - self._phase_start
+        if self.on_target is None:
+            if (epoch + 1) % self.evaluate_every == 0:
+                self._measure(trainer, pl_module, log=True)
             return
+        if not self.on_target.due(phase):
+            return
+        value = self._measure(trainer, pl_module, log=True)
+        if not self.on_target.reached(value, phase):
+            self.on_target.observe(value)
+            return
+        self.phase_rounds.append(phase)
+        self._phase_start = epoch + 1
+        self.on_target.start_phase()
+        if self.queue:
+            self.pending.append(self.queue.pop(0))
+        else:
+            trainer.should_stop = True
+
+    def _measure(self, trainer, pl_module, log: bool) -> float:
+        """The p-weighted training accuracy of the remaining clients; with ``log``, logged
+        with the branch and (``evaluate_forgotten``) the removed clients' accuracy."""
         remaining = self._remaining()
-        forgotten = self.removed if self.evaluate_forgotten else []
+        forgotten = self.removed if self.evaluate_forgotten and log else []
         _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
         # host: as the accuracies (client_training_metrics returns them on the host)
         counts = torch.tensor(trainer.strategy.training_counts, dtype=torch.float64)
         value = float(_weighted(accuracy, counts, remaining))
-        pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)
-        pl_module.log("unlearning/branch", float(self.history.branch), on_epoch=True)
+        if log:
+            pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)
+            pl_module.log("unlearning/branch", float(self.history.branch), on_epoch=True)
         if forgotten:
             value_forgotten = float(_weighted(accuracy, counts, forgotten))
             pl_module.log("unlearning/forgotten_acc", value_forgotten, on_epoch=True)
-        phase = epoch + 1 - self._phase_start
-        if self.on_target is not None and self.on_target.reached(value, phase):
-            self.phase_rounds.append(phase)
-            self._phase_start = epoch + 1
-            if self.queue:
-                self.pending.append(self.queue.pop(0))
-            else:
-                trainer.should_stop = True
+        return value
 
     # ---- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -422,7 +496,14 @@ class Unlearning(FederatedCallback):
             "shadows": self.forgetting.state_dict(),
             "phase_rounds": self.phase_rounds, "phase_start": self._phase_start,
             "done_requests": self.done_requests,
+            "on_target": None if self.on_target is None else self.on_target.state_dict(),
         }  # fmt: skip
+
+    def _shares_training(self, saved_method: str, state: dict) -> bool:
+        """Whether a checkpoint of ``saved_method`` taken before any request is where this
+        method's run would be too (both in :data:`SHARED_TRAINING`)."""
+        before_requests = not state["done_requests"] and not state["removed"]
+        return before_requests and {saved_method, self.method} <= SHARED_TRAINING
 
     def _privacy(self) -> dict[str, float | str]:
         return {"method": self.method, "epsilon": self.epsilon, "delta": self.delta,
@@ -431,12 +512,16 @@ class Unlearning(FederatedCallback):
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("privacy", self._privacy())
         changed = {k: (v, self._privacy()[k]) for k, v in saved.items() if self._privacy()[k] != v}
+        if set(changed) == {"method"} and self._shares_training(saved["method"], state):
+            changed = {}
         if changed:
             said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
             raise ValueError(
                 f"Unlearning: the checkpoint's sensitivity history was made under other "
                 f"settings ({said}); its Ψ* and branches would not match this run. Resume "
-                "with the checkpoint's method, epsilon, delta and sigma, or start a new fit."
+                "with the checkpoint's method, epsilon, delta and sigma, or start a new fit "
+                "(only before any request may sifu, scratch, fine_tuning and last take "
+                "each other's checkpoint)."
             )
         self.removed, self.queue = list(state["removed"]), [list(q) for q in state["queue"]]
         self.pending = [list(p) for p in state["pending"]] + self.pending
@@ -449,6 +534,8 @@ class Unlearning(FederatedCallback):
         self.forgetting.load_state_dict(state["shadows"])
         self.phase_rounds, self._phase_start = list(state["phase_rounds"]), state["phase_start"]
         self.done_requests = list(state["done_requests"])
+        if self.on_target is not None and state.get("on_target") is not None:
+            self.on_target.load_state_dict(state["on_target"])
 
 
 def _weighted(values: torch.Tensor, counts: torch.Tensor, clients: list[int]) -> float:

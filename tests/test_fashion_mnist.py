@@ -153,8 +153,12 @@ def test_the_sifu_recipe_runs_on_the_real_data(tmp_path):
                "--trainer.logger.init_args.save_dir", str(tmp_path)])  # fmt: skip
     assert cli.trainer.current_epoch == 2
     assert cli.datamodule.sample_counts("train") == [100] * 100
+    (unlearning,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "Unlearning"]
+    stop = unlearning.on_target  # the authors' schedule: the first check after 20 rounds
+    assert (stop.check_every, stop.max_rounds, stop.period) == (20, 10_000, 20)
+    assert cli.trainer.gradient_clip_val == 10_000  # SIFU_example.sh's --clip
     (metrics,) = glob.glob(str(tmp_path / "**" / "metrics.csv"), recursive=True)
-    assert "unlearning/remaining_train_acc" in open(metrics).readline()
+    assert "unlearning/remaining_train_acc" not in open(metrics).readline()
 
 
 @_NEED_REAL

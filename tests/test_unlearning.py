@@ -4,6 +4,7 @@ limits σ → 0 and σ → ∞, baselines, resume, and what a removed client sti
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -383,3 +384,155 @@ def test_fedaccum_refuses_two_processes_keys_its_shadows_by_the_sorted_set_and_c
     assert all(torch.equal(restored.shadows[k], method.shadows[k]) for k in method.shadows)
     start, _ = restored.restart(_request([1], removed=[9]))
     assert start.tolist() == [3.0, 4.0]
+
+
+def _authors_checks(curve: list[float], stop: float, minimum: int = 50) -> tuple[list[int], int]:
+    """The SIFU authors' loop (FL/simu_unlearning.py, SIFU branch of
+    Accenture/Labs-Federated-Learning), accuracies in percent: the rounds t at which the
+    model after t rounds is checked, and the round the phase stops at."""
+    period, checked = 20, []
+    for t in range(len(curve)):
+        if t % period == 0:
+            acc = curve[t]
+            checked.append(t)
+            if acc >= stop and t >= minimum:
+                return checked, t
+            elif acc >= stop - 0.5:
+                period = 1
+            elif acc >= stop - 1.0:
+                period = min(period, 2)
+            elif acc >= stop - 2.5:
+                period = min(period, 5)
+            elif acc >= stop - 5.0:
+                period = min(period, 10)
+    return checked, len(curve)
+
+
+def _our_checks(stop: StopAtTarget, curve: list[float]) -> tuple[list[int], int]:
+    """StopAtTarget driven as Unlearning drives it: the model a phase starts from is
+    observed, then each due round is checked, and the phase ends when reached."""
+    stop.start_phase()
+    stop.observe(curve[0])
+    checked = [0]
+    for rounds in range(1, len(curve)):
+        if not stop.due(rounds):
+            continue
+        checked.append(rounds)
+        if stop.reached(curve[rounds], rounds):
+            return checked, rounds
+        stop.observe(curve[rounds])
+    return checked, len(curve)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_authors_check_schedule_by_hand(seed):
+    """The Fashion-MNIST recipe's schedule (every 20 rounds; 10, 5, 2, 1 within 5, 2.5, 1,
+    0.5 points) checks the same rounds and stops at the same one as the authors' loop, on
+    noisy curves that cross every gap, some of them touching a gap's edge exactly."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(400)
+    percent = 91 * (1 - np.exp(-t / (40 + 20 * seed))) + rng.normal(0, 1.0, t.size)
+    percent = np.round(percent * 2) / 2  # half points: values land on the gaps' edges
+    near = [(0.05, 10), (0.025, 5), (0.01, 2), (0.005, 1)]
+    recipe_schedule = StopAtTarget("acc", 0.9, min_rounds=50, check_every=20, check_near=near)
+    authors = _authors_checks(percent.tolist(), 90.0)
+    ours = _our_checks(recipe_schedule, (percent / 100).tolist())
+    assert ours == authors
+    assert len(set(np.diff(authors[0]))) >= 3  # the period did change, more than once
+
+
+def test_a_check_schedule_restarts_each_phase_and_stops_at_the_cap():
+    stop = StopAtTarget("acc", target=0.9, max_rounds=45, check_every=20, check_near=[(0.1, 3)])
+    assert [r for r in range(1, 50) if stop.due(r)] == [20, 40, 45, 46, 47, 48, 49]
+    stop.observe(0.8)  # 0.9 - 0.1: on the gap's edge counts as near
+    assert stop.period == 3 and stop.state_dict() == {"period": 3}
+    stop.observe(0.1)  # far again: the period never grows back within a phase
+    assert stop.period == 3
+    stop.start_phase()
+    assert stop.period == 20
+    low = StopAtTarget("loss", target=0.2, mode="min", check_every=4, check_near=[(0.05, 1)])
+    low.observe(0.26)
+    assert low.period == 4
+    low.observe(0.25)
+    assert low.period == 1
+    with pytest.raises(ValueError, match="Need check_every >= 1"):
+        StopAtTarget("acc", 0.9, check_every=0)
+    with pytest.raises(ValueError, match="gap >= 0, every >= 1"):
+        StopAtTarget("acc", 0.9, check_near=[(0.1, 0)])
+
+
+class _CheckpointAfterPhase(pl.Callback):
+    """Save the fit and stop it when the first phase ends (after Unlearning's round end)."""
+
+    def __init__(self, unlearning: Unlearning, path) -> None:
+        self.unlearning, self.path = unlearning, path
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if len(self.unlearning.phase_rounds) == 1 and not trainer.should_stop:
+            trainer.save_checkpoint(self.path)
+            trainer.should_stop = True
+
+
+def _protocol(method: str, checkpoint=None, after_phase=None, every_round=None):
+    stop = StopAtTarget("unlearning/remaining_train_acc", target=0.6, min_rounds=3,
+                        max_rounds=12, check_every=6, check_near=[(0.2, 2), (0.05, 1)])  # fmt: skip
+    unlearning = Unlearning(method, sigma=0.3, requests=[[0, 5], [1], [6]], on_target=stop)
+    callbacks = [FedAvg(), unlearning]
+    if after_phase is not None:
+        callbacks.append(_CheckpointAfterPhase(unlearning, after_phase))
+    if every_round is not None:
+        callbacks.append(ModelCheckpoint(every_round, "{epoch}", save_top_k=-1, every_n_epochs=1))
+    module = tiny_module(0.1, seed=0 if checkpoint is None else 42)
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=3)
+    trainer = make_trainer(strategy, 60, callbacks, enable_checkpointing=every_round is not None)
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=8), ckpt_path=checkpoint,
+                weights_only=True if checkpoint else None)  # fmt: skip
+    return module, unlearning
+
+
+@pytest.mark.parametrize("method", ["scratch", "last"])
+def test_the_training_before_the_first_request_is_shared_by_the_methods_that_train_alike(
+    method, tmp_path
+):
+    """The benchmark trains once per seed and resumes SIFU, SCRATCH, FINE-TUNING and LAST
+    from the end of that first phase, as the authors' code does: the resumed run is the
+    run that never stopped, to the bit, whichever of them made the checkpoint. The phases
+    end off the 6-round grid (SCRATCH's second at 10 after a check came near, LAST's at
+    min_rounds after the model the phase starts from was observed near the target)."""
+    full, alone = _protocol(method)
+    assert alone.phase_rounds == {"scratch": [6, 10, 6, 6], "last": [6, 3, 3, 3]}[method]
+    shared = tmp_path / "shared.ckpt"
+    _, first = _protocol("sifu", after_phase=shared)
+    assert first.phase_rounds == [6]
+    resumed, again = _protocol(method, checkpoint=str(shared))
+    assert max_abs_diff(params_of(full), params_of(resumed)) == 0.0
+    assert again.phase_rounds == alone.phase_rounds
+    assert again.done_requests == alone.done_requests
+
+
+def test_a_resume_within_a_phase_keeps_the_check_period(tmp_path):
+    """Round 7 of SCRATCH's second phase (epoch 12): the check at its round 6 came within
+    0.05 of the target, so checks are every round and the phase ends at 10; a resume that
+    forgot the period would check at 12 instead."""
+    full, alone = _protocol("scratch", every_round=tmp_path)
+    saved = torch.load(tmp_path / "epoch=12.ckpt", weights_only=True)["callbacks"]
+    (state,) = [s for k, s in saved.items() if "Unlearning" in k]
+    assert state["on_target"] == {"period": 1} and state["phase_start"] == 6
+    resumed, again = _protocol("scratch", checkpoint=str(tmp_path / "epoch=12.ckpt"))
+    assert again.phase_rounds == alone.phase_rounds == [6, 10, 6, 6]
+    assert max_abs_diff(params_of(full), params_of(resumed)) == 0.0
+
+
+def test_a_method_change_after_a_request_or_to_a_method_that_trains_otherwise_is_refused(
+    tmp_path,
+):
+    shared = tmp_path / "shared.ckpt"
+    _protocol("sifu", after_phase=shared)
+    with pytest.raises(ValueError, match=r"method 'sifu' -> 'dp'"):
+        _protocol("dp", checkpoint=str(shared))
+    state = torch.load(shared, weights_only=True)
+    (key,) = [k for k in state["callbacks"] if "Unlearning" in k]
+    state["callbacks"][key]["done_requests"] = [{"round": 3, "clients": [0, 5]}]
+    torch.save(state, tmp_path / "after_request.ckpt")
+    with pytest.raises(ValueError, match=r"method 'sifu' -> 'scratch'.*only before any request"):
+        _protocol("scratch", checkpoint=str(tmp_path / "after_request.ckpt"))

@@ -193,6 +193,13 @@ class FedAccum(ForgettingMethod):
         self.shadows = {tuple(int(x) for x in k.split(",") if x): v for k, v in state.items()}
 
 
+#: the methods whose training before the first request is plain FedAvg with the history
+#: recorded (the authors' code trains these once, under the name "train", and each
+#: method's requests start from that run): a checkpoint taken before any request resumes
+#: under any of them
+SHARED_TRAINING = frozenset({"sifu", "scratch", "fine_tuning", "last"})
+
+
 def forgetting_method(
     name: str, epsilon: float, delta: float, sigma: float, clip: float
 ) -> ForgettingMethod:
