@@ -12,6 +12,14 @@ Synthetic(0.5, 0.5) with recipes/participation/synthetic_ca_fed.yaml's setting.
 - ``seeds``: the selectors at their tuned rates over ``--seeds`` (test accuracy).
 - ``estimators``: CA-Fed with Beta-prior estimates of (π, λ) after t′ rounds of history
   (Fig. 2.14; the thesis: MNIST, T = 50; here Synthetic, T = 200), against oracle CA-Fed.
+- ``normalized``: issue 40's probe. CA-Fed's kept weights α_k/π_k go to the server
+  unnormalized, in the authors' code (arodio/CA-Fed ``clients_sampler.py``) and here, so
+  the server step Σ_{kept} q_k swings with the number of available clients; AdaFed
+  rescales them to sum to 1. CA-Fed with ``normalize_weights=True``: at CA-Fed's tuned
+  rates, then tuned itself on the grid's η ≤ 0.3 rows on seed 0, each over ``--seeds``,
+  beside CA-Fed and AdaFed rerun at their tuned rates with the same code (part
+  ``probe-seeds``: the rows above predate the one-randperm-per-pass shuffle of commit
+  94804d9, which changed every run's batch order).
 - ``spatial``: 10 clusters of 10 clients, one chain per cluster, clusters 0–4 π = 0.9,
   λ = 0, clusters 5–9 π = 0.1, λ = c/10 (Fig. 2.15; the thesis: MNIST, T = 100; here
   Synthetic, T = 200), each selector at its tuned rates.
@@ -40,6 +48,7 @@ SELECTORS = ("ca_fed", "adafed", "unbiased")
 LOCAL_RATES = (2.0, 1.0, 0.3, 0.1, 0.03)
 SERVER_RATES = (8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0)
 HISTORIES = (10, 100, 1000, 10000)
+NORMALIZED_LOCAL_RATES = (0.3, 0.1, 0.03)  # the rows around both selectors' tuned cells
 PAPER = {"ca_fed - adafed": 1.56, "spatial": 0.6}  # points, Fig. 2.11 and 2.15
 
 
@@ -71,6 +80,8 @@ def measured(part: str, selector: str, seed: int, rates, extra=None) -> dict:
         sampler_args["availability"] = spatial_availability()
     if part == "estimators" and extra is not None:
         sampler_args.update(estimate=True, history=extra)
+    if part.startswith("normalized"):
+        sampler_args["normalize_weights"] = True
     result = run(
         selector, seed, ROUNDS, DATA, rates=tuple(rates), sampler_args=sampler_args, vectorize=True
     )
@@ -81,10 +92,10 @@ def measured(part: str, selector: str, seed: int, rates, extra=None) -> dict:
     return row
 
 
-def tuned(selector: str) -> tuple[float, float]:
-    """The grid cell with the best final validation accuracy on seed 0 (Table 4's rates
+def tuned(selector: str, part: str = "grid") -> tuple[float, float]:
+    """The ``part`` cell with the best final validation accuracy on seed 0 (Table 4's rates
     until the grid has run)."""
-    cells = [r for r in journal() if r["part"] == "grid" and r["selector"] == selector]
+    cells = [r for r in journal() if r["part"] == part and r["selector"] == selector]
     if not cells:
         return TABLE_4[selector]
     return tuple(max(cells, key=lambda r: r["validation"])["rates"])
@@ -158,6 +169,9 @@ def report() -> str:
             lines.append(f"| {label} | {len(mine)} | {mean(mine, 'final'):.4f} | "
                          f"{mean(mine, 'clients'):.1f} |")  # fmt: skip
         lines.append("")
+    normalized = [r for r in rows if r["part"].startswith("normalized")]
+    if normalized:
+        lines += _normalized_report(rows)
     spatial = [r for r in rows if r["part"] == "spatial"]
     if spatial:
         lines += [
@@ -175,6 +189,39 @@ def report() -> str:
         lines += ["", f"The thesis (Fig. 2.15, MNIST): CA-Fed {PAPER['spatial']:+.1f} points "
                   "over AdaFed.", ""]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _normalized_report(rows: list[dict]) -> list[str]:
+    lines = ["## Probe: CA-Fed with its kept weights normalized per round (issue 40)", "",
+             "| CA-Fed weights | η / η̄ | seeds | final acc (mean ± sd) | time-averaged val acc "
+             "| clients per round |", "|---|---|---|---|---|---|"]  # fmt: skip
+    variants = [("AdaFed (for reference)", "probe-seeds", tuned("adafed")),
+                ("α/π, as the authors' code", "probe-seeds", tuned("ca_fed")),
+                ("normalized, at CA-Fed's tuned rates", "normalized-seeds", tuned("ca_fed")),
+                ("normalized, tuned on its own grid", "normalized-seeds",
+                 tuned("ca_fed", "normalized-grid"))]  # fmt: skip
+    for label, part, rates in variants:
+        selector = "adafed" if label.startswith("AdaFed") else "ca_fed"
+        mine = [r for r in rows if r["part"] == part and r["selector"] == selector
+                and r["rates"] == list(rates)]  # fmt: skip
+        if not mine:
+            continue
+        values = [r["final"] for r in mine]
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        lines.append(f"| {label} | {rates[0]:g} / {rates[1]:g} | {len(mine)} | "
+                     f"{statistics.mean(values):.4f} ± {sd:.4f} | {mean(mine, 'average'):.4f} | "
+                     f"{mean(mine, 'clients'):.1f} |")  # fmt: skip
+    grid = {tuple(r["rates"]): r["validation"] for r in rows if r["part"] == "normalized-grid"}
+    if grid:
+        lines += ["", "Normalized CA-Fed's grid (seed 0, final validation accuracy):", "",
+                  "| η \\ η̄ | " + " | ".join(f"{s:g}" for s in SERVER_RATES) + " |",
+                  "|---|" + "---|" * len(SERVER_RATES)]  # fmt: skip
+        for lr in LOCAL_RATES:
+            values = [grid.get((lr, s)) for s in SERVER_RATES]
+            if any(v is not None for v in values):
+                lines.append(f"| {lr:g} | " + " | ".join(
+                    "" if v is None else f"{v:.4f}" for v in values) + " |")  # fmt: skip
+    return lines + [""]
 
 
 def main() -> None:
@@ -197,6 +244,18 @@ def main() -> None:
             elif part == "spatial":
                 for seed in args.seeds[:2]:
                     measured("spatial", selector, seed, tuned(selector))
+        if part == "normalized":
+            for seed in [0, *args.seeds]:
+                for selector in ("ca_fed", "adafed"):
+                    measured("probe-seeds", selector, seed, tuned(selector))
+            for seed in [0, *args.seeds]:
+                measured("normalized-seeds", "ca_fed", seed, tuned("ca_fed"))
+            for lr in NORMALIZED_LOCAL_RATES:
+                for server in SERVER_RATES:
+                    measured("normalized-grid", "ca_fed", 0, (lr, server))
+            for seed in [0, *args.seeds]:
+                rates = tuned("ca_fed", "normalized-grid")
+                measured("normalized-seeds", "ca_fed", seed, rates)
         if part == "estimators":
             for seed in args.seeds[:2]:
                 for history in (None, *HISTORIES):

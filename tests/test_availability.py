@@ -285,3 +285,30 @@ def test_synthetic_ca_fed_recipe_runs_shortened(tmp_path):
                "--trainer.enable_progress_bar", "false"])  # fmt: skip
     assert cli.trainer.current_epoch == 3
     assert 0.0 <= float(cli.trainer.callback_metrics["test_acc"]) <= 1.0
+
+
+def test_normalized_ca_fed_keeps_the_same_clients_with_weights_summing_to_one():
+    """Issue 40's probe: CA-Fed's kept weights α_k/π_k rescaled per round to sum to 1 (the
+    authors' code hands them over unnormalized, so their sum follows how many clients are
+    available). Unequal α, π and losses; 12 rounds in which that sum varies."""
+    p = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.05, 0.1, 0.15, 0.2], dtype=torch.float64)
+    def chains():
+        return MarkovAvailability([0.9, 0.7, 0.5, 0.3] * 2, [0.0] * 8)
+
+    plain = AvailableClients(chains(), "ca_fed", kappa2=0.3)
+    normalized = AvailableClients(chains(), "ca_fed", kappa2=0.3, normalize_weights=True)
+    sums, excluded = [], 0
+    for sampler in (plain, normalized):
+        sampler.losses = lambda clients: [1.0 + 0.3 * c for c in clients]
+    for t in range(12):
+        a, b = plain.sample(t, 2, p), normalized.sample(t, 2, p)
+        assert a.clients == b.clients and plain.excluded == normalized.excluded
+        excluded += len(plain.excluded)
+        if not a.clients:
+            continue
+        pi = plain.availability.stationary(8)
+        expected = [float(p[c] / pi[c]) for c in a.clients]  # α_k/π_k, unnormalized
+        assert list(a.weights) == pytest.approx(expected, rel=1e-12)
+        assert list(b.weights) == pytest.approx([w / sum(expected) for w in expected], rel=1e-12)
+        sums.append(round(sum(a.weights), 6))
+    assert excluded and min(sums) < 0.2 and max(sums) > 1.3  # the step swings 10-fold

@@ -243,8 +243,12 @@ class AvailableClients(ClientSampler):
     observed sets (``estimate=True``, ``prior`` = (n, m)); with ``history`` = t′ the
     estimator first sees t′ rounds of the same chains before training starts (the thesis's
     estimator experiment, Fig. 2.14: training round t is the chains' round t′ + t). The
-    weights are not normalized per round (except AdaFed's): the server learning rate η̄ is
-    the aggregator's ``server_lr``. A round with no available client trains nobody.
+    weights are not normalized per round (except AdaFed's), as in the CA-Fed authors' code
+    (arodio/CA-Fed, ``clients_sampler.py``: CA-Fed's allocation α_k/π_k goes to the
+    aggregator as it is): the server learning rate η̄ is the aggregator's ``server_lr``.
+    ``normalize_weights=True`` rescales any selector's weights to sum to 1 over the round's
+    participants, as AdaFed does (issue 40's probe of CA-Fed; not the authors'). A round
+    with no available client trains nobody.
     """
 
     SELECTORS = ("unbiased", "more_available", "adafed", "f3ast", "ca_fed")
@@ -262,6 +266,7 @@ class AvailableClients(ClientSampler):
         estimate: bool = False,
         prior: tuple[float, float] = (1.0, 1.0),
         history: int = 0,
+        normalize_weights: bool = False,
     ) -> None:
         super().__init__(renormalize=False)
         if history < 0:
@@ -282,6 +287,7 @@ class AvailableClients(ClientSampler):
         self.min_availability, self.clients_per_round = min_availability, clients_per_round
         self.smoothness, self.kappa2, self.tolerance = smoothness, kappa2, tolerance
         self.estimate, self.history = estimate, history
+        self.normalize_weights = normalize_weights or selector == "adafed"
         self.estimator = AvailabilityEstimator(prior)
         self.filter = LossFilter(loss_beta)
         self.needs_losses = selector == "ca_fed"
@@ -319,9 +325,6 @@ class AvailableClients(ClientSampler):
                 )
             q = torch.where(kept, q / p[kept].sum(), torch.zeros_like(q))
             available &= kept
-        elif self.selector == "adafed":
-            total = float(q[available].sum())
-            q = q / total if total > 0 else q
         elif self.selector == "f3ast":
             q, available = self._f3ast(p, pi, available)
         elif self.selector == "ca_fed":
@@ -329,6 +332,9 @@ class AvailableClients(ClientSampler):
             kept = available & (q > 0)
             self.excluded = tuple(torch.nonzero(available & ~kept).flatten().tolist())
             available = kept
+        if self.normalize_weights:
+            total = float(q[available].sum())
+            q = q / total if total > 0 else q
         clients = torch.nonzero(available).flatten().tolist()
         return Participation(tuple(clients), tuple(float(q[c]) for c in clients))
 
