@@ -170,6 +170,7 @@ def main() -> None:
              "(lower is better, SCRATCH is the reference).", "",
              "| method | initial rounds | rounds after W1 / W2 / W3 | total retraining | "
              "forgotten acc after W1 / W2 / W3 |", "|---|---|---|---|---|"]  # fmt: skip
+    figure: dict[str, tuple[list[float], list[float]]] = {}
     for seed in args.seeds:  # seed by seed, so that a stopped sweep has whole seeds
         for method in args.methods:
             journal.protocol(method, seed, args.target, sigma, run=not args.table_only)
@@ -188,6 +189,7 @@ def main() -> None:
         cells = [("≥" if c else "") + f"{x:.0f}" for x, c in zip(rounds, capped)]
         forgotten = [statistics.mean(r[1][k] for r in runs) for k in range(3)]
         total = ("≥" if any(capped[1:]) else "") + f"{sum(rounds[1:]):.0f}"
+        figure[name] = (rounds[1:], forgotten)
         lines.append(
             f"| {name} | {cells[0]} | "
             + " / ".join(cells[1:])
@@ -195,6 +197,10 @@ def main() -> None:
             + " / ".join(f"{x:.3f}" for x in forgotten)
             + " |"
         )
+    if figure:
+        plot = RESULTS / f"unlearning{suffix}.png"
+        _plot(figure, plot, MAX_ROUNDS)
+        lines += ["", f"![retraining rounds and forgotten-class accuracy per request]({plot.name})"]
     if args.no_sweep or args.table_only:
         _write(RESULTS / f"unlearning{suffix}.md", lines)
         return
@@ -209,6 +215,32 @@ def main() -> None:
         cap = "≥" if rounds[1] >= MAX_ROUNDS else ""
         lines.append(f"| {sigma:g} | {threshold:.4g} | {cap}{rounds[1]} | {forgotten[0]:.3f} |")
     _write(RESULTS / f"unlearning{suffix}.md", lines)
+
+
+def _plot(figure: dict[str, tuple[list[float], list[float]]], path: Path, cap: int) -> None:
+    """Fig. 5.2's two readings per request W1..W3: the retraining rounds to reach the
+    target again, and the accuracy on the forgotten clients' training data then."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rounds_ax, forgotten_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(figure)
+    for k, (name, (rounds, forgotten)) in enumerate(figure.items()):
+        where = [r + (k - (len(figure) - 1) / 2) * width for r in range(3)]
+        rounds_ax.bar(where, rounds, width, label=name)
+        forgotten_ax.bar(where, forgotten, width, label=name)
+    for ax, label in ((rounds_ax, f"retraining rounds (cap {cap})"),
+                      (forgotten_ax, "accuracy on the forgotten clients")):  # fmt: skip
+        ax.set_xticks(range(3), ["W1", "W2", "W3"])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    forgotten_ax.set_ylim(0, 1)
+    forgotten_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _write(path: Path, lines: list[str]) -> None:
