@@ -292,6 +292,7 @@ def test_normalized_ca_fed_keeps_the_same_clients_with_weights_summing_to_one():
     authors' code hands them over unnormalized, so their sum follows how many clients are
     available). Unequal α, π and losses; 12 rounds in which that sum varies."""
     p = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.05, 0.1, 0.15, 0.2], dtype=torch.float64)
+
     def chains():
         return MarkovAvailability([0.9, 0.7, 0.5, 0.3] * 2, [0.0] * 8)
 

@@ -113,3 +113,31 @@ def test_what_cannot_be_compiled_is_refused_at_setup(kind):
 def test_compile_without_vectorize_is_refused():
     with pytest.raises(ValueError, match="set vectorize=True"):
         FederatedStrategy(compile=True)
+
+
+def test_compile_time_counts_the_first_call_of_each_shape_and_the_gradients_are_per_client(
+    monkeypatch,
+):
+    """CompiledGradients with torch.compile replaced by the identity and a clock that
+    ticks 1.5 s per reading: of six calls, the first of (2 rows, key a), (3 rows, key a)
+    and (2 rows, key b) are timed, so 4.5 s; each row's gradient is that client's own,
+    by hand, for a loss Σ_j w_j·x of the trainable parameters 0 and 2 (parameter 1 is
+    frozen and only shifts the loss)."""
+    import lightning_fl.engine.compiled as compiled
+
+    ticks = iter(1.5 * k for k in range(100))
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, backend: fn)
+    monkeypatch.setattr(compiled.time, "perf_counter", lambda: next(ticks))
+
+    def client_loss(params, buffers, batch):
+        loss = (params[0] * batch).sum() + 3 * (params[2] * batch).sum() + params[1].sum()
+        return loss, {"acc": loss * 0}
+
+    gradients = compiled.CompiledGradients(client_loss, trainable=[0, 2])
+    for rows, key in [(2, "a"), (2, "a"), (3, "a"), (3, "a"), (2, "b"), (2, "a")]:
+        params = [torch.ones(rows, 4), torch.full((rows, 1), 7.0), torch.zeros(rows, 4)]
+        batch = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+        loss, metrics, grads = gradients(params, [], batch, key)
+        assert torch.equal(grads[0], batch) and torch.equal(grads[1], 3 * batch)
+        assert torch.equal(loss, batch.sum(1) + 7.0) and metrics["acc"].shape == (rows,)
+    assert gradients.seconds == 4.5

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import FedAvg, Local, Pooled
 from lightning_fl.engine.evaluation import lower_is_better, summarize
-from tests.helpers import make_trainer, params_of, tiny_clients, tiny_datamodule, tiny_module
+from tests.helpers import (
+    IN,
+    OUT,
+    make_trainer,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
 
 
 def _run(seed: int, rounds: int = 3):
@@ -148,3 +158,68 @@ def test_cpu_threads_one_for_small_models_unless_the_user_chose(monkeypatch):
             FederatedStrategy(num_threads=0)
     finally:
         torch.set_num_threads(before)
+
+
+class _PlainValidation(pl.LightningModule):
+    """Lightning's methods only: a loss and a higher-is-better score logged in
+    ``validation_step`` (no ``loss_and_metrics``, no ``acc``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.network = torch.nn.Linear(IN, OUT)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.network(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.network(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_confidence", logits.softmax(-1).max(-1).values.mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_plain_modules_logged_values_are_reported_per_client_by_hand():
+    """Every value a plain LightningModule logs is reported client by client: each
+    client's sample-weighted mean over its validation batches of 2 and 1 samples (so a
+    mean of batch means would differ), summarized as weighted and uniform means, p90 for
+    the loss and p10 for the score; clients 8 and 9 are unseen and reported apart. No
+    family is made up: no accuracy, no p10 of the loss, no p90 of the score."""
+    dm = tiny_datamodule(batch_size=2)
+    dm.unseen_clients = [8, 9]
+    module = _PlainValidation()
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=5)
+    trainer = make_trainer(strategy, 3, [FedAvg()], limit_val_batches=None)
+    trainer.fit(module, datamodule=dm)
+    stage, per_client, unseen = trainer.strategy.evaluation.last_report
+    assert stage == "val" and unseen == {8, 9}
+    expected = {"val_loss": {}, "val_confidence": {}}
+    with torch.no_grad():
+        for c, client in enumerate(tiny_clients()):
+            x, y = client["val"]
+            logits = module.network(x)
+            loss = F.cross_entropy(logits, y, reduction="none")
+            expected["val_loss"][c] = (float(loss.mean()), len(y))
+            expected["val_confidence"][c] = (float(logits.softmax(-1).max(-1).values.mean()), 3)
+    assert set(per_client) == set(expected)
+    for name, values in expected.items():
+        assert set(per_client[name]) == set(range(10))
+        for c, (value, count) in values.items():
+            assert per_client[name][c][0] == pytest.approx(value, rel=1e-5)
+            assert per_client[name][c][1] == count
+    metrics = trainer.callback_metrics
+    seen = {c: v for c, v in expected["val_loss"].items() if c < 8}
+    assert float(metrics["val_loss/uniform"]) == pytest.approx(
+        sum(v for v, _ in seen.values()) / 8, rel=1e-5
+    )
+    losses = torch.tensor([v for v, _ in seen.values()], dtype=torch.float64)
+    assert float(metrics["val_loss/p90"]) == pytest.approx(float(torch.quantile(losses, 0.9)))
+    unseen_mean = (expected["val_loss"][8][0] + expected["val_loss"][9][0]) / 2
+    assert float(metrics["val_loss/unseen/uniform"]) == pytest.approx(unseen_mean, rel=1e-5)
+    assert "val_confidence/p10" in metrics
+    absent = {"val_acc", "val_acc/uniform", "val_loss/p10", "val_confidence/p90"}
+    assert not absent & set(metrics)
