@@ -15,6 +15,12 @@ replaced by its first argument. Each mutant is written over the module, the test
 run's), and the module is restored, whatever happens. A mutant is caught when the tests
 fail or time out. The summary line and the survivors go to stdout and, with ``--json``,
 to a file.
+
+Only the tests that execute a mutant's lines run against it: the clean run is measured
+by coverage.py with one context per test (this module is its pytest plugin), and a
+mutant on lines that no test executes survives without a run. Tests run in other
+processes (torchrun) are not measured, so what only they exercise shows as a survivor to
+look at. Without coverage.py installed every mutant runs every given test.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import importlib.util
 import json
 import os
 import signal
@@ -50,6 +57,8 @@ class Mutant:
     index: int
     line: int
     description: str
+    #: the last line of the rewritten node (a statement or expression may span lines)
+    end_line: int = 0
 
 
 def _skipped(tree: ast.Module) -> set[int]:
@@ -134,7 +143,9 @@ def mutants(source: str) -> list[Mutant]:
         if id(node) in skip or id(node) not in inside:
             continue
         for rewrite in _rewrites(node):
-            found.append(Mutant(len(found), getattr(node, "lineno", 0), rewrite))
+            line = getattr(node, "lineno", 0)
+            end = getattr(node, "end_lineno", None) or line
+            found.append(Mutant(len(found), line, rewrite, end))
     return found
 
 
@@ -166,16 +177,62 @@ def _replace(tree: ast.Module, old: ast.AST, new: ast.AST) -> None:
                 return
 
 
-def run_tests(tests: list[str], timeout: float) -> bool:
-    """Whether the tests pass (False on a failure or a timeout)."""
+def run_tests(tests: list[str], timeout: float, coverage_of: Path | None = None) -> bool:
+    """Whether the tests pass (False on a failure or a timeout). With ``coverage_of``
+    (a module's file), the run is measured: which test executes which of its lines
+    (:func:`covering_tests` reads it)."""
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-               "-p", "no:randomly", *tests]  # fmt: skip
+    runner = [sys.executable, "-m"]
+    if coverage_of is not None:
+        runner += ["coverage", "run", f"--data-file={_data_file(coverage_of)}",
+                   f"--include=*/{coverage_of.name}", "-m"]  # fmt: skip
+        tests = ["-p", "tests.mutate", *tests]
+    command = [*runner, "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+               *tests]  # fmt: skip
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False
     return result.returncode == 0
+
+
+def _data_file(module: Path) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f".mutate-coverage-{os.getpid()}"
+
+
+def pytest_runtest_setup(item) -> None:
+    """As a pytest plugin under coverage: the lines run from here on belong to ``item``."""
+    import coverage
+
+    current = coverage.Coverage.current()
+    if current is not None:  # the test's file absolute: node ids are relative to a rootdir
+        current.switch_context("::".join([str(item.path), *item.nodeid.split("::")[1:]]))
+
+
+def covering_tests(module: Path) -> dict[int, set[str]] | None:
+    """{line: node ids of the tests that executed it} from the measured clean run, or
+    None when it was not measured."""
+    try:
+        import coverage
+    except ImportError:
+        return None
+    data = coverage.CoverageData(basename=str(_data_file(module)))
+    data.read()
+    target = os.path.realpath(module)
+    measured = [f for f in data.measured_files() if os.path.realpath(f) == target]
+    lines: dict[int, set[str]] = {}
+    for name in measured:
+        for line, contexts in data.contexts_by_lineno(name).items():
+            lines.setdefault(line, set()).update(c for c in contexts if c)
+    return lines
+
+
+def tests_for(mutant: Mutant, lines: dict[int, set[str]]) -> list[str]:
+    """The node ids of the tests that ran any line of ``mutant``'s node."""
+    found: set[str] = set()
+    for line in range(mutant.line, max(mutant.end_line, mutant.line) + 1):
+        found |= lines.get(line, set())
+    return sorted(found)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,20 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     path = (ROOT / args.module).resolve()
     original = path.read_text()
     start = time.perf_counter()
-    if not run_tests(args.tests, timeout=3600):
+    measure = importlib.util.find_spec("coverage") is not None
+    if not run_tests(args.tests, timeout=3600, coverage_of=path if measure else None):
         print(f"the tests fail on the unmutated {args.module}: fix them first")
         return 2
     timeout = 5 * (time.perf_counter() - start) + 10
+    lines = covering_tests(path) if measure else None
     found = mutants(original)[: args.limit]
     survivors = []
     try:
         for mutant in found:
+            tests = args.tests if lines is None else tests_for(mutant, lines)
             path.write_text(mutated_source(original, mutant))
-            if run_tests(args.tests, timeout):
+            if not tests or run_tests(tests, timeout):
                 survivors.append(mutant)
-                print(f"survived: {args.module}:{mutant.line} {mutant.description}", flush=True)
+                why = "" if tests else " (no test runs it)"
+                print(f"survived: {args.module}:{mutant.line} {mutant.description}{why}",
+                      flush=True)  # fmt: skip
     finally:
         path.write_text(original)
+        _data_file(path).unlink(missing_ok=True)
     caught = len(found) - len(survivors)
     rate = caught / len(found) if found else 1.0
     print(f"{args.module}: {len(found)} mutants, {caught} caught, {len(survivors)} survived "

@@ -48,3 +48,52 @@ def test_the_runner_reports_the_survivor_and_restores_the_module(tmp_path):
     assert (summary["mutants"], summary["caught"]) == (2, 1)
     assert [s["description"] for s in summary["survivors"]] == ["Lt -> LtE"]
     assert module.read_text() == MODULE
+
+
+TWO = '''"""Two functions, one of them never called by the tests."""
+
+
+def double(x):
+    return x * 2
+
+
+def halve(x):
+    return x / 2
+'''
+
+TWO_TESTS = """import sys
+
+sys.path.insert(0, {folder!r})
+from two import double
+
+
+def test_double():
+    assert double(3) == 6
+
+
+def test_nothing_of_the_module():
+    assert True
+"""
+
+
+def test_only_the_tests_that_run_a_mutant_run_against_it_and_unrun_lines_survive(tmp_path):
+    """The clean run is measured per test: ``x * 2`` is run by test_double alone (the other
+    test never enters the module), and ``halve``'s ``x / 2`` by no test, so its two
+    mutants (``/`` → ``*``, 2 → 3) survive without a run."""
+    from tests.mutate import covering_tests, run_tests, tests_for
+
+    module, tests = tmp_path / "two.py", tmp_path / "test_two.py"
+    module.write_text(TWO)
+    tests.write_text(TWO_TESTS.format(folder=str(tmp_path)))
+    assert run_tests([str(tests)], 600, coverage_of=module)
+    lines = covering_tests(module)
+    found = mutants(TWO)
+    assert [m.line for m in found] == [5, 9, 5, 9]  # ast.walk: breadth first
+    assert tests_for(found[0], lines) == [f"{tests}::test_double"]
+    assert tests_for(found[1], lines) == [] == tests_for(found[3], lines)
+    result = tmp_path / "result.json"
+    assert main([str(module), str(tests), "--json", str(result)]) == 0
+    summary = json.loads(result.read_text())
+    assert (summary["mutants"], summary["caught"]) == (4, 2)
+    assert [s["line"] for s in summary["survivors"]] == [9, 9]
+    assert module.read_text() == TWO

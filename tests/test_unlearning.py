@@ -536,3 +536,21 @@ def test_a_method_change_after_a_request_or_to_a_method_that_trains_otherwise_is
     torch.save(state, tmp_path / "after_request.ckpt")
     with pytest.raises(ValueError, match=r"method 'sifu' -> 'scratch'.*only before any request"):
         _protocol("scratch", checkpoint=str(tmp_path / "after_request.ckpt"))
+
+
+def test_the_threshold_and_the_noise_refuse_what_has_no_privacy_meaning():
+    """Ψ* and σ(Ψ) are asked directly (LAST, the benchmark's table), not only through the
+    callback, and refuse ε ≤ 0 and δ outside (0, 1) themselves; by hand at ε = 10,
+    δ = 0.01: sqrt(2 ln 125) = 3.107511, so Ψ* = 0.1 · 10/3.107511 and σ(0.5) = 0.155376."""
+    from lightning_fl.systems.unlearning import noise_for_sensitivity
+
+    assert sensitivity_threshold(10, 0.01, 0.1) == pytest.approx(0.321801, rel=1e-5)
+    assert noise_for_sensitivity(0.5, 10, 0.01) == pytest.approx(0.155376, rel=1e-5)
+    for bad in ({"epsilon": 0.0, "delta": 0.01}, {"epsilon": 10.0, "delta": 1.0}):
+        match = "epsilon must be > 0" if bad["epsilon"] == 0 else r"delta must be in \(0, 1\)"
+        with pytest.raises(ValueError, match=match):
+            sensitivity_threshold(bad["epsilon"], bad["delta"], 0.1)
+        with pytest.raises(ValueError, match=match):
+            noise_for_sensitivity(0.5, bad["epsilon"], bad["delta"])
+    with pytest.raises(ValueError, match="sigma must be >= 0"):
+        sensitivity_threshold(10, 0.01, -0.1)
