@@ -54,6 +54,12 @@ CAPS = {"digits": 400, "fashion_mnist": 10_000}
 MAX_ROUNDS = CAPS["digits"]
 RECIPE, ACCELERATOR = RECIPES["digits"], "cpu"
 SHARED = ROOT / "outputs" / "unlearning"
+#: σ of Fig. D.2's sweep: digits's earlier table; Fashion-MNIST, the authors' code's
+#: {1, 2, 5} × 10^-k, k = 0..4 (one request, P70)
+SWEEPS = {
+    "digits": (0.0005, 0.005, 0.01, 0.02, 0.03, 0.05, 0.5, 5.0),
+    "fashion_mnist": tuple(m * 10.0**-k for k in range(4, -1, -1) for m in (1, 2, 5)),
+}
 
 
 def protocol(method: str, seed: int, target: float, sigma: float = 0.05, requests=None):
@@ -208,7 +214,7 @@ def main() -> None:
               "| σ | Ψ* | retraining rounds | forgotten acc |", "|---|---|---|---|"]  # fmt: skip
     from lightning_fl.systems.unlearning import sensitivity_threshold
 
-    for sigma in (0.0005, 0.005, 0.01, 0.02, 0.03, 0.05, 0.5, 5.0):
+    for sigma in SWEEPS[args.dataset]:
         digit_0 = [[c for c in range(0, 100, 10)]]
         rounds, forgotten = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
         threshold = sensitivity_threshold(10, 0.01, sigma)
