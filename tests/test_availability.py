@@ -313,3 +313,37 @@ def test_normalized_ca_fed_keeps_the_same_clients_with_weights_summing_to_one():
         assert list(b.weights) == pytest.approx([w / sum(expected) for w in expected], rel=1e-12)
         sums.append(round(sum(a.weights), 6))
     assert excluded and min(sums) < 0.2 and max(sums) > 1.3  # the step swings 10-fold
+
+
+def test_loss_filter_and_estimators_by_hand_over_three_rounds():
+    """Eq. 2.30 at β = 0.3 for 3 clients over 3 rounds, by hand: round 0 hears clients 0
+    and 2 (losses 2.0, 1.0), so client 1 starts at their mean 1.5; then F̂ ← 0.7 F̂ + 0.3 F
+    for the available ones only, and F̂* is the running minimum. The Beta(2, 3) estimators
+    over the same sets: π̂ = (count + 2)/(t + 5); λ̂ from the transitions 0→0, 1→1."""
+    from lightning_fl.systems.ca_fed import AvailabilityEstimator, LossFilter
+
+    rounds = [([1, 0, 1], [2.0, 9.0, 1.0]), ([1, 1, 0], [1.0, 3.0, 9.0]),
+              ([0, 1, 1], [9.0, 1.0, 2.0])]  # fmt: skip
+    loss_filter, estimator = LossFilter(beta=0.3), AvailabilityEstimator((2.0, 3.0))
+    for available, losses in rounds:
+        mask = torch.tensor(available, dtype=torch.bool)
+        loss_filter.update(mask, torch.tensor(losses, dtype=torch.float64))
+        estimator.observe(mask)
+    # client 0: 2.0 -> 0.7*2 + 0.3*1 = 1.7 -> unavailable: 1.7
+    # client 1: 1.5 -> 0.7*1.5 + 0.3*3 = 1.95 -> 0.7*1.95 + 0.3*1 = 1.665
+    # client 2: 1.0 -> unavailable: 1.0 -> 0.7*1 + 0.3*2 = 1.3
+    assert loss_filter.estimate.tolist() == pytest.approx([1.7, 1.665, 1.3])
+    assert loss_filter.minimum.tolist() == pytest.approx([1.7, 1.5, 1.0])
+    assert estimator.availability().tolist() == pytest.approx([4 / 8, 4 / 8, 4 / 8])
+    # transitions: client 0: 1→1, 1→0; client 1: 0→1, 1→1; client 2: 1→0, 0→1
+    stay_00 = [(0 + 2) / (0 + 0 + 5), (0 + 2) / (1 + 5), (0 + 2) / (1 + 5)]
+    stay_11 = [(1 + 2) / (2 + 5), (1 + 2) / (1 + 5), (0 + 2) / (1 + 5)]
+    expected = [a + b - 1 for a, b in zip(stay_00, stay_11)]
+    assert estimator.correlation().tolist() == pytest.approx(expected)
+    empty = LossFilter(beta=0.5)
+    empty.update(torch.zeros(2, dtype=torch.bool), torch.tensor([4.0, 5.0]))
+    assert empty.estimate.tolist() == [0.0, 0.0]  # nobody heard from yet
+    with pytest.raises(ValueError, match=r"beta must be in \(0, 1\]"):
+        LossFilter(beta=0.0)
+    with pytest.raises(ValueError, match="Beta prior counts must be > 0"):
+        AvailabilityEstimator((0.0, 1.0))
