@@ -207,3 +207,27 @@ def test_fixed_clusters_draw_one_client_of_each_and_refuse_unequal_weights():
         FixedClustersSampler([[0], [1, 2, 3, 4, 5]]).distributions(p)
     with pytest.raises(ValueError, match="disjoint"):
         FixedClustersSampler([[0, 1], [1, 2]])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_similarity_sampling_pours_the_leftover_group_by_hand(seed):
+    """m = 2, six clients of unequal weight whose updates point along four axes: {0, 1}
+    (m·p = 0.4 + 0.3), {2, 3} (0.5 + 0.2), and clients 4 and 5 (0.4, 0.2), which Ward
+    merges into one group of weight 0.3 ≤ 1/m. The two heaviest groups open the two
+    distributions (0.7 each: a tie, so the first group's fills first); the leftover group's
+    clients, in the random order of the seeded generator, fill the first to 1, then the
+    second: client 4 first gives 0.3 | 0.1 + 0.2, client 5 first 0.2 + 0.1 | 0.3."""
+    p = torch.tensor([0.2, 0.15, 0.25, 0.1, 0.2, 0.1], dtype=torch.float64)
+    axes = torch.tensor([0, 0, 1, 1, 2, 3])
+    updates = torch.nn.functional.one_hot(axes, 4).float()
+    updates += 0.01 * torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    sampler = SimilarityClusteredSampler(2)
+    sampler.observe(tuple(range(6)), updates, 6)
+    assert sorted(map(sorted, sampler.groups(p))) == [[0, 1], [2, 3], [4, 5]]
+    order = torch.randperm(2, generator=torch.Generator().manual_seed(seed)).tolist()
+    r = sampler.distributions(p, torch.Generator().manual_seed(seed))
+    if order == [0, 1]:  # client 4, then 5
+        expected = [[0.4, 0.3, 0, 0, 0.3, 0], [0, 0, 0.5, 0.2, 0.1, 0.2]]
+    else:
+        expected = [[0.4, 0.3, 0, 0, 0.1, 0.2], [0, 0, 0.5, 0.2, 0.3, 0]]
+    assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
