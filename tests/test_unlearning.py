@@ -554,3 +554,27 @@ def test_the_threshold_and_the_noise_refuse_what_has_no_privacy_meaning():
             noise_for_sensitivity(0.5, bad["epsilon"], bad["delta"])
     with pytest.raises(ValueError, match="sigma must be >= 0"):
         sensitivity_threshold(10, 0.01, -0.1)
+
+
+def test_a_fork_cuts_the_kept_rounds_of_its_branch_back_to_its_node():
+    """Ψ* = 1, increments recorded round by round (record keeps each client's latest
+    round within Ψ*): client 0 passes Ψ* after round 2, clients 1 and 2 never. A request
+    for client 0 forks at (0, 2); rounds 3 and 4 of branch 0 are no longer anyone's
+    ancestor, so every client's kept round of branch 0 is cut back to at most 2 and only
+    θ_0^0, θ_0^2 and the new branch's start are needed (not θ_0^4)."""
+    from lightning_fl.systems.unlearning import ModelVersions
+
+    history = BranchHistory(3, threshold=1.0)
+    for increments in ([0.5, 0.1, 0.0], [0.5, 0.1, 0.0], [0.5, 0.1, 0.0], [0.5, 0.1, 0.0]):
+        history.record(np.array(increments))
+    assert history.best[0].tolist() == [2, 4, 4]
+    versions = ModelVersions()
+    for n in range(5):
+        versions.keep((0, n), f"theta_0^{n}")
+    assert history.fork([0]) == (0, 2)
+    assert history.best[0].tolist() == [2, 2, 2] and history.best[1].tolist() == [0, 0, 0]
+    versions.keep((1, 0), "theta_1^0")
+    versions.prune(history, remaining=[1, 2])
+    assert sorted(versions.models) == [(0, 0), (0, 2), (1, 0)]
+    history.record(np.array([0.0, 1.5, 0.2]))  # branch 1, round 1: client 1 passes Ψ*
+    assert history.best[1].tolist() == [1, 0, 1]
