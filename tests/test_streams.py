@@ -568,3 +568,20 @@ def test_configuration_objective_by_hand():
     fresh = np.array([False, True, True])
     expected = math.sqrt(0.3**2 + 0.2**2) + 0.7 * math.sqrt(0.25 / 0.6 + 0.09 / 0.3 + 0.04 / 0.1)
     assert configuration_objective(p, n, fresh, 0.7) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(("rounds", "fresh_rounds"), [(6, 2), (5, 5), (7, 1)])
+def test_window_starts_cover_exactly_the_admissible_rounds(rounds, fresh_rounds):
+    """A fresh client's window starts at a round drawn uniformly in [0, rounds −
+    fresh_rounds]: over 400 clients both ends occur, nothing outside, each start about
+    equally often (a window filling the run starts at 0), and the draw is the seeded
+    one: the same client and seed, the same window."""
+    dm = _stream_dm(rounds=rounds, fresh_rounds=fresh_rounds)
+    starts = [dm.window(c)[0] for c in range(400)]
+    last = rounds - fresh_rounds
+    assert set(starts) == set(range(last + 1))
+    assert all(dm.window(c)[1] - dm.window(c)[0] == fresh_rounds for c in range(400))
+    counts = np.bincount(starts, minlength=last + 1)
+    expected = 400 / (last + 1)
+    assert (abs(counts - expected) <= 5 * expected**0.5).all()  # 5 binomial sds
+    assert dm.window(17) == _stream_dm(rounds=rounds, fresh_rounds=fresh_rounds).window(17)
