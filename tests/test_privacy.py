@@ -371,3 +371,76 @@ def test_werm_classifier_trains_in_a_plain_lightning_trainer():
 def test_a_plain_classifier_with_paired_batches_gets_a_clear_error():
     with pytest.raises(TypeError, match="WERMClassifier"):
         _fit(Classifier(MLP(10, (16,), 4)), _dm("client"))
+
+
+def _brute_threshold(members: list[float], others: list[float]) -> float:
+    """The highest threshold t (∞ first) maximizing ½·P(member ≥ t) + ½·P(other < t),
+    by trying every score."""
+    best_t, best = float("inf"), 0.5
+    for t in sorted(set(members) | set(others), reverse=True):
+        accuracy = 0.5 * sum(m >= t for m in members) / len(members)
+        accuracy += 0.5 * sum(o < t for o in others) / len(others)
+        if accuracy > best:
+            best_t, best = t, accuracy
+    return best_t
+
+
+def test_best_threshold_breaks_ties_toward_the_higher_threshold():
+    """Ties between cuts go to the higher threshold (fewer predicted members); equal
+    scores cannot be cut apart; with no better cut than predicting nobody, ∞."""
+    cases = [([0.9, 0.8, 0.7], [0.1, 0.2, 0.75]), ([0.6, 0.6, 0.3], [0.5]),
+             ([0.1], [0.9]), ([0.4, 0.2, 0.2, 0.9], [0.2, 0.3, 0.1])]  # fmt: skip
+    expected = [0.8, 0.6, float("inf"), 0.4]
+    for (members, others), value in zip(cases, expected):
+        assert _brute_threshold(members, others) == value
+        m, o = torch.tensor(members, dtype=torch.float64), torch.tensor(others)
+        assert best_threshold(m, o.double()) == value
+
+
+def test_membership_inference_on_unbalanced_classes_by_hand():
+    """9 members and 6 non-members over 3 classes of unequal sizes: both sets subsampled
+    to 6 by the seeded permutations, thresholds fitted on the first 3 of each (per class
+    where the class has both members and non-members there, else the global one) and
+    scored on the last 3, for the confidence attack, against a brute-force reference.
+    Class 1's members are less confident than class 0's non-members, so per-class
+    thresholds help (2/3 against 1/2); the fit half's non-members are all of class 1, so
+    classes 0 and 2 fall back to the global threshold."""
+    from lightning_fl.engine.seeding import generator
+
+    g = torch.Generator().manual_seed(1)
+    member_labels = torch.tensor([0, 0, 0, 0, 0, 1, 1, 2, 2])
+    other_labels = torch.tensor([0, 0, 1, 1, 1, 0])
+    member_conf = 0.5 + 0.5 * torch.rand(9, generator=g, dtype=torch.float64)
+    other_conf = 0.3 + 0.5 * torch.rand(6, generator=g, dtype=torch.float64)
+    member_conf = torch.where(member_labels == 1, member_conf - 0.3, member_conf)
+    other_conf = torch.where(other_labels == 1, other_conf - 0.3, other_conf)
+    found = {}
+
+    def probs(conf, labels):  # three classes: the true one gets conf, the others split
+        onehot = F.one_hot(labels, 3).double()
+        return onehot * conf[:, None] + (1 - onehot) * ((1 - conf[:, None]) / 2)
+
+    for per_class in (True, False):
+        result = membership_inference(probs(member_conf, member_labels), member_labels,
+                                      probs(other_conf, other_labels), other_labels,
+                                      seed=3, attacks=("confidence",), per_class=per_class)  # fmt: skip
+        perm = generator(3, "membership", 6)
+        m_idx = torch.randperm(9, generator=perm)[:6].tolist()
+        o_idx = torch.randperm(6, generator=perm)[:6].tolist()
+        m = [(float(member_conf[i]), int(member_labels[i])) for i in m_idx]
+        o = [(float(other_conf[i]), int(other_labels[i])) for i in o_idx]
+        default = _brute_threshold([s for s, _ in m[:3]], [s for s, _ in o[:3]])
+
+        def threshold(label):
+            fit_m = [s for s, c in m[:3] if c == label]
+            fit_o = [s for s, c in o[:3] if c == label]
+            if not per_class or not fit_m or not fit_o:
+                return default
+            return _brute_threshold(fit_m, fit_o)
+
+        tpr = sum(s >= threshold(c) for s, c in m[3:]) / 3
+        tnr = sum(s < threshold(c) for s, c in o[3:]) / 3
+        assert result.accuracy["confidence"] == pytest.approx(0.5 * (tpr + tnr))
+        assert {c for _, c in o[:3]} == {1}
+        found[per_class] = result.accuracy["confidence"]
+    assert found == pytest.approx({True: 2 / 3, False: 1 / 2})
