@@ -421,9 +421,10 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
         return onehot * conf[:, None] + (1 - onehot) * ((1 - conf[:, None]) / 2)
 
     for per_class in (True, False):
-        result = membership_inference(probs(member_conf, member_labels), member_labels,
-                                      probs(other_conf, other_labels), other_labels,
-                                      seed=3, attacks=("confidence",), per_class=per_class)  # fmt: skip
+        members = probs(member_conf, member_labels)
+        others = probs(other_conf, other_labels)
+        result = membership_inference(members, member_labels, others, other_labels, seed=3,
+                                      attacks=("confidence",), per_class=per_class)  # fmt: skip
         perm = generator(3, "membership", 6)
         m_idx = torch.randperm(9, generator=perm)[:6].tolist()
         o_idx = torch.randperm(6, generator=perm)[:6].tolist()
@@ -431,7 +432,7 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
         o = [(float(other_conf[i]), int(other_labels[i])) for i in o_idx]
         default = _brute_threshold([s for s, _ in m[:3]], [s for s, _ in o[:3]])
 
-        def threshold(label):
+        def threshold(label, m=m, o=o, default=default, per_class=per_class):
             fit_m = [s for s, c in m[:3] if c == label]
             fit_o = [s for s, c in o[:3] if c == label]
             if not per_class or not fit_m or not fit_o:
