@@ -213,3 +213,50 @@ def test_zero_momentum_and_weight_decay_are_valid():
     assert Classifier(lr=0.1, momentum=0.0, weight_decay=0.0).hparams.momentum == 0.0
     with pytest.raises(ValueError, match="momentum is -0.5, not ≥ 0"):
         Classifier(lr=0.1, momentum=-0.5)
+
+
+class _ScheduledClients(pl.Callback):
+    """Records the engine's count of consecutive bad rounds after each round."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.counts.append(trainer.strategy.engine.consecutive_bad_rounds)
+
+
+def _rounds_sampler(rounds: list[list[int]]):
+    from lightning_fl.systems.samplers import ClientSampler, Participation
+
+    class Scheduled(ClientSampler):
+        def sample(self, round_idx, seed, p):
+            clients = rounds[round_idx]
+            return Participation(tuple(clients), tuple(float(p[c]) for c in clients))
+
+    return Scheduled()
+
+
+@pytest.mark.parametrize(
+    ("rounds", "counts", "stops"),
+    [
+        ([[3, 0], [1, 2], [3, 4], [5], [3, 6]], [1, 0, 1, 0, 1], False),  # clean rounds between
+        ([[3, 0], [3, 1], [2], [3], [3]], [1, 2], True),  # two in a row: the limit
+        ([[1], [3], [3, 4], [2]], [0, 1, 2], True),
+    ],
+)  # fmt: skip
+def test_a_clean_round_resets_the_count_of_bad_rounds(rounds, counts, stops):
+    """max_consecutive_bad_rounds = 2 with client 3 poisoned and the participants fixed
+    per round: bad rounds separated by clean ones never stop training, two in a row do."""
+    recorder = _ScheduledClients()
+    strategy = FederatedStrategy(sampler=_rounds_sampler(rounds), local_steps=1,
+                                 max_consecutive_bad_rounds=2)  # fmt: skip
+    trainer = make_trainer(strategy, len(rounds), [FedAvg(), recorder])
+    with pytest.warns(UserWarning, match="client 3 sent an update with NaN or Inf"):
+        if stops:
+            with pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"):
+                trainer.fit(tiny_module(), datamodule=_poisoned_datamodule())
+        else:
+            trainer.fit(tiny_module(), datamodule=_poisoned_datamodule())
+    # a round that stops training raises before its round end is recorded
+    assert recorder.counts + ([2] if stops else []) == counts
+    assert strategy.engine.consecutive_bad_rounds == counts[-1]
