@@ -345,3 +345,48 @@ def test_exact_time_survives_a_checkpoint():
         assert a == b
         schedule.commit(a)
         restored.commit(b)
+
+
+def _hand_written_fedbuff(clients, rounds, c, times, lr_g):
+    """FedBuff(c), clients waiting for the aggregation, by hand: the n-th aggregation takes
+    the c earliest returns (lowest index on ties) at the c-th return time; each sends K
+    steps from the model it last received, weighted 1/c (IDENTICAL); then all c restart
+    at that time on θ^{n+1}, while the others keep working on older models."""
+    torch.manual_seed(1)  # tiny_module's initialization
+    start = tiny_module(LR)
+    theta = [p.detach().clone() for p in start.network.parameters()]
+    history = {0: [t.clone() for t in theta]}
+    ready, received = list(times), [0] * len(clients)
+    versions = []
+    for n in range(rounds):
+        chosen = sorted(range(len(clients)), key=lambda k: (ready[k], k))[:c]
+        now = max(ready[i] for i in chosen)
+        step = [torch.zeros_like(t) for t in theta]
+        for i in sorted(chosen):
+            net = copy.deepcopy(start.network)
+            with torch.no_grad():
+                for p, v in zip(net.parameters(), history[received[i]]):
+                    p.copy_(v)
+            local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, n, i)
+            for s, p, v in zip(step, net.parameters(), history[received[i]]):
+                s += (p.detach() - v) / c
+        versions.append(sorted(received[i] for i in chosen))
+        theta = [t + lr_g * s for t, s in zip(theta, step)]
+        history[n + 1] = [t.clone() for t in theta]
+        for i in chosen:
+            ready[i], received[i] = now + times[i], n + 1
+    return theta, versions
+
+
+def test_fedbuff_with_a_buffer_smaller_than_the_federation_by_hand():
+    """FedBuff(c = 2) of 4 clients with times (1, 3, 3, 2) and η_g = 0.7, 6 aggregations
+    against the hand-written event loop: stale updates (a client aggregated on a model
+    several versions old), weights 1/c, not 1/M."""
+    rounds, times = 6, [1.0, 3.0, 3.0, 2.0]
+    clients = tiny_clients(num_clients=4)
+    expected, versions = _hand_written_fedbuff(clients, rounds, 2, times, lr_g=0.7)
+    assert any(v[0] != v[1] for v in versions)  # updates of different ages in one buffer
+    schedule = FedBuffSchedule(2, ClientTimes(times=times))
+    ours, _ = _fit([AsynchronousFL(schedule, "identical", server_lr=0.7)], rounds,
+                   num_clients=4)  # fmt: skip
+    assert max_abs_diff(expected, params_of(ours)) < 1e-6
