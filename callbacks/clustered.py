@@ -22,7 +22,8 @@ def cosine_similarities(updates: Tensor) -> Tensor:
 
 def complete_linkage_bipartition(similarity: Tensor) -> tuple[list[int], list[int]]:
     """Two clusters by agglomerative clustering with complete linkage on the distance
-    −similarity, as the authors' code does (scikit-learn's AgglomerativeClustering)."""
+    −similarity, as the authors' code does (scikit-learn's AgglomerativeClustering); of
+    equally close pairs of clusters, the first in index order merges."""
     n = similarity.shape[0]
     if n < 2:
         raise ValueError("Bi-partitioning needs at least 2 clients.")

@@ -308,3 +308,23 @@ def test_clustered_fl_after_a_split_trains_each_cluster_from_its_own_model_by_ha
     for members, model in zip(callback.clusters, callback.models):
         assert torch.allclose(model[: len(theta0)], models[tuple(sorted(members))], atol=1e-6)
     assert torch.allclose(flat(module.network), global_model, atol=1e-6)
+
+
+def test_complete_linkage_differs_from_single_linkage_and_breaks_ties_by_index():
+    """Distances |x_i − x_j| on a line (similarity = −distance): x = (0, 1, 2.1, 3.3) is a
+    chain that single linkage would cut as {0, 1, 2} | {3}; complete linkage (the
+    largest pairwise distance between two clusters) cuts it {0, 1} | {2, 3}. Three points
+    at 0, 1, 2 tie: the first pair in index order merges, so {0, 1} | {2}."""
+
+    def similarity(x):
+        x = torch.tensor(x, dtype=torch.float64)
+        return -(x[:, None] - x[None, :]).abs()
+
+    chain = complete_linkage_bipartition(similarity([0.0, 1.0, 2.1, 3.3]))
+    assert sorted(map(sorted, chain)) == [[0, 1], [2, 3]]
+    assert sorted(map(sorted, complete_linkage_bipartition(similarity([0.0, 1.0, 2.0])))) == [
+        [0, 1],
+        [2],
+    ]
+    with pytest.raises(ValueError, match="at least 2 clients"):
+        complete_linkage_bipartition(similarity([0.0]))
