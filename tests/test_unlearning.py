@@ -578,3 +578,25 @@ def test_a_fork_cuts_the_kept_rounds_of_its_branch_back_to_its_node():
     assert sorted(versions.models) == [(0, 0), (0, 2), (1, 0)]
     history.record(np.array([0.0, 1.5, 0.2]))  # branch 1, round 1: client 1 passes Ψ*
     assert history.best[1].tolist() == [1, 0, 1]
+
+
+def test_the_history_takes_one_shot_iterables_of_clients():
+    """fork_point, fork and the versions' needed/prune take any iterable of clients, a
+    generator too (read once), with the same answers as for lists: here a fork point on
+    an earlier lineage node, where the clients are read for several nodes."""
+    from lightning_fl.systems.unlearning import ModelVersions
+
+    def build():
+        history = BranchHistory(3, threshold=1.0)
+        for increments in ([0.5, 0.1, 0.0], [0.7, 0.1, 0.0], [0.5, 0.1, 0.0]):
+            history.record(np.array(increments))
+        history.fork([2])  # node (0, 3): client 2 never passed Ψ*
+        history.record(np.array([0.2, 0.3, 0.0]))
+        return history
+
+    listed, once = build(), build()
+    assert once.fork_point(c for c in [0, 1]) == listed.fork_point([0, 1]) == (0, 1)
+    versions = ModelVersions()
+    versions.models = {(0, n): n for n in range(4)} | {(1, 0): "b", (1, 1): "c"}
+    assert versions.needed(once, (c for c in [0, 1])) == versions.needed(listed, [0, 1])
+    assert versions.needed(listed, [0, 1]) == {(0, 0), (0, 1), (0, 3), (1, 0), (1, 1)}
