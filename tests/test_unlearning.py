@@ -554,6 +554,11 @@ def test_the_threshold_and_the_noise_refuse_what_has_no_privacy_meaning():
             noise_for_sensitivity(0.5, bad["epsilon"], bad["delta"])
     with pytest.raises(ValueError, match="sigma must be >= 0"):
         sensitivity_threshold(10, 0.01, -0.1)
+    # both ends of what is allowed: a small ε, δ near 0 and near 1, σ = 0
+    assert sensitivity_threshold(0.5, 0.01, 0.1) == pytest.approx(0.05 / 3.107511, rel=1e-6)
+    assert sensitivity_threshold(1.0, 0.999, 0.0) == 0.0
+    assert noise_for_sensitivity(0.5, 0.25, 0.5) == pytest.approx(2.707457, rel=1e-6)
+    assert noise_for_sensitivity(0.5, 0.25, 1e-9) == pytest.approx(12.944932, rel=1e-6)
 
 
 def test_a_fork_cuts_the_kept_rounds_of_its_branch_back_to_its_node():
