@@ -605,3 +605,16 @@ def test_the_history_takes_one_shot_iterables_of_clients():
     versions.models = {(0, n): n for n in range(4)} | {(1, 0): "b", (1, 1): "c"}
     assert versions.needed(once, (c for c in [0, 1])) == versions.needed(listed, [0, 1])
     assert versions.needed(listed, [0, 1]) == {(0, 0), (0, 1), (0, 3), (1, 0), (1, 1)}
+
+
+def test_a_sensitivity_equal_to_the_threshold_is_within_it():
+    """Eqs. 5.17–5.18 compare Ψ ≤ Ψ*: a lineage node where the requested client's Ψ is
+    exactly Ψ* is not a fork point, and a round where it is exactly Ψ* is kept."""
+    history = BranchHistory(2, threshold=1.0)
+    history.record(np.array([0.5, 0.0]))
+    history.record(np.array([0.5, 0.0]))  # client 0: Ψ_0(2) = 1.0 = Ψ*
+    assert history.best[0].tolist() == [2, 2]
+    assert history.fork_point([0]) == (0, 2)  # the current branch, up to round 2
+    assert history.fork([1]) == (0, 2)
+    history.record(np.array([0.2, 0.0]))
+    assert history.fork_point([0]) == (1, 1)  # the node (0, 2) holds Ψ = Ψ*: not exceeded
