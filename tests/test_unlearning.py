@@ -618,3 +618,25 @@ def test_a_sensitivity_equal_to_the_threshold_is_within_it():
     assert history.fork([1]) == (0, 2)
     history.record(np.array([0.2, 0.0]))
     assert history.fork_point([0]) == (1, 1)  # the node (0, 2) holds Ψ = Ψ*: not exceeded
+
+
+def test_restart_model_under_decay_takes_the_latest_kept_round_within_the_threshold():
+    """With decay < 1 (Cor. 5.1) Ψ can fall back under Ψ*, so θ_ζ^T may not be kept: the
+    restart is the latest round n ≤ T whose model is kept and whose Ψ_ζ(n, W) ≤ Ψ*. By
+    hand: rounds 0..4 with Ψ(W) = 0, 0.4, 1.3, 0.9, 0.8 and Ψ* = 1; kept models at rounds
+    0, 2 and 3; T = 4 is not kept, round 3 is kept and within: 3. From T = 2 (kept but
+    Ψ = 1.3 > Ψ*) back to round 0."""
+    from lightning_fl.systems.unlearning import ModelVersions
+
+    history = BranchHistory(1, threshold=1.0)
+    for increment, decay in ((0.4, 1.0), (1.3 - 0.4 * 0.5, 0.5), (0.9 - 1.3 * 0.5, 0.5),
+                             (0.8 - 0.9 * 0.5, 0.5)):  # fmt: skip
+        history.record(np.array([increment]), decay)
+    assert [round(float(row[0]), 12) for row in history.psi[0]] == [0.0, 0.4, 1.3, 0.9, 0.8]
+    versions = ModelVersions()
+    versions.models = {(0, 0): "theta0", (0, 2): "theta2", (0, 3): "theta3"}
+    assert versions.restart_model(history, 0, 4, [0]) == (3, "theta3")
+    assert versions.restart_model(history, 0, 2, [0]) == (0, "theta0")
+    versions.models.pop((0, 0))
+    with pytest.raises(KeyError, match="No kept model of branch 0 at or before round 2"):
+        versions.restart_model(history, 0, 2, [0])
