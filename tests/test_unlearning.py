@@ -640,3 +640,7 @@ def test_restart_model_under_decay_takes_the_latest_kept_round_within_the_thresh
     versions.models.pop((0, 0))
     with pytest.raises(KeyError, match="No kept model of branch 0 at or before round 2"):
         versions.restart_model(history, 0, 2, [0])
+    edge = BranchHistory(1, threshold=1.0)
+    edge.record(np.array([1.0]))  # Ψ(1) = Ψ*: within
+    versions.models = {(0, 0): "theta0", (0, 1): "theta1"}
+    assert versions.restart_model(edge, 0, 1, [0]) == (1, "theta1")
