@@ -644,3 +644,18 @@ def test_restart_model_under_decay_takes_the_latest_kept_round_within_the_thresh
     edge.record(np.array([1.0]))  # Ψ(1) = Ψ*: within
     versions.models = {(0, 0): "theta0", (0, 1): "theta1"}
     assert versions.restart_model(edge, 0, 1, [0]) == (1, "theta1")
+
+
+def test_a_fork_on_a_branch_already_on_the_lineage_replaces_its_node():
+    """Eq. 5.19 keeps the nodes of branches s < ζ_r only: forking back on branch 0, already
+    on the lineage at round 2, replaces that node with (0, 1) rather than adding a second
+    node of branch 0; the later branch's Ψ starts again at 0."""
+    history = BranchHistory(2, threshold=1.0)
+    history.record(np.array([0.4, 0.0]))
+    history.record(np.array([0.8, 0.1]))  # client 0: Ψ_0 = 0.4, 1.2
+    assert history.fork([1]) == (0, 2) and history.lineage == [(0, 2)]
+    history.record(np.array([0.3, 0.0]))  # branch 1
+    assert history.fork([0]) == (0, 1)  # Ψ_0(2, {0}) = 1.2 > Ψ*: back to branch 0, round 1
+    assert history.lineage == [(0, 1)]
+    assert history.branch == 2 and len(history.psi[2]) == 1
+    assert history.psi[2][0].tolist() == [0.0, 0.0] and history.best[0].tolist() == [1, 1]
