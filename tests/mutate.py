@@ -235,6 +235,13 @@ def tests_for(mutant: Mutant, lines: dict[int, set[str]]) -> list[str]:
     return sorted(found)
 
 
+def _same(mutant: Mutant, earlier: dict) -> bool:
+    """Whether an earlier result's survivor is this mutant (its index, line and rewrite)."""
+    return (earlier["index"], earlier["line"], earlier["description"]) == (
+        mutant.index, mutant.line, mutant.description,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("module", type=Path, help="the module's file, from the repository root")
@@ -243,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, help="also write the result to this file")
     parser.add_argument("--limit", type=int, help="try only the first N mutants")
+    parser.add_argument("--survivors", type=Path,
+                        help="try only the survivors of this earlier --json result (after "
+                        "adding tests for them)")  # fmt: skip
     args, pytest_options = parser.parse_known_args(argv)  # -k, -m: pytest's
     args.tests += pytest_options
     path = (ROOT / args.module).resolve()
@@ -255,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = 5 * (time.perf_counter() - start) + 10
     lines = covering_tests(path) if measure else None
     found = mutants(original)[: args.limit]
+    if args.survivors is not None:
+        earlier = json.loads(args.survivors.read_text())["survivors"]
+        found = [m for m in found if any(_same(m, s) for s in earlier)]
     survivors = []
     try:
         for mutant in found:

@@ -97,3 +97,9 @@ def test_only_the_tests_that_run_a_mutant_run_against_it_and_unrun_lines_survive
     assert (summary["mutants"], summary["caught"]) == (4, 2)
     assert [s["line"] for s in summary["survivors"]] == [9, 9]
     assert module.read_text() == TWO
+    # a test for the survivors, then only they run again
+    text = tests.read_text().replace("from two import double", "from two import double, halve")
+    tests.write_text(text + "\n\ndef test_halve():\n    assert halve(3) == 1.5\n")
+    again = tmp_path / "again.json"
+    assert main([str(module), str(tests), "--json", str(again), "--survivors", str(result)]) == 0
+    assert json.loads(again.read_text())["mutants"] == 2 == json.loads(again.read_text())["caught"]
