@@ -601,6 +601,7 @@ def test_the_history_takes_one_shot_iterables_of_clients():
 
     listed, once = build(), build()
     assert once.fork_point(c for c in [0, 1]) == listed.fork_point([0, 1]) == (0, 1)
+    assert once.last_within(0, (c for c in [0, 1]), 3) == listed.last_within(0, [0, 1], 3) == 1
     versions = ModelVersions()
     versions.models = {(0, n): n for n in range(4)} | {(1, 0): "b", (1, 1): "c"}
     assert versions.needed(once, (c for c in [0, 1])) == versions.needed(listed, [0, 1])
