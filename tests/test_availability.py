@@ -347,3 +347,20 @@ def test_loss_filter_and_estimators_by_hand_over_three_rounds():
         LossFilter(beta=0.0)
     with pytest.raises(ValueError, match="Beta prior counts must be > 0"):
         AvailabilityEstimator((0.0, 1.0))
+
+
+def test_get_visits_a_client_whose_weight_is_one_and_drops_at_exactly_the_tolerance():
+    """α = (½, ½), π = (½, ⅛): q = α/π = (1, 4) and π⊙q normalized is (½, ½); with gaps
+    (0.5, 0.25) and κ̄² = 0, ε̂ = 0.375, and dropping client 0 gives ε̂ = 0.25: a gain of
+    exactly 0.125 (binary fractions, no rounding). q_0 = 1 is a weight like any other, and
+    a gain equal to the tolerance τ = 0.125 is enough (Alg. 6: "by at least τ")."""
+    from lightning_fl.systems.ca_fed import estimated_error, truncate
+
+    alpha = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    pi = torch.tensor([0.5, 0.125], dtype=torch.float64)
+    gap = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    q = alpha / pi
+    assert q.tolist() == [1.0, 4.0]
+    assert estimated_error(q, alpha, gap, pi, 0.0) == 0.375
+    assert truncate(q, [0, 1], alpha, gap, pi, 0.0, 0.125).tolist() == [0.0, 4.0]
+    assert truncate(q, [0, 1], alpha, gap, pi, 0.0, 0.126).tolist() == [1.0, 4.0]
