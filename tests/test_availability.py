@@ -343,8 +343,10 @@ def test_loss_filter_and_estimators_by_hand_over_three_rounds():
     empty = LossFilter(beta=0.5)
     empty.update(torch.zeros(2, dtype=torch.bool), torch.tensor([4.0, 5.0]))
     assert empty.estimate.tolist() == [0.0, 0.0]  # nobody heard from yet
-    with pytest.raises(ValueError, match=r"beta must be in \(0, 1\]"):
-        LossFilter(beta=0.0)
+    for beta in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"beta must be in \(0, 1\]"):
+            LossFilter(beta=beta)
+    assert LossFilter(beta=1.0).beta == 1.0  # the upper end is allowed
     with pytest.raises(ValueError, match="Beta prior counts must be > 0"):
         AvailabilityEstimator((0.0, 1.0))
 
