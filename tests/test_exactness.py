@@ -239,3 +239,14 @@ def test_keep_optimizer_state_restores_momentum():
     assert saved and "momentum_buffer" in saved[0]
     assert fresh.client_store.get(0, "optimizer_0") is None
     assert max_abs_diff(kept_params, fresh_params) > 1e-6
+
+
+def test_fedprox_with_mu_zero_is_fedavg_and_a_negative_mu_is_refused():
+    """μ = 0 is allowed and is FedAvg, to the bit (the proximal term is not added at all);
+    μ < 0 is refused."""
+    sampler = UniformSampler(3)
+    plain = run_strategy(sampler, [])
+    zero = run_strategy(UniformSampler(3), [FedProx(0.0)])
+    assert max_abs_diff(plain, zero) == 0.0
+    with pytest.raises(ValueError, match="FedProx mu must be >= 0, got -0.1"):
+        FedProx(-0.1)

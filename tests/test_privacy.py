@@ -445,3 +445,29 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
         assert {c for _, c in o[:3]} == {1}
         found[per_class] = result.accuracy["confidence"]
     assert found == pytest.approx({True: 2 / 3, False: 1 / 2})
+
+
+@pytest.mark.parametrize("w", [0.0, 0.25, 1.0])
+def test_werm_loss_and_metrics_by_hand_at_both_ends_and_between(w):
+    """(1 − w)·CE(train) + w·CE(reference), each mean over its batch; a term of weight 0
+    is not computed, so its accuracy is not reported (w = 0: no ``reference_acc``, exactly
+    ERM; w = 1: no ``acc``)."""
+    torch.manual_seed(0)
+    module = WERMClassifier(network=torch.nn.Linear(3, 2), w=w)
+    g = torch.Generator().manual_seed(1)
+    x, x_ref = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)
+    y, y_ref = torch.tensor([0, 1, 1, 0, 1]), torch.tensor([1, 1, 0, 0])
+    loss, metrics = module.loss_and_metrics({"train": (x, y), "reference": (x_ref, y_ref)})
+    with torch.no_grad():
+        logits, ref_logits = module.network(x), module.network(x_ref)
+        expected = (1 - w) * F.cross_entropy(logits, y) + w * F.cross_entropy(ref_logits, y_ref)
+        acc = float((logits.argmax(-1) == y).float().mean())
+        ref_acc = float((ref_logits.argmax(-1) == y_ref).float().mean())
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    assert set(metrics) == {"acc", "reference_acc"} - ({"acc"} if w == 1 else set()) - (
+        {"reference_acc"} if w == 0 else set()
+    )
+    if "acc" in metrics:
+        assert float(metrics["acc"]) == acc
+    if "reference_acc" in metrics:
+        assert float(metrics["reference_acc"]) == ref_acc
