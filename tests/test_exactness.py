@@ -95,9 +95,13 @@ def test_gradient_clipping_and_per_round_lr_schedule_keep_working():
     assert max_abs_diff(params_of(module), theta) <= 1e-6
 
 
-def test_fedprox_equals_proximal_loss_by_autograd():
-    mu, sampler = 0.5, UniformSampler(3)
-    ours = run_strategy(sampler, [FedProx(mu)])
+@pytest.mark.parametrize("vectorize", [False, True])
+@pytest.mark.parametrize("mu", [0.5, 1.0])
+def test_fedprox_equals_proximal_loss_by_autograd(mu, vectorize):
+    """Sequential and vectorized, at μ = 0.5 and at μ = 1 (a value a rule could mistake
+    for "off")."""
+    sampler = UniformSampler(3)
+    ours = run_strategy(sampler, [FedProx(mu)], vectorize=vectorize)
 
     def prox(theta):
         anchor = [t.clone() for t in theta]
