@@ -29,12 +29,14 @@ benchmarks/results/unlearning.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import statistics
 from pathlib import Path
 
 import torch
+import yaml
 from recipe_runs import callback_of, run_recipe
 
 from lightning_fl.systems.forgetting import SHARED_TRAINING
@@ -102,12 +104,15 @@ def shared_training(seed: int, target: float, sigma: float, edit) -> Path:
     return path
 
 
-def recipe_hash() -> str:
-    """The recipe's settings (not its comments), hashed."""
-    import yaml
-
-    settings = json.dumps(yaml.safe_load(RECIPE.read_text()), sort_keys=True)
+@functools.cache
+def _settings_hash(recipe: Path) -> str:
+    settings = json.dumps(yaml.safe_load(recipe.read_text()), sort_keys=True)
     return hashlib.sha256(settings.encode()).hexdigest()[:10]
+
+
+def recipe_hash() -> str:
+    """The recipe's settings (not its comments), hashed (read once per recipe)."""
+    return _settings_hash(RECIPE)
 
 
 class Journal:

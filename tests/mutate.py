@@ -34,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ def run_tests(tests: list[str], timeout: float, coverage_of: Path | None = None)
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     runner = [sys.executable, "-m"]
     if coverage_of is not None:
-        runner += ["coverage", "run", f"--data-file={_data_file(coverage_of)}",
+        runner += ["coverage", "run", f"--data-file={_coverage_data()}",
                    f"--include=*/{coverage_of.name}", "-m"]  # fmt: skip
         tests = ["-p", "tests.mutate", *tests]
     command = [*runner, "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
@@ -196,8 +197,9 @@ def run_tests(tests: list[str], timeout: float, coverage_of: Path | None = None)
     return result.returncode == 0
 
 
-def _data_file(module: Path) -> Path:
-    return Path(os.environ.get("TMPDIR", "/tmp")) / f".mutate-coverage-{os.getpid()}"
+def _coverage_data() -> Path:
+    """This run's coverage data file (one per mutation run)."""
+    return Path(tempfile.gettempdir()) / f".mutate-coverage-{os.getpid()}"
 
 
 def pytest_runtest_setup(item) -> None:
@@ -209,14 +211,11 @@ def pytest_runtest_setup(item) -> None:
         current.switch_context("::".join([str(item.path), *item.nodeid.split("::")[1:]]))
 
 
-def covering_tests(module: Path) -> dict[int, set[str]] | None:
-    """{line: node ids of the tests that executed it} from the measured clean run, or
-    None when it was not measured."""
-    try:
-        import coverage
-    except ImportError:
-        return None
-    data = coverage.CoverageData(basename=str(_data_file(module)))
+def covering_tests(module: Path) -> dict[int, set[str]]:
+    """{line: node ids of the tests that executed it} from the measured clean run."""
+    import coverage
+
+    data = coverage.CoverageData(basename=str(_coverage_data()))
     data.read()
     target = os.path.realpath(module)
     measured = [f for f in data.measured_files() if os.path.realpath(f) == target]
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)  # fmt: skip
     finally:
         path.write_text(original)
-        _data_file(path).unlink(missing_ok=True)
+        _coverage_data().unlink(missing_ok=True)
     caught = len(found) - len(survivors)
     rate = caught / len(found) if found else 1.0
     print(f"{args.module}: {len(found)} mutants, {caught} caught, {len(survivors)} survived "

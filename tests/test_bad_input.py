@@ -215,7 +215,7 @@ def test_zero_momentum_and_weight_decay_are_valid():
         Classifier(lr=0.1, momentum=-0.5)
 
 
-class _ScheduledClients(pl.Callback):
+class _BadRoundCounts(pl.Callback):
     """Records the engine's count of consecutive bad rounds after each round."""
 
     def __init__(self) -> None:
@@ -247,7 +247,7 @@ def _rounds_sampler(rounds: list[list[int]]):
 def test_a_clean_round_resets_the_count_of_bad_rounds(rounds, counts, stops):
     """max_consecutive_bad_rounds = 2 with client 3 poisoned and the participants fixed
     per round: bad rounds separated by clean ones never stop training, two in a row do."""
-    recorder = _ScheduledClients()
+    recorder = _BadRoundCounts()
     strategy = FederatedStrategy(sampler=_rounds_sampler(rounds), local_steps=1,
                                  max_consecutive_bad_rounds=2)  # fmt: skip
     trainer = make_trainer(strategy, len(rounds), [FedAvg(), recorder])
