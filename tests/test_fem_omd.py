@@ -257,3 +257,36 @@ def test_three_rounds_of_algorithm_17_with_two_em_steps_by_hand(averaging):
             assert torch.allclose(alg.components[j][0].double(), omega[j], atol=1e-5), t
         assert torch.allclose(alg.weights.double(), pi, atol=1e-5), t
     assert not torch.allclose(pi, torch.full((2, 2), 0.5, dtype=torch.float64), atol=1e-3)
+
+
+def test_three_rounds_of_fedomd_over_clients_of_unequal_size_by_hand():
+    """Three clients holding 1, 2 and 4 samples, two local steps, three rounds: the server
+    averages the clients' models uniformly (θ_{t+1} = mean_c θ_{t,c}, not weighted by
+    size), every local step restarts its gradient from the client's current model, and
+    the L2 term λθ enters each step's gradient. Written in float64 numpy from the softmax
+    cross-entropy's closed-form gradient (p − e_y)ᵀx / n."""
+    import torch
+
+    from lightning_fl.systems.fem_omd import FedOMD
+
+    def network():
+        return torch.nn.Linear(2, 3, bias=False)
+
+    alg = FedOMD(network, lr=0.3, l2=0.2, local_steps=2, seed=4)
+    rng = np.random.default_rng(9)
+    theta = alg.params[0].double().numpy().copy()  # (3 classes, 2 features)
+    for _ in range(3):
+        samples = [(rng.normal(size=(n, 2)), rng.integers(0, 3, size=n)) for n in (1, 2, 4)]
+        ends = []
+        for x, y in samples:
+            w = theta.copy()
+            for _ in range(2):
+                logits = x @ w.T
+                p = np.exp(logits - logits.max(1, keepdims=True))
+                p /= p.sum(1, keepdims=True)
+                grad = (p - np.eye(3)[y]).T @ x / len(y) + 0.2 * w
+                w = w - 0.3 * grad
+            ends.append(w)
+        theta = sum(ends) / 3
+        alg.step([(torch.tensor(x, dtype=torch.float32), torch.tensor(y)) for x, y in samples])
+        np.testing.assert_allclose(alg.params[0].double().numpy(), theta, atol=1e-5)

@@ -13,6 +13,7 @@ from lightning_fl.callbacks.clustered import complete_linkage_bipartition
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine.seeding import derive_seed, generator
 from tests.helpers import (
+    local_sgd,
     make_trainer,
     max_abs_diff,
     params_of,
@@ -328,3 +329,48 @@ def test_complete_linkage_differs_from_single_linkage_and_breaks_ties_by_index()
     ]
     with pytest.raises(ValueError, match="at least 2 clients"):
         complete_linkage_bipartition(similarity([0.0]))
+
+
+def test_ditto_over_three_rounds_and_clients_of_unequal_size_by_hand():
+    """Clients of 11, 18 and 25 samples, three rounds, λ and η_p away from 1: each personal
+    model v_k persists from round to round (it starts from w^0 only once), its proximal
+    anchor is the global model of the round it trains in, and its batches are reshuffled
+    per round; the global model is FedAvg's weighted by size, untouched by Ditto. One
+    client over one round would let a personal model restarted from w^t, or anchored on
+    w^0, pass."""
+    clients = tiny_clients()[1:4]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    module = tiny_module(LR)
+    w = params_of(module)
+    trainer = _fit(module, [Ditto(lam=0.3, personal_lr=0.04, personal_epochs=2)], dm, rounds=3)
+
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    personal = [[t.clone() for t in w] for _ in clients]
+    sizes = torch.tensor([float(len(c["train"][0])) for c in clients])
+    for r in range(3):
+        ends = []
+        for c, data in enumerate(clients):
+            with torch.no_grad():
+                for p, t in zip(params, w):
+                    p.copy_(t)
+            local_sgd(net, data["train"], STEPS, LR, BATCH, SEED, r, c)
+            ends.append(params_of(net))
+            with torch.no_grad():
+                for p, v in zip(params, personal[c]):
+                    p.copy_(v)
+            loader = _loader(data["train"], "ditto", r, c)
+            for _ in range(2):
+                for x, y in loader:
+                    grads = _grads(net, params, x, y)
+                    with torch.no_grad():
+                        for p, g, anchor in zip(params, grads, w):
+                            p -= 0.04 * (g + 0.3 * (p - anchor))
+            personal[c] = params_of(net)
+        share = sizes / sizes.sum()
+        w = [sum(float(s) * e[i] for s, e in zip(share, ends)) for i in range(len(w))]
+    assert max_abs_diff(params_of(module), w) < 1e-5
+    store = trainer.strategy.client_store
+    for c in range(3):
+        flat = torch.cat([t.reshape(-1) for t in personal[c]])
+        assert torch.allclose(store.get(c, Ditto.key), flat, atol=1e-5), c
