@@ -374,3 +374,54 @@ def test_ditto_over_three_rounds_and_clients_of_unequal_size_by_hand():
     for c in range(3):
         flat = torch.cat([t.reshape(-1) for t in personal[c]])
         assert torch.allclose(store.get(c, Ditto.key), flat, atol=1e-5), c
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_apfl_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize):
+    """Clients of 11, 18 and 25 samples, three rounds, adaptive α: each client's v and α
+    carry over from its last participation (α moves away from its start, so a reset to
+    ``alpha`` or a v restarted from w^t shows), every step mixes with the client's own w
+    before its step, and the global model is FedAvg's weighted by size. Sequential and
+    vectorized clients against the same hand loop."""
+    clients = tiny_clients()[1:4]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    module = tiny_module(LR)
+    global_w = params_of(module)
+    apfl = APFL(alpha=0.4, local_lr=0.06, adaptive_alpha=True, alpha_lr=0.5)
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=STEPS, seed=SEED, vectorize=vectorize), 3, [apfl]
+    )
+    trainer.fit(module, datamodule=dm)
+
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    state = [([t.clone() for t in global_w], 0.4) for _ in clients]
+    sizes = torch.tensor([float(len(c["train"][0])) for c in clients])
+    for r in range(3):
+        ends = []
+        for c, data in enumerate(clients):
+            w, (v, alpha) = [t.clone() for t in global_w], state[c]
+            for x, y in _strategy_batches(data, r, c):
+                with torch.no_grad():
+                    for p, a, b in zip(params, v, w):
+                        p.copy_(alpha * a + (1 - alpha) * b)
+                g_mix = _grads(net, params, x, y)
+                with torch.no_grad():
+                    for p, b in zip(params, w):
+                        p.copy_(b)
+                g_w = _grads(net, params, x, y)
+                slope = sum(float(((a - b) * g).sum()) for a, b, g in zip(v, w, g_mix))
+                v = [a - 0.06 * alpha * g for a, g in zip(v, g_mix)]
+                w = [b - LR * g for b, g in zip(w, g_w)]
+                alpha = min(1.0, max(0.0, alpha - 0.5 * slope))
+            state[c] = (v, alpha)
+            ends.append(w)
+        share = sizes / sizes.sum()
+        global_w = [sum(float(s) * e[i] for s, e in zip(share, ends)) for i in range(len(ends[0]))]
+    assert max_abs_diff(params_of(module), global_w) < 1e-5
+    store = trainer.strategy.client_store
+    assert len({round(a, 6) for _, a in state} | {0.4}) == 4  # every α moved, each its own way
+    for c, (v, alpha) in enumerate(state):
+        flat = torch.cat([t.reshape(-1) for t in v])
+        assert torch.allclose(store.get(c, APFL.v_key), flat, atol=1e-5), c
+        assert store.get(c, APFL.alpha_key) == pytest.approx(alpha, abs=1e-6), c
