@@ -425,3 +425,55 @@ def test_apfl_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize):
         flat = torch.cat([t.reshape(-1) for t in v])
         assert torch.allclose(store.get(c, APFL.v_key), flat, atol=1e-5), c
         assert store.get(c, APFL.alpha_key) == pytest.approx(alpha, abs=1e-6), c
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_fedrep_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize):
+    """Clients of 11, 18 and 25 samples, three rounds: each client's head carries over
+    from its last round (a head restarted from the global head each round shows), the body
+    trains under the client's own head, and only the bodies are averaged, by size."""
+    clients = tiny_clients()[1:4]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    module = tiny_module(LR)
+    start = params_of(module)
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=STEPS, seed=SEED, vectorize=vectorize),
+        3,
+        [FedRep(head_epochs=2, head_lr=0.05)],
+    )
+    trainer.fit(module, datamodule=dm)
+
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    body_of, head_of = params[:2], params[2:]  # MLP(6, (8,), 3): the last Linear is the head
+    body, heads = start[:2], [start[2:] for _ in clients]
+    sizes = torch.tensor([float(len(c["train"][0])) for c in clients])
+    for r in range(3):
+        bodies = []
+        for c, data in enumerate(clients):
+            with torch.no_grad():
+                for p, t in zip(params, body + heads[c]):
+                    p.copy_(t)
+            loader = _loader(data["train"], "fedrep", r, c)
+            for _ in range(2):
+                for x, y in loader:
+                    grads = _grads(net, head_of, x, y)
+                    with torch.no_grad():
+                        for p, g in zip(head_of, grads):
+                            p -= 0.05 * g
+            for x, y in _strategy_batches(data, r, c):
+                grads = _grads(net, body_of, x, y)
+                with torch.no_grad():
+                    for p, g in zip(body_of, grads):
+                        p -= LR * g
+            heads[c] = [p.detach().clone() for p in head_of]
+            bodies.append([p.detach().clone() for p in body_of])
+        share = sizes / sizes.sum()
+        body = [sum(float(s) * b[i] for s, b in zip(share, bodies)) for i in range(2)]
+    final = params_of(module)
+    assert max_abs_diff(final[:2], body) < 1e-5
+    assert max_abs_diff(final[2:], start[2:]) == 0.0
+    store = trainer.strategy.client_store
+    for c in range(3):
+        flat = torch.cat([t.reshape(-1) for t in heads[c]])
+        assert torch.allclose(store.get(c, FedRep.key), flat, atol=1e-5), c
