@@ -187,6 +187,41 @@ def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
         )
 
 
+def test_the_divergence_threshold_is_the_rounds_mean_over_every_step_by_hand():
+    """A fresh monitor, factor 100: the first step's loss (the first entry of a vector of
+    clients' losses) is the reference; a round's mean counts every step of every client
+    and restarts each round; a mean of exactly 100 × first does not warn, one above does,
+    and only once per fit."""
+    import warnings
+
+    from lightning_fl.engine.divergence import DivergenceMonitor, DivergenceWarning
+
+    monitor = DivergenceMonitor(factor=100.0)
+    monitor.observe(torch.tensor([2.0, 500.0]))  # first = 2: threshold 200
+    monitor.observe(torch.tensor(98.0))  # round 0: (2 + 500 + 98) / 3 = 200, not above
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        monitor.end_round(0)
+    monitor.observe(torch.tensor(399.0))
+    monitor.observe(torch.tensor([4.0, 1.0]))  # round 1: 404 / 3 = 134.7, not above
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        monitor.end_round(1)
+    monitor.observe(torch.tensor([600.0, 3.0]))  # round 2: 603 / 3 = 201 > 200
+    monitor.observe(torch.tensor(0.0))
+    with pytest.warns(DivergenceWarning, match=r"Round 2: the mean training loss is 201, 100×"):
+        monitor.end_round(2)
+    monitor.observe(torch.tensor(1e6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        monitor.end_round(3)  # warned once already
+    monitor.reset()  # a new fit: the reference and the warning start over
+    monitor.observe(torch.tensor(1.0))
+    monitor.observe(torch.tensor(300.0))
+    with pytest.warns(DivergenceWarning, match=r"Round 0: the mean training loss is 150"):
+        monitor.end_round(0)
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
