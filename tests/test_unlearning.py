@@ -660,3 +660,49 @@ def test_a_fork_on_a_branch_already_on_the_lineage_replaces_its_node():
     assert history.lineage == [(0, 1)]
     assert history.branch == 2 and len(history.psi[2]) == 1
     assert history.psi[2][0].tolist() == [0.0, 0.0] and history.best[0].tolist() == [1, 1]
+
+
+def test_the_dp_baseline_over_three_rounds_with_a_server_rate_and_a_removal_by_hand():
+    """The DP baseline with FedAvg's η_g = 0.5, three clients of 11, 18 and 25 samples,
+    client 1 forgotten at round 2: every update is clipped to C (some are, some are not),
+    the size-weighted step is scaled by η_g but the noise is not (θ^{n+1} gets N(0, s²)
+    once, s = (2C/M)·sqrt(2 ln(1.25/δ))/ε), M drops from 3 to 2 at the request, and each
+    round's noise is its own draw (seed, round, requests done)."""
+    from lightning_fl.engine.seeding import generator
+    from tests.helpers import local_sgd, tiny_clients
+
+    clip, epsilon, delta, lr_g = 0.2, 50.0, 0.01, 0.5
+    clients = tiny_clients()[1:4]
+    module = tiny_module(0.1)
+    theta = params_of(module)
+    dp = Unlearning("dp", epsilon=epsilon, delta=delta, clip=clip, requests={2: [1]}, seed=7)
+    strategy = FederatedStrategy(sampler=FullParticipation(), local_steps=3, seed=3)
+    trainer = make_trainer(strategy, 3, [FedAvg(server_lr=lr_g), dp])
+    trainer.fit(module, datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+
+    net = tiny_module(0.1).network
+    clipped = []
+    for r in range(3):
+        kept = [0, 1, 2] if r < 2 else [0, 2]
+        sizes = torch.tensor([float(len(clients[c]["train"][0])) for c in kept])
+        step = [torch.zeros_like(t) for t in theta]
+        for share, c in zip(sizes / sizes.sum(), kept):
+            with torch.no_grad():
+                for p, t in zip(net.parameters(), theta):
+                    p.copy_(t)
+            local_sgd(net, clients[c]["train"], 3, 0.1, 4, 3, r, c)
+            delta_c = [p.detach() - t for p, t in zip(net.parameters(), theta)]
+            norm = float(torch.cat([d.reshape(-1) for d in delta_c]).norm())
+            clipped.append(norm > clip)
+            scale = min(1.0, clip / norm)
+            step = [s + float(share) * scale * d for s, d in zip(step, delta_c)]
+        std = (2 * clip / len(kept)) * (2 * np.log(1.25 / delta)) ** 0.5 / epsilon
+        draw = torch.randn(
+            sum(t.numel() for t in theta),
+            generator=generator(7, "unlearning", r, 0 if r < 2 else 1),
+            dtype=torch.float64,
+        )
+        noise = (std * draw).float().split([t.numel() for t in theta])
+        theta = [t + lr_g * s + n.reshape(t.shape) for t, s, n in zip(theta, step, noise)]
+    assert any(clipped) and not all(clipped)
+    assert max_abs_diff(params_of(module), theta) < 1e-5
