@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_fl import MLP, Classifier, FederatedStrategy
+from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine.seeding import derive_seed, generator
 
@@ -141,6 +142,19 @@ class CrashOnRank(pl.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.global_rank == self.rank and trainer.current_epoch == self.round_idx:
             raise RuntimeError(f"injected failure on rank {self.rank}")
+
+
+class PoisonedUpdates(FederatedCallback):
+    """Replaces the updates of ``clients`` in ``rounds`` with NaN (the dropped-update
+    tests; on several processes each rank poisons the clients it trains)."""
+
+    def __init__(self, rounds: list[int], clients: list[int]) -> None:
+        self.rounds, self.clients = set(rounds), set(clients)
+
+    def transform_update(self, trainer, pl_module, client, update, state):
+        if state.round_idx in self.rounds and client in self.clients:
+            return [torch.full_like(u, float("nan")) for u in update]
+        return update
 
 
 def weights_over_rounds(sampler, p: torch.Tensor, rounds: int, seed: int = 0) -> torch.Tensor:

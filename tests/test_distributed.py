@@ -83,6 +83,9 @@ def _recipe(*parts: str) -> str:
 
 SIMILARITY = _recipe("clustered_sampling_similarity.yaml")
 NO_TEST = ("--test_after_fit", "false")
+EVERY_CLIENT = ("--trainer.strategy.init_args.sampler", "lightning_fl.FullParticipation")
+POISON = ("--trainer.callbacks+=tests.helpers.PoisonedUpdates",
+          "--trainer.callbacks.init_args.clients", "[0]")  # fmt: skip
 #: Each case's arguments; on 2 processes they run in one torchrun launch (the fixture
 #: below), on 1 process in the test that compares.
 CASES: dict[str, list[str]] = {
@@ -111,6 +114,14 @@ CASES: dict[str, list[str]] = {
                "--trainer.max_epochs", "6", *NO_TEST],
     "async": ["--config", _recipe("asynchronous", "digits_async.yaml"),
               "--trainer.max_epochs", "6", *NO_TEST],
+    # client 0's update is NaN in rounds 1 and 3 (clean rounds between) and, in the
+    # second case, 1 and 2 with at most 2 bad rounds in a row: the rank without client 0
+    # must drop nothing yet count the other rank's drop, and stop with it
+    "nan_apart": ["--config", QUICKSTART, "--trainer.max_epochs", "5", *NO_TEST, *EVERY_CLIENT,
+                  *POISON, "--trainer.callbacks.init_args.rounds", "[1, 3]"],
+    "nan_in_a_row": ["--config", QUICKSTART, "--trainer.max_epochs", "5", *NO_TEST,
+                     *EVERY_CLIENT, *POISON, "--trainer.callbacks.init_args.rounds", "[1, 2]",
+                     "--trainer.strategy.init_args.max_consecutive_bad_rounds", "2"],
     "one_client": ["--config", QUICKSTART, "--data.init_args.num_clients", "1",
                    "--data.init_args.partition", "iid", *NO_TEST,
                    "--trainer.strategy.init_args.sampler", "lightning_fl.FullParticipation"],
@@ -233,6 +244,26 @@ def test_round_metrics_are_logged_synced(two_processes):
     and are logged with sync_dist: Lightning has no "recommended to use sync_dist" to say."""
     _, _, stderr = two_processes
     assert "It is recommended to use `self.log(" not in stderr
+
+
+def test_a_nan_update_on_one_rank_is_dropped_on_both_and_stops_both(two_processes, tmp_path):
+    """Client 0 (on one rank only) sends NaN in rounds 1 and 3: both ranks log one dropped
+    update in exactly those rounds and end with the 1-process run's model; NaN in rounds 1
+    and 2 with max_consecutive_bad_rounds = 2 stops both ranks at round 2 (no hang)."""
+    _, outcomes, _ = two_processes
+    assert (
+        "2 consecutive rounds had NaN/Inf client updates (last: clients"
+        in (outcomes["nan_in_a_row"])
+    )
+    two = _two(two_processes, "nan_apart")
+    _one_process(tmp_path, *CASES["nan_apart"])
+    one_w, two_w = _weights(tmp_path), _weights(two)
+    assert max(float((one_w[k] - two_w[k]).abs().max()) for k in one_w) <= 1e-5
+    for folder in (tmp_path, two):
+        rows = list(csv.DictReader(open(run_file(folder, "metrics.csv"))))
+        dropped = {int(r["epoch"]): float(r["fl/dropped_updates"])
+                   for r in rows if r.get("fl/dropped_updates")}  # fmt: skip
+        assert dropped == {0: 0.0, 1: 1.0, 2: 0.0, 3: 1.0, 4: 0.0}, folder
 
 
 def test_more_processes_than_clients_is_refused(two_processes):
