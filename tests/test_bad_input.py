@@ -220,6 +220,12 @@ def test_the_divergence_threshold_is_the_rounds_mean_over_every_step_by_hand():
     monitor.observe(torch.tensor(300.0))
     with pytest.warns(DivergenceWarning, match=r"Round 0: the mean training loss is 150"):
         monitor.end_round(0)
+    monitor.reset()  # a first loss of 0 is no reference: nothing is "100× 0"
+    monitor.observe(torch.tensor(0.0))
+    monitor.observe(torch.tensor(5.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        monitor.end_round(0)
 
 
 @pytest.mark.parametrize(
