@@ -241,6 +241,45 @@ def test_dropout_masks_follow_the_clients_seeds():
     assert max_abs_diff(params_of(vec), params_of(no_dropout)) > 1e-3
 
 
+class _MixedDropout(nn.Module):
+    """Every kind of ``nn.Dropout`` a step can meet: p = 0 (no mask), an active p = 0.3,
+    one the network keeps in eval mode during training (never masks), and p = 1 (all
+    zeros, on a side branch so that training still moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.zero, self.active = nn.Dropout(0.0), nn.Dropout(0.3)
+        self.kept_off, self.all_off = nn.Dropout(0.5), nn.Dropout(1.0)
+        self.body, self.head, self.side = (
+            nn.Linear(IN, HIDDEN),
+            nn.Linear(HIDDEN, OUT),
+            nn.Linear(IN, OUT),
+        )
+
+    def train(self, mode: bool = True) -> _MixedDropout:
+        super().train(mode)
+        self.kept_off.eval()
+        return self
+
+    def forward(self, x):
+        h = self.kept_off(self.active(torch.relu(self.body(self.zero(x)))))
+        return self.head(h) + self.side(self.all_off(x))
+
+
+def test_dropout_of_every_kind_equals_the_sequential_path():
+    """Only the dropouts that mask sequentially get masks: a dropout kept in eval mode, or
+    of p = 0, draws none (a mask there would change the run), and p = 1 zeros its input."""
+
+    def module():
+        torch.manual_seed(1)
+        return Classifier(network=_MixedDropout(), lr=0.1)
+
+    seq, _ = _fit(False, module=module())
+    vec, _ = _fit(True, module=module())
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    assert max_abs_diff(params_of(vec), params_of(module())) > 1e-3
+
+
 def test_kept_optimizer_state_equals_the_sequential_path():
     kw = {"strategy": {"keep_optimizer_state": True}, "rounds": 4}
     seq, seq_trainer = _fit(False, module=_module(momentum=0.9), **kw)
