@@ -318,3 +318,37 @@ def test_lightnings_sigterm_broadcast_runs_once_per_round_on_several_processes()
     single._broadcast_sigterm_tensor()
     single._broadcast_sigterm_tensor()
     assert calls[-2:] == ["step", "step"]
+
+
+def test_the_schedule_primitives_by_hand():
+    """chunk_positions' cut (a short last chunk, None and sizes ≥ the count as one chunk,
+    nothing for no positions); ClientSchedule.locate at both ends of every client's range,
+    a client with no batch skipped, outside the range refused; cycle_batches gives exactly
+    ``count`` batches, a new pass after each end, none for 0."""
+    from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
+
+    assert chunk_positions([5, 3, 8, 1, 9], 2) == [(5, 3), (8, 1), (9,)]
+    assert chunk_positions([5, 3, 8], None) == chunk_positions([5, 3, 8], 3) == [(5, 3, 8)]
+    assert chunk_positions([], None) == chunk_positions([], 2) == []
+    schedule = ClientSchedule((4, 1, 7), (3, 0, 2))
+    assert schedule.total == 5
+    located = [schedule.locate(i) for i in range(5)]
+    assert located == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1)]
+    for outside in (-1, 5):
+        with pytest.raises(IndexError, match=f"batch {outside} is outside this schedule of 5"):
+            schedule.locate(outside)
+
+    class Passes:  # a loader of 3 batches whose every pass is told apart
+        def __init__(self) -> None:
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return iter([(self.passes, i) for i in range(3)])
+
+    loader = Passes()
+    assert list(cycle_batches(loader, 0)) == [] and loader.passes == 0
+    assert list(cycle_batches(loader, 7)) == [
+        (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0)
+    ]  # fmt: skip
+    assert loader.passes == 3
