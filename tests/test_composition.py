@@ -67,6 +67,51 @@ def test_every_refusal_rule_refuses_some_pair_of_the_matrix():
             assert any(rule.reason in m for m in messages), rule
 
 
+#: The class names a matrix plugin carries besides its own name, written out from the
+#: class hierarchy and from what its set-up adds (tests/composition.py).
+CARRIES = {
+    "SampleSizeClusteredSampler": {"ClusteredSampler"},
+    "SimilarityClusteredSampler": {"ClusteredSampler"},
+    "FixedClustersSampler": {"ClusteredSampler"},
+    "AvailableClients(ca_fed)": {"AvailableClients"},
+    "ExcludedClients": {"UniformSampler"},
+    "ServerReference": {"ReferenceDataModule"},
+    "FreeRiderDetector": {"FreeRiders"},
+    "Pooled": {"FedAvg"},
+}
+
+
+def test_every_plugin_named_by_a_refusal_rule_is_refused_by_it_and_no_other_pair_is():
+    """Each rule against every plugin of its kind, not one of each: a pair is refused with
+    the reason of the first rule (in the table's order) that names one plugin as ``first``
+    and the other in ``second``, and a pair no rule names is never refused with a rule's
+    reason (vectorized pairs, refused by the vectorization rules, aside)."""
+
+    def carried(name):
+        return {name} | CARRIES.get(name, set())
+
+    reasons = {rule.reason for rule in REFUSALS}
+    predicted = 0
+    for (a, b), outcome in _matrix().items():
+        if "vectorize" in (a, b):
+            continue
+        rule = next(
+            (
+                r
+                for r in REFUSALS
+                for one, other in ((a, b), (b, a))
+                if r.first in carried(one) and carried(other) & set(r.second)
+            ),
+            None,
+        )
+        if rule is None:
+            assert not any(reason in outcome.message for reason in reasons), (a, b)
+        else:
+            predicted += 1
+            assert outcome.status == "refused" and rule.reason in outcome.message, (a, b)
+    assert predicted == 75  # of the 638 pairs (every listed plugin the matrix has)
+
+
 def test_pairs_that_train_keep_their_invariants():
     """Finite models; a resume mid-run equals the run without interruption (exactly);
     vectorized clients equal sequential ones (to float round-off)."""
