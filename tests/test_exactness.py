@@ -254,3 +254,25 @@ def test_fedprox_with_mu_zero_is_fedavg_and_a_negative_mu_is_refused():
     assert max_abs_diff(plain, zero) == 0.0
     with pytest.raises(ValueError, match="FedProx mu must be >= 0, got -0.1"):
         FedProx(-0.1)
+
+
+def test_the_flat_update_helpers_by_hand():
+    """flatten / unflatten / add_flat_ over tensors of three shapes (offsets 0, 6, 7),
+    add_flat_ casting a float64 vector to each tensor's dtype; all_finite finds a NaN or an
+    Inf in the last tensor only, and holds for no tensors at all."""
+    from lightning_fl.engine.tensors import add_flat_, all_finite, flatten, unflatten
+
+    like = [torch.zeros(2, 3), torch.zeros(1), torch.zeros(2, dtype=torch.float64)]
+    flat = torch.arange(1.0, 10.0, dtype=torch.float64)
+    parts = unflatten(flat, like)
+    assert [p.shape for p in parts] == [(2, 3), (1,), (2,)]
+    assert parts[0].tolist() == [[1, 2, 3], [4, 5, 6]] and parts[1].tolist() == [7]
+    assert parts[2].tolist() == [8, 9] and torch.equal(flatten(parts), flat)
+    tensors = [torch.full((2, 3), 0.5), torch.full((1,), -1.0), torch.ones(2, dtype=torch.float64)]
+    add_flat_(tensors, flat)
+    assert tensors[0].dtype == torch.float32
+    assert tensors[0].tolist() == [[1.5, 2.5, 3.5], [4.5, 5.5, 6.5]]
+    assert tensors[1].tolist() == [6.0] and tensors[2].tolist() == [9.0, 10.0]
+    assert all_finite([]) is True and all_finite(tensors) is True
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert all_finite([torch.ones(3), torch.tensor([1.0, bad])]) is False
