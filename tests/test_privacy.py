@@ -389,12 +389,16 @@ def test_best_threshold_breaks_ties_toward_the_higher_threshold():
     """Ties between cuts go to the higher threshold (fewer predicted members); equal
     scores cannot be cut apart; with no better cut than predicting nobody, ∞."""
     cases = [([0.9, 0.8, 0.7], [0.1, 0.2, 0.75]), ([0.6, 0.6, 0.3], [0.5]),
-             ([0.1], [0.9]), ([0.4, 0.2, 0.2, 0.9], [0.2, 0.3, 0.1])]  # fmt: skip
-    expected = [0.8, 0.6, float("inf"), 0.4]
+             ([0.1], [0.9]), ([0.4, 0.2, 0.2, 0.9], [0.2, 0.3, 0.1]),
+             # a cut inside the tie at 0.5 (the member first) would score 1.0 and
+             # return 0.5 (0.667 in truth); the best real cut is 0.9 (0.75)
+             ([0.9, 0.5], [0.5, 0.5, 0.0])]  # fmt: skip
+    expected = [0.8, 0.6, float("inf"), 0.4, 0.9]
     for (members, others), value in zip(cases, expected):
         assert _brute_threshold(members, others) == value
         m, o = torch.tensor(members, dtype=torch.float64), torch.tensor(others)
-        assert best_threshold(m, o.double()) == value
+        threshold = best_threshold(m, o.double())
+        assert type(threshold) is float and threshold == value
 
 
 def test_membership_inference_on_unbalanced_classes_by_hand():
