@@ -475,3 +475,24 @@ def test_werm_loss_and_metrics_by_hand_at_both_ends_and_between(w):
         assert float(metrics["acc"]) == acc
     if "reference_acc" in metrics:
         assert float(metrics["reference_acc"]) == ref_acc
+
+
+def test_membership_inference_at_the_smallest_sizes():
+    """Two members and three non-members (size 2: one of each to fit, one to score) is
+    the smallest attack: separable confidences give 1.0; the other way round, no cut
+    beats predicting nobody (∞), which scores 0.5; one member is refused, naming both
+    counts."""
+    probs_high = torch.tensor([[0.9, 0.1], [0.1, 0.9]], dtype=torch.float64)
+    probs_low = torch.tensor([[0.2, 0.8], [0.8, 0.2], [0.2, 0.8]], dtype=torch.float64)
+    labels_m, labels_n = torch.tensor([0, 1]), torch.tensor([0, 1, 0])
+    result = membership_inference(
+        probs_high, labels_m, probs_low, labels_n, attacks=("confidence",), per_class=False
+    )
+    assert result.accuracy == {"confidence": 1.0}
+    flipped = membership_inference(
+        probs_low[:2], labels_m, torch.cat([probs_high, probs_high[:1]]), labels_n,
+        attacks=("confidence",), per_class=False,
+    )  # fmt: skip
+    assert flipped.accuracy == {"confidence": 0.5}  # the fitted cut predicts nobody
+    with pytest.raises(ValueError, match="at least 2 members and 2 non-members, got 1 and 3"):
+        membership_inference(probs_high[:1], labels_m[:1], probs_low, labels_n)

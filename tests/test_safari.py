@@ -34,10 +34,10 @@ def _dm():
     return InMemoryFederatedDataModule(tiny_clients(), batch_size=4, server=_server_data())
 
 
-def _fit(callbacks, sampler=None):
+def _fit(callbacks, sampler=None, **kw):
     module = tiny_module(LR)
     strategy = FederatedStrategy(sampler=sampler or UniformSampler(3), local_steps=2, seed=SEED)
-    trainer = make_trainer(strategy, ROUNDS, callbacks)
+    trainer = make_trainer(strategy, ROUNDS, callbacks, **kw)
     participants = []
     trainer.callbacks.append(_Recorder(participants))
     trainer.fit(module, datamodule=_dm())
@@ -99,6 +99,9 @@ def test_excluded_clients_never_train_and_the_rest_share_the_weights():
 def test_bad_safari_settings_are_refused():
     with pytest.raises(ValueError, match="q must be in"):
         SAFARI(q=1.5)
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="server_lr .*: give a finite number > 0"):
+            SAFARI(q=0.5, server_lr=bad)
     with pytest.raises(ValueError, match="excluded=10 clients but only 10"):
         ExcludedClients(UniformSampler(2), excluded=10).sample(0, 0, torch.full((10,), 0.1))
     module = tiny_module(LR)
@@ -144,18 +147,26 @@ def test_safari_recipe_runs_and_mixes_server_rounds(tmp_path):
     assert float(cli.trainer.callback_metrics["test_acc"]) > 0.2
 
 
-def test_mixed_rounds_interleave_fedavg_and_server_sgd_by_hand():
+def test_mixed_rounds_interleave_fedavg_and_server_sgd_by_hand(tmp_path):
     """q = 0.5 with η_s = 0.05 ≠ the clients' 0.1: each round is, as drawn, either the
     uniform average of 3 sampled clients' 2 local steps (hand-written FedAvg) or one SGD
-    step on a server minibatch at η_s, never the one scaled like the other."""
+    step on a server minibatch at η_s, never the one scaled like the other; each round's
+    kind is logged as safari/server_round."""
     import copy
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
 
     from tests.helpers import local_sgd
 
     safari = SAFARI(q=0.5, server_lr=0.05)
-    ours, rounds = _fit([safari])
+    ours, rounds = _fit([safari], logger=CSVLogger(tmp_path, name="safari"))
     kinds = [safari.is_server_round(r, SEED) for r in range(ROUNDS)]
-    assert any(kinds) and not all(kinds)
+    assert any(kinds) and not all(kinds) and all(type(k) is bool for k in kinds)
+    (metrics,) = tmp_path.glob("safari/*/metrics.csv")
+    rows = [row for row in csv.DictReader(open(metrics)) if row.get("safari/server_round")]
+    logged = {int(row["epoch"]): float(row["safari/server_round"]) for row in rows}
+    assert logged == {r: float(kind) for r, kind in enumerate(kinds)}
     net = tiny_module(LR).network
     clients = tiny_clients()
     x, y = _server_data()
