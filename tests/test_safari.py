@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_fl import ExcludedClients, FederatedStrategy, UniformSampler
+from lightning_fl import Classifier, ExcludedClients, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import SAFARI, FedAvg
 from lightning_fl.callbacks.base import SERVER_CLIENT
 from lightning_fl.datamodules import InMemoryFederatedDataModule
@@ -109,6 +109,24 @@ def test_bad_safari_settings_are_refused():
     no_server = InMemoryFederatedDataModule(tiny_clients(), batch_size=4)
     with pytest.raises(ValueError, match="needs server data"):
         trainer.fit(module, datamodule=no_server)
+    adam = Classifier(network=tiny_module(LR).network, lr=0.01, optimizer="adam")
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [SAFARI(q=0.5)])
+    with pytest.raises(TypeError, match="server round is an SGD step: use the SGD optimizer"):
+        trainer.fit(adam, datamodule=_dm())
+
+
+def test_safari_with_q_one_needs_neither_server_data_nor_sgd():
+    """q = 1 never takes a server step: it trains without server data and with Adam, as
+    FedAvg does (the two checks above are for q < 1 only)."""
+    runs = []
+    for callbacks in ([SAFARI(q=1.0)], [FedAvg(weighting="uniform")]):
+        torch.manual_seed(1)
+        adam = Classifier(network=tiny_module(LR).network, lr=0.01, optimizer="adam")
+        strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=2, seed=SEED)
+        no_server = InMemoryFederatedDataModule(tiny_clients(), batch_size=4)
+        make_trainer(strategy, 2, callbacks).fit(adam, datamodule=no_server)
+        runs.append(params_of(adam))
+    assert max_abs_diff(*runs) == 0.0
 
 
 def test_digits_server_samples_are_held_out_before_the_split():
