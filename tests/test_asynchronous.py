@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -390,3 +391,48 @@ def test_fedbuff_with_a_buffer_smaller_than_the_federation_by_hand():
     ours, _ = _fit([AsynchronousFL(schedule, "identical", server_lr=0.7)], rounds,
                    num_clients=4)  # fmt: skip
     assert max_abs_diff(expected, params_of(ours)) < 1e-6
+
+
+def test_federated_objective_every_second_round_and_at_the_last_by_hand(tmp_path):
+    """FedAvg over 5 rounds with every_n_rounds = 2: the objective is logged after rounds
+    1 and 3 (the multiples) and 4 (the last), not after 0 and 2, each time as Σ p_i L_i of
+    the model of that round over every client's training data in batches of 4 (a mean
+    over samples, not over batches), with p_i by size; a client without training data
+    has p_i = 0 and adds nothing."""
+    import csv
+
+    import torch.nn.functional as F
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_fl.callbacks import FedAvg, FederatedObjective
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    class Snapshots(pl.Callback):
+        def __init__(self) -> None:
+            self.models = {}
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.models[trainer.current_epoch] = copy.deepcopy(pl_module.network)
+
+    clients = tiny_clients(num_clients=4)
+    empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
+    clients.append(empty)
+    snapshots = Snapshots()
+    logger = CSVLogger(tmp_path, name="objective")
+    module = tiny_module(LR)
+    trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 5,
+                           [FedAvg(), FederatedObjective(every_n_rounds=2), snapshots],
+                           logger=logger)  # fmt: skip
+    trainer.fit(module, datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+    (metrics,) = tmp_path.glob("objective/*/metrics.csv")
+    rows = [r for r in csv.DictReader(open(metrics)) if r.get("fl/federated_loss")]
+    logged = {int(r["epoch"]): float(r["fl/federated_loss"]) for r in rows}
+    assert sorted(logged) == [1, 3, 4]
+    counts = torch.tensor([len(c["train"][1]) for c in clients[:4]], dtype=torch.float64)
+    p = counts / counts.sum()
+    for epoch, value in logged.items():
+        with torch.no_grad():
+            losses = torch.tensor(
+                [float(F.cross_entropy(snapshots.models[epoch](c["train"][0]), c["train"][1]))
+                 for c in clients[:4]], dtype=torch.float64)  # fmt: skip
+        assert value == pytest.approx(float(p @ losses), rel=1e-5), epoch
