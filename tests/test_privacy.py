@@ -486,13 +486,24 @@ def test_membership_inference_at_the_smallest_sizes():
     probs_low = torch.tensor([[0.2, 0.8], [0.8, 0.2], [0.2, 0.8]], dtype=torch.float64)
     labels_m, labels_n = torch.tensor([0, 1]), torch.tensor([0, 1, 0])
     result = membership_inference(
-        probs_high, labels_m, probs_low, labels_n, attacks=("confidence",), per_class=False
-    )
-    assert result.accuracy == {"confidence": 1.0}
+        probs_high, labels_m, probs_low, labels_n, attacks=("correctness", "confidence"),
+        per_class=False,
+    )  # fmt: skip
+    # members are predicted right (correctness 1 counts as "member"), non-members wrong
+    assert result.accuracy == {"correctness": 1.0, "confidence": 1.0}
+    assert all(type(value) is float for value in result.accuracy.values())
     flipped = membership_inference(
         probs_low[:2], labels_m, torch.cat([probs_high, probs_high[:1]]), labels_n,
         attacks=("confidence",), per_class=False,
     )  # fmt: skip
     assert flipped.accuracy == {"confidence": 0.5}  # the fitted cut predicts nobody
+    # a score equal to the fitted threshold is "member": with seed 0 the permutations put
+    # non-member 0 (0.2) in the fit half and non-member 1 (0.9) in the scored half, so the
+    # threshold is 0.9 and the scored non-member, exactly at it, is called a member
+    at_threshold = membership_inference(
+        probs_high, labels_m, torch.cat([probs_low[:1], probs_high[1:]]), labels_n[:2],
+        attacks=("confidence",), per_class=False,
+    )  # fmt: skip
+    assert at_threshold.accuracy == {"confidence": 0.5}
     with pytest.raises(ValueError, match="at least 2 members and 2 non-members, got 1 and 3"):
         membership_inference(probs_high[:1], labels_m[:1], probs_low, labels_n)
