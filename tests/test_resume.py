@@ -161,3 +161,47 @@ def test_resume_with_the_similarity_sampler_is_exact(tmp_path):
     )  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(params_of(full), params_of(resumed)))
     assert torch.equal(full_strategy.sampler.gradients, resumed_strategy.sampler.gradients)
+
+
+def test_resuming_with_another_seed_warns_naming_both_and_the_same_seed_does_not(tmp_path):
+    import warnings
+
+    checkpoint = ModelCheckpoint(tmp_path, "saved", every_n_epochs=1)
+    first = make_trainer(
+        FederatedStrategy(local_steps=1, seed=3), 1, [checkpoint], enable_checkpointing=True
+    )
+    first.fit(tiny_module(), datamodule=tiny_datamodule())
+    path = str(tmp_path / "saved.ckpt")
+    with pytest.warns(UserWarning, match="Resuming with seed 7 from a checkpoint made with seed 3"):
+        make_trainer(FederatedStrategy(local_steps=1, seed=7), 2).fit(
+            tiny_module(), datamodule=tiny_datamodule(), ckpt_path=path
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Resuming with seed")
+        make_trainer(FederatedStrategy(local_steps=1, seed=3), 2).fit(
+            tiny_module(), datamodule=tiny_datamodule(), ckpt_path=path
+        )
+
+
+def test_a_resume_keeps_the_count_of_consecutive_bad_rounds(tmp_path):
+    """Every update is NaN in rounds 1 and 2, at most 2 bad rounds in a row: the run
+    resumed from the checkpoint after round 1 (one bad round so far) stops at round 2,
+    as the uninterrupted run does; a count restarted at 0 would let it go on."""
+    from lightning_fl.engine.round_engine import NonFiniteUpdateError
+    from tests.helpers import PoisonedUpdates
+
+    def trainer(rounds, *extra, **kw):
+        strategy = FederatedStrategy(local_steps=1, max_consecutive_bad_rounds=2)
+        poison = PoisonedUpdates(rounds=[1, 2], clients=list(range(10)))
+        return make_trainer(strategy, rounds, [poison, *extra], **kw)
+
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        first = trainer(2, checkpoint, enable_checkpointing=True)
+        first.fit(tiny_module(), datamodule=tiny_datamodule())
+    assert first.strategy.engine.consecutive_bad_rounds == 1
+    resumed = trainer(4)
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        with pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"):
+            resumed.fit(tiny_module(), datamodule=tiny_datamodule(),
+                        ckpt_path=str(tmp_path / "epoch=1.ckpt"))  # fmt: skip
