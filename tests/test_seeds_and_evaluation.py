@@ -223,3 +223,50 @@ def test_a_plain_modules_logged_values_are_reported_per_client_by_hand():
     assert "val_confidence/p10" in metrics
     absent = {"val_acc", "val_acc/uniform", "val_loss/p10", "val_confidence/p90"}
     assert not absent & set(metrics)
+
+
+def test_local_models_persist_across_rounds_and_cross_evaluate_skips_what_is_missing():
+    """Local over 3 rounds with 2 of 4 clients a round: each client's model is K local
+    steps per participation from its own previous model (from θ^0 the first time), by
+    hand; cross_evaluate leaves NaN the row of a client that never trained and the
+    column of a client without test data."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import local_sgd
+
+    clients = tiny_clients()[:4]
+    x, y = clients[2]["test"]
+    clients[2]["test"] = (x[:0], y[:0])  # client 2 has no test data
+    module = tiny_module(0.1)
+    start = params_of(module)
+    sampler = UniformSampler(2)
+    strategy = FederatedStrategy(sampler=sampler, local_steps=3, seed=3)
+    local = Local()
+    trainer = make_trainer(strategy, 3, [local])
+    trainer.fit(module, datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+
+    models, p = {}, torch.full((4,), 0.25, dtype=torch.float64)
+    for r in range(3):
+        for c in sampler.sample(r, 3, p).clients:
+            net = tiny_module(0.1).network
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), models.get(c, start)):
+                    q.copy_(t)
+            local_sgd(net, clients[c]["train"], 3, 0.1, 4, 3, r, c)
+            models[c] = params_of(net)
+    assert sorted(models) == [0, 1, 2]  # draws (1, 2), (0, 1), (1, 2): client 3 never trains
+    for c, expected in models.items():
+        stored = strategy.client_store.get(c, "local_model")
+        assert torch.allclose(stored, torch.cat([t.reshape(-1) for t in expected]), atol=1e-6)
+    grid = local.cross_evaluate(trainer, "test")["acc"]
+    for i in range(4):
+        for j in range(4):
+            if i not in models or j == 2:
+                assert grid[i, j].isnan(), (i, j)
+                continue
+            net = tiny_module(0.1).network
+            torch.nn.utils.vector_to_parameters(torch.cat([t.reshape(-1) for t in models[i]]),
+                                                net.parameters())  # fmt: skip
+            xt, yt = clients[j]["test"]
+            with torch.no_grad():
+                accuracy = float((net(xt).argmax(1) == yt).float().mean())
+            assert float(grid[i, j]) == pytest.approx(accuracy, abs=1e-6), (i, j)
