@@ -392,8 +392,11 @@ def test_best_threshold_breaks_ties_toward_the_higher_threshold():
              ([0.1], [0.9]), ([0.4, 0.2, 0.2, 0.9], [0.2, 0.3, 0.1]),
              # a cut inside the tie at 0.5 (the member first) would score 1.0 and
              # return 0.5 (0.667 in truth); the best real cut is 0.9 (0.75)
-             ([0.9, 0.5], [0.5, 0.5, 0.0])]  # fmt: skip
-    expected = [0.8, 0.6, float("inf"), 0.4, 0.9]
+             ([0.9, 0.5], [0.5, 0.5, 0.0]),
+             # one member, two non-members: the rates are per set (1/1 and 1/2), so the
+             # cut at 0.5 (0.75) beats predicting nobody (0.5)
+             ([0.5], [0.9, 0.1])]  # fmt: skip
+    expected = [0.8, 0.6, float("inf"), 0.4, 0.9, 0.5]
     for (members, others), value in zip(cases, expected):
         assert _brute_threshold(members, others) == value
         m, o = torch.tensor(members, dtype=torch.float64), torch.tensor(others)
