@@ -259,6 +259,28 @@ def test_zero_momentum_and_weight_decay_are_valid():
         Classifier(lr=0.1, momentum=-0.5)
 
 
+def test_server_optimizer_settings_at_both_ends_of_their_ranges():
+    """β ∈ [0, 1) for FedAvgM, β1 and β2 ∈ [0, 1) each for the adaptive optimizers, τ > 0
+    and a starting second moment ≥ 0: each end accepted or refused as its range says, one
+    bad value at a time."""
+    from lightning_fl.callbacks import FedAvgM, FedYogi
+
+    assert FedAvgM(beta=0.0).beta == 0.0
+    for beta in (1.0, -0.1):
+        with pytest.raises(ValueError, match=f"beta must be in \\[0, 1\\), got {beta}"):
+            FedAvgM(beta=beta)
+    assert FedAdam(beta1=0.0, beta2=0.0, initial_second_moment=0.0).initial_second_moment == 0.0
+    assert FedYogi(tau=0.5).initial_second_moment == 0.25  # v_{-1} = τ² by default
+    for kwargs in ({"beta1": 1.0}, {"beta2": 1.0}, {"beta1": -0.1}, {"beta2": -0.1}):
+        with pytest.raises(ValueError, match="beta1 and beta2 must be in"):
+            FedAdam(**kwargs)
+    for tau in (0.0, -1e-3):
+        with pytest.raises(ValueError, match=f"tau must be > 0, got {tau}"):
+            FedAdam(tau=tau)
+    with pytest.raises(ValueError, match="initial_second_moment must be >= 0"):
+        FedAdam(initial_second_moment=-1e-9)
+
+
 class _BadRoundCounts(pl.Callback):
     """Records the engine's count of consecutive bad rounds after each round."""
 
