@@ -20,9 +20,9 @@ from tests.helpers import (
 ROUNDS, STEPS, LR, SEED, BATCH = 5, 5, 0.1, 3, 4
 
 
-def run_strategy(sampler, callbacks, rounds=ROUNDS, **strategy_kw):
+def run_strategy(sampler, callbacks, rounds=ROUNDS, steps=STEPS, **strategy_kw):
     module = tiny_module(LR)
-    strategy = FederatedStrategy(sampler=sampler, local_steps=STEPS, seed=SEED, **strategy_kw)
+    strategy = FederatedStrategy(sampler=sampler, local_steps=steps, seed=SEED, **strategy_kw)
     make_trainer(strategy, rounds, callbacks).fit(module, datamodule=tiny_datamodule(BATCH))
     return params_of(module)
 
@@ -165,14 +165,18 @@ def test_other_server_optimizers_follow_their_equations(name):
 
 
 @pytest.mark.parametrize(
-    ("weighting", "control_weighting"), [("uniform", "uniform"), ("samples", "target")]
+    ("weighting", "control_weighting", "steps"),
+    [("uniform", "uniform", STEPS), ("samples", "target", STEPS), ("samples", "target", 1)],
 )
-def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_weighting):
+def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_weighting, steps):
     """Alg. 1 with option II; "target" replaces line 17's 1/N by the clients' p_i (unequal
-    sample counts here), keeping c = Σ p_i c_i."""
+    sample counts here), keeping c = Σ p_i c_i; K = 1 local step too (c_i⁺ from a single
+    step)."""
     sampler = UniformSampler(3)
     ours = run_strategy(
-        sampler, [SCAFFOLD(control_weighting=control_weighting), FedAvg(weighting=weighting)]
+        sampler,
+        [SCAFFOLD(control_weighting=control_weighting), FedAvg(weighting=weighting)],
+        steps=steps,
     )
 
     clients = tiny_clients()
@@ -192,7 +196,7 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_wei
                 for q, t in zip(net.parameters(), x):
                     q.copy_(t)
             correction = [cc - ci for cc, ci in zip(c, c_i[i])]  # y ← y − η(g − c_i + c)
-            k = local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, r, i, grad_extra=correction)
+            k = local_sgd(net, clients[i]["train"], steps, LR, 4, SEED, r, i, grad_extra=correction)
             y = params_of(net)
             new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
             for a, yy, xx in zip(dy, y, x):

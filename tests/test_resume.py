@@ -205,3 +205,29 @@ def test_a_resume_keeps_the_count_of_consecutive_bad_rounds(tmp_path):
         with pytest.raises(NonFiniteUpdateError, match="2 consecutive rounds"):
             resumed.fit(tiny_module(), datamodule=tiny_datamodule(),
                         ckpt_path=str(tmp_path / "epoch=1.ckpt"))  # fmt: skip
+
+
+def test_a_checkpoint_read_error_says_what_is_wrong_in_one_sentence():
+    """Unpickling refusals and torch's weights_only refusals read "not a checkpoint, or one
+    holding objects ..." (without torch's advice to load unsafely); any other error gives
+    its first line's first sentence, and an error without a message its type."""
+    import pickle
+
+    from lightning_fl.engine.federated_state import CheckpointReadError
+
+    refused = "(not a checkpoint, or one holding objects that safe weights_only loading refuses)"
+    unsafe_advice = "Weights only load failed. Re-running with weights_only=False ..."
+    for err in (pickle.UnpicklingError("invalid load key, 'x'."), RuntimeError(unsafe_advice)):
+        message = str(CheckpointReadError.of("a.ckpt", err))
+        assert message.startswith(f"a.ckpt: cannot be read as a checkpoint {refused}. It may")
+        assert "weights_only=False" not in message
+    zip_error = RuntimeError(
+        "PytorchStreamReader failed reading zip archive: failed finding central directory. "
+        "More.\nA second line."
+    )
+    message = str(CheckpointReadError.of("b.ckpt", zip_error))
+    first = "PytorchStreamReader failed reading zip archive: failed finding central directory"
+    assert message.startswith(f"b.ckpt: cannot be read as a checkpoint ({first}). It may")
+    assert str(CheckpointReadError.of("c.ckpt", EOFError())).startswith(
+        "c.ckpt: cannot be read as a checkpoint (EOFError). It may be truncated"
+    )
