@@ -420,7 +420,9 @@ class Unlearning(FederatedCallback):
         branch = self.history.branch
         self.versions.keep((branch, self.history.rounds(branch)), new.clone())
         self.versions.prune(self.history, remaining)
-        self.forgetting.after_round(self._deltas, {c: state.weight_of(c) for c in self._deltas})
+        server_lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
+        weights = {c: state.weight_of(c) for c in self._deltas}
+        self.forgetting.after_round(self._start, self._deltas, weights, server_lr)
 
     def sensitivity_increments(
         self, state: RoundState, remaining: list[int], new: torch.Tensor

@@ -312,20 +312,31 @@ def test_the_dp_baselines_noise_and_clipping_by_hand():
 
 
 def test_fedaccum_shadows_reaggregate_without_their_removal_set_by_hand():
-    """Shadow F = {1}: Δ_0 = (1, 0), Δ_2 = (2, 2) with ω = 0.2, 0.5 renormalized over the
-    kept clients: θ_F + (0.2·(1, 0) + 0.5·(2, 2))/0.7 = (1.2, 1.0)/0.7; shadow F = {0, 1, 2}
-    keeps nobody and stays; a request restarts from its own shadow and removes it."""
+    """The authors' server step on the shadow, θ_F ← (1 − η_g)θ_F + η_g Σ_{i∉F} ω̃_i θ_i with
+    θ_i = θ^t + Δ_i, over two rounds at η_g = 0.5 from global models θ^t that are not the
+    shadow (a shadow that only accumulates the kept Δ_i, or ignores η_g, differs). Shadow
+    F = {1}: Δ_0 = (1, 0), Δ_2 = (2, 2) with ω = 0.2, 0.5 renormalized over the kept
+    clients; shadow F = {0, 1, 2} keeps nobody and stays; a request restarts from its own
+    shadow and removes it."""
     from lightning_fl.systems.forgetting import FedAccum, ForgettingRequest
 
     method = FedAccum()
     method.prepare(torch.zeros(2, dtype=torch.float64), [(1,), (0, 1, 2)])
     deltas = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([0.0, 1.0]), 2: torch.tensor([2.0, 2.0])}
-    method.after_round(deltas, {0: 0.2, 1: 0.3, 2: 0.5})
-    assert method.shadows[(1,)].tolist() == pytest.approx([1.2 / 0.7, 1.0 / 0.7])
+    weights = {0: 0.2, 1: 0.3, 2: 0.5}
+    method.after_round(torch.tensor([3.0, -1.0]), deltas, weights, server_lr=0.5)
+    # kept model (3, -1) + (1.2, 1.0)/0.7; the shadow moves half way to it from (0, 0)
+    first = [0.5 * (3 + 1.2 / 0.7), 0.5 * (-1 + 1.0 / 0.7)]
+    assert method.shadows[(1,)].tolist() == pytest.approx(first)
+    second_deltas = {0: torch.tensor([0.0, 2.0]), 2: torch.tensor([1.0, -1.0])}
+    method.after_round(torch.tensor([1.0, 1.0]), second_deltas, weights, server_lr=0.5)
+    kept = [1 + 0.5 / 0.7, 1 + (0.4 - 0.5) / 0.7]
+    expected = [f + 0.5 * (k - f) for f, k in zip(first, kept)]
+    assert method.shadows[(1,)].tolist() == pytest.approx(expected)
     assert method.shadows[(0, 1, 2)].tolist() == [0.0, 0.0]
     request = ForgettingRequest([1], [], torch.zeros(2), None, None, lambda std: 0)
     start, node = method.restart(request)
-    assert start.tolist() == pytest.approx([1.2 / 0.7, 1.0 / 0.7]) and node is None
+    assert start.tolist() == pytest.approx(expected) and node is None
     assert list(method.shadows) == [(0, 1, 2)]
     with pytest.raises(ValueError, match=r"no shadow model without \[1\]"):
         method.restart(request)
@@ -706,3 +717,33 @@ def test_the_dp_baseline_over_three_rounds_with_a_server_rate_and_a_removal_by_h
         theta = [t + lr_g * s + n.reshape(t.shape) for t, s, n in zip(theta, step, noise)]
     assert any(clipped) and not all(clipped)
     assert max_abs_diff(params_of(module), theta) < 1e-5
+
+
+def test_fedaccum_restarts_from_the_server_steps_on_its_shadow_through_the_trainer():
+    """FedAvg(η_g = 0.5), full participation of 8 clients, client 2 forgotten at round 3:
+    the model round 3 starts from is the shadow after rounds 0–2, computed by hand from
+    each round's starting model θ^t, the clients' updates and weights as the engine saw
+    them: θ_F ← θ_F + η_g(θ^t + Σ_{i≠2} ω̃_i Δ_i − θ_F), from θ^0."""
+    from lightning_fl.callbacks.base import FederatedCallback
+
+    class Record(FederatedCallback):
+        def __init__(self) -> None:
+            self.rounds = []
+
+        def on_round_start(self, trainer, pl_module, state) -> None:
+            self.rounds.append((flatten(state.global_tensors).clone(), {}))
+
+        def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+            delta = flatten([u.detach() for u in update]).clone()
+            self.rounds[-1][1][client] = (delta, state.weight_of(client))
+
+    record = Record()
+    fedaccum = Unlearning("fedaccum", requests={3: [2]})
+    _fit([FedAvg(server_lr=0.5), fedaccum, record], 4, sampler=FullParticipation())
+    shadow = record.rounds[0][0].clone()
+    for start, updates in record.rounds[:3]:
+        kept = {c: u for c, u in updates.items() if c != 2}
+        total = sum(w for _, w in kept.values())
+        target = start + sum((w / total) * d for d, w in kept.values())
+        shadow = shadow + 0.5 * (target - shadow)
+    assert torch.allclose(record.rounds[3][0], shadow, atol=1e-6)

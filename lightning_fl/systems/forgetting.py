@@ -63,8 +63,15 @@ class ForgettingMethod:
     def transform_update(self, update: TensorList) -> TensorList:
         return update
 
-    def after_round(self, deltas: dict[int, torch.Tensor], weights: dict[int, float]) -> None:
-        """After aggregation, with this rank's accepted updates Δ_i and their weights ω_i."""
+    def after_round(
+        self,
+        start: torch.Tensor,
+        deltas: dict[int, torch.Tensor],
+        weights: dict[int, float],
+        server_lr: float,
+    ) -> None:
+        """After aggregation, with the round's starting model θ^t, this rank's accepted
+        updates Δ_i, their weights ω_i and the server's step size η_g."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -149,9 +156,17 @@ class DPBaseline(ForgettingMethod):
 
 
 class FedAccum(ForgettingMethod):
-    """FEDACCUM (the authors' code): one shadow model per future removal set F_r, which
-    every round re-aggregates the received local models without F_r's clients:
-    θ_F ← θ_F + Σ_{i∉F} ω_i Δ_i / Σ_{i∉F} ω_i. A request restarts from its shadow. Needs
+    """FEDACCUM (the authors' code: ``FedAccum/server.py``, ``aggregation`` applied to each
+    ``accum_model`` in ``compute_metric``): one shadow model per future removal set F_r,
+    into which every round's server step aggregates the received local models of the
+    clients not in F_r, θ_i = θ^t + Δ_i (trained from the global model θ^t):
+
+        θ_F ← (1 − η_g) θ_F + η_g Σ_{i∉F} ω_i θ_i / Σ_{i∉F} ω_i.
+
+    With η_g = 1 the shadow is the round's global model re-aggregated without F_r; a round
+    in which only F_r's clients took part leaves it unchanged. The authors weigh the kept
+    models uniformly (their clients are of equal size); here they keep their round weights
+    ω_i, renormalized, which is the same there. A request restarts from its shadow. Needs
     every request known before training, and one process (it reads every update)."""
 
     name = "fedaccum"
@@ -175,7 +190,13 @@ class FedAccum(ForgettingMethod):
             )
         return self.shadows.pop(key), None
 
-    def after_round(self, deltas: dict[int, torch.Tensor], weights: dict[int, float]) -> None:
+    def after_round(
+        self,
+        start: torch.Tensor,
+        deltas: dict[int, torch.Tensor],
+        weights: dict[int, float],
+        server_lr: float,
+    ) -> None:
         for key, shadow in self.shadows.items():
             kept = [c for c in deltas if c not in key]
             if not kept:
@@ -183,8 +204,8 @@ class FedAccum(ForgettingMethod):
             # host: read back as Python floats
             omega = torch.tensor([weights[c] for c in kept], dtype=torch.float64)
             omega = omega / omega.sum()
-            step = sum(float(w) * deltas[c] for w, c in zip(omega, kept))
-            self.shadows[key] = shadow + step
+            kept_model = start + sum(float(w) * deltas[c] for w, c in zip(omega, kept))
+            self.shadows[key] = shadow + server_lr * (kept_model - shadow)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {",".join(map(str, k)): v for k, v in self.shadows.items()}
