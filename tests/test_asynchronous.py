@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_fl import (
     AsyncSchedule,
+    Classifier,
     ClientTimes,
     FedBuffSchedule,
     FederatedStrategy,
@@ -397,7 +398,8 @@ def test_federated_objective_every_second_round_and_at_the_last_by_hand(tmp_path
     """FedAvg over 5 rounds with every_n_rounds = 2: the objective is logged after rounds
     1 and 3 (the multiples) and 4 (the last), not after 0 and 2, each time as Σ p_i L_i of
     the model of that round over every client's training data in batches of 4 (a mean
-    over samples, not over batches), with p_i by size; a client without training data
+    over samples, not over batches), with p_i by size, in eval mode (the network has
+    dropout), the module back in training mode afterwards; a client without training data
     has p_i = 0 and adds nothing."""
     import csv
 
@@ -412,14 +414,19 @@ def test_federated_objective_every_second_round_and_at_the_last_by_hand(tmp_path
             self.models = {}
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
-            self.models[trainer.current_epoch] = copy.deepcopy(pl_module.network)
+            assert pl_module.training  # the objective's evaluation left it as it was
+            self.models[trainer.current_epoch] = copy.deepcopy(pl_module.network).eval()
 
     clients = tiny_clients(num_clients=4)
     empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
     clients.append(empty)
     snapshots = Snapshots()
     logger = CSVLogger(tmp_path, name="objective")
-    module = tiny_module(LR)
+    torch.manual_seed(1)
+    network = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(8, 3)
+    )
+    module = Classifier(network=network, lr=LR)
     trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 5,
                            [FedAvg(), FederatedObjective(every_n_rounds=2), snapshots],
                            logger=logger)  # fmt: skip
