@@ -366,3 +366,49 @@ def test_get_visits_a_client_whose_weight_is_one_and_drops_at_exactly_the_tolera
     assert estimated_error(q, alpha, gap, pi, 0.0) == 0.375
     assert truncate(q, [0, 1], alpha, gap, pi, 0.0, 0.125).tolist() == [0.0, 4.0]
     assert truncate(q, [0, 1], alpha, gap, pi, 0.0, 0.126).tolist() == [1.0, 4.0]
+
+
+def test_markov_availability_by_hand_in_order_and_out_of_order():
+    """Three chains with their own π and λ over rounds 0–4: round 0 draws the stationary
+    start (u < π), round r ≥ 1 stays on with λ + (1 − λ)π and turns on with (1 − λ)π, each
+    round from its own draw (seed, round); asking for an earlier round replays the chain."""
+    from lightning_fl.engine.seeding import generator
+
+    pi, lam = [0.3, 0.6, 0.8], [0.5, 0.2, 0.0]
+    chain = MarkovAvailability(pi, lam)
+    states = []
+    for r in range(5):
+        u = torch.rand(3, generator=generator(4, "availability", r), dtype=torch.float64)
+        if r == 0:
+            state = [float(u[k]) < pi[k] for k in range(3)]
+        else:
+            state = [
+                float(u[k]) < (lam[k] + (1 - lam[k]) * pi[k] if state[k] else (1 - lam[k]) * pi[k])
+                for k in range(3)
+            ]
+        states.append(state)
+    assert len({tuple(s) for s in states}) > 1  # the chains do move
+    assert [chain.available(r, 4, 3).tolist() for r in range(5)] == states
+    assert chain.available(2, 4, 3).tolist() == states[2]  # back in time: replayed
+    assert chain.available(4, 4, 3).tolist() == states[4]
+
+
+def test_two_class_availability_by_hand():
+    """N = 6, g = 0.3, ν = 0.8, ε = 0.05: π = 0.8 for the first half and 0.2 for the
+    second; in each half the first quarter (⌊6/4⌋ = 1 client) is correlated (λ = ν), the
+    rest weakly (λ_k = ε·z_k, z the seeded normal draw); 4 clients are the fewest."""
+    from lightning_fl.engine.seeding import generator
+    from lightning_fl.systems.availability import TwoClassAvailability
+
+    chains = TwoClassAvailability(num_clients=6, gap=0.3, correlation=0.8, noise=0.05, seed=2)
+    z = torch.randn(6, generator=generator(2, "weak_correlation")) * 0.05
+    assert chains.stationary(6).tolist() == pytest.approx([0.8, 0.8, 0.8, 0.2, 0.2, 0.2])
+    expected = [0.8, float(z[1]), float(z[2]), 0.8, float(z[4]), float(z[5])]
+    assert chains.correlation(6).tolist() == pytest.approx(expected)
+    four = TwoClassAvailability(num_clients=4, noise=0.0)
+    assert four.correlation(4).tolist() == pytest.approx([0.9, 0.0, 0.9, 0.0])
+    with pytest.raises(ValueError, match="at least 4 clients, got 3"):
+        TwoClassAvailability(num_clients=3)
+    for gap in (0.0, 0.5):
+        with pytest.raises(ValueError, match=f"gap g must be in \\(0, 0.5\\).*got {gap}"):
+            TwoClassAvailability(gap=gap)
