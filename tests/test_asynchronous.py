@@ -394,9 +394,9 @@ def test_fedbuff_with_a_buffer_smaller_than_the_federation_by_hand():
     assert max_abs_diff(expected, params_of(ours)) < 1e-6
 
 
-def test_federated_objective_every_second_round_and_at_the_last_by_hand(tmp_path):
-    """FedAvg over 5 rounds with every_n_rounds = 2: the objective is logged after rounds
-    1 and 3 (the multiples) and 4 (the last), not after 0 and 2, each time as Σ p_i L_i of
+def test_federated_objective_every_third_round_and_at_the_last_by_hand(tmp_path):
+    """FedAvg over 5 rounds with every_n_rounds = 3: the objective is logged after round
+    2 (the third) and 4 (the last), not after 0, 1 or 3, each time as Σ p_i L_i of
     the model of that round over every client's training data in batches of 4 (a mean
     over samples, not over batches), with p_i by size, in eval mode (the network has
     dropout), the module back in training mode afterwards; a client without training data
@@ -428,13 +428,16 @@ def test_federated_objective_every_second_round_and_at_the_last_by_hand(tmp_path
     )
     module = Classifier(network=network, lr=LR)
     trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 5,
-                           [FedAvg(), FederatedObjective(every_n_rounds=2), snapshots],
+                           [FedAvg(), FederatedObjective(every_n_rounds=3), snapshots],
                            logger=logger)  # fmt: skip
     trainer.fit(module, datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
     (metrics,) = tmp_path.glob("objective/*/metrics.csv")
     rows = [r for r in csv.DictReader(open(metrics)) if r.get("fl/federated_loss")]
     logged = {int(r["epoch"]): float(r["fl/federated_loss"]) for r in rows}
-    assert sorted(logged) == [1, 3, 4]
+    assert sorted(logged) == [2, 4]
+    assert FederatedObjective(every_n_rounds=1).every_n_rounds == 1
+    with pytest.raises(ValueError, match="every_n_rounds must be >= 1, got 0"):
+        FederatedObjective(every_n_rounds=0)
     counts = torch.tensor([len(c["train"][1]) for c in clients[:4]], dtype=torch.float64)
     p = counts / counts.sum()
     for epoch, value in logged.items():
