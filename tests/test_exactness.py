@@ -280,3 +280,48 @@ def test_the_flat_update_helpers_by_hand():
     assert all_finite([]) is True and all_finite(tensors) is True
     for bad in (float("nan"), float("inf"), -float("inf")):
         assert all_finite([torch.ones(3), torch.tensor([1.0, bad])]) is False
+
+
+def test_scaffold_uniform_control_weights_count_only_clients_with_data():
+    """Line 17's 1/N under uniform control weighting, with a sixth client that has no
+    training data: N counts the 5 clients that can take part (one of them with a single
+    sample), not 6 (full participation, 3 rounds, unequal clients, FedAvg by size)."""
+    from lightning_fl import FullParticipation
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients()[:5]
+    clients[4] = {k: (v[0][:1], v[1][:1]) if k == "train" else v for k, v in clients[4].items()}
+    empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
+    module = tiny_module(LR)
+    strategy = FederatedStrategy(sampler=FullParticipation(), local_steps=STEPS, seed=SEED)
+    callbacks = [SCAFFOLD(control_weighting="uniform"), FedAvg()]
+    with pytest.warns(UserWarning, match="no training data"):
+        make_trainer(strategy, 3, callbacks).fit(
+            module, datamodule=InMemoryFederatedDataModule([*clients, empty], batch_size=BATCH)
+        )
+
+    net = tiny_module(LR).network
+    x = params_of(net)
+    c = [torch.zeros_like(t) for t in x]
+    c_i = {i: [torch.zeros_like(t) for t in x] for i in range(5)}
+    p = sample_weights(clients)
+    for r in range(3):
+        dy = [torch.zeros_like(t) for t in x]
+        dc = [torch.zeros_like(t) for t in x]
+        for i in range(5):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), x):
+                    q.copy_(t)
+            correction = [cc - ci for cc, ci in zip(c, c_i[i])]
+            k = local_sgd(net, clients[i]["train"], STEPS, LR, BATCH, SEED, r, i,
+                          grad_extra=correction)  # fmt: skip
+            y = params_of(net)
+            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
+            for a, yy, xx in zip(dy, y, x):
+                a += float(p[i]) * (yy - xx)
+            for b, nc, oc in zip(dc, new_ci, c_i[i]):
+                b += (nc - oc) / 5
+            c_i[i] = new_ci
+        x = [xx + d for xx, d in zip(x, dy)]
+        c = [cc + d for cc, d in zip(c, dc)]
+    assert max_abs_diff(params_of(module), x) <= 1e-6
