@@ -290,3 +290,30 @@ def test_three_rounds_of_fedomd_over_clients_of_unequal_size_by_hand():
         theta = sum(ends) / 3
         alg.step([(torch.tensor(x, dtype=torch.float32), torch.tensor(y)) for x, y in samples])
         np.testing.assert_allclose(alg.params[0].double().numpy(), theta, atol=1e-5)
+
+
+def test_mixture_densities_and_kl_by_hand():
+    """log Σ_j π_j N(x; μ_j, I) in d = 2 with its (2π)^{-d/2} constant, written out per
+    sample; responsibilities for a sample 40 units from every mean (the unstabilized
+    exponentials underflow to 0/0); the Monte Carlo KL from the same replayed draws."""
+    from lightning_fl.systems.fem_omd import mixture_log_density, sample_mixture
+
+    weights, means = np.array([0.25, 0.75]), np.array([[0.0, 0.0], [2.0, -1.0]])
+    x = np.array([[0.5, 0.5], [3.0, -2.0], [-1.0, 4.0]])
+
+    def by_hand(w, mu, point):
+        return math.log(sum(wj * _gauss(point, m) for wj, m in zip(w, mu)))
+
+    expected = [by_hand(weights, means, p) for p in x]
+    assert mixture_log_density(x, weights, means).tolist() == pytest.approx(expected)
+    far = np.array([[40.0, 40.0]])
+    d0, d1 = (far[0] - means[0]) @ (far[0] - means[0]), (far[0] - means[1]) @ (far[0] - means[1])
+    ratio = 0.75 / 0.25 * math.exp(-0.5 * (d1 - d0))  # w_1 / w_0, by hand
+    assert responsibilities(far, weights, means)[0].tolist() == pytest.approx(
+        [1 / (1 + ratio), ratio / (1 + ratio)]
+    )
+    other_w, other_mu = np.array([0.6, 0.4]), np.array([[1.0, 0.0], [2.0, 1.0]])
+    z = sample_mixture(weights, means, 50, np.random.default_rng(8))
+    kl = np.mean([by_hand(weights, means, p) - by_hand(other_w, other_mu, p) for p in z])
+    got = mixture_kl(weights, means, other_w, other_mu, np.random.default_rng(8), samples=50)
+    assert got == pytest.approx(kl)
