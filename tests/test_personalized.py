@@ -110,6 +110,28 @@ def test_ditto_personal_model_follows_its_proximal_update():
     assert torch.allclose(stored, torch.cat([p.detach().reshape(-1) for p in params]), atol=1e-6)
 
 
+def _apfl_step(net, batch, v, w, alpha, local_lr, alpha_lr):
+    """One APFL step by hand (Alg. 1) on ``batch``: the gradient at v̄ = αv + (1−α)w moves
+    v by local_lr·α, the one at w moves w by LR, and (with ``alpha_lr``, adaptive α) α by
+    −alpha_lr·⟨v − w, ∇f(v̄)⟩ clipped to [0, 1]; all from their values before the step."""
+    params, (x, y) = list(net.parameters()), batch
+    with torch.no_grad():
+        for p, a, b in zip(params, v, w):
+            p.copy_(alpha * a + (1 - alpha) * b)
+    g_mix = _grads(net, params, x, y)
+    with torch.no_grad():
+        for p, b in zip(params, w):
+            p.copy_(b)
+    g_w = _grads(net, params, x, y)
+    new_alpha = alpha
+    if alpha_lr is not None:
+        slope = sum(float(((a - b) * g).sum()) for a, b, g in zip(v, w, g_mix))
+        new_alpha = min(1.0, max(0.0, alpha - alpha_lr * slope))
+    v = [a - local_lr * alpha * g for a, g in zip(v, g_mix)]
+    w = [b - LR * g for b, g in zip(w, g_w)]
+    return v, w, new_alpha
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_apfl_local_model_and_alpha_follow_algorithm_1(adaptive):
     data, dm = _one_client()
@@ -119,24 +141,9 @@ def test_apfl_local_model_and_alpha_follow_algorithm_1(adaptive):
         module, [APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=adaptive, alpha_lr=0.02)], dm
     )
     net = tiny_module(LR).network
-    params = list(net.parameters())
     v, alpha = [t.clone() for t in w], 0.3
-    for x, y in _strategy_batches(data):
-        with torch.no_grad():
-            for p, a, b in zip(params, v, w):
-                p.copy_(alpha * a + (1 - alpha) * b)
-        g_mix = _grads(net, params, x, y)
-        with torch.no_grad():
-            for p, b in zip(params, w):
-                p.copy_(b)
-        g_w = _grads(net, params, x, y)
-        new_alpha = alpha
-        if adaptive:
-            slope = sum(float(((a - b) * g).sum()) for a, b, g in zip(v, w, g_mix))
-            new_alpha = min(1.0, max(0.0, alpha - 0.02 * slope))
-        v = [a - 0.07 * alpha * g for a, g in zip(v, g_mix)]
-        w = [b - LR * g for b, g in zip(w, g_w)]
-        alpha = new_alpha
+    for batch in _strategy_batches(data):
+        v, w, alpha = _apfl_step(net, batch, v, w, alpha, 0.07, 0.02 if adaptive else None)
     store = trainer.strategy.client_store
     assert torch.allclose(
         store.get(0, APFL.v_key), torch.cat([t.reshape(-1) for t in v]), atol=1e-6
@@ -394,26 +401,14 @@ def test_apfl_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize):
     trainer.fit(module, datamodule=dm)
 
     net = tiny_module(LR).network
-    params = list(net.parameters())
     state = [([t.clone() for t in global_w], 0.4) for _ in clients]
     sizes = torch.tensor([float(len(c["train"][0])) for c in clients])
     for r in range(3):
         ends = []
         for c, data in enumerate(clients):
             w, (v, alpha) = [t.clone() for t in global_w], state[c]
-            for x, y in _strategy_batches(data, r, c):
-                with torch.no_grad():
-                    for p, a, b in zip(params, v, w):
-                        p.copy_(alpha * a + (1 - alpha) * b)
-                g_mix = _grads(net, params, x, y)
-                with torch.no_grad():
-                    for p, b in zip(params, w):
-                        p.copy_(b)
-                g_w = _grads(net, params, x, y)
-                slope = sum(float(((a - b) * g).sum()) for a, b, g in zip(v, w, g_mix))
-                v = [a - 0.06 * alpha * g for a, g in zip(v, g_mix)]
-                w = [b - LR * g for b, g in zip(w, g_w)]
-                alpha = min(1.0, max(0.0, alpha - 0.5 * slope))
+            for batch in _strategy_batches(data, r, c):
+                v, w, alpha = _apfl_step(net, batch, v, w, alpha, 0.06, 0.5)
             state[c] = (v, alpha)
             ends.append(w)
         share = sizes / sizes.sum()
