@@ -14,12 +14,14 @@ def _normal(x, mu):
     return math.exp(-0.5 * (x - mu) ** 2) / math.sqrt(2 * math.pi)
 
 
-def test_one_round_of_algorithm_15_by_hand():
+@pytest.mark.parametrize("lr", [0.5, 900.0])
+def test_one_round_of_algorithm_15_by_hand(lr):
     """C = 2 clients, m = 2 components in d = 1, K = 1: E-step, M-step, the server's
-    weighted sync, the running average of the means and the OMD step."""
+    weighted sync, the running average of the means and the OMD step. At η = 900 the OMD
+    exponent passes 709, where exp overflows unless the logits are shifted first."""
     means = np.array([[-1.0], [2.0]])
     samples = [np.array([[-1.5], [0.0], [2.5]]), np.array([[1.0], [3.0]])]
-    alg = FemOmdGMM(means, num_clients=2, lr=0.5, em_steps=1, seed=3)
+    alg = FemOmdGMM(means, num_clients=2, lr=lr, em_steps=1, seed=3)
     new_weights, new_means = [], []
     for x in samples:  # E and M steps from π = (1/2, 1/2)
         w = np.array([[0.5 * _normal(v, -1.0), 0.5 * _normal(v, 2.0)] for v in x[:, 0]])
@@ -37,8 +39,10 @@ def test_one_round_of_algorithm_15_by_hand():
         z = expected_means[comp] + rng.standard_normal((len(x), 1))[:, 0]
         f = np.array([[_normal(v, expected_means[j]) for j in range(2)] for v in z])
         gradient = -(f / (f @ np.array([0.5, 0.5]))[:, None]).mean(axis=0)
-        weights = 0.5 * np.exp(-0.5 * gradient)
-        expected_weights.append(weights / weights.sum())
+        exponent = -lr * gradient  # π ∝ 0.5 exp(−η ∇̂), the common 0.5 cancels
+        shifted = np.exp(exponent - exponent.max())
+        expected_weights.append(shifted / shifted.sum())
+    assert lr < 1 or np.abs(lr * gradient).max() > 709  # the large rate does overflow
     alg.step(samples)
     assert alg.means[:, 0] == pytest.approx(expected_means)
     assert alg.weights == pytest.approx(np.array(expected_weights))
@@ -317,3 +321,105 @@ def test_mixture_densities_and_kl_by_hand():
     kl = np.mean([by_hand(weights, means, p) - by_hand(other_w, other_mu, p) for p in z])
     got = mixture_kl(weights, means, other_w, other_mu, np.random.default_rng(8), samples=50)
     assert got == pytest.approx(kl)
+
+
+def test_settings_are_refused_below_and_accepted_at_the_ends_of_their_ranges():
+    """Each bound alone: a rate of 0, a count of 0 and a negative λ are refused; a count of
+    1, λ = 0 and a round with exactly K samples per client are accepted."""
+    import torch
+
+    from lightning_fl.systems.fem_omd import FedOMD, FemOmdClassifier
+
+    with pytest.raises(ValueError, match="em_steps must be >= 1"):
+        FemOmdGMM(np.zeros((2, 1)), 2, em_steps=0)
+    alg = FemOmdGMM(np.array([[-1.0], [1.0]]), 1, em_steps=3)
+    alg.step([np.array([[-1.0], [0.5], [2.0]])])  # n = K: one sample per batch
+    assert alg.round == 1
+    good = dict(component_lr=0.1, weight_lr=0.1, em_steps=1)
+    for bad in (dict(component_lr=0.0), dict(weight_lr=0.0)):
+        with pytest.raises(ValueError, match="component_lr and weight_lr must be > 0"):
+            FemOmdClassifier(_linear, 1, 1, **{**good, **bad})
+    for components, clients, steps in ((0, 1, 1), (1, 0, 1), (1, 1, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            FemOmdClassifier(_linear, components, clients, **{**good, "em_steps": steps})
+    one = FemOmdClassifier(_linear, 1, 1, **good)
+    one.step([(torch.tensor([[1.0]]), torch.tensor([1]))])
+    assert one.weights.tolist() == [[1.0]]
+    for bad in (dict(lr=0.0), dict(l2=-1e-9), dict(local_steps=0)):
+        with pytest.raises(ValueError, match="FedOMD needs lr > 0"):
+            FedOMD(_linear, **bad)
+    FedOMD(_linear, lr=0.1, l2=0.0, local_steps=1)
+
+
+def test_classifier_and_fedomd_initializations_follow_their_seed_not_the_global_state():
+    import torch
+
+    from lightning_fl.systems.fem_omd import FedOMD, FemOmdClassifier
+
+    torch.manual_seed(5)
+    expected = [_linear().weight.detach().clone() for _ in range(3)]
+    torch.manual_seed(123)  # whatever the caller's state was
+    alg = FemOmdClassifier(_linear, 3, 2, seed=5)
+    assert all(torch.equal(c[0], e) for c, e in zip(alg.components, expected))
+    torch.manual_seed(123)
+    assert torch.equal(FedOMD(_linear, seed=5).params[0], expected[0])
+
+
+def test_played_class_probabilities_by_hand():
+    """h_{t,c}(x) = Σ_j π_{c,j} softmax(W_j x) with each client's own π, and FedOMD's
+    softmax(θ x)."""
+    import torch
+
+    from lightning_fl.systems.fem_omd import FedOMD, FemOmdClassifier
+
+    alg = FemOmdClassifier(_linear, 2, 2, seed=1)
+    alg.weights = torch.tensor([[0.2, 0.8], [0.9, 0.1]])
+    x = torch.tensor([[1.5], [-0.5]])
+    w = [comp[0].double() for comp in alg.components]
+    soft = [torch.exp(x.double() @ wj.T) / torch.exp(x.double() @ wj.T).sum(1, keepdim=True)
+            for wj in w]  # fmt: skip
+    for c, (a, b) in enumerate(((0.2, 0.8), (0.9, 0.1))):
+        expected = a * soft[0] + b * soft[1]
+        assert torch.allclose(alg.predict_proba(c, x).double(), expected, atol=1e-6)
+    fed = FedOMD(_linear, seed=2)
+    logits = x.double() @ fed.params[0].double().T
+    expected = torch.exp(logits) / torch.exp(logits).sum(1, keepdim=True)
+    assert torch.allclose(fed.predict_proba(0, x).double(), expected, atol=1e-6)
+
+
+def test_a_component_parameter_outside_the_loss_is_left_as_it_is():
+    """A network with a parameter its forward never reads (a frozen branch): the EM step
+    gets no gradient for it and must leave it unchanged rather than fail or move it."""
+    import torch
+
+    from lightning_fl.systems.fem_omd import FemOmdClassifier
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(1, 2, bias=False)
+            self.unused = torch.nn.Parameter(torch.tensor([0.25, -0.5]))
+
+        def forward(self, x):
+            return self.linear(x)
+
+    alg = FemOmdClassifier(WithUnused, 2, 2, component_lr=0.5, em_steps=2, seed=3)
+    before = [[p.clone() for p in comp] for comp in alg.components]
+    samples = [(torch.tensor([[1.0], [-2.0]]), torch.tensor([0, 1])),
+               (torch.tensor([[0.5]]), torch.tensor([1]))]  # fmt: skip
+    alg.step(samples)
+    moved, unused = alg.model.names.index("linear.weight"), alg.model.names.index("unused")
+    for comp, old in zip(alg.components, before):
+        assert not torch.equal(comp[moved], old[moved])
+        assert torch.equal(comp[unused], old[unused])
+
+
+def test_sample_mixture_normalizes_unnormalized_weights():
+    """Weights (2, 6) draw components with probabilities (1/4, 3/4)."""
+    from lightning_fl.systems.fem_omd import sample_mixture
+
+    means = np.array([[0.0], [10.0]])
+    got = sample_mixture(np.array([2.0, 6.0]), means, 40, np.random.default_rng(4))
+    rng = np.random.default_rng(4)
+    which = rng.choice(2, size=40, p=[0.25, 0.75])
+    np.testing.assert_allclose(got, means[which] + rng.standard_normal((40, 1)))
