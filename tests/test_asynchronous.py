@@ -400,7 +400,7 @@ def test_federated_objective_every_third_round_and_at_the_last_by_hand(tmp_path)
     the model of that round over every client's training data in batches of 4 (a mean
     over samples, not over batches), with p_i by size, in eval mode (the network has
     dropout), the module back in training mode afterwards; a client without training data
-    has p_i = 0 and adds nothing."""
+    has p_i = 0 and adds nothing; a client with one training sample counts in full."""
     import csv
 
     import torch.nn.functional as F
@@ -418,6 +418,8 @@ def test_federated_objective_every_third_round_and_at_the_last_by_hand(tmp_path)
             self.models[trainer.current_epoch] = copy.deepcopy(pl_module.network).eval()
 
     clients = tiny_clients(num_clients=4)
+    x, y = clients[1]["train"]
+    clients[1] = {**clients[1], "train": (x[:1], y[:1])}
     empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
     clients.append(empty)
     snapshots = Snapshots()
