@@ -311,10 +311,20 @@ def test_dpasgd_over_a_ring_on_two_processes_equals_one_process(two_processes, t
 @pytest.mark.parametrize("scheme", ["fedfix", "async"])
 def test_asynchronous_schemes_on_two_processes_equal_one_process(two_processes, tmp_path, scheme):
     """Every rank holds the same schedule and model versions; stale clients train on their
-    owner's rank."""
+    owner's rank. The recipes' FederatedObjective evaluates each rank's clients and sums
+    the client losses over ranks: the logged objectives equal one process's."""
     _one_process(tmp_path, *CASES[scheme])
-    one, two = _weights(tmp_path), _weights(_two(two_processes, scheme))
+    folders = {"1": tmp_path, "2": _two(two_processes, scheme)}
+    one, two = _weights(folders["1"]), _weights(folders["2"])
     assert max(float((one[k] - two[k]).abs().max()) for k in one) <= 1e-5
+    logged = {}
+    for d, folder in folders.items():
+        rows = csv.DictReader(open(run_file(folder, "metrics.csv")))
+        logged[d] = [(float(r["fl/federated_loss"]), float(r["fl/surrogate_loss"]))
+                     for r in rows if r.get("fl/federated_loss")]  # fmt: skip
+    assert len(logged["1"]) == {"fedfix": 3, "async": 1}[scheme]  # the recipes' schedules
+    for a, b in zip(logged["1"], logged["2"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
 
 
 def _planner(world_size: int, callbacks, keep_optimizer_state=False, datamodule=None):
