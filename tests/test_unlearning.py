@@ -747,3 +747,57 @@ def test_fedaccum_restarts_from_the_server_steps_on_its_shadow_through_the_train
         target = start + sum((w / total) * d for d, w in kept.values())
         shadow = shadow + 0.5 * (target - shadow)
     assert torch.allclose(record.rounds[3][0], shadow, atol=1e-6)
+
+
+def test_the_logged_accuracies_are_count_weighted_over_the_remaining_and_removed_clients(
+    tmp_path,
+):
+    """Every second round (evaluate_every = 2) of 5, clients 0 and 3 removed at the start
+    of round 2: after rounds 1 and 3 the logged remaining accuracy is Σ_R n_c acc_c /
+    Σ_R n_c of that round's model over each remaining client's training data (a mean over
+    samples in batches of 4), the removed clients' only after their removal. Client 3 has
+    no training data and weighs nothing, removed or not; client 4 has one sample and
+    counts in full."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.helpers import tiny_clients
+
+    class Snapshots(pl.Callback):
+        def __init__(self) -> None:
+            self.models = {}
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.models[trainer.current_epoch] = [
+                p.detach().clone() for p in pl_module.parameters()
+            ]
+
+    clients = tiny_clients(num_clients=6)
+    for c, keep in ((3, 0), (4, 1)):
+        x, y = clients[c]["train"]
+        clients[c] = {**clients[c], "train": (x[:keep], y[:keep])}
+    snapshots = Snapshots()
+    unlearning = Unlearning("sifu", requests={2: [0, 3]}, evaluate_every=2, evaluate_forgotten=True)
+    module, _ = _fit([FedAvg(), unlearning, snapshots], 5, sampler=FullParticipation(),
+                     dm=InMemoryFederatedDataModule(clients, batch_size=4),
+                     logger=CSVLogger(tmp_path, name="accuracies"))  # fmt: skip
+    (metrics,) = tmp_path.glob("accuracies/*/metrics.csv")
+    rows = list(csv.DictReader(open(metrics)))
+    remaining = {int(r["epoch"]): float(r["unlearning/remaining_train_acc"])
+                 for r in rows if r.get("unlearning/remaining_train_acc")}  # fmt: skip
+    forgotten = {int(r["epoch"]): float(r["unlearning/forgotten_acc"])
+                 for r in rows if r.get("unlearning/forgotten_acc")}  # fmt: skip
+    assert sorted(remaining) == [1, 3] and sorted(forgotten) == [3]
+
+    def accuracy(epoch, group):
+        with torch.no_grad():
+            for p, saved in zip(module.parameters(), snapshots.models[epoch]):
+                p.copy_(saved)
+            right = sum(int((module(clients[c]["train"][0]).argmax(1) == clients[c]["train"][1])
+                            .sum()) for c in group)  # fmt: skip
+        return right / sum(len(clients[c]["train"][1]) for c in group)
+
+    assert remaining[1] == pytest.approx(accuracy(1, range(6)), abs=1e-6)
+    assert remaining[3] == pytest.approx(accuracy(3, [1, 2, 3, 4, 5]), abs=1e-6)
+    assert forgotten[3] == pytest.approx(accuracy(3, [0, 3]), abs=1e-6)
