@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         found = [m for m in found if any(_same(m, s) for s in earlier)]
     survivors = []
     try:
-        for mutant in found:
+        for done, mutant in enumerate(found):
+            print(f"[{done + 1}/{len(found)}] {args.module}:{mutant.line} {mutant.description}",
+                  file=sys.stderr, flush=True)  # fmt: skip
             tests = args.tests if lines is None else tests_for(mutant, lines)
             path.write_text(mutated_source(original, mutant))
             if not tests or run_tests(tests, timeout):

@@ -36,9 +36,10 @@ def test_mutants_are_the_rewrites_of_function_bodies_only():
     assert "return x\n" in mutated_source(MODULE, mutants(MODULE)[1]) + "\n"
 
 
-def test_the_runner_reports_the_survivor_and_restores_the_module(tmp_path):
+def test_the_runner_reports_the_survivor_and_restores_the_module(tmp_path, capsys):
     """x < low and x <= low return the same value (x == low): an equivalent mutant, which
-    survives; min(x, high) → x is caught by clamp(5, 0, 3)."""
+    survives; min(x, high) → x is caught by clamp(5, 0, 3). Progress goes to stderr, one
+    line per mutant as it starts."""
     module, tests = tmp_path / "clamp.py", tmp_path / "test_clamp.py"
     module.write_text(MODULE)
     tests.write_text(TESTS.format(folder=str(tmp_path)))
@@ -48,6 +49,8 @@ def test_the_runner_reports_the_survivor_and_restores_the_module(tmp_path):
     assert (summary["mutants"], summary["caught"]) == (2, 1)
     assert [s["description"] for s in summary["survivors"]] == ["Lt -> LtE"]
     assert module.read_text() == MODULE
+    progress = [line.split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert progress == ["[1/2]", "[2/2]"]
 
 
 TWO = '''"""Two functions, one of them never called by the tests."""
