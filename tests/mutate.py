@@ -18,7 +18,9 @@ to a file.
 
 Only the tests that execute a mutant's lines run against it: the clean run is measured
 by coverage.py with one context per test (this module is its pytest plugin), and a
-mutant on lines that no test executes survives without a run. Tests run in other
+mutant on lines that no test executes survives without a run. A mutant's tests run
+fastest first (their clean-run times), so that ``-x`` stops at the first cheap failure.
+Tests run in other
 processes (torchrun) are not measured, so what only they exercise shows as a survivor to
 look at. Without coverage.py installed every mutant runs every given test.
 """
@@ -39,6 +41,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,6 +189,7 @@ def run_tests(tests: list[str], timeout: float, coverage_of: Path | None = None)
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
     runner = [sys.executable, "-m"]
     if coverage_of is not None:
+        env[_DURATIONS_VARIABLE] = str(_durations_file())
         runner += ["coverage", "run", f"--data-file={_coverage_data()}",
                    f"--include=*/{coverage_of.name}", "-m"]  # fmt: skip
         tests = ["-p", "tests.mutate", *tests]
@@ -202,13 +207,52 @@ def _coverage_data() -> Path:
     return Path(tempfile.gettempdir()) / f".mutate-coverage-{os.getpid()}"
 
 
+_DURATIONS_VARIABLE = "MUTATE_DURATIONS_FILE"
+
+
+def _durations_file() -> Path:
+    """This run's file of the clean run's test times: {node id: seconds}."""
+    return Path(tempfile.gettempdir()) / f".mutate-durations-{os.getpid()}.json"
+
+
+def _absolute_id(item) -> str:
+    """The test's node id with its file absolute (node ids are relative to a rootdir)."""
+    return "::".join([str(item.path), *item.nodeid.split("::")[1:]])
+
+
+_clean_run_seconds: dict[str, float] = {}
+
+
 def pytest_runtest_setup(item) -> None:
     """As a pytest plugin under coverage: the lines run from here on belong to ``item``."""
     import coverage
 
     current = coverage.Coverage.current()
-    if current is not None:  # the test's file absolute: node ids are relative to a rootdir
-        current.switch_context("::".join([str(item.path), *item.nodeid.split("::")[1:]]))
+    if current is not None:
+        current.switch_context(_absolute_id(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """As a pytest plugin: each test's time, setup and teardown included."""
+    start = time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        _clean_run_seconds[_absolute_id(item)] = time.perf_counter() - start
+
+
+def pytest_sessionfinish(session) -> None:
+    """As a pytest plugin: write the times where the mutation run reads them."""
+    target = os.environ.get(_DURATIONS_VARIABLE)
+    if target:
+        Path(target).write_text(json.dumps(_clean_run_seconds))
+
+
+def clean_run_seconds() -> dict[str, float]:
+    """{node id: seconds} of the measured clean run (empty if it wrote none)."""
+    path = _durations_file()
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def covering_tests(module: Path) -> dict[int, set[str]]:
@@ -226,12 +270,16 @@ def covering_tests(module: Path) -> dict[int, set[str]]:
     return lines
 
 
-def tests_for(mutant: Mutant, lines: dict[int, set[str]]) -> list[str]:
-    """The node ids of the tests that ran any line of ``mutant``'s node."""
+def tests_for(
+    mutant: Mutant, lines: dict[int, set[str]], seconds: dict[str, float] | None = None
+) -> list[str]:
+    """The node ids of the tests that ran any line of ``mutant``'s node, fastest first by
+    their clean-run ``seconds`` (then by name; a test without a time goes last)."""
     found: set[str] = set()
     for line in range(mutant.line, max(mutant.end_line, mutant.line) + 1):
         found |= lines.get(line, set())
-    return sorted(found)
+    seconds = seconds or {}
+    return sorted(found, key=lambda test: (seconds.get(test, float("inf")), test))
 
 
 def _same(mutant: Mutant, earlier: dict) -> bool:
@@ -263,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     timeout = 5 * (time.perf_counter() - start) + 10
     lines = covering_tests(path) if measure else None
+    seconds = clean_run_seconds()
     found = mutants(original)[: args.limit]
     if args.survivors is not None:
         earlier = json.loads(args.survivors.read_text())["survivors"]
@@ -272,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         for done, mutant in enumerate(found):
             print(f"[{done + 1}/{len(found)}] {args.module}:{mutant.line} {mutant.description}",
                   file=sys.stderr, flush=True)  # fmt: skip
-            tests = args.tests if lines is None else tests_for(mutant, lines)
+            tests = args.tests if lines is None else tests_for(mutant, lines, seconds)
             path.write_text(mutated_source(original, mutant))
             if not tests or run_tests(tests, timeout):
                 survivors.append(mutant)
@@ -282,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         path.write_text(original)
         _coverage_data().unlink(missing_ok=True)
+        _durations_file().unlink(missing_ok=True)
     caught = len(found) - len(survivors)
     rate = caught / len(found) if found else 1.0
     print(f"{args.module}: {len(found)} mutants, {caught} caught, {len(survivors)} survived "

@@ -106,3 +106,52 @@ def test_only_the_tests_that_run_a_mutant_run_against_it_and_unrun_lines_survive
     again = tmp_path / "again.json"
     assert main([str(module), str(tests), "--json", str(again), "--survivors", str(result)]) == 0
     assert json.loads(again.read_text())["mutants"] == 2 == json.loads(again.read_text())["caught"]
+
+
+ORDER_TESTS = """import sys
+import time
+
+sys.path.insert(0, {folder!r})
+from two import double
+
+
+def test_a_slow():
+    time.sleep(0.6)
+    assert double(2) == 4
+    with open({log!r}, "a") as log:
+        log.write("slowest ")
+
+
+def test_b_fast():
+    assert double(3) == 6
+    with open({log!r}, "a") as log:
+        log.write("fast ")
+
+
+def test_c_slow_too():
+    time.sleep(0.3)
+    assert double(1) == 2
+    with open({log!r}, "a") as log:
+        log.write("slow ")
+"""
+
+
+def test_a_mutants_tests_run_fastest_first_by_their_clean_run_times(tmp_path):
+    """Three tests run ``double``: the mutant's list puts them in order of their measured
+    clean-run times (not by name), and pytest runs them in that order, so ``-x`` stops at
+    the cheapest failure."""
+    from tests.mutate import clean_run_seconds, covering_tests, run_tests, tests_for
+
+    module, tests, log = tmp_path / "two.py", tmp_path / "test_order.py", tmp_path / "log"
+    module.write_text(TWO)
+    tests.write_text(ORDER_TESTS.format(folder=str(tmp_path), log=str(log)))
+    assert run_tests([str(tests)], 600, coverage_of=module)
+    seconds = clean_run_seconds()
+    names = [f"{tests}::test_{n}" for n in ("b_fast", "c_slow_too", "a_slow")]
+    assert seconds[names[0]] < seconds[names[1]] < seconds[names[2]]
+    ordered = tests_for(mutants(TWO)[0], covering_tests(module), seconds)
+    assert ordered == names
+    log.write_text("")
+    assert run_tests(ordered, 600)
+    assert log.read_text() == "fast slow slowest "
+    assert tests_for(mutants(TWO)[0], covering_tests(module)) == sorted(names)  # no times
