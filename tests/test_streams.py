@@ -214,6 +214,30 @@ def _stream_dm(cache="current", capacity=None, rounds=6, **kw):
                                rounds=rounds, **kw)  # fmt: skip
 
 
+@pytest.mark.parametrize("cache", ["fifo", "drsr", "srsr"])
+def test_a_stream_that_runs_out_warns_once_and_every_fresh_client_keeps_its_cache(cache):
+    """30 fresh samples at 5 a round last rounds 0-5: from round 6 on, every fresh client
+    keeps its round-5 cache of 10, and one warning names the first client and round;
+    rounds 6 and 7 add no other."""
+    import warnings
+
+    dm = _stream_dm(cache=cache, capacity=10, rounds=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(6):
+            dm.set_round(t)
+        assert not caught
+        at_five = {c: dm.cache_ids(c).tolist() for c in range(2, 6)}
+        assert all(len(ids) == 10 for ids in at_five.values())
+        dm.set_round(6)
+        dm.set_round(7)
+    assert [str(w.message) for w in caught] == [
+        "Client 2's stream ran out at round 6: it keeps its cache. Lower rate or rounds, "
+        "or give it more data."
+    ]
+    assert {c: dm.cache_ids(c).tolist() for c in range(2, 6)} == at_five
+
+
 def test_fresh_clients_see_each_stream_sample_once_and_historical_ones_everything():
     dm = _stream_dm()
     seen = []
