@@ -313,6 +313,42 @@ def test_bad_streaming_settings_are_refused():
         StreamingDataModule(LogisticStreamsDataModule(num_clients=3, historical=1), rate=0)
 
 
+def test_streaming_settings_are_accepted_at_the_ends_of_their_ranges_and_refused_past():
+    """Each bound alone: rate 1, capacity = rate, historical 0 and = the number of clients,
+    SRSR θ 0 and 1, fresh_rounds 1 and = rounds, drift 0 are accepted; one step past each
+    is refused with its message."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+
+    def make(**kw):
+        source = LogisticStreamsDataModule(num_clients=3, historical=1, historical_samples=8,
+                                           fresh_samples=8, test_samples=2)  # fmt: skip
+        return StreamingDataModule(source, **{"rounds": 4, **kw})
+
+    for kw in (dict(rate=1), dict(rate=3, capacity=3), dict(historical=0), dict(drift=0),
+               dict(cache="srsr", theta=0.0), dict(cache="srsr", theta=1.0),
+               dict(fresh_rounds=1), dict(fresh_rounds=4)):  # fmt: skip
+        make(**kw)
+    whole = make(historical=3)
+    whole.setup()
+    assert whole.num_clients == 3
+    refused = [
+        (dict(rate=0), "arrival rate must be >= 1"),
+        (dict(rate=3, capacity=2), "cache capacity 2 is smaller than the batch of 3"),
+        (dict(historical=-1), "historical must be >= 0"),
+        (dict(drift=-1), "drift must be >= 0"),
+        (dict(cache="srsr", theta=-0.01), "SRSR theta must be in"),
+        (dict(cache="srsr", theta=1.01), "SRSR theta must be in"),
+        (dict(fresh_rounds=0), "fresh_rounds must be in"),
+        (dict(fresh_rounds=5), "fresh_rounds must be in"),
+        (dict(drift=2, drift_concentration=0.0), "drift_concentration must be > 0"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(ValueError, match=message):
+            make(**kw)
+    with pytest.raises(ValueError, match=r"historical must be in \[0, 3\], got 4"):
+        make(historical=4).setup()
+
+
 def test_drifting_stream_visits_every_sample_once_with_changing_label_mixes():
     from lightning_fl.datamodules.streaming import drifting_order
 
