@@ -371,14 +371,16 @@ def test_get_visits_a_client_whose_weight_is_one_and_drops_at_exactly_the_tolera
 def test_markov_availability_by_hand_in_order_and_out_of_order():
     """Three chains with their own π and λ over rounds 0–4: round 0 draws the stationary
     start (u < π), round r ≥ 1 stays on with λ + (1 − λ)π and turns on with (1 − λ)π, each
-    round from its own draw (seed, round); asking for an earlier round replays the chain."""
+    round from its own draw (seed, round); asking for an earlier round replays the chain.
+    Seed 6 makes every round's state differ from the one before (with seed 4 rounds 0 and
+    1 agree, and a chain that skipped round 1's draw went unseen)."""
     from lightning_fl.engine.seeding import generator
 
     pi, lam = [0.3, 0.6, 0.8], [0.5, 0.2, 0.0]
     chain = MarkovAvailability(pi, lam)
     states = []
     for r in range(5):
-        u = torch.rand(3, generator=generator(4, "availability", r), dtype=torch.float64)
+        u = torch.rand(3, generator=generator(6, "availability", r), dtype=torch.float64)
         if r == 0:
             state = [float(u[k]) < pi[k] for k in range(3)]
         else:
@@ -387,10 +389,10 @@ def test_markov_availability_by_hand_in_order_and_out_of_order():
                 for k in range(3)
             ]
         states.append(state)
-    assert len({tuple(s) for s in states}) > 1  # the chains do move
-    assert [chain.available(r, 4, 3).tolist() for r in range(5)] == states
-    assert chain.available(2, 4, 3).tolist() == states[2]  # back in time: replayed
-    assert chain.available(4, 4, 3).tolist() == states[4]
+    assert all(a != b for a, b in zip(states, states[1:]))  # the chains move every round
+    assert [chain.available(r, 6, 3).tolist() for r in range(5)] == states
+    assert chain.available(2, 6, 3).tolist() == states[2]  # back in time: replayed
+    assert chain.available(4, 6, 3).tolist() == states[4]
 
 
 def test_two_class_availability_by_hand():
