@@ -349,6 +349,41 @@ def test_streaming_settings_are_accepted_at_the_ends_of_their_ranges_and_refused
         make(historical=4).setup()
 
 
+def test_an_earlier_round_replays_the_streams_and_the_source_is_prepared_and_set_up():
+    """Asking for round 1 after round 3 gives every fresh client the cache a fresh module
+    has at round 1 (the streams restart, then advance again); preparing and setting up
+    the streaming module prepares and sets up its source."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule
+
+    calls = []
+
+    class Recorded(LogisticStreamsDataModule):
+        def prepare_data(self):
+            calls.append("prepare_data")
+            super().prepare_data()
+
+        def setup(self, stage=None):
+            calls.append(f"setup {stage}")
+            super().setup(stage)
+
+    dm = _stream_dm("fifo", capacity=10)
+    dm.source.__class__ = Recorded
+    dm.prepare_data()
+    dm.setup("fit")
+    assert calls == ["prepare_data", "setup fit"]
+    fresh = _stream_dm("fifo", capacity=10)
+    for t in (0, 1, 2, 3):
+        dm.set_round(t)
+    dm.set_round(1)
+    fresh.set_round(0)
+    fresh.set_round(1)
+    assert {c: dm.cache_ids(c).tolist() for c in range(2, 6)} == {
+        c: fresh.cache_ids(c).tolist() for c in range(2, 6)
+    }
+    dm.set_round(3)
+    assert dm.cache_ids(2).tolist() != fresh.cache_ids(2).tolist()  # it moved on again
+
+
 def test_drifting_stream_visits_every_sample_once_with_changing_label_mixes():
     from lightning_fl.datamodules.streaming import drifting_order
 
