@@ -33,6 +33,7 @@ GPU_MODULES = {
     "test_composition": "the composition matrix (its 2-process test needs 2 GPUs)",
     "test_cli_and_logging": "every recipe's short run and its reports",
     "test_distributed": "the 2-process runs (NCCL: one GPU per process, so 2 GPUs)",
+    "test_client_store": "client entries moved between ranks travel on the CPU",
 }
 #: Modules whose runs take several processes: NCCL needs a GPU for each.
 MULTI_PROCESS = ("test_distributed", "test_composition::test_every_plugin_on_two_processes")
