@@ -61,10 +61,19 @@ def test_more_available_keeps_only_the_more_available_clients():
 
 
 def test_bad_availability_is_refused():
-    with pytest.raises(ValueError, match="π_k must be in"):
-        MarkovAvailability([1.0])
+    """π at 0 or 1 is refused; λ = −1 at π = 1/2 puts 1 in both off-diagonal entries of P,
+    the end of the range, and is accepted (a chain that alternates); one step past it is
+    refused."""
+    for pi in ([1.0], [0.0], [0.5, 0.0]):
+        with pytest.raises(ValueError, match="π_k must be in"):
+            MarkovAvailability(pi)
     with pytest.raises(ValueError, match="probability matrix"):
         MarkovAvailability([0.9], [-0.5])
+    alternating = MarkovAvailability([0.5], [-1.0])
+    states = [bool(alternating.available(r, 0, 1)[0]) for r in range(6)]
+    assert all(a != b for a, b in zip(states, states[1:]))
+    with pytest.raises(ValueError, match="probability matrix"):
+        MarkovAvailability([0.5], [-1.01])
     with pytest.raises(ValueError, match="selector must be"):
         AvailableClients(MarkovAvailability(0.5), selector="oracle")
     with pytest.raises(ValueError, match="kappa2"):
