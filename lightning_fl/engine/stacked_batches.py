@@ -34,4 +34,7 @@ def batch_size_of(batch: Any) -> int:
     """Samples in a batch: the length of its last tensor (the targets)."""
     if isinstance(batch, (list, tuple)) and batch and isinstance(batch[-1], Tensor):
         return len(batch[-1])
-    return len(tree_flatten(batch)[0][-1])
+    tensors = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, Tensor)]
+    if not tensors:
+        raise ValueError("a batch needs at least one tensor to count its samples.")
+    return len(tensors[-1])
