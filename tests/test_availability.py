@@ -62,8 +62,8 @@ def test_more_available_keeps_only_the_more_available_clients():
 
 def test_bad_availability_is_refused():
     """π at 0 or 1 is refused; λ = −1 at π = 1/2 puts 1 in both off-diagonal entries of P,
-    the end of the range, and is accepted (a chain that alternates); one step past it is
-    refused."""
+    the end of the range, and is accepted (a chain that alternates), and so is λ = 1 (0 in
+    both: a chain that never moves); one step past is refused."""
     for pi in ([1.0], [0.0], [0.5, 0.0]):
         with pytest.raises(ValueError, match="π_k must be in"):
             MarkovAvailability(pi)
@@ -72,6 +72,9 @@ def test_bad_availability_is_refused():
     alternating = MarkovAvailability([0.5], [-1.0])
     states = [bool(alternating.available(r, 0, 1)[0]) for r in range(6)]
     assert all(a != b for a, b in zip(states, states[1:]))
+    frozen = MarkovAvailability([0.5, 0.5], [1.0, 1.0])  # λ = 1: P = I, the other end
+    first = frozen.available(0, 3, 2).tolist()
+    assert all(frozen.available(r, 3, 2).tolist() == first for r in range(1, 6))
     with pytest.raises(ValueError, match="probability matrix"):
         MarkovAvailability([0.5], [-1.01])
     with pytest.raises(ValueError, match="selector must be"):
