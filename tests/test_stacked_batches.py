@@ -52,3 +52,16 @@ def test_a_non_tensor_entry_enters_the_key_and_not_the_size():
     assert batch_shape_key((x, y, "a")) != batch_shape_key((x, y, "b"))
     assert batch_size_of((x, y, "tag")) == 2
     assert batch_size_of({"x": torch.zeros(5, 3), "y": torch.zeros(4), "id": "abc"}) == 4
+
+
+def test_one_client_and_a_nested_pair():
+    """A chunk of one client stacks to a leading dimension of 1; (x, (y, z)) keeps its
+    nesting, each leaf stacked."""
+    x, y = _batches(1)[0]
+    (alone_x, alone_y) = stack_batches([(x, y)])
+    assert torch.equal(alone_x, x[None]) and torch.equal(alone_y, y[None])
+    nested = [(x, (y, y + 1)), (x + 2, (y + 3, y + 4))]
+    stacked = stack_batches(nested)
+    assert torch.equal(stacked[0], torch.stack([x, x + 2]))
+    assert torch.equal(stacked[1][0], torch.stack([y, y + 3]))
+    assert torch.equal(stacked[1][1], torch.stack([y + 1, y + 4]))
