@@ -67,8 +67,9 @@ def test_bad_availability_is_refused():
     for pi in ([1.0], [0.0], [0.5, 0.0]):
         with pytest.raises(ValueError, match="π_k must be in"):
             MarkovAvailability(pi)
-    with pytest.raises(ValueError, match="probability matrix"):
-        MarkovAvailability([0.9], [-0.5])
+    for pi, lam in ((0.9, -0.5), (0.1, -0.2)):  # (1 − λ)π = 1.35, then (1 − λ)(1 − π) = 1.08
+        with pytest.raises(ValueError, match="probability matrix"):
+            MarkovAvailability([pi], [lam])
     alternating = MarkovAvailability([0.5], [-1.0])
     states = [bool(alternating.available(r, 0, 1)[0]) for r in range(6)]
     assert all(a != b for a, b in zip(states, states[1:]))
