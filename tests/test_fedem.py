@@ -224,3 +224,35 @@ def _one_client_fedem(module, data, client, lr):
     q_all = torch.softmax(torch.log(torch.full((m,), 1.0 / m)) - losses, 1)
     _local_steps(components, x, y, q_all, 0, client, lr)
     return torch.cat([p.detach().reshape(-1) for p in components.parameters()])
+
+
+def test_components_start_from_independent_draws_and_uniform_weights_by_hand():
+    """Component 0 is the network itself; components 1 and 2 are copies whose every layer
+    drew fresh weights, in order, from the global stream (a bare nn.Linear included); π
+    starts uniform, so a fresh module predicts log(Σ_m softmax(h_m(x)) / M)."""
+    import copy
+
+    for make in (lambda: MLP(4, (5,), 3), lambda: torch.nn.Linear(4, 3)):
+        torch.manual_seed(0)
+        network = make()
+        original = copy.deepcopy(network)
+        torch.manual_seed(5)
+        mixture = MixtureClassifier(network, num_components=3)
+        torch.manual_seed(5)
+        expected = [original]
+        for _ in range(2):
+            component = copy.deepcopy(original)
+            for layer in component.modules():
+                if hasattr(layer, "reset_parameters"):
+                    layer.reset_parameters()
+            expected.append(component)
+        assert mixture.network[0] is network
+        for got, want in zip(mixture.network, expected, strict=True):
+            for a, b in zip(got.parameters(), want.parameters(), strict=True):
+                assert torch.equal(a, b)
+        first = [next(c.parameters()) for c in mixture.network]
+        assert not torch.equal(first[1], first[0]) and not torch.equal(first[2], first[1])
+        x = torch.randn(6, 4)
+        probs = torch.stack([c(x).softmax(-1) for c in expected]).mean(0)
+        with torch.no_grad():
+            assert torch.allclose(mixture(x), probs.log(), atol=1e-6)
