@@ -256,3 +256,29 @@ def test_components_start_from_independent_draws_and_uniform_weights_by_hand():
         probs = torch.stack([c(x).softmax(-1) for c in expected]).mean(0)
         with torch.no_grad():
             assert torch.allclose(mixture(x), probs.log(), atol=1e-6)
+
+
+def test_the_em_surrogate_is_the_training_loss_only():
+    """With responsibilities q set: in training, Σ_m q_im ℓ_m(x_i, y_i) averaged over the
+    batch; in evaluation, the mixture's negative log-likelihood, as without q."""
+    torch.manual_seed(2)
+    mixture = MixtureClassifier(MLP(4, (5,), 3), num_components=2)
+    mixture.log_mixture_weights = torch.tensor([0.3, 0.7]).log()
+    x, y = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0])
+    q = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.5, 0.5], [1.0, 0.0], [0.3, 0.7]])
+    mixture.responsibilities = lambda x_, y_: q
+    with torch.no_grad():
+        losses = torch.stack(
+            [F.cross_entropy(c(x), y, reduction="none") for c in mixture.network], 1
+        )
+        probs = sum(w * c(x).softmax(-1) for w, c in zip((0.3, 0.7), mixture.network))
+        nll = F.nll_loss(probs.log(), y)
+        mixture.train()
+        surrogate, _ = mixture.loss_and_metrics((x, y))
+        assert torch.allclose(surrogate, (q * losses).sum(1).mean(), atol=1e-6)
+        mixture.eval()
+        evaluated, _ = mixture.loss_and_metrics((x, y))
+        assert torch.allclose(evaluated, nll, atol=1e-6)
+        mixture.train()
+        mixture.responsibilities = None
+        assert torch.allclose(mixture.loss_and_metrics((x, y))[0], nll, atol=1e-6)
