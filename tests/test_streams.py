@@ -680,3 +680,33 @@ def test_window_starts_cover_exactly_the_admissible_rounds(rounds, fresh_rounds)
     expected = 400 / (last + 1)
     assert (abs(counts - expected) <= 5 * expected**0.5).all()  # 5 binomial sds
     assert dm.window(17) == _stream_dm(rounds=rounds, fresh_rounds=fresh_rounds).window(17)
+
+
+def test_stream_labels_from_any_map_style_dataset():
+    """A source whose training set is not a TensorDataset (a map-style dataset of
+    (x, y) pairs, y a 0-d tensor or an int): the stream reads each sample's label."""
+    import torch
+    from torch.utils.data import Dataset, TensorDataset
+
+    from lightning_fl.datamodules.streaming import _labels
+
+    class Pairs(Dataset):
+        def __init__(self, labels):
+            self.labels = labels
+
+        def __len__(self):
+            return len(self.labels)
+
+        def __getitem__(self, i):
+            return torch.zeros(2), self.labels[i]
+
+    assert _labels(Pairs([torch.tensor(3), torch.tensor(1), torch.tensor(3)]), 3).tolist() == [
+        3,
+        1,
+        3,
+    ]
+    assert _labels(Pairs([2, 0]), 2).tolist() == [2, 0]
+    tensors = TensorDataset(torch.zeros(3, 2), torch.tensor([1.0, 0.0, 2.0]))
+    got = _labels(tensors, 3)
+    assert got.tolist() == [1, 0, 2] and got.dtype == np.int64
+    assert _labels(None, 0).tolist() == [] and _labels(Pairs([]), 0).tolist() == []
