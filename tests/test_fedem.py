@@ -277,8 +277,10 @@ def test_the_em_surrogate_is_the_training_loss_only():
         surrogate, _ = mixture.loss_and_metrics((x, y))
         assert torch.allclose(surrogate, (q * losses).sum(1).mean(), atol=1e-6)
         mixture.eval()
-        evaluated, _ = mixture.loss_and_metrics((x, y))
+        evaluated, metrics = mixture.loss_and_metrics((x, y))
         assert torch.allclose(evaluated, nll, atol=1e-6)
+        right = (probs.argmax(-1) == y).float().mean()
+        assert 0 < right < 1 and float(metrics["acc"]) == float(right)
         mixture.train()
         mixture.responsibilities = None
         assert torch.allclose(mixture.loss_and_metrics((x, y))[0], nll, atol=1e-6)
