@@ -510,3 +510,42 @@ def test_membership_inference_at_the_smallest_sizes():
     assert at_threshold.accuracy == {"confidence": 0.5}
     with pytest.raises(ValueError, match="at least 2 members and 2 non-members, got 1 and 3"):
         membership_inference(probs_high[:1], labels_m[:1], probs_low, labels_n)
+
+
+def test_reference_batches_cycle_on_their_own_seeded_order_by_hand():
+    """20 training samples in batches of 4 (5 batches) and 7 reference samples in batches
+    of 3 (3 a pass): the training batches are a plain loader's with the same generator;
+    the reference batches are a shuffled loader's seeded with derive_seed(seed,
+    "reference"), reshuffled when it runs out after 3; no generator means reference seed 0. An
+    empty reference set is refused, one sample is enough."""
+    from torch.utils.data import TensorDataset
+
+    from lightning_fl.datamodules.base import batch_loader
+    from lightning_fl.datamodules.reference import WERMDataset, paired_loader
+    from lightning_fl.engine.seeding import derive_seed
+
+    train = TensorDataset(torch.arange(20.0)[:, None], torch.arange(20))
+    reference = TensorDataset(torch.arange(100.0, 107.0)[:, None], torch.arange(7))
+    dataset = WERMDataset(train, reference)
+
+    def expected(seed):
+        plain = batch_loader(train, 4, True, torch.Generator().manual_seed(seed))
+        derived = torch.Generator().manual_seed(derive_seed(seed, "reference"))
+        ref = batch_loader(reference, 3, True, derived)
+        first, second = list(ref), list(ref)  # the second pass is reshuffled
+        refs = first + second[:2]
+        return [b[1].tolist() for b in plain], [b[1].tolist() for b in refs]
+
+    def got(generator):
+        batches = list(paired_loader(dataset, 4, 3, generator))
+        return ([b["train"][1].tolist() for b in batches],
+                [b["reference"][1].tolist() for b in batches])  # fmt: skip
+
+    for seed in (7, 8):
+        assert got(torch.Generator().manual_seed(seed)) == expected(seed)
+    assert got(None)[1] == expected(0)[1]  # the training order is then the global stream's
+    assert expected(7)[1] != expected(8)[1]
+    assert sorted(sum(expected(7)[1][:3], [])) == list(range(7))  # one pass: every sample
+    with pytest.raises(ValueError, match="reference dataset is empty"):
+        WERMDataset(train, TensorDataset(torch.zeros(0, 1), torch.zeros(0)))
+    assert len(WERMDataset(train, TensorDataset(torch.zeros(1, 1), torch.zeros(1)))) == 20
