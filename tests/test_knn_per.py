@@ -167,3 +167,38 @@ def test_shakespeare_representation_is_hidden_and_cell_states_concatenated():
     expected = torch.cat([h[0], h[1], c[0], c[1]], dim=1)
     assert callback._captured.shape == (5, 32)
     assert torch.equal(callback._captured, expected)
+
+
+def test_a_rebuilt_datastore_searches_its_new_keys_and_k_beyond_its_size():
+    """Build, search (the FAISS index is cached), build again: the search reads the new
+    keys, not the cached index; k larger than the store gives all N neighbours; keys that
+    are not [N, d], or labels of another length, are each refused."""
+    for backend in ("faiss", "torch"):
+        store = Datastore(backend).build(torch.tensor([[0.0], [10.0]]), torch.tensor([0, 1]))
+        assert store.search(torch.tensor([[9.0]]), 1)[1].tolist() == [[1]]
+        store.build(torch.tensor([[0.0], [10.0], [8.5]]), torch.tensor([0, 1, 2]))
+        distances, labels = store.search(torch.tensor([[9.0]]), 10)
+        assert labels.tolist() == [[2, 1, 0]]
+        assert distances[0].tolist() == pytest.approx([0.5, 1.0, 9.0])
+    with pytest.raises(ValueError, match="keys must be"):
+        Datastore("torch").build(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="keys must be"):
+        Datastore("torch").build(torch.zeros(3, 2), torch.zeros(2))
+
+
+def test_faiss_gpu_is_used_only_with_its_gpu_resources_and_a_gpu(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    from lightning_fl.systems.datastore import faiss_gpu_available
+
+    def fake(gpus, resources=True):
+        module = SimpleNamespace(get_num_gpus=lambda: gpus)
+        if resources:
+            module.StandardGpuResources = object
+        return module
+
+    for module, expected in ((fake(1), True), (fake(2), True), (fake(0), False),
+                             (fake(1, resources=False), False), (None, False)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, "faiss", module)  # None: the import fails
+        assert faiss_gpu_available() is expected
