@@ -202,3 +202,12 @@ def test_faiss_gpu_is_used_only_with_its_gpu_resources_and_a_gpu(monkeypatch):
                              (fake(1, resources=False), False), (None, False)):  # fmt: skip
         monkeypatch.setitem(sys.modules, "faiss", module)  # None: the import fails
         assert faiss_gpu_available() is expected
+
+
+def test_a_capacity_of_one_keeps_the_last_key_and_zero_is_refused():
+    store = Datastore("torch", capacity=1, update_rule="fifo")
+    store.build(torch.tensor([[0.0], [1.0], [2.0]]), torch.tensor([5, 6, 7]))
+    store.update(torch.tensor([[3.0]]), torch.tensor([8]))
+    assert store.keys.tolist() == [[3.0]] and store.labels.tolist() == [8]
+    with pytest.raises(ValueError, match="capacity must be >= 1 or None, got 0"):
+        Datastore("torch", capacity=0)
