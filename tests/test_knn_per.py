@@ -211,3 +211,12 @@ def test_a_capacity_of_one_keeps_the_last_key_and_zero_is_refused():
     assert store.keys.tolist() == [[3.0]] and store.labels.tolist() == [8]
     with pytest.raises(ValueError, match="capacity must be >= 1 or None, got 0"):
         Datastore("torch", capacity=0)
+
+
+def test_a_new_datastore_is_empty_until_built_or_updated():
+    store = Datastore("torch", update_rule="fixed")
+    assert len(store) == 0
+    with pytest.raises(ValueError, match="The datastore is empty"):
+        store.search(torch.zeros(1, 2), 1)
+    store.update(torch.ones(2, 2), torch.tensor([3, 4]))  # fixed: the first pairs are kept
+    assert len(store) == 2 and store.search(torch.ones(1, 2), 1)[1].tolist() == [[3]]
