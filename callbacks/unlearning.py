@@ -399,8 +399,7 @@ class Unlearning(FederatedCallback):
         std = self.forgetting.round_noise_std(len(self._remaining()))
         if std is not None and trainer.global_rank == 0:
             noise = self._noise(std, state.round_idx, self._start)
-            lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
-            add_flat_(state.update_sum, noise / lr)  # θ^{n+1} gets N(0, std²) once
+            add_flat_(state.update_sum, noise / self._server_lr)  # θ^{n+1} gets N(0, std²) once
 
     def transform_update(self, trainer, pl_module, client, update: TensorList, state):
         return self.forgetting.transform_update(update)
@@ -420,9 +419,13 @@ class Unlearning(FederatedCallback):
         branch = self.history.branch
         self.versions.keep((branch, self.history.rounds(branch)), new.clone())
         self.versions.prune(self.history, remaining)
-        server_lr = getattr(trainer.strategy.aggregator, "server_lr", 1.0)
         weights = {c: state.weight_of(c) for c in self._deltas}
-        self.forgetting.after_round(self._start, self._deltas, weights, server_lr)
+        self.forgetting.after_round(self._start, self._deltas, weights, self._server_lr)
+
+    @property
+    def _server_lr(self) -> float:
+        """η_g, the aggregator's server step size (1 for an aggregator without one)."""
+        return getattr(self._trainer.strategy.aggregator, "server_lr", 1.0)
 
     def sensitivity_increments(
         self, state: RoundState, remaining: list[int], new: torch.Tensor
@@ -437,7 +440,7 @@ class Unlearning(FederatedCallback):
         and removing c renormalizes the others' weights by 1/(1 − p_c). Under full
         participation (ω = p) this equals the difference of the two FedAvg aggregations
         exactly, whatever the weighting and η_g."""
-        server_lr = getattr(self._trainer.strategy.aggregator, "server_lr", 1.0)
+        server_lr = self._server_lr
         p = state.target_weights.to(torch.float64)
         total = float(p[remaining].sum()) if remaining else 0.0
         mean_update = (new - self._start) / server_lr

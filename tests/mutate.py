@@ -20,9 +20,8 @@ Only the tests that execute a mutant's lines run against it: the clean run is me
 by coverage.py with one context per test (this module is its pytest plugin), and a
 mutant on lines that no test executes survives without a run. A mutant's tests run
 fastest first (their clean-run times), so that ``-x`` stops at the first cheap failure.
-Tests run in other
-processes (torchrun) are not measured, so what only they exercise shows as a survivor to
-look at. Without coverage.py installed every mutant runs every given test.
+Tests run in other processes (torchrun) are not measured, so what only they exercise
+shows as a survivor to look at. Without coverage.py installed every mutant runs every given test.
 """
 
 from __future__ import annotations

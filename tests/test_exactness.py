@@ -164,6 +164,36 @@ def test_other_server_optimizers_follow_their_equations(name):
     assert max_abs_diff(ours, reference(sampler, step)) <= 1e-6
 
 
+def _scaffold_by_hand(clients, rounds, steps, participants, control_weight):
+    """Karimireddy et al. Alg. 1 with option II and η_g = 1, from tiny_module's weights:
+    ``participants(r)`` gives round r's (client, aggregation weight) pairs and
+    ``control_weight(i)`` line 17's weight of client i's control change."""
+    net = tiny_module(LR).network
+    x = params_of(net)
+    c = [torch.zeros_like(t) for t in x]
+    c_i = {i: [torch.zeros_like(t) for t in x] for i in range(len(clients))}
+    for r in range(rounds):
+        dy = [torch.zeros_like(t) for t in x]
+        dc = [torch.zeros_like(t) for t in x]
+        for i, w in participants(r):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), x):
+                    q.copy_(t)
+            correction = [cc - ci for cc, ci in zip(c, c_i[i])]  # y ← y − η(g − c_i + c)
+            k = local_sgd(net, clients[i]["train"], steps, LR, BATCH, SEED, r, i,
+                          grad_extra=correction)  # fmt: skip
+            y = params_of(net)
+            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
+            for a, yy, xx in zip(dy, y, x):
+                a += w * (yy - xx)
+            for b, nc, oc in zip(dc, new_ci, c_i[i]):
+                b += control_weight(i) * (nc - oc)
+            c_i[i] = new_ci
+        x = [xx + d for xx, d in zip(x, dy)]
+        c = [cc + d for cc, d in zip(c, dc)]
+    return x
+
+
 @pytest.mark.parametrize(
     ("weighting", "control_weighting", "steps"),
     [("uniform", "uniform", STEPS), ("samples", "target", STEPS), ("samples", "target", 1)],
@@ -181,32 +211,17 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_wei
 
     clients = tiny_clients()
     n = len(clients)
-    net = tiny_module(LR).network
-    x = params_of(net)
-    c = [torch.zeros_like(t) for t in x]
-    c_i = {i: [torch.zeros_like(t) for t in x] for i in range(n)}
     p = sample_weights(clients, weighting)
     assert weighting == "uniform" or len(set(p.tolist())) > 1  # the two rules differ
-    for r in range(ROUNDS):
+
+    def participants(r):
         part = sampler.sample(r, SEED, p)
-        dy = [torch.zeros_like(t) for t in x]
-        dc = [torch.zeros_like(t) for t in x]
-        for i, w in zip(part.clients, part.weights):
-            with torch.no_grad():
-                for q, t in zip(net.parameters(), x):
-                    q.copy_(t)
-            correction = [cc - ci for cc, ci in zip(c, c_i[i])]  # y ← y − η(g − c_i + c)
-            k = local_sgd(net, clients[i]["train"], steps, LR, 4, SEED, r, i, grad_extra=correction)
-            y = params_of(net)
-            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
-            for a, yy, xx in zip(dy, y, x):
-                a += w * (yy - xx)
-            c_weight = 1 / n if control_weighting == "uniform" else float(p[i])
-            for b, nc, oc in zip(dc, new_ci, c_i[i]):
-                b += c_weight * (nc - oc)
-            c_i[i] = new_ci
-        x = [xx + d for xx, d in zip(x, dy)]  # η_g = 1
-        c = [cc + d for cc, d in zip(c, dc)]
+        return zip(part.clients, part.weights)
+
+    def control_weight(i):
+        return 1 / n if control_weighting == "uniform" else float(p[i])
+
+    x = _scaffold_by_hand(clients, ROUNDS, steps, participants, control_weight)
     assert max_abs_diff(ours, x) <= 1e-6
 
 
@@ -300,28 +315,7 @@ def test_scaffold_uniform_control_weights_count_only_clients_with_data():
             module, datamodule=InMemoryFederatedDataModule([*clients, empty], batch_size=BATCH)
         )
 
-    net = tiny_module(LR).network
-    x = params_of(net)
-    c = [torch.zeros_like(t) for t in x]
-    c_i = {i: [torch.zeros_like(t) for t in x] for i in range(5)}
     p = sample_weights(clients)
-    for r in range(3):
-        dy = [torch.zeros_like(t) for t in x]
-        dc = [torch.zeros_like(t) for t in x]
-        for i in range(5):
-            with torch.no_grad():
-                for q, t in zip(net.parameters(), x):
-                    q.copy_(t)
-            correction = [cc - ci for cc, ci in zip(c, c_i[i])]
-            k = local_sgd(net, clients[i]["train"], STEPS, LR, BATCH, SEED, r, i,
-                          grad_extra=correction)  # fmt: skip
-            y = params_of(net)
-            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
-            for a, yy, xx in zip(dy, y, x):
-                a += float(p[i]) * (yy - xx)
-            for b, nc, oc in zip(dc, new_ci, c_i[i]):
-                b += (nc - oc) / 5
-            c_i[i] = new_ci
-        x = [xx + d for xx, d in zip(x, dy)]
-        c = [cc + d for cc, d in zip(c, dc)]
+    every_client = [(i, float(p[i])) for i in range(5)]
+    x = _scaffold_by_hand(clients, 3, STEPS, lambda r: every_client, lambda i: 1 / 5)
     assert max_abs_diff(params_of(module), x) <= 1e-6
