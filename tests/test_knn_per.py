@@ -220,3 +220,24 @@ def test_a_new_datastore_is_empty_until_built_or_updated():
         store.search(torch.zeros(1, 2), 1)
     store.update(torch.ones(2, 2), torch.tensor([3, 4]))  # fixed: the first pairs are kept
     assert len(store) == 2 and store.search(torch.ones(1, 2), 1)[1].tolist() == [[3]]
+
+
+def test_ivf_from_exactly_nlist_keys_probes_one_cell_and_missing_neighbours_weigh_nothing():
+    """IVF is built from nlist keys on (one key a cell), below that the store is flat: with
+    nprobe = 1 a query near a key finds that key alone, and the k − 1 neighbours FAISS could
+    not find come back as key 0 at an infinite distance, whose kNN weight is 0."""
+    keys = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0], [10.0, 10.0]])
+    labels = torch.tensor([2, 0, 1, 0])
+    query = torch.tensor([[0.0, 9.0]])
+    ivf = Datastore(backend="faiss", index="ivf", nlist=4, nprobe=1).build(keys, labels)
+    distances, found = ivf.search(query, 3)
+    assert distances[0, 0].item() == pytest.approx(1.0)
+    assert found[0].tolist() == [1, 2, 2]  # key 2's label, then key 0's for the missing
+    assert distances[0, 1:].tolist() == [float("inf")] * 2
+    probabilities = knn_probabilities(distances, found, 3, scale=1e30)
+    assert torch.equal(probabilities, torch.tensor([[0.0, 1.0, 0.0]]))
+
+    flat = Datastore(backend="faiss", index="ivf", nlist=5, nprobe=1).build(keys, labels)
+    distances, found = flat.search(query, 3)  # fewer keys than cells: exact search
+    assert torch.allclose(distances, torch.tensor([[1.0, 9.0, 101.0**0.5]]))
+    assert found.tolist() == [[1, 2, 0]]

@@ -97,7 +97,9 @@ class Datastore:
 
     def search(self, queries: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Euclidean distances [Q, k'] and labels [Q, k'] of the k' = min(k, N) nearest keys,
-        nearest first."""
+        nearest first. An IVF index searches only its ``nprobe`` nearest cells: a neighbour
+        it could not find there comes back as key 0 at an infinite distance, so that its
+        kNN weight is 0."""
         if not len(self):
             raise ValueError("The datastore is empty: build it from the client's data first.")
         k = min(k, len(self))
@@ -110,10 +112,10 @@ class Datastore:
             np.ascontiguousarray(queries.cpu().numpy(), dtype=np.float32), k
         )
         idx_t = torch.from_numpy(idx).long()  # host: FAISS answers in numpy, beside the keys
-        if bool((idx_t < 0).any()):  # IVF found fewer than k neighbours in the probed cells
-            idx_t = idx_t.clamp_min(0)
-        distances = torch.from_numpy(squared)  # host: FAISS answers in numpy, beside the keys
-        return distances.clamp_min(0).sqrt(), self.labels[idx_t]
+        distances = torch.from_numpy(squared).clamp_min(0).sqrt()  # host, as idx_t
+        missing = idx_t < 0  # IVF found fewer than k neighbours in the probed cells
+        distances[missing] = float("inf")
+        return distances, self.labels[idx_t.masked_fill(missing, 0)]
 
     def _faiss_index(self):
         if self._index is not None:
