@@ -340,8 +340,8 @@ def test_loss_filter_and_estimators_by_hand_over_three_rounds():
     loss_filter, estimator = LossFilter(beta=0.3), AvailabilityEstimator((2.0, 3.0))
     for available, losses in rounds:
         mask = torch.tensor(available, dtype=torch.bool)
-        loss_filter.update(mask, torch.tensor(losses, dtype=torch.float64))
-        estimator.observe(mask)
+        loss_filter.update(torch.tensor(available), torch.tensor(losses, dtype=torch.float64))
+        estimator.observe(mask)  # the filter takes a 0/1 mask as well as a boolean one
     # client 0: 2.0 -> 0.7*2 + 0.3*1 = 1.7 -> unavailable: 1.7
     # client 1: 1.5 -> 0.7*1.5 + 0.3*3 = 1.95 -> 0.7*1.95 + 0.3*1 = 1.665
     # client 2: 1.0 -> unavailable: 1.0 -> 0.7*1 + 0.3*2 = 1.3
