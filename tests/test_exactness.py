@@ -278,7 +278,8 @@ def test_fedprox_with_mu_zero_is_fedavg_and_a_negative_mu_is_refused():
 def test_the_flat_update_helpers_by_hand():
     """flatten / unflatten / add_flat_ over tensors of three shapes (offsets 0, 6, 7),
     add_flat_ casting a float64 vector to each tensor's dtype; all_finite finds a NaN or an
-    Inf in the last tensor only, and holds for no tensors at all."""
+    Inf in the last tensor only, holds for no tensors at all, and for large finite entries
+    whose norm overflows float32 (the vectorized path keeps such an update too)."""
     from lightning_fl.engine.tensors import add_flat_, all_finite, flatten, unflatten
 
     like = [torch.zeros(2, 3), torch.zeros(1), torch.zeros(2, dtype=torch.float64)]
@@ -295,6 +296,7 @@ def test_the_flat_update_helpers_by_hand():
     assert all_finite([]) is True and all_finite(tensors) is True
     for bad in (float("nan"), float("inf"), -float("inf")):
         assert all_finite([torch.ones(3), torch.tensor([1.0, bad])]) is False
+    assert all_finite([torch.ones(2), torch.full((4,), 1e20), torch.tensor([3e38])]) is True
 
 
 def test_scaffold_uniform_control_weights_count_only_clients_with_data():
