@@ -411,7 +411,9 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
     scored on the last 3, for the confidence attack, against a brute-force reference.
     Class 1's members are less confident than class 0's non-members, so per-class
     thresholds help (2/3 against 1/2); the fit half's non-members are all of class 1, so
-    classes 0 and 2 fall back to the global threshold."""
+    classes 0 and 2 fall back to the global threshold. Yeom's loss attack keeps one global
+    threshold either way: log F_y is monotone in F_y, so it scores as confidence does
+    without classes (1/2)."""
     from lightning_fl.engine.seeding import generator
 
     g = torch.Generator().manual_seed(1)
@@ -430,8 +432,10 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
     for per_class in (True, False):
         members = probs(member_conf, member_labels)
         others = probs(other_conf, other_labels)
+        attacks = ("confidence", "loss")
         result = membership_inference(members, member_labels, others, other_labels, seed=3,
-                                      attacks=("confidence",), per_class=per_class)  # fmt: skip
+                                      attacks=attacks, per_class=per_class)  # fmt: skip
+        assert result.accuracy["loss"] == pytest.approx(1 / 2)
         perm = generator(3, "membership", 6)
         m_idx = torch.randperm(9, generator=perm)[:6].tolist()
         o_idx = torch.randperm(6, generator=perm)[:6].tolist()
