@@ -231,3 +231,85 @@ def test_similarity_sampling_pours_the_leftover_group_by_hand(seed):
     else:
         expected = [[0.4, 0.3, 0, 0, 0.1, 0.2], [0, 0, 0.5, 0.2, 0.3, 0]]
     assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+def test_sample_size_clusters_pour_clients_by_decreasing_weight_and_cache_r():
+    """p = (0.1, 0.4, 0.2, 0.3), m = 2: exact masses 2, 8, 4, 6 tenths poured in the order
+    clients 1, 3, 2, 0 (decreasing p, not index order) into distributions of capacity 10:
+    {1: 8, 3: 2} | {3: 4, 2: 4, 0: 2}. r is computed once per p; fewer clients with data
+    than distributions is refused."""
+    sampler = SampleSizeClusteredSampler(2)
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64)
+    r = sampler.distributions(p)
+    expected = torch.tensor([[0.0, 0.8, 0.0, 0.2], [0.2, 0.0, 0.4, 0.4]], dtype=torch.float64)
+    assert torch.allclose(r, expected, atol=1e-15)
+    assert sampler.distributions(p.clone()) is r
+    other = sampler.distributions(torch.tensor([0.4, 0.1, 0.2, 0.3], dtype=torch.float64))
+    assert other is not r and other[0].tolist() == pytest.approx([0.8, 0.0, 0.0, 0.2])
+    for refusing in (SampleSizeClusteredSampler(3), SimilarityClusteredSampler(3)):
+        with pytest.raises(ValueError, match="clients_per_round=3 but only 2 clients"):
+            refusing.distributions(torch.tensor([0.5, 0.0, 0.5], dtype=torch.float64))
+
+
+def test_integer_masses_round_by_largest_remainders_off_the_fraction_path():
+    """Weights that are not fractions n_i/N (1/e, 1 − 1/e − 1/π, 1/π) take the units path:
+    m = 2 and 10 units a distribution give shares 7.358, 6.276, 6.366, floored to 7, 6, 6
+    (19 of 20); the unit left goes to the largest remainder, client 2 (0.366), not to the
+    first client."""
+    from lightning_fl.systems.samplers import _integer_masses
+
+    inv_pi, inv_e = 1 / torch.pi, 1 / torch.e
+    p = torch.tensor([inv_e, 1 - inv_e - inv_pi, inv_pi], dtype=torch.float64)
+    assert _integer_masses(p, 2, 10) == ([7, 6, 7], 10)
+    exact = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)  # fractions: exact masses
+    assert _integer_masses(exact, 3, 10) == ([3, 6, 3], 4)
+
+
+@pytest.mark.parametrize(
+    "similarity, expected",
+    [
+        # G = (3, 4), (0, 2), (0, 0): cos(G_0, G_1) = 8/10; a zero gradient is at angle 0
+        ("arccos", [[0, 0.6435011087932844, 0], [0.6435011087932844, 0, 0], [0, 0, 0]]),
+        ("L2", [[0, 13, 25], [13, 0, 4], [25, 4, 0]]),  # squared, no root (authors' code)
+        ("L1", [[0, 5, 7], [5, 0, 2], [7, 2, 0]]),
+    ],
+)
+def test_similarity_matrices_by_hand(similarity, expected):
+    sampler = SimilarityClusteredSampler(2, similarity=similarity)
+    sampler.observe((0, 1, 2), torch.tensor([[3.0, 4.0], [0.0, 2.0], [0.0, 0.0]]), 3)
+    rho = sampler.similarity_matrix()
+    assert torch.allclose(rho, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+def test_similarity_sampling_keeps_the_heaviest_groups_and_pours_the_lightest_first():
+    """m = 3 and five clients, each its own group (1/m = 0.333): clients 0 and 1 (m·p 0.36
+    and 0.24) lie on either side of client 2 (0.9), clients 3 and 4 (0.75 each) on other
+    axes. The three heaviest groups open the distributions though they come last in index
+    order; the leftover groups go lightest first (client 1, then 0) into the emptiest
+    distributions first (3's, then 4's, then 2's): 1 puts 0.24 beside 3, then 0 puts 0.01
+    there, 0.25 beside 4 and 0.1 beside 2."""
+    p = torch.tensor([0.12, 0.08, 0.3, 0.25, 0.25], dtype=torch.float64)
+    updates = torch.tensor([[1, 0.1, 0, 0], [1, -0.1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0],
+                            [0, 0, 0, 1.0]])  # fmt: skip
+    sampler = SimilarityClusteredSampler(3, similarity="L2")
+    sampler.observe(tuple(range(5)), updates, 5)
+    assert sampler.groups(p) == [[0], [1], [2], [3], [4]]
+    r = sampler.distributions(p, torch.Generator().manual_seed(0))
+    expected = [[0.1, 0, 0.9, 0, 0], [0.01, 0.24, 0, 0.75, 0], [0.25, 0, 0, 0, 0.75]]
+    assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "p, message",
+    [
+        ([[0.5, 0.5]], "non-empty 1-D"),
+        ([], "non-empty 1-D"),
+        ([0.5, float("nan"), 0.5], "finite and non-negative"),
+        ([1.0, float("inf")], "finite and non-negative"),
+        ([1.5, -0.5], "finite and non-negative"),  # sums to 1
+        ([0.5, 0.4999], "sum to 1, got 0.9999"),
+    ],
+)
+def test_each_malformed_target_weight_vector_is_refused_alone(p, message):
+    with pytest.raises(ValueError, match=message):
+        UniformSampler(1).sample(0, 0, torch.tensor(p, dtype=torch.float64))
