@@ -33,7 +33,7 @@ def load_sweep(path: str | os.PathLike) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: a sweep needs {sorted(missing)} (see lightning_fl.sweep).")
     if not spec["values"]:
-        raise ValueError(f"{path}: 'values' is empty.")
+        raise ValueError(f"{path}: 'values' is empty; list the values of {spec['parameter']}.")
     return spec
 
 
@@ -52,7 +52,10 @@ def run_sweep(spec: dict[str, Any], extra: list[str] | None = None) -> list[dict
         row = {"value": float(value)}
         for name in spec["metrics"]:
             if name not in metrics:
-                raise KeyError(f"The run with {spec['parameter']}={value} logged no {name!r}.")
+                raise KeyError(
+                    f"The run with {spec['parameter']}={value} logged no {name!r}: choose "
+                    f"'metrics' among {sorted(metrics)}."
+                )
             row[name] = float(metrics[name])
         rows.append(row)
         print(row, flush=True)

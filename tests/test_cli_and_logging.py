@@ -525,3 +525,51 @@ def test_help_and_early_errors_import_neither_torch_nor_lightning(tmp_path):
     assert result.stdout.splitlines()[-3:] == ["0 False False", "2 False False", "2 False False"]
     assert "lightning-fl fit --help" in result.stdout  # the usage names the full help
     assert result.stderr.count("error: ") == 2
+
+
+def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
+    tmp_path, monkeypatch
+):
+    """A stand-in for the runs: each value's arguments (its folder, the setting, the extra
+    options last) and the metrics it logged reach sweep.csv row by row; a metric no run
+    logged, a sweep file without its keys and one without values are refused by name."""
+    import csv as csv_module
+    from types import SimpleNamespace
+
+    from lightning_fl import sweep
+
+    calls = []
+
+    def fake_run(args):
+        calls.append(args)
+        w = float(args[args.index("--model.init_args.w") + 1])
+        logged = {"test_acc": torch.tensor(1.0 - w / 2), "mia/best": torch.tensor(0.5 + w / 10)}
+        return SimpleNamespace(trainer=SimpleNamespace(callback_metrics=logged))
+
+    monkeypatch.setattr(sweep, "run", fake_run)
+    spec = {"base": "recipes/x.yaml", "parameter": "model.init_args.w", "values": [0.2, 0.8],
+            "metrics": ["test_acc", "mia/best"], "output": str(tmp_path)}  # fmt: skip
+    rows = sweep.run_sweep(spec, ["--trainer.max_epochs", "2"])
+    assert rows == [
+        {"value": 0.2, "test_acc": pytest.approx(0.9), "mia/best": pytest.approx(0.52)},
+        {"value": 0.8, "test_acc": pytest.approx(0.6), "mia/best": pytest.approx(0.58)},
+    ]
+    folder = str(tmp_path / "w=0.8")
+    assert calls[1] == ["fit", "--config", "recipes/x.yaml", "--model.init_args.w", "0.8",
+                        "--trainer.default_root_dir", folder,
+                        "--trainer.logger.init_args.save_dir", folder,
+                        "--trainer.max_epochs", "2"]  # fmt: skip
+    with open(tmp_path / "sweep.csv") as handle:
+        written = list(csv_module.DictReader(handle))
+    assert [float(r["test_acc"]) for r in written] == pytest.approx([0.9, 0.6])
+    assert (tmp_path / "tradeoff.png").exists()
+    spec["metrics"] = ["test_acc", "mia/train/best"]
+    with pytest.raises(KeyError, match=r"w=0.2 logged no 'mia/train/best': choose 'metrics'"):
+        sweep.run_sweep(spec)
+    path = tmp_path / "sweep.yaml"
+    path.write_text("base: a.yaml\nparameter: model.init_args.w\n")
+    with pytest.raises(ValueError, match=r"a sweep needs \['metrics', 'values'\]"):
+        sweep.load_sweep(path)
+    path.write_text("base: a.yaml\nparameter: p\nvalues: []\nmetrics: [m]\n")
+    with pytest.raises(ValueError, match="'values' is empty"):
+        sweep.load_sweep(path)
