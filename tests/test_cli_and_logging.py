@@ -547,22 +547,23 @@ def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
         return SimpleNamespace(trainer=SimpleNamespace(callback_metrics=logged))
 
     monkeypatch.setattr(sweep, "run", fake_run)
+    output = tmp_path / "a" / "sweep"  # created with its parents
     spec = {"base": "recipes/x.yaml", "parameter": "model.init_args.w", "values": [0.2, 0.8],
-            "metrics": ["test_acc", "mia/best"], "output": str(tmp_path)}  # fmt: skip
+            "metrics": ["test_acc", "mia/best"], "output": str(output)}  # fmt: skip
     rows = sweep.run_sweep(spec, ["--trainer.max_epochs", "2"])
     assert rows == [
         {"value": 0.2, "test_acc": pytest.approx(0.9), "mia/best": pytest.approx(0.52)},
         {"value": 0.8, "test_acc": pytest.approx(0.6), "mia/best": pytest.approx(0.58)},
     ]
-    folder = str(tmp_path / "w=0.8")
+    folder = str(output / "w=0.8")
     assert calls[1] == ["fit", "--config", "recipes/x.yaml", "--model.init_args.w", "0.8",
                         "--trainer.default_root_dir", folder,
                         "--trainer.logger.init_args.save_dir", folder,
                         "--trainer.max_epochs", "2"]  # fmt: skip
-    with open(tmp_path / "sweep.csv") as handle:
+    with open(output / "sweep.csv") as handle:
         written = list(csv_module.DictReader(handle))
     assert [float(r["test_acc"]) for r in written] == pytest.approx([0.9, 0.6])
-    assert (tmp_path / "tradeoff.png").exists()
+    assert (output / "tradeoff.png").exists()
     spec["metrics"] = ["test_acc", "mia/train/best"]
     with pytest.raises(KeyError, match=r"w=0.2 logged no 'mia/train/best': choose 'metrics'"):
         sweep.run_sweep(spec)
