@@ -313,3 +313,19 @@ def test_similarity_sampling_keeps_the_heaviest_groups_and_pours_the_lightest_fi
 def test_each_malformed_target_weight_vector_is_refused_alone(p, message):
     with pytest.raises(ValueError, match=message):
         UniformSampler(1).sample(0, 0, torch.tensor(p, dtype=torch.float64))
+
+
+def test_participants_come_in_increasing_order_whatever_the_draw_order():
+    """The visiting order is the clients' ids, not the order the multinomial drew them in
+    (which differs on some of these rounds), so that two samplers drawing the same set
+    train it in the same order."""
+    from lightning_fl.engine.seeding import generator
+
+    unsorted_draws = 0
+    for sampler in (MDSampler(4), UniformSampler(4), SampleSizeClusteredSampler(4)):
+        for t in range(10):
+            drawn = list(sampler._draw(P, generator(0, "sampler", t)))
+            unsorted_draws += drawn != sorted(drawn)
+            part = sampler.sample(t, 0, P)
+            assert list(part.clients) == sorted(drawn)
+    assert unsorted_draws > 0
