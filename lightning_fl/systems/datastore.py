@@ -112,7 +112,7 @@ class Datastore:
             np.ascontiguousarray(queries.cpu().numpy(), dtype=np.float32), k
         )
         idx_t = torch.from_numpy(idx).long()  # host: FAISS answers in numpy, beside the keys
-        distances = torch.from_numpy(squared).clamp_min(0).sqrt()  # host, as idx_t
+        distances = torch.from_numpy(squared).clamp_min(0).sqrt()  # host: FAISS answers in numpy
         missing = idx_t < 0  # IVF found fewer than k neighbours in the probed cells
         distances[missing] = float("inf")
         return distances, self.labels[idx_t.masked_fill(missing, 0)]
