@@ -234,6 +234,7 @@ def test_ivf_from_exactly_nlist_keys_probes_one_cell_and_missing_neighbours_weig
     assert distances[0, 0].item() == pytest.approx(1.0)
     assert found[0].tolist() == [1, 2, 2]  # key 2's label, then key 0's for the missing
     assert distances[0, 1:].tolist() == [float("inf")] * 2
+    assert ivf._faiss_index() is ivf._faiss_index()  # trained once, until the next build
     probabilities = knn_probabilities(distances, found, 3, scale=1e30)
     assert torch.equal(probabilities, torch.tensor([[0.0, 1.0, 0.0]]))
 
