@@ -528,7 +528,7 @@ def test_help_and_early_errors_import_neither_torch_nor_lightning(tmp_path):
 
 
 def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     """A stand-in for the runs: each value's arguments (its folder, the setting, the extra
     options last) and the metrics it logged reach sweep.csv row by row; a metric no run
@@ -555,6 +555,8 @@ def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
         {"value": 0.2, "test_acc": pytest.approx(0.9), "mia/best": pytest.approx(0.52)},
         {"value": 0.8, "test_acc": pytest.approx(0.6), "mia/best": pytest.approx(0.58)},
     ]
+    printed = capsys.readouterr().out.splitlines()  # each value's row as it ends
+    assert [line.split(",")[0] for line in printed] == ["{'value': 0.2", "{'value': 0.8"]
     folder = str(output / "w=0.8")
     assert calls[1] == ["fit", "--config", "recipes/x.yaml", "--model.init_args.w", "0.8",
                         "--trainer.default_root_dir", folder,
@@ -570,7 +572,7 @@ def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
     path = tmp_path / "sweep.yaml"
     path.write_text("base: a.yaml\nparameter: model.init_args.w\n")
     with pytest.raises(ValueError, match=r"a sweep needs \['metrics', 'values'\]"):
-        sweep.load_sweep(path)
+        sweep.load_sweep(str(path))  # as the command line gives it
     path.write_text("base: a.yaml\nparameter: p\nvalues: []\nmetrics: [m]\n")
     with pytest.raises(ValueError, match="'values' is empty"):
         sweep.load_sweep(path)
