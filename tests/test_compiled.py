@@ -141,32 +141,3 @@ def test_compile_time_counts_the_first_call_of_each_shape_and_the_gradients_are_
         assert torch.equal(grads[0], batch) and torch.equal(grads[1], 3 * batch)
         assert torch.equal(loss, batch.sum(1) + 7.0) and metrics["acc"].shape == (rows,)
     assert gradients.seconds == 4.5
-
-
-def test_compile_seconds_count_the_first_call_of_each_rows_and_batch_shape(monkeypatch):
-    """A clock that jumps by known amounts: the first call of (2 rows, key a) costs 1 s, its
-    repeat is not timed, (3 rows, a) costs 5 s and (2 rows, b) 3 s, so 9 s in all. Only the
-    trainable parameter (position 1 of [w, b]) gets a gradient: of Σ_j (w·x_j + b) it is
-    the batch size per row, whatever w."""
-    from types import SimpleNamespace
-
-    from lightning_fl.engine import compiled
-
-    ticks = iter([0.0, 1.0, 5.0, 10.0, 15.0, 20.0, 23.0])
-    monkeypatch.setattr(compiled, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
-
-    def client_loss(params, buffers, batch):
-        w, b = params
-        loss = (batch * w + b).sum()
-        return loss, {"mean": batch.mean()}
-
-    step = compiled.CompiledGradients(client_loss, trainable=[1], backend="eager")
-    for rows, width, key in [(2, 4, "a"), (2, 4, "a"), (3, 4, "a"), (2, 5, "b")]:
-        w = torch.arange(1.0, rows + 1)
-        b = torch.zeros(rows)
-        batch = torch.arange(float(rows * width)).reshape(rows, width)
-        loss, metrics, grads = step([w, b], [], batch, key)
-        assert loss.tolist() == (batch * w[:, None]).sum(1).tolist()
-        assert metrics["mean"].tolist() == batch.mean(1).tolist()
-        assert len(grads) == 1 and grads[0].tolist() == [float(width)] * rows
-    assert step.seconds == 9.0

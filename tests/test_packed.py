@@ -352,3 +352,11 @@ def test_the_schedule_primitives_by_hand():
         (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0)
     ]  # fmt: skip
     assert loader.passes == 3
+
+
+def test_packed_local_steps_name_their_chunk_and_steps():
+    from lightning_fl.engine.schedule import PackedLocalSteps
+
+    steps = PackedLocalSteps(chunk=2, first=3, stop=6)
+    assert (steps.chunk, steps.first, steps.stop) == (2, 3, 6)
+    assert repr(steps) == "PackedLocalSteps(chunk=2, steps 3..5)"
