@@ -441,6 +441,41 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
             tiny_module(), datamodule=tiny_datamodule(num_clients=10))  # fmt: skip
 
 
+def test_a_gml_with_coordinates_is_read_by_hand(tmp_path):
+    """Two silos are a network; a link's length without ``distance`` is the great-circle
+    distance (checked against the spherical law of cosines); a self-loop is dropped before
+    its missing length is asked for."""
+    from lightning_fl.systems.topology import EARTH_RADIUS_KM
+
+    paris, new_york = (48.8566, 2.3522), (40.7128, -74.0060)
+    nodes = [f'  node [\n    id {i}\n    label "s{i}"\n    Latitude {lat}\n    Longitude {lon}\n  ]'
+             for i, (lat, lon) in enumerate((paris, new_york))]  # fmt: skip
+    gml = tmp_path / "two.gml"
+    gml.write_text(
+        "graph [\n" + "\n".join(nodes) + "\n  edge [\n    source 0\n    target 1\n  ]\n]"
+    )
+    graph = read_underlay(gml)
+    (phi1, lam1), (phi2, lam2) = (tuple(map(math.radians, p)) for p in (paris, new_york))
+    central = math.acos(math.sin(phi1) * math.sin(phi2)
+                        + math.cos(phi1) * math.cos(phi2) * math.cos(lam2 - lam1))  # fmt: skip
+    assert graph.number_of_nodes() == 2
+    assert graph.edges["s0", "s1"]["distance"] == pytest.approx(EARTH_RADIUS_KM * central, rel=1e-9)
+    looped = _write_gml(tmp_path / "loop.gml", [(0, 1), (1, 2)])
+    looped.write_text(looped.read_text()[:-1] + "  edge [\n    source 1\n    target 1\n  ]\n]")
+    graph = read_underlay(looped)  # the loop has no distance and its node no coordinates
+    assert sorted(graph.edges) == [("s0", "s1"), ("s1", "s2")]
+
+
+def test_a_tree_is_as_slow_as_its_slowest_computation_when_that_exceeds_every_link():
+    """Lemma C.2's maximum includes the self-loops d(i, i) = s·T_c(i)."""
+    delays = np.full((3, 3), -np.inf)
+    delays[0, 1], delays[1, 0], delays[1, 2], delays[2, 1] = 1.0, 2.0, 3.0, 4.0
+    np.fill_diagonal(delays, [0.5, 6.0, 0.5])
+    assert tree_cycle_time(delays) == cycle_time(delays) == 6.0
+    delays[1, 1] = 0.5  # now the slowest link round trip, (3 + 4)/2
+    assert tree_cycle_time(delays) == cycle_time(delays) == 3.5
+
+
 def test_the_shipped_networks_match_the_papers_sizes():
     sizes = {"gaia": (11, 55), "amazon_us": (22, 231), "geantdistance": (40, 61),
              "exodus": (79, 147), "ebone": (87, 161)}  # fmt: skip
