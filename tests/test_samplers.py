@@ -198,6 +198,27 @@ def test_similarity_sampler_sees_the_updates_the_server_aggregated():
     assert all(not sampler.gradients[c].any() for c in unseen)
 
 
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_a_client_whose_update_is_exactly_zero_is_observed_as_sent(vectorize):
+    """A zero update (a zero learning rate, a free rider) was sent: the sampler sees it,
+    with its zero row, and rows as wide as the model (the 'sent' flag is not passed on)."""
+    seen = []
+
+    class Recording(SimilarityClusteredSampler):
+        def observe(self, clients, updates, num_clients):
+            seen.append((clients, updates.clone()))
+            super().observe(clients, updates, num_clients)
+
+    module = tiny_module(lr=0.0)
+    size = sum(p.numel() for p in module.parameters())
+    strategy = FederatedStrategy(sampler=Recording(4), local_steps=2, seed=0, vectorize=vectorize)
+    make_trainer(strategy, 2, [FedAvg()]).fit(module, datamodule=tiny_datamodule())
+    assert len(seen) == 2
+    for clients, updates in seen:
+        assert len(clients) == 4 and updates.shape == (4, size)
+        assert not updates.any()
+
+
 def test_fixed_clusters_draw_one_client_of_each_and_refuse_unequal_weights():
     p = torch.full((6,), 1 / 6, dtype=torch.float64)
     sampler = FixedClustersSampler([[0, 3], [1, 4], [2, 5]])

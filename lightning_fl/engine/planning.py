@@ -345,7 +345,9 @@ class RoundPlanner:
             local_steps=local_steps,
         )
         if fit.plugins.sampler.needs_updates:  # rows of every rank, summed by the all-reduce
-            size = sum(t.numel() for t in global_tensors)
+            # one row per participant: its flattened update, then a 1 once it is accepted
+            # (a zero update is sent, a dropped one is not)
+            size = sum(t.numel() for t in global_tensors) + 1
             rows = torch.zeros(len(participation.clients), size, device=fit.device)
             state.extra_sums[SAMPLER_UPDATES] = [rows]
         return state

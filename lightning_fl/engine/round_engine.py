@@ -94,8 +94,8 @@ class RoundEngine:
         torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
         state.accepted.append(client)
         if SAMPLER_UPDATES in state.extra_sums:
-            row = state.row_of(client)
-            state.extra_sums[SAMPLER_UPDATES][0][row] = flatten(update)
+            rows, row = state.extra_sums[SAMPLER_UPDATES][0], state.row_of(client)
+            rows[row, :-1], rows[row, -1] = flatten(update), 1.0  # the update, and 'sent'
         if fit.config.keep_optimizer_state:
             if optimizer_states is None:
                 optimizer_states = [
@@ -140,7 +140,8 @@ class RoundEngine:
                 flat_updates.append(updates.flatten(1))
         if sampler_rows is not None and clients:
             positions = torch.tensor(state.rows_of(clients), device=sampler_rows[0].device)
-            sampler_rows[0][positions] = torch.cat(flat_updates, 1)
+            sent = torch.ones(len(clients), 1, device=sampler_rows[0].device)
+            sampler_rows[0][positions] = torch.cat([*flat_updates, sent], 1)
         state.accepted.extend(clients)
 
     def end_round(self) -> RoundState:
@@ -160,9 +161,9 @@ class RoundEngine:
         fit.tensors.load_(state.global_tensors)
         if SAMPLER_UPDATES in state.extra_sums:
             rows = state.extra_sums[SAMPLER_UPDATES][0]
-            sent = torch.nonzero(rows.any(dim=1)).flatten().tolist()  # not dropped
+            sent = torch.nonzero(rows[:, -1]).flatten().tolist()  # accepted on some rank
             clients = tuple(state.participation.clients[i] for i in sent)
-            fit.plugins.sampler.observe(clients, rows[sent], state.num_clients)
+            fit.plugins.sampler.observe(clients, rows[sent, :-1], state.num_clients)
         self.call("on_round_end", state)
         return state
 
