@@ -321,6 +321,7 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     schedule = AsyncSchedule(times)
     schedule.reset(6, 0)
     assert schedule.count_until(0.9)[0] == 14 == async_aggregations(6, times, 0.9)
+    assert schedule.count_until(0.9)[1].tolist() == [9, 3, 1, 1, 0, 0]  # ⌊0.9/τ_i⌋ each
     events = []
     for _ in range(14):
         event = schedule.plan()
