@@ -177,6 +177,7 @@ def test_matcha_equals_the_authors_code_on_table_2_5():
     geant = SiloNetwork.from_underlay("geantdistance", access_bps=1e10)
     plus = matcha_cycle_time(geant, model, base="underlay")
     assert plus * 1000 / 999 == pytest.approx(107.91, abs=0.01)
+    assert matcha_cycle_time(geant, model, base="underlay") == plus  # the network is reusable
 
 
 def test_misra_gries_colours_every_edge_with_at_most_delta_plus_one_matchings():
@@ -464,6 +465,17 @@ def test_a_gml_with_coordinates_is_read_by_hand(tmp_path):
     looped.write_text(looped.read_text()[:-1] + "  edge [\n    source 1\n    target 1\n  ]\n]")
     graph = read_underlay(looped)  # the loop has no distance and its node no coordinates
     assert sorted(graph.edges) == [("s0", "s1"), ("s1", "s2")]
+    network = SiloNetwork.from_underlay(looped)
+    assert network.link_order == ((0, 1), (1, 2))
+    assert network.underlay.tolist() == [[False, True, False], [True, False, True],
+                                         [False, True, False]]  # fmt: skip
+    for bad in ("-1.0", "INF", "NAN"):
+        gml = _write_gml(tmp_path / "bad.gml", [(0, 1)])
+        gml.write_text(gml.read_text().replace("distance 100.0", f"distance {bad}"))
+        with pytest.raises(
+            TopologyError, match=r"edge \(s0, s1\) has distance .*give a length >= 0"
+        ):
+            read_underlay(gml)
 
 
 def test_a_tree_is_as_slow_as_its_slowest_computation_when_that_exceeds_every_link():
