@@ -217,6 +217,9 @@ def test_surrogate_weights_follow_update_frequency_with_identical_weights():
 def test_bad_asynchronous_settings_get_clear_errors():
     with pytest.raises(ValueError, match=r"period Δt must be > 0"):
         FedFixSchedule(0.0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=f"buffer_size c must be >= 1, got {bad}"):
+            FedBuffSchedule(bad)
     with pytest.raises(ValueError, match=r"heterogeneity X must be in \[0, 100\)"):
         ClientTimes(100)
     with pytest.raises(ValueError, match=r"heterogeneity X must be in \[0, 100\)"):
@@ -322,6 +325,9 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     schedule.reset(6, 0)
     assert schedule.count_until(0.9)[0] == 14 == async_aggregations(6, times, 0.9)
     assert schedule.count_until(0.9)[1].tolist() == [9, 3, 1, 1, 0, 0]  # ⌊0.9/τ_i⌋ each
+    fedfix = FedFixSchedule(0.7, ClientTimes(times=[0.7, 0.9, 1.4, 2.1]))
+    fedfix.reset(4, 0)  # eq. 4.40: d_i = ⌈τ_i/Δt⌉ p_i in exact decimals (2.1/0.7 > 3 in floats)
+    assert fedfix.time_based_weights(np.full(4, 0.5)).tolist() == [0.5, 1.0, 1.0, 1.5]
     events = []
     for _ in range(14):
         event = schedule.plan()

@@ -424,6 +424,9 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
         SiloNetwork.from_underlay("gaia", access_bps=[0.0] + [1e9] * 10)
     with pytest.raises(TopologyError, match="model_size_bits must be > 0"):
         DelayModel(0, 1.0)
+    for bad in (0, True):
+        with pytest.raises(TopologyError, match=f"local_steps must be >= 1, got {bad}"):
+            DelayModel(1e6, 1.0, local_steps=bad)
     network = SiloNetwork.from_underlay("gaia")
     with pytest.raises(TopologyError, match=r"compute_ms\[0\] = -1.0"):
         DelayModel(1e6, -1.0).arc_delays(network, np.ones((11, 11), dtype=bool))
@@ -476,6 +479,22 @@ def test_a_gml_with_coordinates_is_read_by_hand(tmp_path):
             TopologyError, match=r"edge \(s0, s1\) has distance .*give a length >= 0"
         ):
             read_underlay(gml)
+
+
+def test_silo_pairs_come_in_the_order_dijkstra_first_reaches_them(tmp_path):
+    """G_c's pairs (MATCHA's colouring order) by hand: from each source, silos in the order
+    the search first relaxes them (adjacency order of the GML's edges), not by distance:
+    from silo 0, silo 3 is reached first over the 10 km link, and later by a 3 km path."""
+    edges = [(0, 3, 10.0), (0, 2, 1.0), (2, 1, 1.0), (1, 3, 1.0)]
+    lines = [f'  node [\n    id {n}\n    label "s{n}"\n  ]' for n in range(4)]
+    lines += [f"  edge [\n    source {u}\n    target {v}\n    distance {d}\n  ]"
+              for u, v, d in edges]  # fmt: skip
+    gml = tmp_path / "square.gml"
+    gml.write_text("graph [\n" + "\n".join(lines) + "\n]")
+    assert SiloNetwork.from_underlay(gml).pair_order == (
+        (0, 3), (0, 2), (0, 1), (1, 2), (1, 3), (1, 0),
+        (2, 0), (2, 1), (2, 3), (3, 0), (3, 1), (3, 2),
+    )  # fmt: skip
 
 
 def test_a_tree_is_as_slow_as_its_slowest_computation_when_that_exceeds_every_link():
