@@ -316,6 +316,20 @@ def test_simultaneous_returns_are_aggregated_in_client_order():
         schedule.commit(event)
 
 
+def test_a_checkpoint_with_float_times_loads_them_as_the_decimals_they_print_as():
+    """Checkpoints made before exact time stored floats: 0.3 loads as 3/10, and the
+    strings of newer ones as the fractions they spell."""
+    from fractions import Fraction
+
+    schedule = AsyncSchedule(ClientTimes(times=[0.1, 0.2]))
+    state = {"num_clients": 2, "seed": 0, "now": 0.3, "round": 4, "starts": [3, 1],
+             "version": [3, 2], "ready": [0.4, 0.5]}  # fmt: skip
+    schedule.load_state_dict(state)
+    assert (schedule.now, schedule.ready) == (Fraction(3, 10), [Fraction(2, 5), Fraction(1, 2)])
+    schedule.load_state_dict({**state, "now": "1/3", "ready": ["2/5", "7/15"]})
+    assert (schedule.now, schedule.ready) == (Fraction(1, 3), [Fraction(2, 5), Fraction(7, 15)])
+
+
 def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     """Times 0.1 and 0.3 (decimals) meet exactly at 0.3, 0.6 and 0.9, and the returns at
     the budget T = 0.9 are aggregated: 9 + 3 + 1 + 1 = 14 aggregations, and fl/time is
@@ -325,6 +339,7 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     schedule.reset(6, 0)
     assert schedule.count_until(0.9)[0] == 14 == async_aggregations(6, times, 0.9)
     assert schedule.count_until(0.9)[1].tolist() == [9, 3, 1, 1, 0, 0]  # ⌊0.9/τ_i⌋ each
+    assert async_aggregations(2, ClientTimes(times=[0.1, 0.2]), 0.3) == 3 + 1  # not 2 + 1
     fedfix = FedFixSchedule(0.7, ClientTimes(times=[0.7, 0.9, 1.4, 2.1]))
     fedfix.reset(4, 0)  # eq. 4.40: d_i = ⌈τ_i/Δt⌉ p_i in exact decimals (2.1/0.7 > 3 in floats)
     assert fedfix.time_based_weights(np.full(4, 0.5)).tolist() == [0.5, 1.0, 1.0, 1.5]

@@ -435,7 +435,10 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
     one_way = np.full((3, 3), -np.inf)
     one_way[0, 1] = one_way[1, 2] = 1.0
     np.fill_diagonal(one_way, 0.0)
-    with pytest.raises(TopologyError, match="not strongly connected"):
+    with pytest.raises(TopologyError, match=r"not strongly connected \(3 strong"):
+        cycle_time(one_way)
+    one_way[1, 0] = 1.0  # {0, 1} and {2}: two strong components
+    with pytest.raises(TopologyError, match=r"not strongly connected \(2 strong"):
         cycle_time(one_way)
     with pytest.raises(TopologyError, match="overlay must be one of"):
         SiloTopology("gaia", "hypercube")
