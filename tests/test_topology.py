@@ -31,6 +31,7 @@ from lightning_fl.systems.topology import (
     read_underlay,
     ring,
     simulate,
+    star,
     tree_cube_hamiltonian_path,
     tree_cycle_time,
 )
@@ -264,6 +265,26 @@ def test_delta_prim_spans_with_degrees_at_most_delta():
     )
 
 
+def test_delta_prim_by_hand_when_the_degree_bound_binds():
+    """δ = 2: silo 0 takes its two cheapest links (to 1 and 2) and is then full, so silo 3
+    joins through silo 2 (4), not through silo 0 (3) nor silo 1 (10)."""
+    w = np.array([[0, 1, 2, 3], [1, 0, 10, 10], [2, 10, 0, 4], [3, 10, 4, 0]], dtype=float)
+    assert delta_prim(w, 2) == [(0, 1), (0, 2), (2, 3)]
+    assert delta_prim(w, 3) == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_star_at_the_closeness_centre_by_hand():
+    """Shortest latencies from silos 0..3 sum to 8, 6, 6, 8: the closeness centre is silo 1
+    (the tie with silo 2 goes to the lower index)."""
+    latency = np.array([[0, 1, 4, 4], [1, 0, 2, 5], [4, 2, 0, 1], [4, 5, 1, 0]], dtype=float)
+    network, model = _network_with_delays(latency + COMPUTE)
+    overlay = star(network, model, centrality="closeness")
+    assert overlay.orchestrator == 1
+    assert overlay.arcs.tolist() == _arcs([(1, 0), (1, 2), (1, 3)], 4).tolist()
+    with pytest.raises(TopologyError, match="centrality must be 'load' or 'closeness'"):
+        star(network, model, centrality="betweenness")
+
+
 @pytest.mark.parametrize("name", ["gaia", "geantdistance"])
 def test_every_built_overlay_has_a_doubly_stochastic_local_degree_matrix(name):
     network = SiloNetwork.from_underlay(name)
@@ -440,6 +461,11 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
     one_way[1, 0] = 1.0  # {0, 1} and {2}: two strong components
     with pytest.raises(TopologyError, match=r"not strongly connected \(2 strong"):
         cycle_time(one_way)
+    with pytest.raises(TopologyError, match=r"not strongly connected \(2 strong"):
+        cycle_time(np.array([[0.0, 1.0], [-np.inf, 0.0]]))  # two silos, one way
+    triangle = np.ones((3, 3))  # symmetric, but a cycle
+    with pytest.raises(TopologyError, match="needs an undirected tree"):
+        tree_cycle_time(triangle)
     with pytest.raises(TopologyError, match="overlay must be one of"):
         SiloTopology("gaia", "hypercube")
     with pytest.raises(TopologyError, match="has 11 silos but 10 clients"):
