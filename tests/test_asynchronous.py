@@ -99,6 +99,8 @@ def test_event_counts_for_20_clients_under_f80_in_5000_time_units():
 def test_fx_times_are_the_authors_evenly_spaced_times():
     assert ClientTimes(80).means(5).tolist() == pytest.approx([1.0, 0.8, 0.6, 0.4, 0.2])
     assert ClientTimes(0).means(3).tolist() == [1.0, 1.0, 1.0]
+    assert ClientTimes(80).means(2).tolist() == [1.0, 0.2]  # both ends of the range
+    assert ClientTimes(80).means(1).tolist() == [1.0]  # one client: no spacing to divide
     draws = [ClientTimes(50, distribution="exponential").draw(1, k, 0, np.array([1.0, 0.5]))
              for k in range(20000)]  # fmt: skip
     assert np.mean(draws) == pytest.approx(0.5, rel=0.03)
@@ -340,6 +342,10 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     assert schedule.count_until(0.9)[0] == 14 == async_aggregations(6, times, 0.9)
     assert schedule.count_until(0.9)[1].tolist() == [9, 3, 1, 1, 0, 0]  # ⌊0.9/τ_i⌋ each
     assert async_aggregations(2, ClientTimes(times=[0.1, 0.2]), 0.3) == 3 + 1  # not 2 + 1
+    assert schedule.count_until(0.3)[0] == 4  # 0.1, 0.2 and both returns at 0.3 (< 0.3 as a float)
+    buffered = FedBuffSchedule(2, ClientTimes(times=[0.3, 0.2, 0.9]))
+    buffered.reset(3, 0)  # clients 1 then 0 return: the event lists them in index order
+    assert buffered.plan().clients == (0, 1)
     fedfix = FedFixSchedule(0.7, ClientTimes(times=[0.7, 0.9, 1.4, 2.1]))
     fedfix.reset(4, 0)  # eq. 4.40: d_i = ⌈τ_i/Δt⌉ p_i in exact decimals (2.1/0.7 > 3 in floats)
     assert fedfix.time_based_weights(np.full(4, 0.5)).tolist() == [0.5, 1.0, 1.0, 1.5]
