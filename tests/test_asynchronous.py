@@ -101,6 +101,7 @@ def test_fx_times_are_the_authors_evenly_spaced_times():
     assert ClientTimes(0).means(3).tolist() == [1.0, 1.0, 1.0]
     assert ClientTimes(80).means(2).tolist() == [1.0, 0.2]  # both ends of the range
     assert ClientTimes(80).means(1).tolist() == [1.0]  # one client: no spacing to divide
+    assert ClientTimes(80).means(2).dtype == np.float64
     draws = [ClientTimes(50, distribution="exponential").draw(1, k, 0, np.array([1.0, 0.5]))
              for k in range(20000)]  # fmt: skip
     assert np.mean(draws) == pytest.approx(0.5, rel=0.03)
@@ -152,13 +153,14 @@ def test_async_updates_come_from_the_stale_model_each_client_received(weights):
 
 
 @pytest.mark.parametrize(
-    "schedule",
-    [AsyncSchedule(F80), FedFixSchedule(0.3, F80), FedBuffSchedule(3, F80),
-     FedBuffSchedule(3, ClientTimes(60), restart="on_send"), SyncSchedule(F80)],
+    ("schedule", "identical"),
+    [(AsyncSchedule(F80), 1.0), (FedFixSchedule(0.3, F80), 1 / 7), (FedBuffSchedule(3, F80), 1 / 3),
+     (FedBuffSchedule(3, ClientTimes(60), restart="on_send"), 1 / 3), (SyncSchedule(F80), 1 / 7)],
     ids=["async", "fedfix", "fedbuff", "fedbuff-on-send", "sync"],
 )  # fmt: skip
-def test_time_based_weights_average_to_p_over_a_window(schedule):
-    """(1/W) Σ_n ω_i(n) → p_i over the window, where ω_i(n) = 1(i ∈ S_n) d_i."""
+def test_time_based_weights_average_to_p_over_a_window(schedule, identical):
+    """(1/W) Σ_n ω_i(n) → p_i over the window, where ω_i(n) = 1(i ∈ S_n) d_i; IDENTICAL
+    is d_i = 1 (async), 1/c (FedBuff), 1/M (sync, FedFix)."""
     m = 7
     schedule.reset(m, 0)
     p = np.arange(1, m + 1, dtype=float)
@@ -170,8 +172,7 @@ def test_time_based_weights_average_to_p_over_a_window(schedule):
         total[list(event.clients)] += d[list(event.clients)]
         schedule.commit(event)
     assert total / n == pytest.approx(p, abs=2e-3)
-    identical = schedule.identical_weights()
-    assert identical.min() == identical.max()
+    assert schedule.identical_weights().tolist() == [identical] * m
 
 
 # ---- resume, several schemes ----------------------------------------------------------
@@ -318,6 +319,21 @@ def test_simultaneous_returns_are_aggregated_in_client_order():
         schedule.commit(event)
 
 
+def test_a_clients_k_th_piece_of_work_takes_its_k_th_draw():
+    """Exponential times: client i's first work (from time 0) is draw (i, 0), the one it
+    starts at the aggregation is draw (i, 1), whatever the order of events."""
+    times = ClientTimes(50, distribution="exponential")
+    schedule = AsyncSchedule(times)
+    schedule.reset(3, 7)
+    means = times.exact_means(3)
+    assert schedule.ready == [times.draw(i, 0, 7, means) for i in range(3)]
+    event = schedule.plan()
+    schedule.commit(event)
+    (i,) = event.clients
+    assert schedule.ready[i] == event.time + times.draw(i, 1, 7, means)
+    assert len({times.draw(i, k, 7, means) for k in range(3)}) == 3  # the draws differ
+
+
 def test_a_checkpoint_with_float_times_loads_them_as_the_decimals_they_print_as():
     """Checkpoints made before exact time stored floats: 0.3 loads as 3/10, and the
     strings of newer ones as the fractions they spell."""
@@ -346,6 +362,9 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     buffered = FedBuffSchedule(2, ClientTimes(times=[0.3, 0.2, 0.9]))
     buffered.reset(3, 0)  # clients 1 then 0 return: the event lists them in index order
     assert buffered.plan().clients == (0, 1)
+    one = FedBuffSchedule(1, ClientTimes(times=[1.0, 1.0, 1e5]))  # c = 1 is allowed
+    one.reset(3, 0)  # client 2 never returns within the 10⁴ aggregations of the dry run
+    assert one.time_based_weights(np.array([0.5, 0.3, 0.2])).tolist() == [1.0, 0.6, 0.0]
     fedfix = FedFixSchedule(0.7, ClientTimes(times=[0.7, 0.9, 1.4, 2.1]))
     fedfix.reset(4, 0)  # eq. 4.40: d_i = ⌈τ_i/Δt⌉ p_i in exact decimals (2.1/0.7 > 3 in floats)
     assert fedfix.time_based_weights(np.full(4, 0.5)).tolist() == [0.5, 1.0, 1.0, 1.5]
