@@ -181,6 +181,25 @@ def test_matcha_equals_the_authors_code_on_table_2_5():
     assert matcha_cycle_time(geant, model, base="underlay") == plus  # the network is reusable
 
 
+def test_matcha_with_uniform_probabilities_by_hand_with_an_empty_colour_class():
+    """Two silos: Misra–Gries gives the link's class and an empty one, each drawn with
+    p = C_b (numpy's RandomState, redrawn while none is active). A round with the link
+    lasts max(d(0, 1), d(1, 0)) = 5 ms; one with only the empty class, the computation."""
+    network, model = _network_with_delays(np.array([[0.0, 5.0], [3.0, 0.0]]))
+    assert misra_gries_matchings(2, [(0, 1), (1, 0)]) == [[(0, 1)], []]
+    rng, rounds, times = np.random.RandomState(4), 50, []
+    for _ in range(rounds):
+        active = rng.binomial(1, [0.3, 0.3])
+        while not active.any():
+            active = rng.binomial(1, [0.3, 0.3])
+        times.append(5.0 if active[0] else COMPUTE)
+    assert 0 < times.count(COMPUTE) < rounds  # both kinds of round occur
+    mean = matcha_cycle_time(network, model, 0.3, rounds=rounds, seed=4, probabilities="uniform")
+    assert mean == pytest.approx(sum(times) / rounds, rel=1e-12)
+    with pytest.raises(TopologyError, match="probabilities must be 'sdp' or 'uniform'"):
+        matcha_cycle_time(network, model, probabilities="equal")
+
+
 def test_misra_gries_colours_every_edge_with_at_most_delta_plus_one_matchings():
     rng = np.random.default_rng(0)
     for n, density in ((2, 1.0), (7, 0.5), (12, 0.3), (20, 1.0)):
