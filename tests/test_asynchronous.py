@@ -4,6 +4,7 @@ counts, staleness against a hand-written event loop, unbiased TIME-BASED weights
 from __future__ import annotations
 
 import copy
+from fractions import Fraction
 
 import lightning.pytorch as pl
 import numpy as np
@@ -289,7 +290,6 @@ def test_fedbuff_on_send_events_by_hand():
 def test_returns_at_the_budget_count_and_the_count_is_the_closed_form():
     """M = 10 under F80 until T = 10⁴: 212,803 asynchronous aggregations, Σ_i ⌊T/τ_i⌋
     (float time dropped the returns that fall exactly at T and counted 212,802)."""
-    from fractions import Fraction
 
     schedule = AsyncSchedule(ClientTimes(80))
     schedule.reset(10, 0)
@@ -305,7 +305,6 @@ def test_simultaneous_returns_are_aggregated_in_client_order():
     element of {(k·τ_i, i)} sorted by time and then client index, with τ_i exact
     rationals. Many returns coincide (client 0 at 1 and client 19 at 5·τ_19 = 1);
     float times ordered them by rounding noise (client 19 before client 0)."""
-    from fractions import Fraction
 
     taus = [1 - Fraction(i * 4, 5 * 19) for i in range(20)]
     reference = sorted((k * t, i) for i, t in enumerate(taus) for k in range(1, 600))[:3000]
@@ -337,7 +336,6 @@ def test_a_clients_k_th_piece_of_work_takes_its_k_th_draw():
 def test_a_checkpoint_with_float_times_loads_them_as_the_decimals_they_print_as():
     """Checkpoints made before exact time stored floats: 0.3 loads as 3/10, and the
     strings of newer ones as the fractions they spell."""
-    from fractions import Fraction
 
     schedule = AsyncSchedule(ClientTimes(times=[0.1, 0.2]))
     state = {"num_clients": 2, "seed": 0, "now": 0.3, "round": 4, "starts": [3, 1],
@@ -362,6 +360,8 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     buffered = FedBuffSchedule(2, ClientTimes(times=[0.3, 0.2, 0.9]))
     buffered.reset(3, 0)  # clients 1 then 0 return: the event lists them in index order
     assert buffered.plan().clients == (0, 1)
+    event = buffered.plan()
+    assert (event.time, event.versions, event.versions) == (Fraction(3, 10), (0, 0), (0, 0))
     one = FedBuffSchedule(1, ClientTimes(times=[1.0, 1.0, 1e5]))  # c = 1 is allowed
     one.reset(3, 0)  # client 2 never returns within the 10⁴ aggregations of the dry run
     assert one.time_based_weights(np.array([0.5, 0.3, 0.2])).tolist() == [1.0, 0.6, 0.0]

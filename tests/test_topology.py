@@ -458,6 +458,8 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
         read_underlay("nowhere")
     with pytest.raises(TopologyError, match="no positive 'capacity'.*core_bps"):
         SiloNetwork.from_underlay("ebone", core_bps=None)
+    with pytest.raises(TopologyError, match="core_bps must be > 0 bit/s, got 0"):
+        SiloNetwork.from_underlay("gaia", core_bps=0)
     with pytest.raises(TopologyError, match=r"access_bps has 3 values for 11 silos"):
         SiloNetwork.from_underlay("gaia", access_bps=[1e9, 1e9, 1e9])
     with pytest.raises(TopologyError, match=r"access_bps\[0\] = 0.0"):
