@@ -228,8 +228,9 @@ def test_bad_asynchronous_settings_get_clear_errors():
         ClientTimes(100)
     with pytest.raises(ValueError, match=r"heterogeneity X must be in \[0, 100\)"):
         ClientTimes(-5)
-    with pytest.raises(ValueError, match="times must be positive"):
-        ClientTimes(times=[1.0, 0.0])
+    for bad in ([1.0, 0.0], [1.0, "2"], []):
+        with pytest.raises(ValueError, match="times must be positive, one per client"):
+            ClientTimes(times=bad)
     with pytest.raises(ValueError, match="time_budget must be > 0"):
         AsynchronousFL(SyncSchedule(), time_budget=0)
     with pytest.raises(ValueError, match=r"buffer_size c = 9 but only 6 clients"):
