@@ -322,6 +322,13 @@ def test_every_built_overlay_has_a_doubly_stochastic_local_degree_matrix(name):
     assert np.allclose(local_degree_weights(arcs), expected)
 
 
+def test_ring_of_two_silos_is_both_arcs():
+    network, model = _network_with_delays(np.array([[0.0, 5.0], [3.0, 0.0]]))
+    overlay = ring(network, model)
+    assert overlay.arcs.tolist() == [[False, True], [True, False]]
+    assert overlay.cycle_time(network, model) == 4.0  # (5 + 3) / 2
+
+
 def test_ring_is_one_directed_hamiltonian_cycle():
     network = SiloNetwork.from_underlay("amazon_us")
     overlay = build_overlay("ring", network, DelayModel(4843243, 4.6))
@@ -566,3 +573,6 @@ def test_the_shipped_networks_match_the_papers_sizes():
     clock = MaxPlusClock(np.array([[2.0, 5.0], [1.0, 3.0]]))  # eq. 2.4 by hand
     assert [clock.advance(), clock.advance()] == [5.0, 8.0]  # t(1) = (2, 5), t(2) = (6, 8)
     assert math.isclose(clock.times[0], 6.0)
+    two_steps = MaxPlusClock(np.array([[2.0, 5.0], [1.0, 3.0]]), steps_per_round=2)  # STAR's
+    assert two_steps.advance() == 8.0 and two_steps.times.tolist() == [6.0, 8.0]
+    assert two_steps.advance() == 14.0  # t(4) = (10, 14)
