@@ -240,3 +240,31 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
     with pytest.raises(ValueError, match="Every silo's clients have an empty training set"):
         Federation(empty, ranks=Ranks(1, 0))
     assert Federation(empty, require_data=False, ranks=Ranks(1, 0)).training_counts == (0,) * 10
+
+
+def test_the_aggregator_runs_first_and_observers_first_in_client_evaluation():
+    """Every hook runs the aggregator first (it decides which model a client starts from),
+    then the others in the order given; in the client evaluation hooks the evaluation
+    observers (membership inference) run before everyone."""
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.callbacks import FedAvg
+    from lightning_fl.engine.plugins import FederatedCallback
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    calls: dict[str, list[str]] = {"on_round_start": [], "on_client_evaluation_start": []}
+
+    def recording(base, name, **attributes):
+        def hook(kind):
+            return lambda self, *args: calls[kind].append(name)
+
+        hooks = {kind: hook(kind) for kind in calls}
+        return type(name, (base,), {**hooks, **attributes})()
+
+    callbacks = [recording(FederatedCallback, "plain"), recording(FedAvg, "aggregator"),
+                 recording(FederatedCallback, "observer", evaluation_observer=True)]  # fmt: skip
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=0), 1, callbacks,
+                           limit_val_batches=1.0)  # fmt: skip
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
+    assert calls["on_round_start"] == ["aggregator", "plain", "observer"]
+    evaluation = calls["on_client_evaluation_start"]
+    assert evaluation and evaluation[:3] == ["observer", "aggregator", "plain"]
