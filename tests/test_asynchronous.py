@@ -345,6 +345,10 @@ def test_a_checkpoint_with_float_times_loads_them_as_the_decimals_they_print_as(
     assert (schedule.now, schedule.ready) == (Fraction(3, 10), [Fraction(2, 5), Fraction(1, 2)])
     schedule.load_state_dict({**state, "now": "1/3", "ready": ["2/5", "7/15"]})
     assert (schedule.now, schedule.ready) == (Fraction(1, 3), [Fraction(2, 5), Fraction(7, 15)])
+    from lightning_fl.systems.asynchrony import exact
+
+    assert [exact("1/3"), exact(0.1), exact(3), exact(Fraction(2, 7))] == [
+        Fraction(1, 3), Fraction(1, 10), Fraction(3), Fraction(2, 7)]  # fmt: skip
 
 
 def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
