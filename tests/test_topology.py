@@ -329,6 +329,25 @@ def test_ring_of_two_silos_is_both_arcs():
     assert overlay.cycle_time(network, model) == 4.0  # (5 + 3) / 2
 
 
+def test_ring_takes_the_faster_direction_of_its_tour():
+    """One way round the three silos costs 1 per hop, the other 5: RING keeps the first."""
+    network, model = _network_with_delays(np.array([[0, 1, 5], [5, 0, 1], [1, 5, 0.0]]))
+    overlay = ring(network, model)
+    assert overlay.arcs.tolist() == _arcs([(0, 1), (1, 2), (2, 0)], 3, directed=True).tolist()
+    assert overlay.cycle_time(network, model) == 1.0
+
+
+def test_delta_mbst_keeps_the_star_when_only_an_unbounded_degree_spans_cheaply():
+    """Silo 0 is 1 ms from every other silo, which are 10 ms apart: every path (the cube's
+    Hamiltonian path, δ = 2) crosses a 10 ms link, and only δ ≥ n − 1 = 3 builds the star."""
+    d = np.full((4, 4), 10.0)
+    d[0, :] = d[:, 0] = 1.0
+    network, model = _network_with_delays(d)
+    overlay = build_overlay("delta_mbst", network, model)
+    assert overlay.arcs.tolist() == _arcs([(0, 1), (0, 2), (0, 3)], 4).tolist()
+    assert overlay.cycle_time(network, model) == 1.0
+
+
 def test_ring_is_one_directed_hamiltonian_cycle():
     network = SiloNetwork.from_underlay("amazon_us")
     overlay = build_overlay("ring", network, DelayModel(4843243, 4.6))
