@@ -213,6 +213,9 @@ def test_surrogate_weights_follow_update_frequency_with_identical_weights():
     q = callback.surrogate_weights()
     inverse = 1 / ClientTimes(80).means(5)
     assert q == pytest.approx(inverse / inverse.sum(), abs=1e-3)
+    _fit([callback], 1, num_clients=3)  # the same callback in a new fit: computed again
+    inverse = 1 / ClientTimes(80).means(3)
+    assert callback.surrogate_weights() == pytest.approx(inverse / inverse.sum(), abs=1e-3)
 
 
 # ---- bad input -------------------------------------------------------------------------

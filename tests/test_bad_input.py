@@ -9,8 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_fl import FederatedStrategy, NonFiniteUpdateError, UniformSampler
-from lightning_fl.callbacks import FedAdam, FedAvg
+from lightning_fl import AsyncSchedule, FederatedStrategy, NonFiniteUpdateError, UniformSampler
+from lightning_fl.callbacks import AsynchronousFL, FedAdam, FedAvg
 from lightning_fl.datamodules import InMemoryFederatedDataModule, dirichlet_partition
 from tests.helpers import (
     local_sgd,
@@ -241,6 +241,7 @@ def test_the_divergence_threshold_is_the_rounds_mean_over_every_step_by_hand():
         (lambda: FedAvg(server_lr=math.inf), "server_lr is infinite: give a finite number > 0"),
         (lambda: FedAdam(server_lr=math.nan), "server_lr is NaN: give a finite number > 0"),
         (lambda: FedAvg(server_lr="1"), "server_lr is str '1', not a number"),
+        (lambda: AsynchronousFL(AsyncSchedule(), server_lr=-1.0), "server_lr is -1.0, not > 0"),
     ],
 )
 def test_non_finite_rates_are_refused_by_name(make, message):
