@@ -4,6 +4,7 @@ counts, staleness against a hand-written event loop, unbiased TIME-BASED weights
 from __future__ import annotations
 
 import copy
+import csv
 from fractions import Fraction
 
 import lightning.pytorch as pl
@@ -200,7 +201,29 @@ def test_resume_with_clients_in_flight_is_exact(make, tmp_path):
     assert trainer.callback_metrics["fl/time"] == full_trainer.callback_metrics["fl/time"]
 
 
+def test_updates_per_client_are_written_beside_the_logs_and_only_with_a_logger(tmp_path):
+    """Asynchronous FedAvg sends one update per aggregation: the counts in
+    updates_per_client.csv add up to the rounds, the fastest client (τ = 0.2) sending the
+    most; without a logger nothing is written."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    callback = AsynchronousFL(AsyncSchedule(F80))
+    _fit([callback], 12, num_clients=5, logger=CSVLogger(tmp_path, name="async"))
+    (path,) = tmp_path.glob("async/version_0/updates_per_client.csv")
+    rows = list(csv.DictReader(open(path)))
+    counts = [int(r["updates"]) for r in rows]
+    assert [int(r["client"]) for r in rows] == [0, 1, 2, 3, 4]
+    assert sum(counts) == 12 and counts == callback.updates_per_client().tolist()
+    assert counts[4] == max(counts) > counts[0]
+    _fit(
+        [AsynchronousFL(AsyncSchedule(F80))], 2, num_clients=5, default_root_dir=tmp_path / "quiet"
+    )
+    assert not list((tmp_path / "quiet").rglob("updates_per_client.csv"))
+
+
 def test_time_budget_stops_training():
+    _, trainer = _fit([AsynchronousFL(SyncSchedule(F80), time_budget=1)], 50)
+    assert trainer.current_epoch == 1  # the first aggregation, at t = 1, is at the budget
     _, trainer = _fit([AsynchronousFL(SyncSchedule(F80), time_budget=3.5)], 50)
     assert trainer.current_epoch == 3
     assert trainer.callback_metrics["fl/time"].item() == 3.0
