@@ -222,6 +222,17 @@ def test_complete_linkage_bipartition_by_hand():
          [-0.9, -0.8, -0.3, 0.95, 1.0]]
     )  # fmt: skip
     assert sorted(map(sorted, complete_linkage_bipartition(s))) == [[0, 1, 2], [3, 4]]
+    assert complete_linkage_bipartition(s[:2, :2]) == ([0], [1])  # two clients: one each
+
+
+def test_cosine_similarities_by_hand():
+    """Rows of norms 5, 2, 1 and a zero update (similarity 0 with everyone)."""
+    from lightning_fl.callbacks.clustered import cosine_similarities
+
+    updates = torch.tensor([[3.0, 4.0], [0.0, 2.0], [-1.0, 0.0], [0.0, 0.0]])
+    expected = [[1.0, 0.8, -0.6, 0.0], [0.8, 1.0, 0.0, 0.0], [-0.6, 0.0, 1.0, 0.0],
+                [0.0, 0.0, 0.0, 0.0]]  # fmt: skip
+    assert torch.allclose(cosine_similarities(updates), torch.tensor(expected), atol=1e-7)
 
 
 def test_clustered_fl_without_a_split_equals_fedavg():
