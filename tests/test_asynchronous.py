@@ -221,9 +221,36 @@ def test_updates_per_client_are_written_beside_the_logs_and_only_with_a_logger(t
     assert not list((tmp_path / "quiet").rglob("updates_per_client.csv"))
 
 
+def test_clients_with_one_sample_take_part_and_clients_without_data_do_not():
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients(num_clients=4)
+    x, y = clients[1]["train"]
+    clients[1] = {**clients[1], "train": (x[:1], y[:1])}
+    clients.append({k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()})
+    callback = AsynchronousFL(SyncSchedule())
+    trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 1, [callback])
+    trainer.fit(tiny_module(LR), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+    assert callback.clients == [0, 1, 2, 3]
+
+
+def test_fedbuff_with_time_based_weights_optimizes_the_target_weights():
+    """Eq. 4.10: q_i ∝ (participation frequency)·d_i = p_i when d_i = p_i / frequency."""
+    callback = AsynchronousFL(FedBuffSchedule(2, F80))
+    _fit([callback], 1, num_clients=5)
+    counts = torch.tensor([len(c["train"][1]) for c in tiny_clients(num_clients=5)])
+    p = (counts.double() / counts.sum()).tolist()
+    assert callback.surrogate_weights().tolist() == pytest.approx(p, rel=1e-9)
+
+
 def test_time_budget_stops_training():
     _, trainer = _fit([AsynchronousFL(SyncSchedule(F80), time_budget=1)], 50)
     assert trainer.current_epoch == 1  # the first aggregation, at t = 1, is at the budget
+    decimals = SyncSchedule(ClientTimes(times=[0.1, 0.3, 0.2, 0.1, 0.1, 0.1]))
+    _, trainer = _fit([AsynchronousFL(decimals, time_budget=0.6)], 50)
+    assert trainer.current_epoch == 2  # at 0.3 and 0.6, exactly (0.6 < 6/10 in floats)
+    _, trainer = _fit([AsynchronousFL(decimals, time_budget=0.3)], 50)
+    assert trainer.current_epoch == 1  # the first, at 3/10, is within a budget of 0.3
     _, trainer = _fit([AsynchronousFL(SyncSchedule(F80), time_budget=3.5)], 50)
     assert trainer.current_epoch == 3
     assert trainer.callback_metrics["fl/time"].item() == 3.0
