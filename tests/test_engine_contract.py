@@ -268,3 +268,26 @@ def test_the_aggregator_runs_first_and_observers_first_in_client_evaluation():
     assert calls["on_round_start"] == ["aggregator", "plain", "observer"]
     evaluation = calls["on_client_evaluation_start"]
     assert evaluation and evaluation[:3] == ["observer", "aggregator", "plain"]
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_the_round_state_lists_the_accepted_clients_on_both_paths(vectorize):
+    """RoundState.accepted (part of the plugin contract) holds the round's participants
+    whose update was folded in, in the batched vectorized lifecycle as sequentially."""
+    from lightning_fl import FederatedStrategy, UniformSampler
+    from lightning_fl.engine.plugins import FederatedCallback
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    seen = []
+
+    class Accepted(FederatedCallback):
+        supports_vectorized_clients = True
+
+        def on_round_end(self, trainer, pl_module, state) -> None:
+            seen.append((sorted(state.accepted), list(state.participation.clients)))
+
+    strategy = FederatedStrategy(local_steps=1, seed=0, sampler=UniformSampler(3),
+                                 vectorize=vectorize)  # fmt: skip
+    make_trainer(strategy, 3, [Accepted()]).fit(tiny_module(), datamodule=tiny_datamodule())
+    assert len(seen) == 3
+    assert all(accepted == participants and len(accepted) == 3 for accepted, participants in seen)
