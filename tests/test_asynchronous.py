@@ -24,7 +24,7 @@ from lightning_fl import (
     UniformSampler,
 )
 from lightning_fl.callbacks import AsynchronousFL, FedAvg
-from lightning_fl.systems.asynchrony import async_aggregations
+from lightning_fl.systems.asynchrony import async_aggregations, exact
 from tests.helpers import (
     local_sgd,
     make_trainer,
@@ -37,6 +37,16 @@ from tests.helpers import (
 
 F0, F80 = ClientTimes(0.0), ClientTimes(80.0)
 LR, STEPS, SEED = 0.1, 3, 4
+
+
+def _clients_with_one_sample_then_one_without_data() -> list[dict]:
+    """Four tiny clients, client 1 cut to one training sample, and a fifth, client 4,
+    with no training data."""
+    clients = tiny_clients(num_clients=4)
+    x, y = clients[1]["train"]
+    clients[1] = {**clients[1], "train": (x[:1], y[:1])}
+    empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
+    return [*clients, empty]
 
 
 def _fit(callbacks, rounds, num_clients=6, batch_size=4, strategy=None, **kw):
@@ -224,10 +234,7 @@ def test_updates_per_client_are_written_beside_the_logs_and_only_with_a_logger(t
 def test_clients_with_one_sample_take_part_and_clients_without_data_do_not():
     from lightning_fl.datamodules import InMemoryFederatedDataModule
 
-    clients = tiny_clients(num_clients=4)
-    x, y = clients[1]["train"]
-    clients[1] = {**clients[1], "train": (x[:1], y[:1])}
-    clients.append({k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()})
+    clients = _clients_with_one_sample_then_one_without_data()
     callback = AsynchronousFL(SyncSchedule())
     trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 1, [callback])
     trainer.fit(tiny_module(LR), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
@@ -398,8 +405,6 @@ def test_a_checkpoint_with_float_times_loads_them_as_the_decimals_they_print_as(
     assert (schedule.now, schedule.ready) == (Fraction(3, 10), [Fraction(2, 5), Fraction(1, 2)])
     schedule.load_state_dict({**state, "now": "1/3", "ready": ["2/5", "7/15"]})
     assert (schedule.now, schedule.ready) == (Fraction(1, 3), [Fraction(2, 5), Fraction(7, 15)])
-    from lightning_fl.systems.asynchrony import exact
-
     assert [exact("1/3"), exact(0.1), exact(3), exact(Fraction(2, 7))] == [
         Fraction(1, 3), Fraction(1, 10), Fraction(3), Fraction(2, 7)]  # fmt: skip
 
@@ -418,7 +423,7 @@ def test_decimal_times_tie_exactly_and_the_trainer_stops_at_the_budget():
     buffered = FedBuffSchedule(2, ClientTimes(times=[0.3, 0.2, 0.9]))
     buffered.reset(3, 0)  # clients 1 then 0 return: the event lists them in index order
     assert buffered.plan().clients == (0, 1)
-    event = buffered.plan()
+    event = buffered.plan()  # versions read twice: a tuple, not a one-shot generator
     assert (event.time, event.versions, event.versions) == (Fraction(3, 10), (0, 0), (0, 0))
     one = FedBuffSchedule(1, ClientTimes(times=[1.0, 1.0, 1e5]))  # c = 1 is allowed
     one.reset(3, 0)  # client 2 never returns within the 10⁴ aggregations of the dry run
@@ -522,11 +527,7 @@ def test_federated_objective_every_third_round_and_at_the_last_by_hand(tmp_path)
             assert pl_module.training  # the objective's evaluation left it as it was
             self.models[trainer.current_epoch] = copy.deepcopy(pl_module.network).eval()
 
-    clients = tiny_clients(num_clients=4)
-    x, y = clients[1]["train"]
-    clients[1] = {**clients[1], "train": (x[:1], y[:1])}
-    empty = {k: (v[0][:0], v[1][:0]) if k == "train" else v for k, v in clients[0].items()}
-    clients.append(empty)
+    clients = _clients_with_one_sample_then_one_without_data()
     snapshots = Snapshots()
     logger = CSVLogger(tmp_path, name="objective")
     torch.manual_seed(1)

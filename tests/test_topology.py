@@ -461,12 +461,23 @@ def test_dpasgd_resume_restores_the_clock(tmp_path):
 # ---- bad input -------------------------------------------------------------------------
 
 
-def _write_gml(path, edges, with_distance=True, extra_node=False):
+def _write_gml(path, edges, with_distance=True, extra_node=False, coordinates=None):
+    """A GML file of nodes ``s<id>``: an edge (u, v) is 100 km long (no length without
+    ``with_distance``), an edge (u, v, d) has length d as written (None: no length);
+    ``coordinates`` gives nodes a (Latitude, Longitude)."""
+    coordinates = coordinates or {}
     lines = ["graph ["]
-    nodes = sorted({n for e in edges for n in e} | ({99} if extra_node else set()))
-    lines += [f'  node [\n    id {n}\n    label "s{n}"\n  ]' for n in nodes]
-    for u, v in edges:
-        attr = "\n    distance 100.0" if with_distance else ""
+    nodes = sorted({n for e in edges for n in e[:2]} | ({99} if extra_node else set()))
+    for n in nodes:
+        place = (
+            "\n    Latitude {}\n    Longitude {}".format(*coordinates[n])
+            if n in coordinates
+            else ""
+        )
+        lines.append(f'  node [\n    id {n}\n    label "s{n}"{place}\n  ]')
+    for u, v, *length in edges:
+        distance = length[0] if length else (100.0 if with_distance else None)
+        attr = "" if distance is None else f"\n    distance {distance}"
         lines.append(f"  edge [\n    source {u}\n    target {v}{attr}\n  ]")
     lines.append("]")
     path.write_text("\n".join(lines))
@@ -528,20 +539,14 @@ def test_a_gml_with_coordinates_is_read_by_hand(tmp_path):
     from lightning_fl.systems.topology import EARTH_RADIUS_KM
 
     paris, new_york = (48.8566, 2.3522), (40.7128, -74.0060)
-    nodes = [f'  node [\n    id {i}\n    label "s{i}"\n    Latitude {lat}\n    Longitude {lon}\n  ]'
-             for i, (lat, lon) in enumerate((paris, new_york))]  # fmt: skip
-    gml = tmp_path / "two.gml"
-    gml.write_text(
-        "graph [\n" + "\n".join(nodes) + "\n  edge [\n    source 0\n    target 1\n  ]\n]"
-    )
+    gml = _write_gml(tmp_path / "two.gml", [(0, 1, None)], coordinates={0: paris, 1: new_york})
     graph = read_underlay(gml)
     (phi1, lam1), (phi2, lam2) = (tuple(map(math.radians, p)) for p in (paris, new_york))
     central = math.acos(math.sin(phi1) * math.sin(phi2)
                         + math.cos(phi1) * math.cos(phi2) * math.cos(lam2 - lam1))  # fmt: skip
     assert graph.number_of_nodes() == 2
     assert graph.edges["s0", "s1"]["distance"] == pytest.approx(EARTH_RADIUS_KM * central, rel=1e-9)
-    looped = _write_gml(tmp_path / "loop.gml", [(0, 1), (1, 2)])
-    looped.write_text(looped.read_text()[:-1] + "  edge [\n    source 1\n    target 1\n  ]\n]")
+    looped = _write_gml(tmp_path / "loop.gml", [(0, 1), (1, 2), (1, 1, None)])
     graph = read_underlay(looped)  # the loop has no distance and its node no coordinates
     assert sorted(graph.edges) == [("s0", "s1"), ("s1", "s2")]
     network = SiloNetwork.from_underlay(looped)
@@ -549,8 +554,7 @@ def test_a_gml_with_coordinates_is_read_by_hand(tmp_path):
     assert network.underlay.tolist() == [[False, True, False], [True, False, True],
                                          [False, True, False]]  # fmt: skip
     for bad in ("-1.0", "INF", "NAN"):
-        gml = _write_gml(tmp_path / "bad.gml", [(0, 1)])
-        gml.write_text(gml.read_text().replace("distance 100.0", f"distance {bad}"))
+        gml = _write_gml(tmp_path / "bad.gml", [(0, 1, bad)])
         with pytest.raises(
             TopologyError, match=r"edge \(s0, s1\) has distance .*give a length >= 0"
         ):
@@ -561,12 +565,7 @@ def test_silo_pairs_come_in_the_order_dijkstra_first_reaches_them(tmp_path):
     """G_c's pairs (MATCHA's colouring order) by hand: from each source, silos in the order
     the search first relaxes them (adjacency order of the GML's edges), not by distance:
     from silo 0, silo 3 is reached first over the 10 km link, and later by a 3 km path."""
-    edges = [(0, 3, 10.0), (0, 2, 1.0), (2, 1, 1.0), (1, 3, 1.0)]
-    lines = [f'  node [\n    id {n}\n    label "s{n}"\n  ]' for n in range(4)]
-    lines += [f"  edge [\n    source {u}\n    target {v}\n    distance {d}\n  ]"
-              for u, v, d in edges]  # fmt: skip
-    gml = tmp_path / "square.gml"
-    gml.write_text("graph [\n" + "\n".join(lines) + "\n]")
+    gml = _write_gml(tmp_path / "square.gml", [(0, 3, 10.0), (0, 2, 1.0), (2, 1, 1.0), (1, 3, 1.0)])
     assert SiloNetwork.from_underlay(gml).pair_order == (
         (0, 3), (0, 2), (0, 1), (1, 2), (1, 3), (1, 0),
         (2, 0), (2, 1), (2, 3), (3, 0), (3, 1), (3, 2),
