@@ -85,10 +85,8 @@ class ClusteredFL(Aggregator):
         return None
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if trainer.world_size > 1:
-            raise ValueError(
-                "ClusteredFL compares every client's update on one process: use devices=1."
-            )
+        # two processes are refused at setup (composition.REFUSALS); a sampler of the
+        # user's own is not named there
         if not isinstance(trainer.strategy.sampler, FullParticipation):
             raise ValueError(
                 "ClusteredFL needs full participation: use the default FullParticipation sampler."

@@ -483,3 +483,99 @@ def test_fedrep_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize)
     for c in range(3):
         flat = torch.cat([t.reshape(-1) for t in heads[c]])
         assert torch.allclose(store.get(c, FedRep.key), flat, atol=1e-5), c
+
+
+def test_complete_linkage_lists_each_cluster_in_index_order():
+    """On a line at 0, 1.5, 10, 0.2: {0, 3} merge first, then client 1 joins them, so
+    the merged cluster is [0, 1, 3] (members in index order), not [0, 3, 1]."""
+    x = torch.tensor([0.0, 1.5, 10.0, 0.2], dtype=torch.float64)
+    assert complete_linkage_bipartition(-(x[:, None] - x[None, :]).abs()) == ([0, 1, 3], [2])
+
+
+@pytest.mark.parametrize("eps", [{"eps1": -0.1}, {"eps2": -0.1}])
+def test_clustered_fl_refuses_a_negative_threshold(eps):
+    with pytest.raises(ValueError, match="eps1 and eps2 must be >= 0"):
+        ClusteredFL(**eps)
+
+
+def test_clustered_fl_refuses_partial_participation():
+    """A sampler of the user's own, which the composition rules do not name."""
+    from lightning_fl.systems.samplers import ClientSampler
+
+    class FirstThree(ClientSampler):
+        def _draw(self, p, gen):
+            return {i: 1 / 3 for i in range(3)}
+
+    strategy = FederatedStrategy(sampler=FirstThree(), local_steps=1, seed=SEED)
+    trainer = make_trainer(strategy, 1, [ClusteredFL()])
+    with pytest.raises(ValueError, match="ClusteredFL needs full participation"):
+        trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
+
+
+def test_clustered_fl_aggregates_a_cluster_without_updates_by_hand():
+    """Clusters {0, 1} and {2, 3, 4} with counts 5, 7 | 3, 4, 6; this round only the second
+    cluster's clients sent updates (the first's were dropped): the first cluster keeps its
+    model, the second moves by its members' count-weighted mean update (no split: ε1 = 0),
+    and the global model is the clusters' models weighted by their total counts 12 and 13.
+    The round's updates are not kept past aggregation."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    callback = ClusteredFL(eps1=0.0, eps2=0.0, warmup_rounds=0)
+    models = [torch.randn(5, generator=g), torch.randn(5, generator=g)]
+    callback.clusters, callback.models = [[0, 1], [2, 3, 4]], [m.clone() for m in models]
+    updates = {c: torch.randn(5, generator=g) for c in (2, 3, 4)}
+    callback._updates = {c: u.clone() for c, u in updates.items()}
+    state = SimpleNamespace(
+        sample_counts=[5, 7, 3, 4, 6], round_idx=3, global_tensors=[torch.zeros(3), torch.zeros(2)]
+    )
+    callback.aggregate(None, None, state)
+    moved = models[1] + (3 * updates[2] + 4 * updates[3] + 6 * updates[4]) / 13
+    assert callback.clusters == [[0, 1], [2, 3, 4]]
+    assert torch.allclose(callback.models[0], models[0]) and torch.allclose(
+        callback.models[1], moved
+    )
+    expected = (12 * models[0] + 13 * moved) / 25
+    assert torch.allclose(torch.cat(state.global_tensors), expected, atol=1e-6)
+    assert callback._updates == {}
+
+
+def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_by_its_val_loss():
+    """Groups {0, 1} and {2, 3} with conflicting labels split in round 1 (warm-up 1), after
+    a round evaluated with the one model (the unseen client then takes it). At the end each
+    seen client's validation loss is its cluster's model's; unseen client 4, whose
+    validation data follow the second group and its training data the first, joins the
+    cluster of lowest loss on its validation data (the second; its training data would
+    choose the first)."""
+    g = torch.Generator().manual_seed(3)
+    rule = torch.randn(6, 3, generator=g)
+
+    def group(n, second):
+        x = torch.randn(n, 6, generator=g)
+        y = (x @ rule).argmax(1)
+        return x, (y + 1) % 3 if second else y
+
+    clients = [{"train": group(n, c >= 2), "val": group(7, c >= 2)} for c, n in
+               enumerate([40, 60, 50, 30])]  # fmt: skip
+    clients.append({"train": group(20, False), "val": group(9, True)})
+    dm = InMemoryFederatedDataModule(clients, batch_size=100)
+    dm.unseen_clients = [4]
+    callback = ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=1)
+    strategy = FederatedStrategy(local_steps=3, seed=SEED)
+    trainer = make_trainer(strategy, 3, [callback], limit_val_batches=None)
+    module = tiny_module(0.5)
+    trainer.fit(module, datamodule=dm)
+    assert callback.clusters == [[0, 1], [2, 3]]
+    net = tiny_module().network
+
+    def loss(cluster, data):
+        torch.nn.utils.vector_to_parameters(callback.models[cluster], net.parameters())
+        with torch.no_grad():
+            return float(F.cross_entropy(net(data[0]), data[1]))
+
+    per_client = trainer.strategy.evaluation.last_report[1]["val_loss"]
+    for c in range(4):
+        assert per_client[c][0] == pytest.approx(loss(c // 2, clients[c]["val"]), rel=1e-5)
+    assert loss(1, clients[4]["val"]) < loss(0, clients[4]["val"])
+    assert loss(0, clients[4]["train"]) < loss(1, clients[4]["train"])
+    assert per_client[4][0] == pytest.approx(loss(1, clients[4]["val"]), rel=1e-5)
