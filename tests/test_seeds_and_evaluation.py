@@ -162,7 +162,8 @@ def test_cpu_threads_one_for_small_models_unless_the_user_chose(monkeypatch):
 
 class _PlainValidation(pl.LightningModule):
     """Lightning's methods only: a loss and a higher-is-better score logged in
-    ``validation_step`` (no ``loss_and_metrics``, no ``acc``)."""
+    ``validation_step`` (no ``loss_and_metrics``, no ``acc``), beside a max-reduced value
+    and a per-step one."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -178,6 +179,9 @@ class _PlainValidation(pl.LightningModule):
         logits = self.network(x)
         self.log("val_loss", F.cross_entropy(logits, y))
         self.log("val_confidence", logits.softmax(-1).max(-1).values.mean())
+        # neither is a mean over the epoch: never reported per client
+        self.log("val_peak", logits.max(), reduce_fx="max")
+        self.log("val_batch_loss", F.cross_entropy(logits, y), on_step=True, on_epoch=False)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -270,3 +274,114 @@ def test_local_models_persist_across_rounds_and_cross_evaluate_skips_what_is_mis
             with torch.no_grad():
                 accuracy = float((net(xt).argmax(1) == yt).float().mean())
             assert float(grid[i, j]) == pytest.approx(accuracy, abs=1e-6), (i, j)
+
+
+def test_lower_is_better_answers_a_bool():
+    assert lower_is_better("val/loss") is True and lower_is_better("val_acc") is False
+
+
+def test_a_client_with_one_validation_sample_is_reported_and_one_without_is_not():
+    """Client 0 has one validation sample, client 1 none (FederatedTask sums, counted per
+    client): client 0's loss is its one sample's, weighted 1; client 1 is in no family."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients(4)
+    clients[0]["val"] = tuple(t[:1] for t in clients[0]["val"])
+    clients[1]["val"] = tuple(t[:0] for t in clients[1]["val"])
+    dm = InMemoryFederatedDataModule(clients, batch_size=4)
+    module = tiny_module()
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=3), 1, [FedAvg()],
+                           limit_val_batches=None)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    per_client = trainer.strategy.evaluation.last_report[1]
+    x, y = clients[0]["val"]
+    with torch.no_grad():
+        expected = float(F.cross_entropy(module.network(x), y))
+    for name, values in per_client.items():
+        assert set(values) == {0, 2, 3}, name
+        assert values[0][1] == 1, name
+    assert per_client["val_loss"][0][0] == pytest.approx(expected, rel=1e-6)
+
+
+class _TorchmetricsValidation(pl.LightningModule):
+    """A macro accuracy (a summed-state torchmetrics Metric) in validation and test, and a
+    running maximum (a max-reduced state, which cannot be split per client) in test."""
+
+    def __init__(self) -> None:
+        from torchmetrics import MaxMetric
+        from torchmetrics.classification import MulticlassAccuracy
+
+        super().__init__()
+        torch.manual_seed(4)
+        self.network = torch.nn.Linear(IN, OUT)
+        self.val_macro = MulticlassAccuracy(num_classes=OUT, average="macro")
+        self.test_macro = MulticlassAccuracy(num_classes=OUT, average="macro")
+        self.test_top = MaxMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.network(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_macro.update(self.network(x), y)
+        self.log("val_macro", self.val_macro, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.network(x)
+        self.test_macro.update(logits, y)
+        self.test_top.update(logits.max())
+        self.log("test_macro", self.test_macro, on_epoch=True)
+        self.log("test_top", self.test_top, on_epoch=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_torchmetrics_values_per_client_in_every_epoch_and_stage_apart():
+    """Three validation epochs (Lightning resets the metric between them): each client's
+    macro accuracy in the last one is the metric of its own data under the final model,
+    not a difference against the previous epoch's state. Testing afterwards reports only
+    the test families; the max-reduced metric is warned about once, reported pooled over
+    every client's data, and never per client."""
+    from torchmetrics.classification import MulticlassAccuracy
+
+    dm = tiny_datamodule(num_clients=5)
+    module = _TorchmetricsValidation()
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=5), 3, [FedAvg()],
+                           limit_val_batches=None)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    stage, per_client, _ = trainer.strategy.evaluation.last_report
+    assert stage == "val" and set(per_client) == {"val_macro"}
+    with torch.no_grad():
+        for c, client in enumerate(tiny_clients(5)):
+            x, y = client["val"]
+            reference = MulticlassAccuracy(num_classes=OUT, average="macro")
+            assert per_client["val_macro"][c][0] == pytest.approx(
+                float(reference(module.network(x), y)), abs=1e-6
+            ), c
+    with pytest.warns(UserWarning, match="test_top: MaxMetric has states reduced by max") as w:
+        trainer.test(module, datamodule=dm, verbose=False)
+    assert sum("cannot be split per client" in str(r.message) for r in w) == 1
+    stage, per_client, _ = trainer.strategy.evaluation.last_report
+    assert stage == "test" and set(per_client) == {"test_macro"}
+    with torch.no_grad():
+        top = max(float(module.network(c["test"][0]).max()) for c in tiny_clients(5))
+    assert float(trainer.callback_metrics["test_top"]) == pytest.approx(top, rel=1e-6)
+
+
+def test_client_metrics_csv_rows_by_hand(tmp_path):
+    """Rows in client order, values to 8 significant digits, sample counts as integers;
+    the header is written once."""
+    from lightning_fl.engine.evaluation import write_client_metrics_csv
+
+    path = str(tmp_path / "client_metrics.csv")
+    write_client_metrics_csv(path, "val", 2, {"val_loss": {3: (0.123456789, 4.0), 1: (2.0, 7.0)}})
+    write_client_metrics_csv(path, "test", 3, {"test_acc": {0: (0.5, 3.0)}})
+    assert open(path).read().splitlines() == [
+        "stage,round,metric,client,value,num_samples",
+        "val,2,val_loss,1,2,7",
+        "val,2,val_loss,3,0.12345679,4",
+        "test,3,test_acc,0,0.5,3",
+    ]
