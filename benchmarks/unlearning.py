@@ -64,7 +64,17 @@ SWEEPS = {
 }
 
 
-def protocol(method: str, seed: int, target: float, sigma: float = 0.05, requests=None):
+def use_dataset(dataset: str, accelerator: str = "cpu", max_rounds: int | None = None) -> None:
+    """Run the protocol on ``dataset``'s recipe, with a phase cap of ``max_rounds`` (default:
+    the dataset's)."""
+    global RECIPE, ACCELERATOR, MAX_ROUNDS
+    RECIPE, ACCELERATOR = RECIPES[dataset], accelerator
+    MAX_ROUNDS = max_rounds or CAPS[dataset]
+
+
+def recipe_edit(method: str, seed: int, target: float, sigma: float, requests=None):
+    """The recipe's edit for one protocol run: ``edit(config, method, extra_callbacks)``."""
+
     def edit(config, method=method, extra_callbacks=()):
         config["trainer"]["accelerator"] = ACCELERATOR
         config["trainer"]["max_epochs"] = 4 * MAX_ROUNDS
@@ -76,6 +86,11 @@ def protocol(method: str, seed: int, target: float, sigma: float = 0.05, request
         unlearning["on_target"]["init_args"].update(target=target, max_rounds=MAX_ROUNDS)
         config["trainer"]["callbacks"] += list(extra_callbacks)
 
+    return edit
+
+
+def protocol(method: str, seed: int, target: float, sigma: float = 0.05, requests=None):
+    edit = recipe_edit(method, seed, target, sigma, requests)
     args = []
     if method in SHARED_TRAINING and requests is None:
         args = ["--ckpt_path", str(shared_training(seed, target, sigma, edit))]
@@ -148,7 +163,6 @@ class Journal:
 
 
 def main() -> None:
-    global RECIPE, ACCELERATOR, MAX_ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dataset", choices=list(RECIPES), default="digits")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -160,8 +174,7 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true",
                         help="the table of the journal's finished runs; run nothing")  # fmt: skip
     args = parser.parse_args()
-    RECIPE, ACCELERATOR = RECIPES[args.dataset], args.accelerator
-    MAX_ROUNDS = args.max_rounds or CAPS[args.dataset]
+    use_dataset(args.dataset, args.accelerator, args.max_rounds)
     args.target = args.target or TARGETS[args.dataset]
     suffix = "" if args.dataset == "digits" else f"_{args.dataset}"
     journal = Journal(RESULTS / f"unlearning{suffix}.jsonl")
