@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch
 from torch.optim import Optimizer
 
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList
 
@@ -26,8 +27,7 @@ class FedProx(FederatedCallback):
     keeps_client_state = False  # the anchor is this round's global model
 
     def __init__(self, mu: float = 0.01) -> None:
-        if mu < 0:
-            raise ValueError(f"FedProx mu must be >= 0, got {mu}.")
+        require_rate("mu", mu, 0.01, allow_zero=True)
         self.mu = mu
         self._anchor: TensorList | None = None
 

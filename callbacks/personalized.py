@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.local_training import batches, client_loader, grads_at, sgd, training_mode
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
@@ -41,11 +42,6 @@ def _is_unseen(trainer: pl.Trainer, client: int) -> bool:
     return client in set(trainer.datamodule.unseen_clients)
 
 
-def _check_lr(name: str, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}.")
-
-
 class FineTune(FederatedCallback):
     """FedAvg+ (Jiang et al. 2019; FedEM §3.5.6): before a client is evaluated, the global
     model is fine-tuned by ``epochs`` passes of local SGD (learning rate ``lr``) on the
@@ -60,7 +56,7 @@ class FineTune(FederatedCallback):
     def __init__(
         self, lr: float = 0.01, epochs: int = 1, stages: tuple[str, ...] = ("test",)
     ) -> None:
-        _check_lr("lr", lr)
+        require_rate("lr", lr, 0.01)
         if epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}.")
         self.lr, self.epochs, self.stages = lr, epochs, tuple(stages)
@@ -98,9 +94,8 @@ class Ditto(FederatedCallback):
     def __init__(
         self, lam: float = 0.1, personal_lr: float = 0.01, personal_epochs: int = 1
     ) -> None:
-        if lam < 0:
-            raise ValueError(f"lam must be >= 0, got {lam}.")
-        _check_lr("personal_lr", personal_lr)
+        require_rate("lam", lam, 0.1, allow_zero=True)
+        require_rate("personal_lr", personal_lr, 0.01)
         self.lam, self.personal_lr, self.personal_epochs = lam, personal_lr, personal_epochs
         self.initial: Tensor | None = None
 
@@ -201,7 +196,8 @@ class APFL(_BatchHook):
         super().__init__()
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}.")
-        _check_lr("local_lr", local_lr)
+        require_rate("local_lr", local_lr, 0.01)
+        require_rate("alpha_lr", alpha_lr, 0.01)
         self.alpha, self.local_lr = alpha, local_lr
         self.adaptive_alpha, self.alpha_lr, self.adapt_epochs = (
             adaptive_alpha,
@@ -332,7 +328,7 @@ class FedRep(FederatedCallback):
     def __init__(
         self, head: list[str] | None = None, head_epochs: int = 10, head_lr: float = 0.01
     ) -> None:
-        _check_lr("head_lr", head_lr)
+        require_rate("head_lr", head_lr, 0.01)
         self.head, self.head_epochs, self.head_lr = head, head_epochs, head_lr
 
     def head_parameters(self, module: nn.Module) -> list[nn.Parameter]:
@@ -428,9 +424,10 @@ class PFedMe(_BatchHook):
 
     def __init__(self, lam: float = 15.0, personal_lr: float = 0.01, inner_steps: int = 5) -> None:
         super().__init__()
-        _check_lr("personal_lr", personal_lr)
-        if lam <= 0 or inner_steps < 1:
-            raise ValueError("pFedMe needs lam > 0 and inner_steps >= 1.")
+        require_rate("personal_lr", personal_lr, 0.01)
+        require_rate("lam", lam, 15.0)
+        if inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {inner_steps}.")
         self.lam, self.personal_lr, self.inner_steps = lam, personal_lr, inner_steps
         self._theta: TensorList | None = None
         #: vectorized clients: the chunk's last θ̂ by row, and the rows that took a step

@@ -10,7 +10,17 @@ import pytest
 import torch
 
 from lightning_fl import AsyncSchedule, FederatedStrategy, NonFiniteUpdateError, UniformSampler
-from lightning_fl.callbacks import AsynchronousFL, FedAdam, FedAvg
+from lightning_fl.callbacks import (
+    APFL,
+    AsynchronousFL,
+    Ditto,
+    FedAdam,
+    FedAvg,
+    FedProx,
+    FedRep,
+    FineTune,
+    PFedMe,
+)
 from lightning_fl.datamodules import InMemoryFederatedDataModule, dirichlet_partition
 from tests.helpers import (
     local_sgd,
@@ -250,6 +260,41 @@ def test_non_finite_rates_are_refused_by_name(make, message):
     with pytest.raises(ValueError) as raised:
         make()
     assert str(raised.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: FineTune(lr=0.0), "lr is 0.0, not > 0"),
+        (lambda: FineTune(lr=math.nan), "lr is NaN"),
+        (lambda: Ditto(lam=math.nan), "lam is NaN: give a finite number ≥ 0"),
+        (lambda: Ditto(lam=-0.1), "lam is -0.1, not ≥ 0"),
+        (lambda: Ditto(personal_lr=0.0), "personal_lr is 0.0, not > 0"),
+        (lambda: APFL(local_lr=math.inf), "local_lr is infinite"),
+        (lambda: APFL(alpha_lr=math.nan), "alpha_lr is NaN"),
+        (lambda: APFL(alpha=math.nan), "alpha must be in [0, 1]"),
+        (lambda: APFL(alpha=1.01), "alpha must be in [0, 1]"),
+        (lambda: FedRep(head_lr=-0.01), "head_lr is -0.01, not > 0"),
+        (lambda: PFedMe(personal_lr=0.0), "personal_lr is 0.0, not > 0"),
+        (lambda: PFedMe(lam=0.0), "lam is 0.0, not > 0"),
+        (lambda: PFedMe(lam=math.nan), "lam is NaN"),
+        (lambda: PFedMe(inner_steps=0), "inner_steps must be >= 1, got 0"),
+        (lambda: FedProx(mu=math.nan), "mu is NaN: give a finite number ≥ 0"),
+    ],
+)
+def test_personalization_and_proximal_rates_are_refused_by_name(make, message):
+    """A NaN or non-positive rate or weight of a client-side algorithm: its value and the
+    argument's name (NaN passed the comparisons these arguments were checked with)."""
+    with pytest.raises(ValueError) as raised:
+        make()
+    assert str(raised.value).startswith(message)
+
+
+def test_personalization_settings_at_both_ends_of_their_ranges():
+    """λ = 0 (Ditto: the personal model trains alone), μ = 0 (FedProx is FedAvg), α at 0
+    and at 1 (APFL) are valid."""
+    assert Ditto(lam=0.0).lam == 0.0 and FedProx(mu=0.0).mu == 0.0
+    assert APFL(alpha=0.0).alpha == 0.0 and APFL(alpha=1.0).alpha == 1.0
 
 
 def test_zero_momentum_and_weight_decay_are_valid():

@@ -271,7 +271,7 @@ def test_fedprox_with_mu_zero_is_fedavg_and_a_negative_mu_is_refused():
     plain = run_strategy(sampler, [])
     zero = run_strategy(UniformSampler(3), [FedProx(0.0)])
     assert max_abs_diff(plain, zero) == 0.0
-    with pytest.raises(ValueError, match="FedProx mu must be >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="mu is -0.1, not ≥ 0"):
         FedProx(-0.1)
 
 
