@@ -579,3 +579,54 @@ def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_b
     assert loss(1, clients[4]["val"]) < loss(0, clients[4]["val"])
     assert loss(0, clients[4]["train"]) < loss(1, clients[4]["train"])
     assert per_client[4][0] == pytest.approx(loss(1, clients[4]["val"]), rel=1e-5)
+
+
+def test_finetune_leaves_validation_to_the_global_model_outside_its_stages():
+    """FineTune's default stages are ("test",): during fit, every client is validated with
+    the global model itself (no fine-tuning pass)."""
+    module = tiny_module(LR)
+    trainer = _fit(module, [FineTune(lr=0.5)], tiny_datamodule(BATCH), rounds=2,
+                   limit_val_batches=None)  # fmt: skip
+    per_client = trainer.strategy.evaluation.last_report[1]["val_loss"]
+    with torch.no_grad():
+        for c, data in enumerate(tiny_clients()):
+            x, y = data["val"]
+            expected = float(F.cross_entropy(module.network(x), y))
+            assert per_client[c][0] == pytest.approx(expected, rel=1e-6), c
+
+
+def test_ditto_evaluates_seen_clients_with_their_personal_models_and_trains_an_unseen_one():
+    """Clients 0-2 are tested with the personal models Ditto stored for them; client 3 is
+    unseen: its personal model trains from the final global model w^T, anchored on w^T,
+    for personal_epochs passes of its own batches (λ = 0.3, η_p = 0.04), before its test."""
+    clients = tiny_clients()[1:5]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    dm.unseen_clients = [3]
+    module = tiny_module(LR)
+    trainer = _fit(module, [Ditto(lam=0.3, personal_lr=0.04, personal_epochs=2)], dm, rounds=2)
+    trainer.test(module, datamodule=dm, verbose=False)
+    per_client = trainer.strategy.metric_capture.per_client["test_loss"]
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    store = trainer.strategy.client_store
+    with torch.no_grad():
+        for c in range(3):
+            torch.nn.utils.vector_to_parameters(store.get(c, Ditto.key), params)
+            x, y = clients[c]["test"]
+            assert per_client[c][0] == pytest.approx(float(F.cross_entropy(net(x), y)), rel=1e-5)
+    w = params_of(module)
+    with torch.no_grad():
+        for p, t in zip(params, w):
+            p.copy_(t)
+    loader = _loader(clients[3]["train"], "ditto", -1, 3)
+    for _ in range(2):
+        for x, y in loader:
+            grads = _grads(net, params, x, y)
+            with torch.no_grad():
+                for p, g, anchor in zip(params, grads, w):
+                    p -= 0.04 * (g + 0.3 * (p - anchor))
+    x, y = clients[3]["test"]
+    with torch.no_grad():
+        expected = float(F.cross_entropy(net(x), y))
+    assert per_client[3][0] == pytest.approx(expected, rel=1e-5)
+    assert store.get(3, Ditto.key) is None  # an unseen client's model is not kept
