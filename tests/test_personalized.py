@@ -630,3 +630,81 @@ def test_ditto_evaluates_seen_clients_with_their_personal_models_and_trains_an_u
         expected = float(F.cross_entropy(net(x), y))
     assert per_client[3][0] == pytest.approx(expected, rel=1e-5)
     assert store.get(3, Ditto.key) is None  # an unseen client's model is not kept
+
+
+def _unseen_client_test_loss(callback):
+    """Fit 2 rounds on 4 clients of which client 3 is unseen, then test: the global model
+    w^T, client 3's test loss as reported, and client 3's data."""
+    clients = tiny_clients()[1:5]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    dm.unseen_clients = [3]
+    module = tiny_module(LR)
+    trainer = _fit(module, [callback], dm, rounds=2)
+    trainer.test(module, datamodule=dm, verbose=False)
+    loss = trainer.strategy.metric_capture.per_client["test_loss"][3][0]
+    return params_of(module), loss, clients[3]
+
+
+def _test_loss(values, data) -> float:
+    net = tiny_module(LR).network
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), values):
+            p.copy_(v)
+        x, y = data["test"]
+        return float(F.cross_entropy(net(x), y))
+
+
+def test_apfl_adapts_an_unseen_clients_local_model_with_the_global_one_frozen():
+    """Unseen client: v and α start from w^T and α = 0.3; adapt_epochs = 2 passes of APFL's
+    v (and adaptive α) steps against the frozen w^T; tested with α v + (1 − α) w^T."""
+    callback = APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=True, alpha_lr=0.02, adapt_epochs=2)
+    w, reported, data = _unseen_client_test_loss(callback)
+    net = tiny_module(LR).network
+    v, alpha = [t.clone() for t in w], 0.3
+    loader = _loader(data["train"], "apfl", -1, 3)
+    for _ in range(2):
+        for batch in loader:
+            v, _, alpha = _apfl_step(net, batch, v, w, alpha, 0.07, 0.02)
+    mixed = [alpha * a + (1 - alpha) * b for a, b in zip(v, w)]
+    assert reported == pytest.approx(_test_loss(mixed, data), rel=1e-5)
+
+
+def test_fedrep_trains_an_unseen_clients_head_on_the_frozen_global_body():
+    """Unseen client: head_epochs = 2 passes of SGD (head_lr = 0.05) on the head of w^T,
+    the body frozen; tested with w^T's body and that head."""
+    w, reported, data = _unseen_client_test_loss(FedRep(head_epochs=2, head_lr=0.05))
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    with torch.no_grad():
+        for p, t in zip(params, w):
+            p.copy_(t)
+    head = params[2:]  # MLP(6, (8,), 3): the last Linear is the head
+    loader = _loader(data["train"], "fedrep", -1, 3)
+    for _ in range(2):
+        for x, y in loader:
+            grads = _grads(net, head, x, y)
+            with torch.no_grad():
+                for p, g in zip(head, grads):
+                    p -= 0.05 * g
+    assert reported == pytest.approx(_test_loss([p.detach() for p in params], data), rel=1e-5)
+
+
+def test_pfedme_runs_one_local_pass_for_an_unseen_client_and_tests_its_last_personal_model():
+    """Unseen client: one pass over its batches from w^T, each finding θ̂ by K = 2 proximal
+    steps (η_p = 0.05, λ = 2) and moving w ← w − ηλ(w − θ̂) at the module's η = 0.1;
+    tested with the last θ̂."""
+    lam, eta_p = 2.0, 0.05
+    w, reported, data = _unseen_client_test_loss(PFedMe(lam=lam, personal_lr=eta_p, inner_steps=2))
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    theta = None
+    for x, y in _loader(data["train"], "pfedme", -1, 3):
+        theta = [t.clone() for t in w]
+        for _ in range(2):
+            with torch.no_grad():
+                for p, t in zip(params, theta):
+                    p.copy_(t)
+            grads = _grads(net, params, x, y)
+            theta = [t - eta_p * (g + lam * (t - b)) for t, g, b in zip(theta, grads, w)]
+        w = [b - LR * lam * (b - t) for b, t in zip(w, theta)]
+    assert reported == pytest.approx(_test_loss(theta, data), rel=1e-5)
