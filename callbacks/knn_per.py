@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
 from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback
@@ -81,8 +82,7 @@ class KNNPer(FederatedCallback):
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}.")
-        if scale <= 0:
-            raise ValueError(f"scale (σ) must be > 0, got {scale}.")
+        require_rate("scale", scale, 1.0)  # σ
         if not 0.0 < capacity <= 1.0:
             raise ValueError(f"capacity is a fraction of the local data in (0, 1], got {capacity}.")
         for value in [*lambda_grid, default_lambda] + ([] if lambda_ is None else [lambda_]):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
+from lightning_fl.checks import require_rate
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, sgd
 from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
@@ -271,8 +272,8 @@ class DPSGD(FederatedCallback):
         reference_noise_multiplier: float | None = None,
         delta: float = 1e-5,
     ) -> None:
-        if noise_multiplier < 0 or max_grad_norm <= 0:
-            raise ValueError("noise_multiplier must be >= 0 and max_grad_norm > 0.")
+        require_rate("noise_multiplier", noise_multiplier, 1.0, allow_zero=True)
+        require_rate("max_grad_norm", max_grad_norm, 1.0)
         self.sigma, self.clip, self.delta = noise_multiplier, max_grad_norm, delta
         self.sigma_reference = (
             noise_multiplier if reference_noise_multiplier is None else reference_noise_multiplier

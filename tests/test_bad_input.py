@@ -12,6 +12,7 @@ import torch
 from lightning_fl import AsyncSchedule, FederatedStrategy, NonFiniteUpdateError, UniformSampler
 from lightning_fl.callbacks import (
     APFL,
+    DPSGD,
     AsynchronousFL,
     Ditto,
     FedAdam,
@@ -19,6 +20,7 @@ from lightning_fl.callbacks import (
     FedProx,
     FedRep,
     FineTune,
+    KNNPer,
     PFedMe,
 )
 from lightning_fl.datamodules import InMemoryFederatedDataModule, dirichlet_partition
@@ -280,11 +282,15 @@ def test_non_finite_rates_are_refused_by_name(make, message):
         (lambda: PFedMe(lam=math.nan), "lam is NaN"),
         (lambda: PFedMe(inner_steps=0), "inner_steps must be >= 1, got 0"),
         (lambda: FedProx(mu=math.nan), "mu is NaN: give a finite number ≥ 0"),
+        (lambda: DPSGD(noise_multiplier=math.nan), "noise_multiplier is NaN"),
+        (lambda: DPSGD(max_grad_norm=0.0), "max_grad_norm is 0.0, not > 0"),
+        (lambda: KNNPer(scale=math.nan), "scale is NaN"),
     ],
 )
 def test_personalization_and_proximal_rates_are_refused_by_name(make, message):
-    """A NaN or non-positive rate or weight of a client-side algorithm: its value and the
-    argument's name (NaN passed the comparisons these arguments were checked with)."""
+    """A NaN or non-positive rate or weight of a client-side algorithm (and DP-SGD's noise
+    and clip, kNN-Per's σ): its value and the argument's name (NaN passed the comparisons
+    these arguments were checked with)."""
     with pytest.raises(ValueError) as raised:
         make()
     assert str(raised.value).startswith(message)
