@@ -102,7 +102,7 @@ def _mixture_parameters(
     """(θ*, π*, n, rng) drawn in the chosen generator's order."""
     if num_tasks < 1 or num_components < 1 or dimension < 1:
         raise ValueError("num_tasks, num_components and dimension must be >= 1.")
-    if alpha <= 0:
+    if not alpha > 0:  # NaN too
         raise ValueError(f"alpha must be > 0, got {alpha}.")
     if generator not in ("corrected", "authors"):
         raise ValueError(f"generator must be 'corrected' or 'authors', got {generator!r}.")

@@ -378,3 +378,11 @@ def test_a_clean_round_resets_the_count_of_bad_rounds(rounds, counts, stops):
     # a round that stops training raises before its round end is recorded
     assert recorder.counts + ([2] if stops else []) == counts
     assert strategy.engine.consecutive_bad_rounds == counts[-1]
+
+
+@pytest.mark.parametrize("alpha", [0.0, math.nan])
+def test_the_synthetic_mixtures_dirichlet_alpha_is_refused_at_zero_and_nan(alpha):
+    from lightning_fl.datamodules.synthetic import generate_mixture_tasks
+
+    with pytest.raises(ValueError, match=f"alpha must be > 0, got {alpha}"):
+        generate_mixture_tasks(num_tasks=3, num_components=2, dimension=4, alpha=alpha)
