@@ -141,3 +141,26 @@ def test_compile_time_counts_the_first_call_of_each_shape_and_the_gradients_are_
         assert torch.equal(grads[0], batch) and torch.equal(grads[1], 3 * batch)
         assert torch.equal(loss, batch.sum(1) + 7.0) and metrics["acc"].shape == (rows,)
     assert gradients.seconds == 4.5
+
+
+def test_compile_seconds_count_the_first_call_of_each_new_shape_only(monkeypatch):
+    """With a clock that advances 1 s per reading, calls of (2 rows, key a), again (2, a),
+    (3 rows, a) and (2, b) time three first calls: 3 s, not the 4 calls' 4 s."""
+    from types import SimpleNamespace
+
+    from lightning_fl.engine import compiled
+
+    ticks = iter(range(100))
+    monkeypatch.setattr(compiled, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+    def client_loss(params, buffers, batch):
+        loss = ((batch @ params[0]) ** 2).sum()
+        return loss, {"loss": loss}
+
+    gradients = compiled.CompiledGradients(client_loss, trainable=[0], backend="eager")
+    for rows, key in [(2, "a"), (2, "a"), (3, "a"), (2, "b")]:
+        params = [torch.ones(rows, 3)]
+        losses, _, grads = gradients(params, [], torch.ones(rows, 4, 3), key)
+        assert losses.shape == (rows,) and grads[0].shape == (rows, 3)
+        assert torch.equal(grads[0], torch.full((rows, 3), 24.0))  # 2·Σ_b (x_b·θ)·x_b = 2·4·3
+    assert gradients.seconds == 3
