@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import unlearning as protocol
-from recipe_runs import run_recipe
+from recipe_runs import run_recipe, write_keeping_reading
 
 from lightning_fl.callbacks import Unlearning
 
@@ -101,7 +101,7 @@ def main() -> None:
                      f"{remaining} | {'yes' if max(losses) > 10 else 'no'} |")  # fmt: skip
         print(lines[-1], flush=True)
     out = protocol.RESULTS / "sifu_restart_probe.md"
-    out.write_text("\n".join(lines) + "\n")
+    write_keeping_reading(out, "\n".join(lines))
     print(f"Wrote {out}")
 
 
