@@ -706,3 +706,47 @@ def test_pfedme_runs_one_local_pass_for_an_unseen_client_and_tests_its_last_pers
             theta = [t - eta_p * (g + lam * (t - b)) for t, g, b in zip(theta, grads, w)]
         w = [b - LR * lam * (b - t) for b, t in zip(w, theta)]
     assert reported == pytest.approx(_test_loss(theta, data), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("eps1", "eps2", "round_idx", "splits"),
+    [
+        (0.75, 1.5, 20, True),  # mean 0.5 < ε1, max 2 > ε2, 3 clients, round 20 ≥ warm-up 20
+        (0.5, 0.0, 20, False),  # ‖mean‖ = ε1 exactly: not below it
+        (1.0, 2.0, 20, False),  # max ‖Δθ_i‖ = ε2 exactly: not above it
+        (0.75, 1.5, 19, False),  # before the warm-up's end
+    ],
+)
+def test_clustered_fl_split_criterion_at_its_boundaries_by_hand(eps1, eps2, round_idx, splits):
+    """Updates (2, 0), (−2, 0), (0, 1) with counts 1, 1, 2 (weights 1/4, 1/4, 1/2, exact in
+    binary): ‖Σ w_i Δθ_i‖ = ‖(0, 0.5)‖ = 0.5 and max ‖Δθ_i‖ = 2. The split is strict in both
+    thresholds (Sattler et al. Alg. 1) and needs more than 2 clients: here 3."""
+    from types import SimpleNamespace
+
+    callback = ClusteredFL(eps1=eps1, eps2=eps2, warmup_rounds=20)
+    callback.clusters, callback.models = [[0, 1, 2]], [torch.zeros(2)]
+    callback._updates = {0: torch.tensor([2.0, 0.0]), 1: torch.tensor([-2.0, 0.0]),
+                         2: torch.tensor([0.0, 1.0])}  # fmt: skip
+    state = SimpleNamespace(sample_counts=[1, 1, 2], round_idx=round_idx,
+                            global_tensors=[torch.zeros(2)])  # fmt: skip
+    callback.aggregate(None, None, state)
+    expected = [[0, 2], [1]] if splits else [[0, 1, 2]]  # cos(0, 2) = 0 > cos(0, 1) = −1
+    assert callback.clusters == expected
+    assert all(torch.equal(m, torch.tensor([0.0, 0.5])) for m in callback.models)
+
+
+def test_clustered_fl_uniform_weighting_averages_a_clusters_updates_plainly():
+    """weighting="uniform" (the authors' code): the cluster moves by the plain mean of its
+    members' updates whatever their counts (1 and 3 here), and the global model is still
+    the clusters' models weighted by their total counts."""
+    from types import SimpleNamespace
+
+    callback = ClusteredFL(eps1=0.0, weighting="uniform")
+    callback.clusters, callback.models = [[0, 1], [2]], [torch.zeros(2), torch.ones(2)]
+    callback._updates = {0: torch.tensor([1.0, 0.0]), 1: torch.tensor([0.0, 3.0]),
+                         2: torch.tensor([1.0, 1.0])}  # fmt: skip
+    state = SimpleNamespace(sample_counts=[1, 3, 4], round_idx=0, global_tensors=[torch.zeros(2)])
+    callback.aggregate(None, None, state)
+    assert torch.equal(callback.models[0], torch.tensor([0.5, 1.5]))
+    assert torch.equal(callback.models[1], torch.tensor([2.0, 2.0]))
+    assert torch.equal(state.global_tensors[0], torch.tensor([1.25, 1.75]))  # (4·m0 + 4·m1)/8
