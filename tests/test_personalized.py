@@ -236,10 +236,17 @@ def test_cosine_similarities_by_hand():
 
 
 def test_clustered_fl_without_a_split_equals_fedavg():
+    """Client 0 holds one training sample: it belongs to the cluster like any other."""
+
+    def datamodule():
+        clients = tiny_clients()
+        clients[0]["train"] = tuple(t[:1] for t in clients[0]["train"])
+        return InMemoryFederatedDataModule(clients, batch_size=BATCH)
+
     clustered = tiny_module(LR)
-    _fit(clustered, [ClusteredFL(eps1=0.0)], tiny_datamodule(BATCH), rounds=3)
+    _fit(clustered, [ClusteredFL(eps1=0.0)], datamodule(), rounds=3)
     fedavg = tiny_module(LR)
-    _fit(fedavg, [FedAvg()], tiny_datamodule(BATCH), rounds=3)
+    _fit(fedavg, [FedAvg()], datamodule(), rounds=3)
     assert max_abs_diff(params_of(clustered), params_of(fedavg)) < 1e-6
 
 
