@@ -553,7 +553,8 @@ def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_b
     seen client's validation loss is its cluster's model's; unseen client 4, whose
     validation data follow the second group and its training data the first, joins the
     cluster of lowest loss on its validation data (the second; its training data would
-    choose the first)."""
+    choose the first). Unseen client 5 has no validation data: tested, it joins the
+    cluster of lowest loss on its training data (the second group's)."""
     g = torch.Generator().manual_seed(3)
     rule = torch.randn(6, 3, generator=g)
 
@@ -565,8 +566,9 @@ def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_b
     clients = [{"train": group(n, c >= 2), "val": group(7, c >= 2)} for c, n in
                enumerate([40, 60, 50, 30])]  # fmt: skip
     clients.append({"train": group(20, False), "val": group(9, True)})
+    clients.append({"train": group(20, True), "val": group(0, True), "test": group(6, True)})
     dm = InMemoryFederatedDataModule(clients, batch_size=100)
-    dm.unseen_clients = [4]
+    dm.unseen_clients = [4, 5]
     callback = ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=1)
     strategy = FederatedStrategy(local_steps=3, seed=SEED)
     trainer = make_trainer(strategy, 3, [callback], limit_val_batches=None)
@@ -586,6 +588,10 @@ def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_b
     assert loss(1, clients[4]["val"]) < loss(0, clients[4]["val"])
     assert loss(0, clients[4]["train"]) < loss(1, clients[4]["train"])
     assert per_client[4][0] == pytest.approx(loss(1, clients[4]["val"]), rel=1e-5)
+    trainer.test(module, datamodule=dm, verbose=False)
+    tested = trainer.strategy.evaluation.last_report[1]["test_loss"]
+    assert loss(1, clients[5]["train"]) < loss(0, clients[5]["train"])
+    assert tested[5][0] == pytest.approx(loss(1, clients[5]["test"]), rel=1e-5)
 
 
 def test_finetune_leaves_validation_to_the_global_model_outside_its_stages():
