@@ -298,9 +298,10 @@ def test_personalization_and_proximal_rates_are_refused_by_name(make, message):
 
 def test_personalization_settings_at_both_ends_of_their_ranges():
     """λ = 0 (Ditto: the personal model trains alone), μ = 0 (FedProx is FedAvg), α at 0
-    and at 1 (APFL) are valid."""
+    and at 1 (APFL) and a single inner step (pFedMe) are valid."""
     assert Ditto(lam=0.0).lam == 0.0 and FedProx(mu=0.0).mu == 0.0
     assert APFL(alpha=0.0).alpha == 0.0 and APFL(alpha=1.0).alpha == 1.0
+    assert PFedMe(inner_steps=1).inner_steps == 1  # one proximal step finds θ̂
 
 
 def test_zero_momentum_and_weight_decay_are_valid():

@@ -645,17 +645,30 @@ def test_ditto_evaluates_seen_clients_with_their_personal_models_and_trains_an_u
     assert store.get(3, Ditto.key) is None  # an unseen client's model is not kept
 
 
-def _unseen_client_test_loss(callback):
-    """Fit 2 rounds on 4 clients of which client 3 is unseen, then test: the global model
-    w^T, client 3's test loss as reported, and client 3's data."""
+def _unseen_client_test_loss(callback, seen_model):
+    """Fit 2 rounds on 4 clients of which client 3 is unseen, then test: the seen clients'
+    reported test losses must be those of ``seen_model(w^T, store, client)``, their
+    personalized models. Returns w^T, client 3's reported test loss and its data."""
     clients = tiny_clients()[1:5]
     dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
     dm.unseen_clients = [3]
     module = tiny_module(LR)
     trainer = _fit(module, [callback], dm, rounds=2)
     trainer.test(module, datamodule=dm, verbose=False)
-    loss = trainer.strategy.metric_capture.per_client["test_loss"][3][0]
-    return params_of(module), loss, clients[3]
+    losses = trainer.strategy.metric_capture.per_client["test_loss"]
+    w, store = params_of(module), trainer.strategy.client_store
+    for c in range(3):
+        expected = _test_loss(seen_model(w, store, c), clients[c])
+        assert losses[c][0] == pytest.approx(expected, rel=1e-5), c
+    return w, losses[3][0], clients[3]
+
+
+def _stored(store, client, key, like):
+    flat, out, start = store.get(client, key), [], 0
+    for t in like:
+        out.append(flat[start : start + t.numel()].reshape(t.shape))
+        start += t.numel()
+    return out
 
 
 def _test_loss(values, data) -> float:
@@ -668,10 +681,16 @@ def _test_loss(values, data) -> float:
 
 
 def test_apfl_adapts_an_unseen_clients_local_model_with_the_global_one_frozen():
-    """Unseen client: v and α start from w^T and α = 0.3; adapt_epochs = 2 passes of APFL's
-    v (and adaptive α) steps against the frozen w^T; tested with α v + (1 − α) w^T."""
+    """Seen clients are tested with α_c v_c + (1 − α_c) w^T from the store. Unseen client: v and α
+    start from w^T and α = 0.3; adapt_epochs = 2 passes of APFL's v (and adaptive α) steps
+    against the frozen w^T; tested with α v + (1 − α) w^T."""
     callback = APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=True, alpha_lr=0.02, adapt_epochs=2)
-    w, reported, data = _unseen_client_test_loss(callback)
+
+    def seen(w, store, c):  # α_c v_c + (1 − α_c) w^T, each client's own α
+        alpha, v = store.get(c, APFL.alpha_key), _stored(store, c, APFL.v_key, w)
+        return [alpha * a + (1 - alpha) * b for a, b in zip(v, w)]
+
+    w, reported, data = _unseen_client_test_loss(callback, seen)
     net = tiny_module(LR).network
     v, alpha = [t.clone() for t in w], 0.3
     loader = _loader(data["train"], "apfl", -1, 3)
@@ -683,9 +702,14 @@ def test_apfl_adapts_an_unseen_clients_local_model_with_the_global_one_frozen():
 
 
 def test_fedrep_trains_an_unseen_clients_head_on_the_frozen_global_body():
-    """Unseen client: head_epochs = 1 pass of SGD (head_lr = 0.05) on the head of w^T, the
-    body frozen; tested with w^T's body and that head."""
-    w, reported, data = _unseen_client_test_loss(FedRep(head_epochs=1, head_lr=0.05))
+    """Seen clients are tested with their stored heads on w^T's body. Unseen client: head_epochs = 1
+    pass of SGD (head_lr = 0.05) on the head of w^T, the body frozen; tested with w^T's body and
+    that head."""
+
+    def seen(w, store, c):  # w^T's body, the client's own head
+        return w[:2] + _stored(store, c, FedRep.key, w[2:])
+
+    w, reported, data = _unseen_client_test_loss(FedRep(head_epochs=1, head_lr=0.05), seen)
     net = tiny_module(LR).network
     params = list(net.parameters())
     with torch.no_grad():
@@ -701,11 +725,16 @@ def test_fedrep_trains_an_unseen_clients_head_on_the_frozen_global_body():
 
 
 def test_pfedme_runs_one_local_pass_for_an_unseen_client_and_tests_its_last_personal_model():
-    """Unseen client: one pass over its batches from w^T, each finding θ̂ by K = 2 proximal
-    steps (η_p = 0.05, λ = 2) and moving w ← w − ηλ(w − θ̂) at the module's η = 0.1;
-    tested with the last θ̂."""
+    """Seen clients are tested with their stored θ̂. Unseen client: one pass over its batches from
+    w^T, each finding θ̂ by K = 2 proximal steps (η_p = 0.05, λ = 2) and moving w ← w − ηλ(w −
+    θ̂) at the module's η = 0.1; tested with the last θ̂."""
     lam, eta_p = 2.0, 0.05
-    w, reported, data = _unseen_client_test_loss(PFedMe(lam=lam, personal_lr=eta_p, inner_steps=2))
+
+    def seen(w, store, c):  # the client's last θ̂
+        return _stored(store, c, PFedMe.key, w)
+
+    callback = PFedMe(lam=lam, personal_lr=eta_p, inner_steps=2)
+    w, reported, data = _unseen_client_test_loss(callback, seen)
     net = tiny_module(LR).network
     params = list(net.parameters())
     theta = None
