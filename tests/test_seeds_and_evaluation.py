@@ -385,3 +385,21 @@ def test_client_metrics_csv_rows_by_hand(tmp_path):
         "val,2,val_loss,3,0.12345679,4",
         "test,3,test_acc,0,0.5,3",
     ]
+
+
+def test_a_capture_reset_forgets_clients_and_families_not_evaluated_again():
+    """Module sums of clients 0 and 1, then a reset and client 0 alone (a stream's client
+    outside its window is not evaluated): nothing of client 1 or of the first epoch's
+    family is left. A client whose sums count no sample is not recorded."""
+    from lightning_fl.engine.evaluation import ClientMetricCapture
+
+    capture = ClientMetricCapture()
+    for client, (total, count) in enumerate([(3.0, 2.0), (5.0, 4.0)]):
+        sums = {"val_loss": (torch.tensor(total), torch.tensor(count))}
+        capture.close_client({}, client, module_sums=sums)
+    assert dict(capture.per_client) == {"val_loss": {0: (1.5, 2.0), 1: (1.25, 4.0)}}
+    capture.reset()
+    capture.close_client({}, 0, module_sums={"val_acc": (torch.tensor(1.0), torch.tensor(4.0))})
+    capture.close_client({}, 2, module_sums={"val_acc": (torch.tensor(0.0), torch.tensor(0.0))})
+    assert dict(capture.per_client) == {"val_acc": {0: (0.25, 4.0)}}
+    assert capture.summed_names == {"val_acc"}
