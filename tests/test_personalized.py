@@ -205,9 +205,12 @@ def test_pfedme_local_and_personal_models_follow_algorithm_1():
     assert torch.allclose(stored, torch.cat([t.reshape(-1) for t in theta]), atol=1e-6)
 
 
-def test_pfedme_refuses_momentum():
+@pytest.mark.parametrize("setting", [{"momentum": 0.9}, {"optimizer": "adam"}])
+def test_pfedme_refuses_momentum_and_another_optimizer(setting):
+    """pFedMe's local step needs plain SGD: momentum, or Adam (whose groups have no
+    momentum entry), is refused."""
     module = tiny_module(LR)
-    module.hparams.momentum = 0.9
+    module.hparams.update(setting)
     with pytest.raises(ValueError, match="plain SGD"):
         _fit(module, [PFedMe()], tiny_datamodule(BATCH))
 
@@ -792,3 +795,42 @@ def test_clustered_fl_uniform_weighting_averages_a_clusters_updates_plainly():
     assert torch.equal(callback.models[0], torch.tensor([0.5, 1.5]))
     assert torch.equal(callback.models[1], torch.tensor([2.0, 2.0]))
     assert torch.equal(state.global_tensors[0], torch.tensor([1.25, 1.75]))  # (4·m0 + 4·m1)/8
+
+
+def test_fedrep_aggregates_the_bodys_buffers_and_never_moves_the_global_head():
+    """A body with BatchNorm: the updates carry its running statistics after the
+    parameters; only the head's parameters are zeroed, so the buffers are averaged like
+    the body and the global head stays at its initial value."""
+    from lightning_fl import Classifier
+
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                              torch.nn.Linear(8, 3))  # fmt: skip
+    module = Classifier(network=net, lr=LR)
+    head = [p.detach().clone() for p in net[3].parameters()]
+    _fit(
+        module, [FedRep(head_epochs=1, head_lr=0.05)], tiny_datamodule(64), rounds=2
+    )  # no batch of 1
+    assert all(torch.equal(a, b) for a, b in zip(head, net[3].parameters()))
+    assert not torch.equal(net[1].running_mean, torch.zeros(8))
+
+
+@pytest.mark.parametrize("name", ["ditto", "apfl", "fedrep", "pfedme"])
+def test_an_unseen_client_without_training_data_is_tested_with_the_global_model(name):
+    """Client 3 is unseen and has no training data, only test data: there is nothing to
+    adapt on, so each algorithm tests it with w^T itself."""
+    callback = {
+        "ditto": lambda: Ditto(lam=0.3, personal_lr=0.04),
+        "apfl": lambda: APFL(alpha=0.3, local_lr=0.07),
+        "fedrep": lambda: FedRep(head_epochs=1, head_lr=0.05),
+        "pfedme": lambda: PFedMe(lam=2.0, personal_lr=0.05, inner_steps=2),
+    }[name]()
+    clients = tiny_clients()[1:5]
+    clients[3]["train"] = tuple(t[:0] for t in clients[3]["train"])
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    dm.unseen_clients = [3]
+    module = tiny_module(LR)
+    trainer = _fit(module, [callback], dm, rounds=2)
+    trainer.test(module, datamodule=dm, verbose=False)
+    reported = trainer.strategy.metric_capture.per_client["test_loss"][3][0]
+    assert reported == pytest.approx(_test_loss(params_of(module), clients[3]), rel=1e-6)
