@@ -495,6 +495,9 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
         read_underlay("nowhere")
     with pytest.raises(TopologyError, match="no positive 'capacity'.*core_bps"):
         SiloNetwork.from_underlay("ebone", core_bps=None)
+    no_capacity = _write_gml(tmp_path / "c.gml", [(0, 1), (1, 2)])  # no capacity at all
+    with pytest.raises(TopologyError, match=r"Edge \(s0, s1\) has no positive 'capacity'"):
+        SiloNetwork.from_underlay(no_capacity, core_bps=None)
     with pytest.raises(TopologyError, match="core_bps must be > 0 bit/s, got 0"):
         SiloNetwork.from_underlay("gaia", core_bps=0)
     with pytest.raises(TopologyError, match=r"access_bps has 3 values for 11 silos"):
