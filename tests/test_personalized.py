@@ -12,6 +12,7 @@ from lightning_fl.callbacks import APFL, ClusteredFL, Ditto, FedAvg, FedRep, Fin
 from lightning_fl.callbacks.clustered import complete_linkage_bipartition
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine.seeding import derive_seed, generator
+from lightning_fl.engine.tensors import unflatten
 from tests.helpers import (
     local_sgd,
     make_trainer,
@@ -53,6 +54,18 @@ class _loader:  # noqa: N801 - used as the loader factory it replaces
 
 def _grads(net, params, x, y):
     return torch.autograd.grad(F.cross_entropy(net(x), y), params)
+
+
+def _ditto_passes(net, params, train, anchor, lam, lr, epochs, *parts):
+    """Ditto's personal update by hand, in place on ``params``: ``epochs`` passes of
+    v ← v − η_p(∇F(v) + λ(v − anchor)) over the batches seeded by ``parts``."""
+    loader = _loader(train, *parts)
+    for _ in range(epochs):
+        for x, y in loader:
+            grads = _grads(net, params, x, y)
+            with torch.no_grad():
+                for p, g, w in zip(params, grads, anchor):
+                    p -= lr * (g + lam * (p - w))
 
 
 def _strategy_batches(data, round_idx=0, client=0):
@@ -99,13 +112,7 @@ def test_ditto_personal_model_follows_its_proximal_update():
     with torch.no_grad():
         for p, w in zip(params, w0):
             p.copy_(w)
-    loader = _loader(data["train"], "ditto", 0, 0)
-    for _ in range(2):
-        for x, y in loader:
-            grads = _grads(net, params, x, y)
-            with torch.no_grad():
-                for p, g, w in zip(params, grads, w0):
-                    p -= 0.05 * (g + 0.5 * (p - w))
+    _ditto_passes(net, params, data["train"], w0, 0.5, 0.05, 2, "ditto", 0, 0)
     stored = trainer.strategy.client_store.get(0, Ditto.key)
     assert torch.allclose(stored, torch.cat([p.detach().reshape(-1) for p in params]), atol=1e-6)
 
@@ -387,13 +394,7 @@ def test_ditto_over_three_rounds_and_clients_of_unequal_size_by_hand():
             with torch.no_grad():
                 for p, v in zip(params, personal[c]):
                     p.copy_(v)
-            loader = _loader(data["train"], "ditto", r, c)
-            for _ in range(2):
-                for x, y in loader:
-                    grads = _grads(net, params, x, y)
-                    with torch.no_grad():
-                        for p, g, anchor in zip(params, grads, w):
-                            p -= 0.04 * (g + 0.3 * (p - anchor))
+            _ditto_passes(net, params, data["train"], w, 0.3, 0.04, 2, "ditto", r, c)
             personal[c] = params_of(net)
         share = sizes / sizes.sum()
         w = [sum(float(s) * e[i] for s, e in zip(share, ends)) for i in range(len(w))]
@@ -615,43 +616,27 @@ def test_ditto_evaluates_seen_clients_with_their_personal_models_and_trains_an_u
     """Clients 0-2 are tested with the personal models Ditto stored for them; client 3 is
     unseen: its personal model trains from the final global model w^T, anchored on w^T,
     for personal_epochs passes of its own batches (λ = 0.3, η_p = 0.04), before its test."""
-    clients = tiny_clients()[1:5]
-    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
-    dm.unseen_clients = [3]
-    module = tiny_module(LR)
-    trainer = _fit(module, [Ditto(lam=0.3, personal_lr=0.04, personal_epochs=2)], dm, rounds=2)
-    trainer.test(module, datamodule=dm, verbose=False)
-    per_client = trainer.strategy.metric_capture.per_client["test_loss"]
+
+    def seen(w, store, c):  # the client's stored personal model
+        return _stored(store, c, Ditto.key, w)
+
+    callback = Ditto(lam=0.3, personal_lr=0.04, personal_epochs=2)
+    w, reported, data, store = _unseen_client_test_loss(callback, seen)
     net = tiny_module(LR).network
     params = list(net.parameters())
-    store = trainer.strategy.client_store
-    with torch.no_grad():
-        for c in range(3):
-            torch.nn.utils.vector_to_parameters(store.get(c, Ditto.key), params)
-            x, y = clients[c]["test"]
-            assert per_client[c][0] == pytest.approx(float(F.cross_entropy(net(x), y)), rel=1e-5)
-    w = params_of(module)
     with torch.no_grad():
         for p, t in zip(params, w):
             p.copy_(t)
-    loader = _loader(clients[3]["train"], "ditto", -1, 3)
-    for _ in range(2):
-        for x, y in loader:
-            grads = _grads(net, params, x, y)
-            with torch.no_grad():
-                for p, g, anchor in zip(params, grads, w):
-                    p -= 0.04 * (g + 0.3 * (p - anchor))
-    x, y = clients[3]["test"]
-    with torch.no_grad():
-        expected = float(F.cross_entropy(net(x), y))
-    assert per_client[3][0] == pytest.approx(expected, rel=1e-5)
+    _ditto_passes(net, params, data["train"], w, 0.3, 0.04, 2, "ditto", -1, 3)
+    assert reported == pytest.approx(_test_loss([p.detach() for p in params], data), rel=1e-5)
     assert store.get(3, Ditto.key) is None  # an unseen client's model is not kept
 
 
 def _unseen_client_test_loss(callback, seen_model):
     """Fit 2 rounds on 4 clients of which client 3 is unseen, then test: the seen clients'
     reported test losses must be those of ``seen_model(w^T, store, client)``, their
-    personalized models. Returns w^T, client 3's reported test loss and its data."""
+    personalized models. Returns w^T, client 3's reported test loss, its data and the
+    client store."""
     clients = tiny_clients()[1:5]
     dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
     dm.unseen_clients = [3]
@@ -663,15 +648,11 @@ def _unseen_client_test_loss(callback, seen_model):
     for c in range(3):
         expected = _test_loss(seen_model(w, store, c), clients[c])
         assert losses[c][0] == pytest.approx(expected, rel=1e-5), c
-    return w, losses[3][0], clients[3]
+    return w, losses[3][0], clients[3], store
 
 
 def _stored(store, client, key, like):
-    flat, out, start = store.get(client, key), [], 0
-    for t in like:
-        out.append(flat[start : start + t.numel()].reshape(t.shape))
-        start += t.numel()
-    return out
+    return unflatten(store.get(client, key), like)
 
 
 def _test_loss(values, data) -> float:
@@ -693,7 +674,7 @@ def test_apfl_adapts_an_unseen_clients_local_model_with_the_global_one_frozen():
         alpha, v = store.get(c, APFL.alpha_key), _stored(store, c, APFL.v_key, w)
         return [alpha * a + (1 - alpha) * b for a, b in zip(v, w)]
 
-    w, reported, data = _unseen_client_test_loss(callback, seen)
+    w, reported, data, _ = _unseen_client_test_loss(callback, seen)
     net = tiny_module(LR).network
     v, alpha = [t.clone() for t in w], 0.3
     loader = _loader(data["train"], "apfl", -1, 3)
@@ -712,7 +693,7 @@ def test_fedrep_trains_an_unseen_clients_head_on_the_frozen_global_body():
     def seen(w, store, c):  # w^T's body, the client's own head
         return w[:2] + _stored(store, c, FedRep.key, w[2:])
 
-    w, reported, data = _unseen_client_test_loss(FedRep(head_epochs=1, head_lr=0.05), seen)
+    w, reported, data, _ = _unseen_client_test_loss(FedRep(head_epochs=1, head_lr=0.05), seen)
     net = tiny_module(LR).network
     params = list(net.parameters())
     with torch.no_grad():
@@ -737,7 +718,7 @@ def test_pfedme_runs_one_local_pass_for_an_unseen_client_and_tests_its_last_pers
         return _stored(store, c, PFedMe.key, w)
 
     callback = PFedMe(lam=lam, personal_lr=eta_p, inner_steps=2)
-    w, reported, data = _unseen_client_test_loss(callback, seen)
+    w, reported, data, _ = _unseen_client_test_loss(callback, seen)
     net = tiny_module(LR).network
     params = list(net.parameters())
     theta = None
