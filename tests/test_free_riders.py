@@ -155,3 +155,92 @@ def test_the_recipes_documented_flags_reach_the_free_riders(tmp_path):
     assert (riders.mode, riders.gamma) == ("plain", 2.0)
     (checkpoint,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     assert checkpoint.mode == "min"
+
+
+def test_zero_free_riders_leave_fedavg_exactly_as_it_is():
+    """K = 0 is the attack's lower end: the fair clients keep M_j/N_fair, the model is plain
+    FedAvg's to the bit, and the share is 0."""
+    reference, _ = _fit([FedAvg()])
+    attack = FreeRiders(0, "disguised", coef=3.0)
+    attacked, _ = _fit([FedAvg(), attack])
+    assert max_abs_diff(params_of(reference), params_of(attacked)) == 0.0
+    assert attack.free_rider_share == 0.0 and attack.updates == {}
+
+
+def test_the_default_declared_size_is_the_fair_mean_rounded_to_the_nearest_sample():
+    """Fair clients of 4, 18 and 25 samples: the mean 15.67 declares 16 samples a rider
+    (not 15, the mean cut down, nor the fraction itself), so two plain riders take
+    32/79 of the weight and FedAvg runs with η_g = 47/79."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    def fit(callbacks):
+        module = _tiny_module(0.1)
+        clients = [tiny_clients(num_clients=4)[c] for c in (0, 2, 3)]
+        assert [len(c["train"][1]) for c in clients] == [4, 18, 25]
+        trainer = make_trainer(FederatedStrategy(local_steps=3, seed=2), ROUNDS, callbacks)
+        trainer.fit(module, datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+        return module
+
+    attack = FreeRiders(2, "plain")
+    attacked = fit([FedAvg(), attack])
+    reference = fit([FedAvg(server_lr=47 / 79)])
+    assert attack.free_rider_share == 32 / 79
+    assert max_abs_diff(params_of(reference), params_of(attacked)) < 1e-7
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(coef=-1.0), "coef and gamma must be >= 0"),
+        (dict(gamma=-0.5), "coef and gamma must be >= 0"),
+        (dict(coef=float("nan")), "coef and gamma must be >= 0"),
+        (dict(gamma=float("nan")), "coef and gamma must be >= 0"),
+    ],
+)
+def test_a_negative_or_nan_coef_or_gamma_alone_is_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        FreeRiders(2, "disguised", **settings)
+
+
+def test_coef_and_gamma_at_zero_are_accepted_and_mean_what_they_say():
+    """coef = 0: a disguised rider sends φ = 0 from round 1 on (round 0's 10⁻³ aside);
+    γ = 0: no decay, φ(t) = coef·σ for every t."""
+    still = FreeRiders(1, "disguised", coef=0.0)
+    flat = FreeRiders(1, "disguised", coef=2.0, gamma=0.0)
+    _fit([FedAvg(), still])
+    _fit([FedAvg(), flat])
+    assert [still.phi(t) for t in (1, 2, 5)] == [0.0, 0.0, 0.0]
+    assert [flat.phi(t) for t in (1, 2, 5)] == [2.0 * flat.sigma] * 3
+    assert float(still.updates[5].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("z", [0.0, -1.0, float("nan")])
+def test_a_detector_threshold_at_or_below_zero_is_refused(z):
+    with pytest.raises(ValueError, match="z must be > 0"):
+        FreeRiderDetector(z=z)
+
+
+def test_the_detector_judges_a_round_of_exactly_two_updates():
+    """One fair client and one plain rider: the rider's zero update is flagged, and the fair
+    client is not, though its only other update has no direction to compare with."""
+    detector = FreeRiderDetector()
+    _, trainer = _fit([FedAvg(), FreeRiders(1, "plain"), detector], num_clients=1)
+    assert detector.flagged == [1]
+    assert trainer.callback_metrics["free_riders/detection_rate"].item() == 1.0
+    assert trainer.callback_metrics["free_riders/false_alarm_rate"].item() == 0.0
+
+
+def test_the_detector_threshold_is_strict_and_needs_a_direction_to_compare_with():
+    """d = 4: e₁ against the other update (1, 1, 1, 1) has cosine 1/2 exactly, the threshold
+    z/√d of z = 1, so it is not flagged (|cos| < z/√d), and is just above it. An update whose
+    others cancel (mean 0) or are all zero is not flagged: nothing to compare with."""
+    e1 = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    ones = torch.ones(4, dtype=torch.float64)
+    updates = {0: e1, 1: ones}
+    assert not FreeRiderDetector(z=1.0)._suspicious(0, e1, updates)
+    assert FreeRiderDetector(z=1.0 + 1e-9)._suspicious(0, e1, updates)
+    cancelling = {0: e1, 1: ones, 2: -ones}
+    assert not FreeRiderDetector(z=10.0)._suspicious(0, e1, cancelling)
+    silent = {0: e1, 1: torch.zeros(4, dtype=torch.float64)}
+    assert not FreeRiderDetector(z=10.0)._suspicious(0, e1, silent)
+    assert FreeRiderDetector(z=10.0)._suspicious(1, silent[1], silent)
