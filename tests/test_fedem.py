@@ -284,3 +284,27 @@ def test_the_em_surrogate_is_the_training_loss_only():
         mixture.train()
         mixture.responsibilities = None
         assert torch.allclose(mixture.loss_and_metrics((x, y))[0], nll, atol=1e-6)
+
+
+def test_the_logged_entropy_and_the_seen_clients_test_loss_use_each_clients_own_pi():
+    """Three rounds of Alg. 7 by hand give every client's π_t^3. ``fedem/pi_entropy`` is
+    the mean of H(π_t) = −Σ_m π_tm log π_tm over the round's clients, and a seen client is
+    tested with the mixture Σ_m π_tm softmax(h_θm(x)) of its own π (3.5): the test loss is
+    the mean, over the clients' three test samples each, of that mixture's NLL."""
+    module = mixture(2)
+    trainer = _fit(module, [FedEM()], rounds=3)
+    _, pis = _reference_fedem(3)
+    entropies = [float(-(pi * pi.log()).sum()) for pi in pis.values()]
+    logged = float(trainer.callback_metrics["fedem/pi_entropy"])
+    assert abs(logged - sum(entropies) / len(entropies)) < 1e-6
+    clients = tiny_clients()
+    losses = []
+    with torch.no_grad():
+        for c, data in enumerate(clients):
+            x, y = data["test"]
+            probs = sum(w * h(x).softmax(-1) for w, h in zip(pis[c], module.network))
+            losses.append(F.nll_loss(probs.log(), y))
+    results = trainer.test(module, datamodule=tiny_datamodule(BATCH), verbose=False)[0]
+    assert abs(results["test_loss/weighted"] - float(torch.stack(losses).mean())) < 1e-5
+    # after the clients' evaluation the module is back on the uniform π
+    assert torch.allclose(module.log_mixture_weights.exp(), torch.full((2,), 0.5))
