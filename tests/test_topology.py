@@ -597,3 +597,93 @@ def test_the_shipped_networks_match_the_papers_sizes():
     two_steps = MaxPlusClock(np.array([[2.0, 5.0], [1.0, 3.0]]), steps_per_round=2)  # STAR's
     assert two_steps.advance() == 8.0 and two_steps.times.tolist() == [6.0, 8.0]
     assert two_steps.advance() == 14.0  # t(4) = (10, 14)
+
+
+def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_scaled_steps():
+    """Three clients of 4, 11 and 18 samples, W doubly stochastic but not symmetric (W[s][t]
+    is what t takes from s), ``step_scale="samples"``: each round, client t runs its steps
+    from its own model at lr·T·n_t/n (Alg. 8), then θ_t = Σ_s W_st θ_s (eq. 2.2); the
+    global model is Σ_t (n_t/n) θ_t. Written out over three rounds."""
+    import copy
+
+    from tests.helpers import local_sgd, tiny_clients
+
+    w = [[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.3, 0.2, 0.5]]
+    clients = tiny_clients(num_clients=3)
+    counts = [len(c["train"][1]) for c in clients]
+    assert counts == [4, 11, 18]
+    lr, steps, seed, rounds = 0.1, 3, 2, 3
+    gossip = GossipAveraging(mixing_matrix=w)
+    module = tiny_module(lr)
+    trainer = make_trainer(FederatedStrategy(local_steps=steps, seed=seed), rounds, [gossip])
+    trainer.fit(module, datamodule=tiny_datamodule(num_clients=3))
+
+    start = tiny_module(lr).network
+    models = [copy.deepcopy(start) for _ in range(3)]
+    for r in range(rounds):
+        for c, net in enumerate(models):
+            scaled = lr * 3 * counts[c] / sum(counts)
+            local_sgd(net, clients[c]["train"], steps, scaled, 4, seed, r, c)
+        halves = [torch.cat([p.detach().flatten() for p in net.parameters()]) for net in models]
+        for t, net in enumerate(models):
+            mixed = sum(w[s][t] * halves[s] for s in range(3))
+            torch.nn.utils.vector_to_parameters(mixed, net.parameters())
+    for t in range(3):
+        own = torch.cat([p.detach().flatten() for p in models[t].parameters()])
+        stored = trainer.strategy.client_store.get(t, "gossip_model")
+        assert float((stored - own).abs().max()) < 1e-6
+    average = sum(
+        n / sum(counts) * torch.cat([p.detach().flatten() for p in net.parameters()])
+        for n, net in zip(counts, models)
+    )
+    got = torch.cat([p.detach().flatten() for p in module.parameters()])
+    assert float((got - average).abs().max()) < 1e-6
+
+
+def test_metropolis_weights_of_a_path_and_a_star_by_hand():
+    """W_st = 1/(1 + max(d_s, d_t)) on edges, W_tt = 1 − Σ_s W_st: the path 0–1–2
+    (degrees 1, 2, 1) and the star centred on 0 with three leaves (degrees 3, 1, 1, 1)."""
+    from lightning_fl.callbacks.gossip import metropolis_weights
+
+    path = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
+    third = 1 / 3
+    expected = [[1 - third, third, 0.0], [third, third, third], [0.0, third, 1 - third]]
+    assert torch.allclose(metropolis_weights(path), torch.tensor(expected, dtype=torch.float64))
+    star = torch.zeros(4, 4, dtype=torch.bool)
+    star[0, 1:] = star[1:, 0] = True
+    expected = [[0.25, 0.25, 0.25, 0.25]] + [[0.25] + [0.75 if i == j else 0.0 for j in (1, 2, 3)]
+                                             for i in (1, 2, 3)]  # fmt: skip
+    assert torch.allclose(metropolis_weights(star), torch.tensor(expected, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("p", [0.0, -0.1, 1.5])
+def test_an_edge_probability_outside_0_1_is_refused(p):
+    from lightning_fl.callbacks.gossip import erdos_renyi
+
+    with pytest.raises(ValueError, match="edge_probability must be in"):
+        erdos_renyi(5, p, seed=0)
+
+
+def test_an_edge_probability_of_one_draws_the_complete_graph():
+    from lightning_fl.callbacks.gossip import erdos_renyi
+
+    assert torch.equal(erdos_renyi(6, 1.0, seed=3), ~torch.eye(6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "matrix, message",
+    [
+        ([[0.5, 0.5], [0.5, 0.5]], "mixing_matrix is \\(2, 2\\) but 3 clients"),
+        ([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.5, 0.0, 0.5]], "doubly stochastic"),
+        ([[0.6, 0.2, 0.2], [0.2, 0.6, 0.2], [0.1, 0.1, 0.8]], "doubly stochastic"),
+        ([[0.6, 0.2, 0.1], [0.2, 0.6, 0.1], [0.2, 0.2, 0.8]], "doubly stochastic"),
+    ],
+)
+def test_a_mixing_matrix_of_the_wrong_shape_or_not_doubly_stochastic_is_refused(matrix, message):
+    """The second and third matrices' rows sum to 1 and their columns do not; the fourth
+    is the third transposed (columns sum to 1, rows 0.9, 0.9, 1.2)."""
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=1), 1, [GossipAveraging(mixing_matrix=matrix)]
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
