@@ -7,6 +7,7 @@ import csv
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import KNNPer
@@ -242,3 +243,29 @@ def test_ivf_from_exactly_nlist_keys_probes_one_cell_and_missing_neighbours_weig
     distances, found = flat.search(query, 3)  # fewer keys than cells: exact search
     assert torch.allclose(distances, torch.tensor([[1.0, 9.0, 101.0**0.5]]))
     assert found.tolist() == [[1, 2, 0]]
+
+
+def test_an_intermediate_lambda_with_the_authors_squared_kernel_scores_the_mixture_by_hand():
+    """λ = 0.3, k = 4, the authors' kernel exp(−‖z − z'‖²/scale) (``squared_distance``),
+    scale 2: each client's test loss is the NLL of 0.3·p_kNN + 0.7·softmax(h(x)) (eq. 3.33)
+    over its test samples, and ``knn_per/lambda_mean`` is 0.3."""
+    module = _trained()
+    k, scale, lam = 4, 2.0, 0.3
+    knn_per = KNNPer(lambda_=lam, k=k, scale=scale, squared_distance=True)
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, [knn_per])
+    trainer.test(module, datamodule=tiny_datamodule(), verbose=False)
+    losses = dict(trainer.strategy.metric_capture.per_client["test_loss"])
+    assert float(trainer.callback_metrics["knn_per/lambda_mean"]) == pytest.approx(lam)
+    net = module.network.net
+    embed = torch.nn.Sequential(*list(net)[:-1])
+    for c, data in enumerate(tiny_clients()):
+        x, y = data["test"]
+        with torch.no_grad():
+            keys, queries = embed(data["train"][0]), embed(x)
+            model_probs = torch.softmax(module.network(x), dim=1)
+        dist, idx = torch.cdist(queries, keys).topk(min(k, len(keys)), largest=False)
+        votes = torch.zeros(len(queries), 3)
+        votes.scatter_add_(1, data["train"][1][idx], torch.exp(-(dist**2) / scale))
+        knn = votes / votes.sum(1, keepdim=True)
+        expected = F.nll_loss(torch.log(lam * knn + (1 - lam) * model_probs), y)
+        assert losses[c][0] == pytest.approx(float(expected), abs=1e-5), c
