@@ -16,6 +16,14 @@ run's), and the module is restored, whatever happens. A mutant is caught when th
 fail or time out. The summary line and the survivors go to stdout and, with ``--json``,
 to a file.
 
+From the command line each mutant's tests run in a fork of the runner, which imported
+torch, Lightning and the other heavy libraries once (:data:`PRELOADED`) and never the
+project: the child imports the mutated module from disk and writes no bytecode (a cached
+``.pyc`` is checked against the source's size and modification time only, which a
+mutant can share with the original). That is about 3.5 times faster than an interpreter
+per mutant (benchmarks/results/mutation.md); ``main(fork=False)``, the default from
+Python, keeps the interpreter per run.
+
 Only the tests that execute a mutant's lines run against it: the clean run is measured
 by coverage.py with one context per test (this module is its pytest plugin), and a
 mutant on lines that no test executes survives without a run. A mutant's tests run
@@ -181,24 +189,70 @@ def _replace(tree: ast.Module, old: ast.AST, new: ast.AST) -> None:
                 return
 
 
-def run_tests(tests: list[str], timeout: float, coverage_of: Path | None = None) -> bool:
+def run_tests(
+    tests: list[str], timeout: float, coverage_of: Path | None = None, fork: bool = False
+) -> bool:
     """Whether the tests pass (False on a failure or a timeout). With ``coverage_of``
     (a module's file), the run is measured: which test executes which of its lines
-    (:func:`covering_tests` reads it)."""
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    (:func:`covering_tests` reads it). With ``fork``, an unmeasured run is a fork of this
+    process (:func:`_run_forked`) instead of a new interpreter."""
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    options = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    if fork and coverage_of is None and hasattr(os, "fork"):
+        return _run_forked([*options, *tests], timeout, env)
     runner = [sys.executable, "-m"]
     if coverage_of is not None:
         env[_DURATIONS_VARIABLE] = str(_durations_file())
         runner += ["coverage", "run", f"--data-file={_coverage_data()}",
                    f"--include=*/{coverage_of.name}", "-m"]  # fmt: skip
         tests = ["-p", "tests.mutate", *tests]
-    command = [*runner, "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-               *tests]  # fmt: skip
+    command = [*runner, "pytest", *options, *tests]
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False
     return result.returncode == 0
+
+
+#: Libraries a fork inherits already imported (the project itself is imported by each
+#: child, from the mutated file): a test run then costs its tests, not their imports.
+PRELOADED = ("numpy", "torch", "lightning.pytorch", "torchmetrics", "jsonargparse", "faiss")
+
+
+def preload_libraries() -> None:
+    """Import :data:`PRELOADED` (those installed) into this process, before any fork."""
+    for name in PRELOADED:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
+
+
+def _run_forked(arguments: list[str], timeout: float, env: dict[str, str]) -> bool:
+    """pytest ``arguments`` in a forked child, which imports the project afresh (this
+    process never imports it) and writes no bytecode; killed after ``timeout`` seconds."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.environ.update(env)
+            sys.dont_write_bytecode = True
+            os.chdir(ROOT)
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
+            code = int(pytest.main(arguments))
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return False
+        time.sleep(0.02)
 
 
 def _coverage_data() -> Path:
@@ -288,7 +342,8 @@ def _same(mutant: Mutant, earlier: dict) -> bool:
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, fork: bool = False) -> int:
+    """The command line; ``fork``: each mutant's tests in a fork (:func:`run_tests`)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("module", type=Path, help="the module's file, from the repository root")
     parser.add_argument(
@@ -322,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             tests = args.tests if lines is None else tests_for(mutant, lines, seconds)
             path.write_text(mutated_source(original, mutant))
-            if not tests or run_tests(tests, timeout):
+            if not tests or run_tests(tests, timeout, fork=fork):
                 survivors.append(mutant)
                 why = "" if tests else " (no test runs it)"
                 print(f"survived: {args.module}:{mutant.line} {mutant.description}{why}",
@@ -346,4 +401,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # a SIGTERM (``timeout``, a CI limit) unwinds through ``finally``: the module is restored
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    sys.exit(main())
+    preload_libraries()
+    sys.exit(main(fork=True))

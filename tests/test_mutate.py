@@ -5,6 +5,7 @@ survivors exactly the mutants the tests cannot tell apart."""
 from __future__ import annotations
 
 import json
+import os
 
 from tests.mutate import main, mutants, mutated_source
 
@@ -155,3 +156,37 @@ def test_a_mutants_tests_run_fastest_first_by_their_clean_run_times(tmp_path):
     assert run_tests(ordered, 600)
     assert log.read_text() == "fast slow slowest "
     assert tests_for(mutants(TWO)[0], covering_tests(module)) == sorted(names)  # no times
+
+
+def test_a_forked_run_imports_the_module_as_written_now_and_is_killed_at_its_time_limit(
+    tmp_path, monkeypatch
+):
+    """The fork mode (the command line's): each child imports the module from disk, so a
+    bug written after an earlier run is seen (no module or bytecode kept from it: the bug
+    has the source's size and, set here, its modification time, which is all a cached
+    ``.pyc`` is checked against), and
+    the whole runner with ``fork=True`` finds what the interpreter-per-run mode finds; a
+    child past its time limit is killed and counts as a failure."""
+    import sys
+
+    from tests.mutate import run_tests
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as a fork would inherit it
+    module, tests = tmp_path / "clamp.py", tmp_path / "test_clamp.py"
+    tests.write_text(TESTS.format(folder=str(tmp_path)))
+    module.write_text(MODULE)
+    assert run_tests([str(tests)], 600, fork=True)
+    written = module.stat()
+    module.write_text(MODULE.replace("min(x, high)", "max(x, high)"))
+    os.utime(module, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert not run_tests([str(tests)], 600, fork=True)
+    module.write_text(MODULE)
+    assert run_tests([str(tests)], 600, fork=True)
+    module.write_text(MODULE.replace('"""x within [low, high]."""', "while True: pass"))
+    assert not run_tests([str(tests)], 2, fork=True)
+    module.write_text(MODULE)
+    result = tmp_path / "result.json"
+    assert main([str(module), str(tests), "--json", str(result)], fork=True) == 0
+    summary = json.loads(result.read_text())
+    assert (summary["mutants"], summary["caught"]) == (2, 1)
+    assert module.read_text() == MODULE
