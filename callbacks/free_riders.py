@@ -37,9 +37,10 @@ class FreeRiders(FederatedCallback):
         declared_samples: M_k; by default the mean training size of the fair clients.
         coef: the multiple of σ (the paper's σ and 3σ).
         gamma: γ of the decay t^{−γ}.
-        sigma_estimate: how σ is read from the first global increment Δ = θ̃^1 − θ̃^0:
+        sigma_estimate: how σ is read from the first global increment Δ = θ̃^1 − θ̃^0
+            (of the first round the riders take part in, when they join a resumed run):
             ``"std"`` fits a zero-mean Gaussian to its entries, sqrt(mean Δ²) (the thesis);
-            ``"mean_abs"`` is mean |Δ| (the authors' code). Round 0 uses 10⁻³.
+            ``"mean_abs"`` is mean |Δ| (the authors' code). Their first round uses 10⁻³.
         seed: the noise's seed, mixed with the round and the free-rider's id.
     """
 
@@ -111,7 +112,7 @@ class FreeRiders(FederatedCallback):
         return self.coef * self.sigma * max(round_idx, 1) ** (-self.gamma)
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if state.round_idx == 0 and self.first_global is None:
+        if self.first_global is None:  # round 0, or the first round of a rider added later
             self.first_global = flatten(state.global_tensors).clone()
         elif self.sigma is None and self.first_global is not None:
             increment = flatten(state.global_tensors) - self.first_global

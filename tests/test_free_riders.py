@@ -210,7 +210,7 @@ def test_coef_and_gamma_at_zero_are_accepted_and_mean_what_they_say():
     _fit([FedAvg(), still])
     _fit([FedAvg(), flat])
     assert [still.phi(t) for t in (1, 2, 5)] == [0.0, 0.0, 0.0]
-    assert [flat.phi(t) for t in (1, 2, 5)] == [2.0 * flat.sigma] * 3
+    assert [flat.phi(t) for t in (0, 1, 2, 5)] == [2.0 * flat.sigma] * 4  # t⁰ = max(0, 1)⁰
     assert float(still.updates[5].abs().max()) == 0.0
 
 
@@ -244,3 +244,67 @@ def test_the_detector_threshold_is_strict_and_needs_a_direction_to_compare_with(
     silent = {0: e1, 1: torch.zeros(4, dtype=torch.float64)}
     assert not FreeRiderDetector(z=10.0)._suspicious(0, e1, silent)
     assert FreeRiderDetector(z=10.0)._suspicious(1, silent[1], silent)
+
+
+def test_the_fair_mean_counts_every_client_with_data_and_only_those():
+    """Clients of 4, 18, 25, 1 and 0 training samples: the four with data have mean 12
+    (not 9.6 over all five, nor 15.67 without the one-sample client), so two riders
+    declare 24 of 72 samples."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = [tiny_clients(num_clients=4)[c] for c in (0, 2, 3)]
+    one, empty = dict(clients[0]), dict(clients[0])
+    one["train"] = tuple(t[:1] for t in clients[0]["train"])
+    empty["train"] = tuple(t[:0] for t in clients[0]["train"])
+    attack = FreeRiders(2, "plain")
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=2), 1, [FedAvg(), attack])
+    datamodule = InMemoryFederatedDataModule([*clients, one, empty], batch_size=4)
+    trainer.fit(_tiny_module(0.1), datamodule=datamodule)
+    assert attack.free_rider_share == 24 / 72
+
+
+def test_the_detector_rates_count_flagged_riders_and_fair_clients_apart():
+    """d = 4, z = 1 (|cos| < 1/2 flagged). Fair updates (1, 1, 1, 1), (1, 1, 1, 0.9), 0 and
+    (1, 1, 1, 1.1); riders 0 and (1, 1, 1, 1.2). Flagged: the two zero updates only (every
+    other update's cosine with its others' mean is above 0.9), so the detection rate is
+    1/2 and the false-alarm rate 1/4."""
+    from types import SimpleNamespace
+
+    fair = [[1, 1, 1, 1], [1, 1, 1, 0.9], [0, 0, 0, 0], [1, 1, 1, 1.1]]
+    attack = FreeRiders(2, "plain")
+    attack.updates = {4: torch.zeros(4), 5: torch.tensor([1.0, 1.0, 1.0, 1.2])}
+    logged = {}
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.__setitem__(name, value))
+    trainer = SimpleNamespace(callbacks=[attack])
+    detector = FreeRiderDetector(z=1.0)
+    detector.on_round_start(trainer, module, None)
+    for client, update in enumerate(fair):
+        detector.on_client_end(trainer, module, client, [torch.tensor(update)], None)
+    detector.on_train_epoch_end(trainer, module)
+    assert sorted(detector.flagged) == [2, 4]
+    assert logged == {"free_riders/detection_rate": 0.5, "free_riders/false_alarm_rate": 0.25}
+
+
+def test_riders_that_join_a_resumed_run_read_sigma_from_their_first_round(tmp_path):
+    """Two rounds without riders, checkpointed; resumed with disguised riders for three
+    more: σ is fitted to the global increment of round 2 (the riders' first, whose noise
+    is 10⁻³), sqrt(mean Δ²), and the rounds after it use coef·σ·t^{−γ}."""
+    from lightning.pytorch import Callback
+
+    checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
+    _fit([FedAvg(), checkpoint], rounds=2, enable_checkpointing=True)
+    starts = []
+
+    class Record(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            starts.append(torch.cat([p.detach().flatten() for p in pl_module.parameters()]))
+
+    attack = FreeRiders(3, "disguised", coef=3.0)
+    trainer = make_trainer(FederatedStrategy(local_steps=3, seed=2), 5, [FedAvg(), attack,
+                                                                         Record()])  # fmt: skip
+    trainer.fit(_tiny_module(0.1, seed=7), datamodule=tiny_datamodule(num_clients=5),
+                ckpt_path=str(tmp_path / "epoch=1.ckpt"), weights_only=True)  # fmt: skip
+    increment = (starts[1] - starts[0]).double()
+    assert attack.sigma == pytest.approx(float(increment.pow(2).mean().sqrt()), rel=1e-5)
+    assert attack.phi(4) == pytest.approx(3.0 * attack.sigma / 4)
+    assert attack.phi(0) == attack.phi(1) == pytest.approx(3.0 * attack.sigma)  # max(t, 1)
