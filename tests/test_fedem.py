@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -80,9 +81,9 @@ def test_one_component_mixture_trains_like_fedavg():
     assert max_abs_diff(params_of(fedem), params_of(fedavg)) < 1e-6
 
 
-def _reference_fedem(rounds: int, m: int = 2):
+def _reference_fedem(rounds: int, m: int = 2, history: list | None = None):
     """Alg. 7 written out: E-step with θ^{k−1} and π^{k−1}, π update, J SGD steps on the
-    q-weighted loss, θ_m^k = Σ_t (n_t/n) θ_{m,t}^k."""
+    q-weighted loss, θ_m^k = Σ_t (n_t/n) θ_{m,t}^k. ``history`` receives each round's π."""
     clients = tiny_clients()
     components = mixture(m).network
     theta = params_of(components)
@@ -107,6 +108,8 @@ def _reference_fedem(rounds: int, m: int = 2):
             for acc, prm in zip(new_theta, components.parameters()):
                 acc += float(p[c]) * prm.detach()
         theta = new_theta
+        if history is not None:
+            history.append(dict(pis))
     return theta, pis
 
 
@@ -308,3 +311,30 @@ def test_the_logged_entropy_and_the_seen_clients_test_loss_use_each_clients_own_
     assert abs(results["test_loss/weighted"] - float(torch.stack(losses).mean())) < 1e-5
     # after the clients' evaluation the module is back on the uniform π
     assert torch.allclose(module.log_mixture_weights.exp(), torch.full((2,), 0.5))
+
+
+def test_each_clients_training_steps_score_the_mixture_of_its_new_pi():
+    """While client t trains in round k, the module's mixture weights are π_t^k, the M-step's
+    result (the training accuracy is the mixture's under them): recorded at every step's
+    backward, client by client (full participation, three steps each), against Alg. 7 by hand."""
+    from lightning.pytorch import Callback
+
+    seen = []
+
+    class Record(Callback):
+        def on_before_backward(self, trainer, pl_module, loss):  # inside the client's step
+            seen.append(pl_module.log_mixture_weights.exp().detach().clone())
+
+    _fit(mixture(2), [FedEM(), Record()], rounds=3)
+    history = []
+    _reference_fedem(3, history=history)
+    expected = [history[r][c] for r in range(3) for c in range(10) for _ in range(STEPS)]
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_fedem_refuses_a_module_that_is_not_a_mixture():
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [FedEM()])
+    with pytest.raises(TypeError, match="wrap your network as MixtureClassifier"):
+        trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
