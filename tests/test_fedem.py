@@ -338,3 +338,14 @@ def test_fedem_refuses_a_module_that_is_not_a_mixture():
     trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [FedEM()])
     with pytest.raises(TypeError, match="wrap your network as MixtureClassifier"):
         trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
+
+
+def test_the_entropy_of_a_round_with_one_client_is_that_clients():
+    """One client in the federation: ``fedem/pi_entropy`` is H(π) of its π after the last
+    round (a round's mean over one client is logged too)."""
+    dm = InMemoryFederatedDataModule(tiny_clients(num_clients=2)[1:], batch_size=BATCH)
+    trainer = _fit(mixture(2), [FedEM()], rounds=2, dm=dm)
+    pi = trainer.strategy.client_store.get(0, STORE_KEY)
+    assert float(trainer.callback_metrics["fedem/pi_entropy"]) == pytest.approx(
+        float(-(pi * pi.log()).sum()), abs=1e-6
+    )
