@@ -349,3 +349,11 @@ def test_the_entropy_of_a_round_with_one_client_is_that_clients():
     assert float(trainer.callback_metrics["fedem/pi_entropy"]) == pytest.approx(
         float(-(pi * pi.log()).sum()), abs=1e-6
     )
+
+
+def test_after_fit_the_module_predicts_with_the_uniform_mixture():
+    """The global model is Σ_m softmax(h_θm)/M: no client's π stays on the module when the
+    round ends, even without a validation pass (whose client evaluations reset it too)."""
+    module = mixture(2)
+    _fit(module, [FedEM()], rounds=2, limit_val_batches=0)
+    assert torch.equal(module.log_mixture_weights.exp(), torch.full((2,), 0.5))
