@@ -224,6 +224,10 @@ def test_a_plain_modules_logged_values_are_reported_per_client_by_hand():
     assert float(metrics["val_loss/p90"]) == pytest.approx(float(torch.quantile(losses, 0.9)))
     unseen_mean = (expected["val_loss"][8][0] + expected["val_loss"][9][0]) / 2
     assert float(metrics["val_loss/unseen/uniform"]) == pytest.approx(unseen_mean, rel=1e-5)
+    # Lightning's own epoch value of what the module logs: the seen clients' batches only
+    # (the unseen clients' are taken back out of its sums)
+    seen_weighted = sum(v * n for v, n in seen.values()) / sum(n for _, n in seen.values())
+    assert float(metrics["val_loss"]) == pytest.approx(seen_weighted, rel=1e-5)
     assert "val_confidence/p10" in metrics
     absent = {"val_acc", "val_acc/uniform", "val_loss/p10", "val_confidence/p90"}
     assert not absent & set(metrics)
