@@ -351,27 +351,35 @@ def test_torchmetrics_values_per_client_in_every_epoch_and_stage_apart():
     every client's data, and never per client."""
     from torchmetrics.classification import MulticlassAccuracy
 
-    dm = tiny_datamodule(num_clients=5)
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients(5)
+    for c, size in enumerate((1, 2, 3, 3, 2)):  # validation sets of unequal sizes
+        clients[c]["val"] = tuple(t[:size] for t in clients[c]["val"])
+    dm = InMemoryFederatedDataModule(clients, batch_size=4)
     module = _TorchmetricsValidation()
     trainer = make_trainer(FederatedStrategy(local_steps=2, seed=5), 3, [FedAvg()],
                            limit_val_batches=None)  # fmt: skip
     trainer.fit(module, datamodule=dm)
     stage, per_client, _ = trainer.strategy.evaluation.last_report
     assert stage == "val" and set(per_client) == {"val_macro"}
+    values = []
     with torch.no_grad():
-        for c, client in enumerate(tiny_clients(5)):
+        for c, client in enumerate(clients):
             x, y = client["val"]
             reference = MulticlassAccuracy(num_classes=OUT, average="macro")
-            assert per_client["val_macro"][c][0] == pytest.approx(
-                float(reference(module.network(x), y)), abs=1e-6
-            ), c
+            values.append((float(reference(module.network(x), y)), len(y)))
+            assert per_client["val_macro"][c] == pytest.approx(values[-1], abs=1e-6), c
+    # weighted by each client's validation samples (a Metric does not count them)
+    weighted = sum(v * n for v, n in values) / sum(n for _, n in values)
+    assert float(trainer.callback_metrics["val_macro/weighted"]) == pytest.approx(weighted)
     with pytest.warns(UserWarning, match="test_top: MaxMetric has states reduced by max") as w:
         trainer.test(module, datamodule=dm, verbose=False)
     assert sum("cannot be split per client" in str(r.message) for r in w) == 1
     stage, per_client, _ = trainer.strategy.evaluation.last_report
     assert stage == "test" and set(per_client) == {"test_macro"}
     with torch.no_grad():
-        top = max(float(module.network(c["test"][0]).max()) for c in tiny_clients(5))
+        top = max(float(module.network(c["test"][0]).max()) for c in clients)
     assert float(trainer.callback_metrics["test_top"]) == pytest.approx(top, rel=1e-6)
 
 
