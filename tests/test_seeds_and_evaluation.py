@@ -415,3 +415,20 @@ def test_a_capture_reset_forgets_clients_and_families_not_evaluated_again():
     capture.close_client({}, 2, module_sums={"val_acc": (torch.tensor(0.0), torch.tensor(0.0))})
     assert dict(capture.per_client) == {"val_acc": {0: (0.25, 4.0)}}
     assert capture.summed_names == {"val_acc"}
+
+
+def test_a_batch_limit_that_cuts_a_client_reports_the_batches_it_ran():
+    """``limit_test_batches=5`` over clients of 3 test samples in batches of 2: clients 0
+    and 1 run both their batches, client 2 its first only, and is reported on those 2
+    samples when the epoch ends (its last batch never came); clients 3–9 are absent."""
+    module = tiny_module()
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [], limit_test_batches=5)
+    trainer.test(module, datamodule=tiny_datamodule(batch_size=2), verbose=False)
+    per_client = trainer.strategy.evaluation.last_report[1]
+    clients = tiny_clients()
+    with torch.no_grad():
+        for c, size in ((0, 3), (1, 3), (2, 2)):
+            x, y = (t[:size] for t in clients[c]["test"])
+            expected = float(F.cross_entropy(module.network(x), y))
+            assert per_client["test_loss"][c] == pytest.approx((expected, size), rel=1e-6), c
+    assert set(per_client["test_loss"]) == {0, 1, 2}
