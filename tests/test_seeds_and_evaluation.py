@@ -373,6 +373,13 @@ def test_torchmetrics_values_per_client_in_every_epoch_and_stage_apart():
     # weighted by each client's validation samples (a Metric does not count them)
     weighted = sum(v * n for v, n in values) / sum(n for _, n in values)
     assert float(trainer.callback_metrics["val_macro/weighted"]) == pytest.approx(weighted)
+    # the module's own value stays the Metric's, pooled over every client's data
+    with torch.no_grad():
+        x = torch.cat([c["val"][0] for c in clients])
+        y = torch.cat([c["val"][1] for c in clients])
+        pooled = float(MulticlassAccuracy(num_classes=OUT, average="macro")(module.network(x), y))
+    assert pooled != pytest.approx(weighted, abs=1e-3)
+    assert float(trainer.callback_metrics["val_macro"]) == pytest.approx(pooled, abs=1e-6)
     with pytest.warns(UserWarning, match="test_top: MaxMetric has states reduced by max") as w:
         trainer.test(module, datamodule=dm, verbose=False)
     assert sum("cannot be split per client" in str(r.message) for r in w) == 1
@@ -432,3 +439,38 @@ def test_a_batch_limit_that_cuts_a_client_reports_the_batches_it_ran():
             expected = float(F.cross_entropy(module.network(x), y))
             assert per_client["test_loss"][c] == pytest.approx((expected, size), rel=1e-6), c
     assert set(per_client["test_loss"]) == {0, 1, 2}
+
+
+class _SilentValidation(_PlainValidation):
+    """Validates without logging anything."""
+
+    def validation_step(self, batch, batch_idx):
+        self.network(batch[0])
+
+
+def test_no_client_metrics_file_when_no_client_logged_anything(tmp_path):
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=5), 1, [FedAvg()],
+                           limit_val_batches=None, default_root_dir=str(tmp_path))  # fmt: skip
+    trainer.fit(_SilentValidation(), datamodule=tiny_datamodule(num_clients=3))
+    assert trainer.strategy.evaluation.last_report[1] == {}
+    assert not list(tmp_path.rglob("client_metrics.csv"))
+
+
+def test_each_client_evaluation_starts_and_ends_once_in_client_order():
+    """The client evaluation hooks' contract: per evaluated client, one start, then one end,
+    before the next client starts (a callback that counts or restores state relies on
+    it), also for the last client, which the last batch and the epoch's end both close."""
+    from lightning_fl.callbacks.base import FederatedCallback
+
+    events = []
+
+    class Record(FederatedCallback):
+        def on_client_evaluation_start(self, trainer, pl_module, client):
+            events.append(("start", client))
+
+        def on_client_evaluation_end(self, trainer, pl_module, client):
+            events.append(("end", client))
+
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [Record()])
+    trainer.test(tiny_module(), datamodule=tiny_datamodule(num_clients=4), verbose=False)
+    assert events == [(kind, c) for c in range(4) for kind in ("start", "end")]
