@@ -801,3 +801,35 @@ def test_the_logged_accuracies_are_count_weighted_over_the_remaining_and_removed
     assert remaining[1] == pytest.approx(accuracy(1, range(6)), abs=1e-6)
     assert remaining[3] == pytest.approx(accuracy(3, [1, 2, 3, 4, 5]), abs=1e-6)
     assert forgotten[3] == pytest.approx(accuracy(3, [0, 3]), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings, rounds",
+    [
+        # fl/round reads t − 1 after t rounds: checked at 2 (1) and 4 (3 ≥ 3)
+        (dict(target=3.0, check_every=2), 4),
+        # reached after 4 rounds, but not before min_rounds = 6
+        (dict(target=2.5, min_rounds=6), 6),
+        # never reached: max_rounds ends it, whatever the period
+        (dict(target=99.0, max_rounds=5, check_every=3), 5),
+        # checks at 4 (3, not within 1 of 5), 8 (7): stop at 8
+        (dict(target=5.0, check_every=4, check_near=[(1.0, 1)]), 8),
+        # checks at 4 (3, within 2 of 5: every round from now), 5 (4), 6 (5): stop at 6
+        (dict(target=5.0, check_every=4, check_near=[(2.0, 1)]), 6),
+        # mode "min": 0 ≤ 0.5 at the first check
+        (dict(target=0.5, mode="min"), 1),
+        # mode "min", min_rounds = 3: 2 ≤ 2.5 at round 3
+        (dict(target=2.5, mode="min", min_rounds=3), 3),
+        # mode "min" at its target: 2 ≤ 2 stops at round 3
+        (dict(target=2.0, mode="min", min_rounds=3), 3),
+        # at 4 (3): within 3 and 4 of 6, so every round (the smaller period): 5, 6, 7 (6)
+        (dict(target=6.0, check_every=4, check_near=[(3.0, 1), (4.0, 3)]), 7),
+    ],
+)
+def test_stop_at_target_on_its_own_stops_after_the_rounds_its_schedule_says(settings, rounds):
+    """StopAtTarget as a plain Trainer callback (the recipes' stopping rule), monitoring
+    ``fl/round`` (t − 1 after round t), so that each stop is known in advance."""
+    stop = StopAtTarget("fl/round", **settings)
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 20, [stop])
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
+    assert trainer.current_epoch == rounds
