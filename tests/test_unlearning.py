@@ -833,3 +833,38 @@ def test_stop_at_target_on_its_own_stops_after_the_rounds_its_schedule_says(sett
     trainer = make_trainer(FederatedStrategy(local_steps=1), 20, [stop])
     trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
     assert trainer.current_epoch == rounds
+
+
+def test_two_scheduled_requests_fork_the_history_twice_through_the_trainer():
+    """SIFU with requests {2: [0], 5: [3, 4]} over 8 rounds: two forks (branches 0, 1, 2),
+    each request's restart node on the lineage, the clients removed in order, branch 2
+    holding the Ψ of rounds 5–7 (eq. 5.15: 0 for every removed client), and each new
+    branch's round 0 kept as the model it restarted from."""
+    unlearning = Unlearning(method="sifu", requests={2: [0], 5: [3, 4]}, sigma=0.05)
+    _fit([FedAvg(), unlearning], rounds=8)
+    history = unlearning.history
+    assert history.branch == 2 and unlearning.removed == [0, 3, 4]
+    done = [(d["round"], d["clients"]) for d in unlearning.done_requests]
+    assert done == [(2, [0]), (5, [3, 4])]
+    assert history.rounds(2) == 3 and len(history.psi[1]) == 4  # branch 1: rounds 2, 3, 4
+    assert all(float(row[[0, 3, 4]].max()) == 0.0 for row in history.psi[2])
+    assert float(history.psi[2][-1].max()) > 0  # the remaining clients' Ψ grows again
+    for branch in (1, 2):
+        assert (branch, 0) in unlearning.versions.models
+
+
+def test_a_request_made_between_fits_is_applied_at_the_next_round():
+    """``request`` queues a client set for the start of the next round: made before a fit,
+    it is applied in round 0 (duplicates dropped) and forks the history once."""
+    unlearning = Unlearning(method="scratch")
+    unlearning.request([2, 2, 5])
+    _, trainer = _fit([FedAvg(), unlearning], rounds=3, sampler=FullParticipation())
+    assert unlearning.removed == [2, 5]
+    assert [(d["round"], d["clients"]) for d in unlearning.done_requests] == [(0, [2, 5])]
+    assert unlearning.history.branch == 1
+
+
+@pytest.mark.parametrize("clip", [0.0, -0.5, float("nan")])
+def test_a_clip_at_or_below_zero_is_refused(clip):
+    with pytest.raises(ValueError, match="clip must be > 0"):
+        Unlearning(method="dp", clip=clip)
