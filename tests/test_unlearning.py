@@ -17,7 +17,14 @@ from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine.tensors import flatten
 from lightning_fl.systems.samplers import ExcludedClients
 from lightning_fl.systems.unlearning import BranchHistory, sensitivity_threshold
-from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
+from tests.helpers import (
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
 
 
 def _fit(callbacks, rounds, sampler=None, dm=None, module=None, **kw):
@@ -868,3 +875,22 @@ def test_a_request_made_between_fits_is_applied_at_the_next_round():
 def test_a_clip_at_or_below_zero_is_refused(clip):
     with pytest.raises(ValueError, match="clip must be > 0"):
         Unlearning(method="dp", clip=clip)
+
+
+def test_the_sensitivity_is_two_aggregations_apart_with_sample_weights_and_a_server_rate():
+    """η_g = 0.5 and FedAvg's sample weights p_j = n_j/n over 8 clients of unequal sizes:
+    Ψ's increment for c is ‖θ^{n+1}(I) − θ^{n+1}(I∖{c})‖ = η_g‖Σ_j p_j Δ_j − Σ_{j≠c}
+    p_j/(1 − p_c) Δ_j‖ (App. D.2.5), the two aggregations written out."""
+    unlearning = Unlearning()
+    _fit([FedAvg(server_lr=0.5), unlearning], 1, sampler=FullParticipation())
+    deltas = unlearning._deltas
+    clients = sorted(deltas)
+    counts = torch.tensor([len(c["train"][1]) for c in tiny_clients(8)], dtype=torch.float64)
+    p = counts / counts.sum()
+    stacked = torch.stack([deltas[c] for c in clients]).double()
+    everyone = 0.5 * (p[:, None] * stacked).sum(0)
+    for c in clients:
+        keep = [j for j in clients if j != c]
+        without = 0.5 * (p[keep, None] / (1 - p[c]) * stacked[keep]).sum(0)
+        expected = float((everyone - without).norm())
+        assert unlearning.history.psi[0][1][c] == pytest.approx(expected, rel=1e-5, abs=1e-9)
