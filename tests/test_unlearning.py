@@ -894,3 +894,27 @@ def test_the_sensitivity_is_two_aggregations_apart_with_sample_weights_and_a_ser
         without = 0.5 * (p[keep, None] / (1 - p[c]) * stacked[keep]).sum(0)
         expected = float((everyone - without).norm())
         assert unlearning.history.psi[0][1][c] == pytest.approx(expected, rel=1e-5, abs=1e-9)
+
+
+def test_after_a_removal_the_sensitivity_renormalizes_the_weights_over_the_remaining_clients():
+    """Client 0 removed at round 1 (SCRATCH): round 1's increments are those of FedAvg over
+    the 7 remaining clients with p'_j = p_j/(1 − p_0), η_g = 0.5, written out; and with a
+    single client left (two clients, one removed), its weight is 1 and its increment 0."""
+    unlearning = Unlearning(method="scratch", requests={1: [0]})
+    _fit([FedAvg(server_lr=0.5), unlearning], 2, sampler=FullParticipation())
+    deltas = unlearning._deltas
+    clients = sorted(deltas)
+    assert clients == list(range(1, 8))
+    counts = torch.tensor([len(c["train"][1]) for c in tiny_clients(8)], dtype=torch.float64)
+    p = counts / counts[1:].sum()  # renormalized over clients 1..7
+    stacked = torch.stack([deltas[c] for c in clients]).double()
+    everyone = 0.5 * (p[clients, None] * stacked).sum(0)
+    for i, c in enumerate(clients):
+        keep = [j for j in range(len(clients)) if j != i]
+        weights = p[[clients[j] for j in keep], None] / (1 - p[c])
+        without = 0.5 * (weights * stacked[keep]).sum(0)
+        expected = float((everyone - without).norm())
+        assert unlearning.history.psi[1][1][c] == pytest.approx(expected, rel=1e-5, abs=1e-9)
+    alone = Unlearning(method="scratch", requests={1: [0]})
+    _fit([FedAvg(), alone], 3, sampler=FullParticipation(), dm=tiny_datamodule(num_clients=2))
+    assert [float(row[1]) for row in alone.history.psi[1]] == [0.0, 0.0, 0.0]
