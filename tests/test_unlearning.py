@@ -918,3 +918,19 @@ def test_after_a_removal_the_sensitivity_renormalizes_the_weights_over_the_remai
     alone = Unlearning(method="scratch", requests={1: [0]})
     _fit([FedAvg(), alone], 3, sampler=FullParticipation(), dm=tiny_datamodule(num_clients=2))
     assert [float(row[1]) for row in alone.history.psi[1]] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(min_rounds=-1), dict(min_rounds=5, max_rounds=4), dict(max_rounds=0),
+     dict(check_every=0), dict(check_near=[(-0.1, 2)]), dict(check_near=[(0.1, 0)])],
+)  # fmt: skip
+def test_stop_at_target_refuses_each_bad_bound_alone(settings):
+    with pytest.raises(ValueError, match="Need"):
+        StopAtTarget("val_acc", 0.9, **settings)
+
+
+def test_stop_at_target_accepts_its_bounds_at_their_ends():
+    stop = StopAtTarget("val_acc", 0.9, min_rounds=0, max_rounds=1, check_near=[(0.0, 1)])
+    assert (stop.min_rounds, stop.max_rounds, stop.check_near) == (0, 1, [(0.0, 1)])
+    assert StopAtTarget("val_acc", 0.9, min_rounds=4, max_rounds=4).max_rounds == 4
