@@ -206,6 +206,11 @@ def test_sequential_protocol_on_target_records_each_phase():
     assert len(unlearning.phase_rounds) == 3 and unlearning.removed == [0, 1]
     assert all(2 <= r <= 5 for r in unlearning.phase_rounds)
     assert trainer.current_epoch == sum(unlearning.phase_rounds)
+    # each check is logged (the branch too): the last one, of the phase that ended the run
+    assert float(trainer.callback_metrics["unlearning/branch"]) == 2.0
+    assert float(trainer.callback_metrics["unlearning/remaining_train_acc"]) >= 0.5 or (
+        unlearning.phase_rounds[-1] == 5
+    )
 
 
 def test_resume_keeps_branches_versions_and_removed_clients(tmp_path):
@@ -848,12 +853,25 @@ def test_two_scheduled_requests_fork_the_history_twice_through_the_trainer():
     holding the Ψ of rounds 5–7 (eq. 5.15: 0 for every removed client), and each new
     branch's round 0 kept as the model it restarted from."""
     unlearning = Unlearning(method="sifu", requests={2: [0], 5: [3, 4]}, sigma=0.05)
-    _fit([FedAvg(), unlearning], rounds=8)
+    module, trainer = _fit([FedAvg(), unlearning], rounds=8)
     history = unlearning.history
     assert history.branch == 2 and unlearning.removed == [0, 3, 4]
     done = [(d["round"], d["clients"]) for d in unlearning.done_requests]
     assert done == [(2, [0]), (5, [3, 4])]
     assert history.rounds(2) == 3 and len(history.psi[1]) == 4  # branch 1: rounds 2, 3, 4
+    assert float(trainer.callback_metrics["unlearning/branch"]) == 2.0
+    # the logged accuracy: the remaining clients' training accuracy, weighted by their sizes
+    correct = total = 0
+    with torch.no_grad():
+        for c, data in enumerate(tiny_clients(8)):
+            if c not in (0, 3, 4):
+                x, y = data["train"]
+                correct, total = (
+                    correct + int((module.network(x).argmax(1) == y).sum()),
+                    total + len(y),
+                )
+    accuracy = float(trainer.callback_metrics["unlearning/remaining_train_acc"])
+    assert accuracy == pytest.approx(correct / total, abs=1e-6)
     assert all(float(row[[0, 3, 4]].max()) == 0.0 for row in history.psi[2])
     assert float(history.psi[2][-1].max()) > 0  # the remaining clients' Ψ grows again
     for branch in (1, 2):
@@ -934,3 +952,35 @@ def test_stop_at_target_accepts_its_bounds_at_their_ends():
     stop = StopAtTarget("val_acc", 0.9, min_rounds=0, max_rounds=1, check_near=[(0.0, 1)])
     assert (stop.min_rounds, stop.max_rounds, stop.check_near) == (0, 1, [(0.0, 1)])
     assert StopAtTarget("val_acc", 0.9, min_rounds=4, max_rounds=4).max_rounds == 4
+
+
+def test_the_initial_model_is_kept_and_requests_out_of_round_order_are_sorted():
+    """``initial`` is θ⁰, the model the fit started from; requests given as {4: [1], 2: [0]}
+    are F_1 = {0}, F_2 = {0, 1} in round order, so FEDACCUM's shadows exclude those sets."""
+    start = torch.cat([p.detach().flatten() for p in tiny_module(0.1).parameters()])
+    unlearning = Unlearning(method="fedaccum", requests={4: [1], 2: [0]})
+    _fit([FedAvg(), unlearning], rounds=2, sampler=FullParticipation())
+    assert torch.equal(unlearning.initial, start)
+    assert sorted(unlearning.shadows) == [(0,), (0, 1)]
+
+
+def test_the_accuracy_is_measured_every_evaluate_every_rounds():
+    """``evaluate_every=3`` over 6 rounds: measured after rounds 3 and 6 (epochs 2, 5)."""
+    module = tiny_module(0.1)
+    logged = []
+    log = module.log
+
+    def spy(name, value, *args, **kwargs):
+        if name == "unlearning/remaining_train_acc":
+            logged.append(module.trainer.current_epoch)
+        return log(name, value, *args, **kwargs)
+
+    module.log = spy
+    _fit([FedAvg(), Unlearning(evaluate_every=3)], rounds=6, module=module)
+    assert logged == [2, 5]
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.5, float("nan")])
+def test_a_decay_outside_0_1_is_refused(decay):
+    with pytest.raises(ValueError, match="decay must be in"):
+        Unlearning(decay=decay)
