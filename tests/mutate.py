@@ -12,9 +12,10 @@ The bugs are the ones issue 39 lists, as AST rewrites of the module's function b
 attribute or item, an augmented assignment, a ``continue``/``break``), a call's result
 replaced by its first argument. Each mutant is written over the module, the tests run
 (``pytest -x``, stopping at the first failure, with a time limit of 5 times the clean
-run's), and the module is restored, whatever happens. A mutant is caught when the tests
-fail or time out. The summary line and the survivors go to stdout and, with ``--json``,
-to a file.
+run's, or of its own tests' clean times plus 10 s when they were measured:
+:func:`time_limit`), and the module is restored, whatever happens. A mutant is caught
+when the tests fail or time out. The summary line and the survivors go to stdout and,
+with ``--json``, to a file.
 
 From the command line each mutant's tests run in a fork of the runner, which imported
 torch, Lightning and the other heavy libraries once (:data:`PRELOADED`) and never the
@@ -335,6 +336,14 @@ def tests_for(
     return sorted(found, key=lambda test: (seconds.get(test, float("inf")), test))
 
 
+def time_limit(tests: list[str], seconds: dict[str, float], whole_run: float) -> float:
+    """A mutant's time limit: 5 times its tests' clean-run seconds plus 10 (a mutant that
+    loops is caught in about that), or ``whole_run`` when a test has no time."""
+    if not tests or any(test not in seconds for test in tests):
+        return whole_run
+    return min(whole_run, 5 * sum(seconds[test] for test in tests) + 10)
+
+
 def _same(mutant: Mutant, earlier: dict) -> bool:
     """Whether an earlier result's survivor is this mutant (its index, line and rewrite)."""
     return (earlier["index"], earlier["line"], earlier["description"]) == (
@@ -377,7 +386,8 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
                   file=sys.stderr, flush=True)  # fmt: skip
             tests = args.tests if lines is None else tests_for(mutant, lines, seconds)
             path.write_text(mutated_source(original, mutant))
-            if not tests or run_tests(tests, timeout, fork=fork):
+            limit = time_limit(tests, seconds, timeout)
+            if not tests or run_tests(tests, limit, fork=fork):
                 survivors.append(mutant)
                 why = "" if tests else " (no test runs it)"
                 print(f"survived: {args.module}:{mutant.line} {mutant.description}{why}",

@@ -190,3 +190,16 @@ def test_a_forked_run_imports_the_module_as_written_now_and_is_killed_at_its_tim
     summary = json.loads(result.read_text())
     assert (summary["mutants"], summary["caught"]) == (2, 1)
     assert module.read_text() == MODULE
+
+
+def test_a_mutants_time_limit_is_its_own_tests_clean_time_not_the_whole_runs():
+    """5 × (0.5 + 1.5) + 10 = 20 s for a mutant whose two tests took 0.5 and 1.5 s clean,
+    capped by the whole run's limit; the whole run's when a test has no measured time (a
+    loop in one cheap test's lines no longer waits out the slowest file's limit)."""
+    from tests.mutate import time_limit
+
+    seconds = {"a": 0.5, "b": 1.5, "c": 40.0}
+    assert time_limit(["a", "b"], seconds, 600.0) == 20.0
+    assert time_limit(["a", "c"], seconds, 100.0) == 100.0
+    assert time_limit(["a", "unmeasured"], seconds, 600.0) == 600.0
+    assert time_limit([], seconds, 600.0) == 600.0
