@@ -427,3 +427,47 @@ def test_two_class_availability_by_hand():
     for gap in (0.0, 0.5):
         with pytest.raises(ValueError, match=f"gap g must be in \\(0, 0.5\\).*got {gap}"):
             TwoClassAvailability(gap=gap)
+
+
+class _Scripted:
+    """Availability read from a script: round t's mask, and a fixed stationary π."""
+
+    def __init__(self, masks: list[list[int]], pi: list[float]) -> None:
+        self.masks = [torch.tensor(m, dtype=torch.bool) for m in masks]
+        self.pi = torch.tensor(pi, dtype=torch.float64)
+
+    def available(self, t: int, seed: int, n: int) -> torch.Tensor:
+        return self.masks[t].clone()
+
+    def stationary(self, n: int) -> torch.Tensor:
+        return self.pi.clone()
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+def test_f3ast_by_hand_over_four_rounds_with_unequal_weights():
+    """F3AST (Ribero et al.): r ← (1 − s)·r + s·1{available} from r = π, then the k = 2
+    available clients with the largest p²/r² (ties to the smaller id), weighted p/r; with
+    p, π and the masks unequal, written out independently over five rounds (the last with
+    one client available). Then k = 1 between p = 0.3, r = 0.9 and p = 0.2, r = 0.65: p/r
+    ranks the first higher, as p²/r² does, but p²/r³ would not."""
+    masks = [[1, 1, 1, 0, 1], [1, 0, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 1, 0]]
+    pi = [0.5, 0.6, 0.7, 0.8, 0.9]
+    p = torch.tensor([0.1, 0.15, 0.2, 0.25, 0.3], dtype=torch.float64)
+    smoothness = 0.3
+    sampler = AvailableClients(_Scripted(masks, pi), selector="f3ast", clients_per_round=2,
+                               smoothness=smoothness)  # fmt: skip
+    rates = list(pi)
+    for t, mask in enumerate(masks):
+        rates = [(1 - smoothness) * r + smoothness * a for r, a in zip(rates, mask)]
+        scores = {c: (float(p[c]) / rates[c]) ** 2 for c in range(5) if mask[c]}
+        chosen = sorted(scores, key=lambda c: (-scores[c], c))[:2]
+        part = sampler.sample(t, 0, p)
+        assert sorted(part.clients) == sorted(chosen), t
+        weights = dict(zip(part.clients, part.weights))
+        for c in chosen:
+            assert weights[c] == pytest.approx(float(p[c]) / rates[c], rel=1e-12), (t, c)
+    scripted = _Scripted([[0, 0, 1, 0, 1]], [0.5, 0.5, 0.5, 0.5, 6 / 7])
+    one = AvailableClients(scripted, selector="f3ast", clients_per_round=1, smoothness=0.3)
+    assert one.sample(0, 0, p).clients == (4,)
