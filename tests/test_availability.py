@@ -442,6 +442,9 @@ class _Scripted:
     def stationary(self, n: int) -> torch.Tensor:
         return self.pi.clone()
 
+    def correlation(self, n: int) -> torch.Tensor:
+        return getattr(self, "lam", torch.zeros(n, dtype=torch.float64)).clone()
+
     def state_dict(self) -> dict:
         return {}
 
@@ -471,3 +474,47 @@ def test_f3ast_by_hand_over_four_rounds_with_unequal_weights():
     scripted = _Scripted([[0, 0, 1, 0, 1]], [0.5, 0.5, 0.5, 0.5, 6 / 7])
     one = AvailableClients(scripted, selector="f3ast", clients_per_round=1, smoothness=0.3)
     assert one.sample(0, 0, p).clients == (4,)
+
+
+def test_ca_fed_selection_by_hand_drops_by_correlation_then_by_availability():
+    """Alg. 6 through the sampler, over four scripted rounds: the filtered losses (β = 0.5)
+    give the gaps F̂ − F̂*, q = α/π, then ``get`` visits the clients by decreasing |λ| (ties
+    to the smaller id) and then by increasing π, each pass with the truncation of
+    ``ca_fed.truncate`` (itself checked by hand above); the round's clients are the available
+    ones left with q > 0, weighted q, and the others are reported as excluded. The script
+    (found by a search) keeps other clients if either pass visited in another order (by
+    increasing |λ|, by signed λ, or by decreasing π)."""
+    from lightning_fl.systems.ca_fed import LossFilter, truncate
+
+    masks = [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0], [1, 1, 1, 0, 1, 1]]
+    pi = torch.tensor([0.13, 0.34, 0.76, 0.25, 0.74, 0.62], dtype=torch.float64)
+    lam = torch.tensor([-0.6, -0.1, -0.2, 0.6, -0.6, 0.2], dtype=torch.float64)
+    p = torch.tensor([0.175, 0.147, 0.317, 0.078, 0.085, 0.198], dtype=torch.float64)
+    losses = [
+        [1.79, 2.18, 1.68, 1.75, 2.29, 2.17],
+        [1.6, 1.13, 2.36, 1.85, 2.49, 2.29],
+        [1.77, 2.47, 1.68, 1.67, 1.72, 1.88],
+        [1.27, 1.68, 1.02, 1.16, 1.51, 2.31],
+    ]
+    scripted = _Scripted(masks, pi.tolist())
+    scripted.lam = lam
+    sampler = AvailableClients(scripted, selector="ca_fed", kappa2=0.05, loss_beta=0.5)
+    reference = LossFilter(0.5)
+    by_correlation = [0, 3, 4, 2, 5, 1]  # |λ| 0.6 ×3, 0.2 ×2, 0.1
+    by_availability = [0, 3, 1, 5, 4, 2]  # π 0.13, 0.25, 0.34, 0.62, 0.74, 0.76
+    for t, mask in enumerate(masks):
+        sampler.losses = lambda clients, t=t: [losses[t][c] for c in clients]
+        part = sampler.sample(t, 0, p)
+        available = torch.tensor(mask, dtype=torch.bool)
+        loss = torch.tensor([losses[t][c] if mask[c] else 0.0 for c in range(6)],
+                            dtype=torch.float64)  # fmt: skip
+        reference.update(available, loss)
+        gap = (reference.estimate - reference.minimum).clamp_min(0.0)
+        q = p / pi
+        q = truncate(q, by_correlation, p, gap, pi, 0.05, 0.0)
+        q = truncate(q, by_availability, p, gap, pi, 0.05, 0.0)
+        kept = [c for c in range(6) if mask[c] and q[c] > 0]
+        assert part.clients == tuple(kept), t
+        assert part.weights == pytest.approx([float(q[c]) for c in kept], rel=1e-12)
+        assert sampler.excluded == tuple(c for c in range(6) if mask[c] and q[c] == 0)
+    assert part.clients == (0, 2, 4)  # the last round, as the search found it
