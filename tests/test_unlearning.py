@@ -213,9 +213,13 @@ def test_sequential_protocol_on_target_records_each_phase():
     )
 
 
-def test_resume_keeps_branches_versions_and_removed_clients(tmp_path):
+@pytest.mark.parametrize("method", ["sifu", "fedaccum"])
+def test_resume_keeps_branches_versions_and_removed_clients(tmp_path, method):
+    """Resumed between the two requests, the run ends where the uninterrupted one does:
+    SIFU's branches and kept versions, FEDACCUM's shadow for the second removal set."""
+
     def callbacks():
-        return [FedAvg(), Unlearning("sifu", sigma=0.5, requests={2: [0], 4: [3]})]
+        return [FedAvg(), Unlearning(method, sigma=0.5, requests={2: [0], 4: [3]})]
 
     full, _ = _fit(callbacks(), 6)
     checkpoint = ModelCheckpoint(tmp_path, "{epoch}", save_top_k=-1, every_n_epochs=1)
