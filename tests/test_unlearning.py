@@ -988,3 +988,36 @@ def test_the_accuracy_is_measured_every_evaluate_every_rounds():
 def test_a_decay_outside_0_1_is_refused(decay):
     with pytest.raises(ValueError, match="decay must be in"):
         Unlearning(decay=decay)
+
+
+def test_requests_left_count_the_queue_and_the_one_pending(capsys):
+    """The target (0) is reached every round: round 0 queues [0] for round 1, round 1
+    forgets it and queues [1] for round 2, which never comes (max_epochs = 2): one pending
+    and one still in the queue did not run, one ran."""
+    stop = StopAtTarget("unlearning/remaining_train_acc", target=0.0, min_rounds=1)
+    unlearning = Unlearning(requests=[[0], [1], [2]], on_target=stop)
+    notes = _notes_of([FedAvg(), unlearning], 2, capsys)
+    assert [d["clients"] for d in unlearning.done_requests] == [[0]]
+    assert notes == [
+        "Unlearning: 2 forgetting request(s) did not run before the run ended after round 1 "
+        "(1 ran): raise max_epochs, or on_target's max_rounds."
+    ]
+
+
+def test_a_run_without_an_epoch_limit_says_at_its_end_which_scheduled_request_did_not_run(
+    capsys,
+):
+    """``max_epochs=-1`` (no limit), stopped after 3 rounds by another callback: the
+    request scheduled at round 5 is not foretold at the start (no last round to compare
+    with) and is counted at the end."""
+    stop = StopAtTarget("fl/round", target=2.0)
+    unlearning = Unlearning(requests={5: [1]})
+    with pytest.warns(UserWarning) as warned:
+        _, trainer = _fit([FedAvg(), unlearning, stop], -1)
+    assert trainer.current_epoch == 3
+    assert trainer.strategy.summary.notes == [
+        "Unlearning: 1 forgetting request(s) did not run before the run ended after round 2 "
+        "(0 ran): raise max_epochs, or on_target's max_rounds."
+    ]
+    assert len([w for w in warned if "Unlearning:" in str(w.message)]) == 1
+    capsys.readouterr()
