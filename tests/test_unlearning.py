@@ -1021,3 +1021,21 @@ def test_a_run_without_an_epoch_limit_says_at_its_end_which_scheduled_request_di
     ]
     assert len([w for w in warned if "Unlearning:" in str(w.message)]) == 1
     capsys.readouterr()
+
+
+def test_a_client_without_training_data_is_not_among_the_remaining_clients():
+    """Client 3 has no training data: the logged accuracy is over clients 1, 2 and 4–7 (client
+    0 forgotten at round 1), weighted by their sizes, not a NaN from client 3."""
+    clients = tiny_clients(8)
+    clients[3]["train"] = tuple(t[:0] for t in clients[3]["train"])
+    dm = InMemoryFederatedDataModule(clients, batch_size=4)
+    unlearning = Unlearning(method="scratch", requests={1: [0]})
+    module, trainer = _fit([FedAvg(), unlearning], 3, sampler=FullParticipation(), dm=dm)
+    correct = total = 0
+    with torch.no_grad():
+        for c in (1, 2, 4, 5, 6, 7):
+            x, y = clients[c]["train"]
+            correct += int((module.network(x).argmax(1) == y).sum())
+            total += len(y)
+    accuracy = float(trainer.callback_metrics["unlearning/remaining_train_acc"])
+    assert accuracy == pytest.approx(correct / total, abs=1e-6)
