@@ -710,3 +710,54 @@ def test_stream_labels_from_any_map_style_dataset():
     got = _labels(tensors, 3)
     assert got.tolist() == [1, 0, 2] and got.dtype == np.int64
     assert _labels(None, 0).tolist() == [] and _labels(Pairs([]), 0).tolist() == []
+
+
+def test_cache_discrepancy_logs_each_rounds_value_and_their_running_sum():
+    """Over four rounds with a FIFO cache: ``streams/discrepancy`` is the last round's ψ_t
+    (the datamodule's, read after each round) and ``streams/accumulated_discrepancy`` the
+    sum of the four."""
+    import torch
+    from lightning.pytorch import Callback
+
+    from lightning_fl import MLP, BinaryClassifier, FederatedStrategy
+    from lightning_fl.callbacks import CacheDiscrepancy, StreamFedAvg
+    from tests.helpers import make_trainer
+
+    values = []
+
+    class Record(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            values.append(trainer.datamodule.cache_discrepancy(2))
+
+    torch.manual_seed(0)
+    module = BinaryClassifier(MLP(20, (), 1), lr=0.1)
+    callbacks = [StreamFedAvg("fresh"), CacheDiscrepancy(num_classes=2), Record()]
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=4), 4, callbacks)
+    trainer.fit(module, datamodule=_stream_dm(cache="fifo", capacity=10))
+    assert len(values) == 4 and len(set(values)) > 1
+    metrics = trainer.callback_metrics
+    assert float(metrics["streams/discrepancy"]) == pytest.approx(values[-1], rel=1e-6)
+    assert float(metrics["streams/accumulated_discrepancy"]) == pytest.approx(sum(values), rel=1e-6)
+
+
+def test_a_given_ratio_is_not_estimated_and_estimating_needs_both_groups():
+    """``ratio=0.5`` is used as given (no estimate, no ``streams/ratio``); ``'estimate'``
+    refuses a stream with no historical client, and one with no fresh client."""
+    from lightning_fl import MLP, BinaryClassifier, FederatedStrategy
+    from lightning_fl.callbacks import StreamFedAvg
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+    from tests.helpers import make_trainer
+
+    given = StreamFedAvg("ours", ratio=0.5)
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=4), 1, [given])
+    trainer.fit(BinaryClassifier(MLP(20, (), 1), lr=0.1), datamodule=_stream_dm())
+    assert given.estimated_ratio is None and "streams/ratio" not in trainer.callback_metrics
+    for historical in (0, 6):
+        source = LogisticStreamsDataModule(num_clients=6, historical=historical,
+                                           historical_samples=30, fresh_samples=30,
+                                           test_samples=10, seed=1)  # fmt: skip
+        dm = StreamingDataModule(source, historical=historical, rate=5, rounds=3)
+        trainer = make_trainer(FederatedStrategy(local_steps=1, seed=4), 1,
+                               [StreamFedAvg("ours", ratio="estimate")])  # fmt: skip
+        with pytest.raises(ValueError, match="needs historical and fresh clients"):
+            trainer.fit(BinaryClassifier(MLP(20, (), 1), lr=0.1), datamodule=dm)
