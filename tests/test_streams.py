@@ -761,3 +761,43 @@ def test_a_given_ratio_is_not_estimated_and_estimating_needs_both_groups():
                                [StreamFedAvg("ours", ratio="estimate")])  # fmt: skip
         with pytest.raises(ValueError, match="needs historical and fresh clients"):
             trainer.fit(BinaryClassifier(MLP(20, (), 1), lr=0.1), datamodule=dm)
+
+
+@pytest.mark.parametrize(
+    "strategy, p_hist, historical, refused",
+    [
+        ("historical", None, 0, True),  # no historical client to put the weight on
+        ("fresh", None, 3, True),  # no fresh client
+        ("fixed", 0.0, 0, False),  # p_hist = 0 needs no historical client
+        ("fixed", 1.0, 3, False),  # p_hist = 1 needs no fresh client
+        ("fixed", 0.3, 0, True),
+        ("fixed", 0.3, 3, True),
+        ("fixed", 0.3, 1, False),
+    ],
+)
+def test_p1_weights_need_the_groups_their_p_hist_puts_weight_on(
+    strategy, p_hist, historical, refused
+):
+    """Three clients of 10, 20 and 30 samples, the first ``historical`` of them historical:
+    a strategy refuses only a stream that lacks a group it gives weight to; p_hist = 0.3 with
+    client 0 historical gives it 0.3 and the fresh clients 0.7·(20, 30)/50."""
+    from lightning_fl.callbacks import StreamFedAvg
+
+    callback = StreamFedAvg(strategy, p_hist=p_hist)
+    callback.historical = historical
+    if refused:
+        with pytest.raises(ValueError, match="needs clients of both groups"):
+            callback.target_weights([10, 20, 30])
+        return
+    weights = callback.target_weights([10, 20, 30]).tolist()
+    by_size = [1 / 6, 2 / 6, 3 / 6]  # one group only: the sample shares
+    expected = {0: by_size, 1: [0.3, 0.7 * 0.4, 0.7 * 0.6], 3: by_size}
+    assert weights == pytest.approx(expected[historical])
+
+
+@pytest.mark.parametrize("p_hist", [-0.1, 1.5, None])
+def test_a_fixed_p_hist_outside_0_1_is_refused(p_hist):
+    from lightning_fl.callbacks import StreamFedAvg
+
+    with pytest.raises(ValueError, match="needs p_hist in"):
+        StreamFedAvg("fixed", p_hist=p_hist)
