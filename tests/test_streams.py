@@ -801,3 +801,26 @@ def test_a_fixed_p_hist_outside_0_1_is_refused(p_hist):
 
     with pytest.raises(ValueError, match="needs p_hist in"):
         StreamFedAvg("fixed", p_hist=p_hist)
+
+
+def test_iterate_average_without_load_at_end_keeps_the_last_iterate_and_the_average_apart():
+    """``load_at_end=False``: the module ends on the last round's model (the same as a run
+    without the callback), and ``average`` still holds θ̄."""
+    import torch
+
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.callbacks import IterateAverage, StreamFedAvg
+    from tests.helpers import make_trainer
+
+    def fit(callbacks):
+        module = _logistic_module()
+        trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 4,
+                               [StreamFedAvg("uniform"), *callbacks])  # fmt: skip
+        trainer.fit(module, datamodule=_stream_dm())
+        return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+    average = IterateAverage(load_at_end=False)
+    kept, plain = fit([average]), fit([])
+    assert torch.equal(kept, plain)
+    mean = torch.cat([t.flatten() for t in average.average])
+    assert not torch.allclose(mean, kept)
