@@ -824,3 +824,22 @@ def test_iterate_average_without_load_at_end_keeps_the_last_iterate_and_the_aver
     assert torch.equal(kept, plain)
     mean = torch.cat([t.flatten() for t in average.average])
     assert not torch.allclose(mean, kept)
+
+
+def test_the_configuration_rule_finds_the_minimizer_a_grid_search_finds():
+    """Three clients (n = 0.5, 0.3, 0.2; the first historical), r = 1: the rule's p̂* is,
+    within the grid's resolution, the minimizer of ψ over the simplex found by evaluating ψ
+    on every point of a 0.002 grid (an interior point: neither Uniform nor Historical)."""
+    from lightning_fl.systems.streams import configuration_objective
+
+    n, fresh, r = np.array([0.5, 0.3, 0.2]), np.array([False, True, True]), 1.0
+    step = 0.002
+    a, b = np.meshgrid(np.arange(0, 1 + step / 2, step), np.arange(0, 1 + step / 2, step))
+    inside = a + b <= 1 + 1e-12
+    grid = np.stack([a[inside], b[inside], 1 - a[inside] - b[inside]], 1).clip(0, 1)
+    values = np.sqrt((grid[:, 1:] ** 2).sum(1)) + r * np.sqrt((grid**2 / n).sum(1))
+    best = grid[values.argmin()]
+    assert 0.05 < best[0] < 0.95 and not np.allclose(best, n, atol=0.02)
+    rule = configuration_rule(n, fresh, r)
+    assert rule == pytest.approx(best, abs=4 * step)
+    assert configuration_objective(rule, n, fresh, r) <= values.min() + 1e-6
