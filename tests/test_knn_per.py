@@ -269,3 +269,9 @@ def test_an_intermediate_lambda_with_the_authors_squared_kernel_scores_the_mixtu
         knn = votes / votes.sum(1, keepdim=True)
         expected = F.nll_loss(torch.log(lam * knn + (1 - lam) * model_probs), y)
         assert losses[c][0] == pytest.approx(float(expected), abs=1e-5), c
+
+
+def test_k_of_one_is_accepted_and_zero_refused():
+    assert KNNPer(k=1).k == 1
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        KNNPer(k=0)
