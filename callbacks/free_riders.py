@@ -106,7 +106,7 @@ class FreeRiders(FederatedCallback):
         return riders / (riders + self._fair_total)
 
     def phi(self, round_idx: int) -> float:
-        """φ(t) = coef·σ·max(t, 1)^{−γ}; 10⁻³ before σ is known (round 0)."""
+        """φ(t) = coef·σ·max(t, 1)^{−γ}; 10⁻³ before σ is known (the riders' first round)."""
         if self.sigma is None:
             return FIRST_ROUND_STD
         return self.coef * self.sigma * max(round_idx, 1) ** (-self.gamma)

@@ -606,6 +606,7 @@ def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_sc
     global model is Σ_t (n_t/n) θ_t. Written out over three rounds."""
     import copy
 
+    from lightning_fl.engine.tensors import flatten
     from tests.helpers import local_sgd, tiny_clients
 
     w = [[0.5, 0.3, 0.2], [0.2, 0.5, 0.3], [0.3, 0.2, 0.5]]
@@ -624,19 +625,16 @@ def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_sc
         for c, net in enumerate(models):
             scaled = lr * 3 * counts[c] / sum(counts)
             local_sgd(net, clients[c]["train"], steps, scaled, 4, seed, r, c)
-        halves = [torch.cat([p.detach().flatten() for p in net.parameters()]) for net in models]
+        halves = [flatten(params_of(net)) for net in models]
         for t, net in enumerate(models):
             mixed = sum(w[s][t] * halves[s] for s in range(3))
             torch.nn.utils.vector_to_parameters(mixed, net.parameters())
     for t in range(3):
-        own = torch.cat([p.detach().flatten() for p in models[t].parameters()])
+        own = flatten(params_of(models[t]))
         stored = trainer.strategy.client_store.get(t, "gossip_model")
         assert float((stored - own).abs().max()) < 1e-6
-    average = sum(
-        n / sum(counts) * torch.cat([p.detach().flatten() for p in net.parameters()])
-        for n, net in zip(counts, models)
-    )
-    got = torch.cat([p.detach().flatten() for p in module.parameters()])
+    average = sum(n / sum(counts) * flatten(params_of(net)) for n, net in zip(counts, models))
+    got = flatten(params_of(module))
     assert float((got - average).abs().max()) < 1e-6
 
 
