@@ -142,6 +142,9 @@ def test_capacity_keeps_a_fraction_of_the_datastore():
     _test(module, [callback])
     sizes = [len(c["train"][1]) for c in tiny_clients()]
     assert callback.datastore_sizes == {c: max(1, round(0.5 * n)) for c, n in enumerate(sizes)}
+    tiny = KNNPer(k=3, capacity=0.01, lambda_=0.5)  # round(0.01·n) = 0: one key kept
+    _test(module, [tiny])
+    assert tiny.datastore_sizes == dict.fromkeys(range(10), 1)
 
 
 def test_bad_knn_settings_are_refused():
@@ -248,12 +251,13 @@ def test_ivf_from_exactly_nlist_keys_probes_one_cell_and_missing_neighbours_weig
 def test_an_intermediate_lambda_with_the_authors_squared_kernel_scores_the_mixture_by_hand():
     """λ = 0.3, k = 4, the authors' kernel exp(−‖z − z'‖²/scale) (``squared_distance``),
     scale 2: each client's test loss is the NLL of 0.3·p_kNN + 0.7·softmax(h(x)) (eq. 3.33)
-    over its test samples, and ``knn_per/lambda_mean`` is 0.3."""
+    over its test samples, and ``knn_per/lambda_mean`` is 0.3. Batches of 2 and 1 test
+    samples, so that no batch has as many rows as there are classes."""
     module = _trained()
     k, scale, lam = 4, 2.0, 0.3
     knn_per = KNNPer(lambda_=lam, k=k, scale=scale, squared_distance=True)
     trainer = make_trainer(FederatedStrategy(seed=1), 1, [knn_per])
-    trainer.test(module, datamodule=tiny_datamodule(), verbose=False)
+    trainer.test(module, datamodule=tiny_datamodule(batch_size=2), verbose=False)
     losses = dict(trainer.strategy.metric_capture.per_client["test_loss"])
     assert float(trainer.callback_metrics["knn_per/lambda_mean"]) == pytest.approx(lam)
     net = module.network.net
@@ -275,3 +279,59 @@ def test_k_of_one_is_accepted_and_zero_refused():
     assert KNNPer(k=1).k == 1
     with pytest.raises(ValueError, match="k must be >= 1"):
         KNNPer(k=0)
+
+
+def test_last_linear_is_the_last_linear_layer_not_the_last_module():
+    from callbacks.knn_per import last_linear
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2), torch.nn.Identity())
+    assert last_linear(net) == "1"
+
+
+def test_a_reused_callback_reports_only_its_latest_epoch_and_leaves_no_hooks(tmp_path):
+    """The per-epoch tables are cleared at each epoch's start: the same KNNPer tested on 10
+    clients, then on 4, reports the 4 (λ, sizes, CSV rows); the PNG follows the test's CSV
+    in a folder the run creates; no hook stays on the network after an evaluation."""
+    module = _trained()
+    callback = KNNPer(k=3, lambda_=0.5)
+    _test(module, [callback])
+    folder = tmp_path / "fresh" / "run"
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, [callback], default_root_dir=str(folder))
+    trainer.test(module, datamodule=tiny_datamodule(num_clients=4), verbose=False)
+    sizes = [len(c["train"][1]) for c in tiny_clients(num_clients=4)]
+    assert callback.lambdas == {c: 0.5 for c in range(4)}
+    assert callback.datastore_sizes == dict(enumerate(sizes))
+    rows = list(csv.DictReader(open(folder / "knn_per_lambdas.csv")))
+    assert [int(r["datastore_size"]) for r in rows] == sizes
+    assert (folder / "knn_per_lambdas.png").exists()
+    for layer in module.modules():
+        assert not layer._forward_hooks and not layer._forward_pre_hooks
+
+
+def test_the_validate_stage_reports_per_round_and_the_test_stage_stays_out_of_validation(
+    tmp_path,
+):
+    """``stages=("validate",)``: λ per client and its CSV at each validation (no figure,
+    which is the test's), cleared between validations; a test-only KNNPer leaves
+    validation to the global model."""
+    module = _trained()
+    plain = make_trainer(FederatedStrategy(seed=1), 1, [], limit_val_batches=None)
+    plain_loss = plain.validate(module, datamodule=tiny_datamodule(), verbose=False)[0]
+    test_only = KNNPer(k=3, lambda_=1.0)
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, [test_only], limit_val_batches=None)
+    loss = trainer.validate(module, datamodule=tiny_datamodule(), verbose=False)[0]
+    assert loss == plain_loss and test_only.lambdas == {}
+    callback = KNNPer(k=3, lambda_=0.25, stages=("validate",))
+    for clients in (10, 3):
+        trainer = make_trainer(
+            FederatedStrategy(seed=1),
+            1,
+            [callback],
+            limit_val_batches=None,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.validate(module, datamodule=tiny_datamodule(num_clients=clients), verbose=False)
+        assert callback.lambdas == {c: 0.25 for c in range(clients)}
+        assert float(trainer.callback_metrics["knn_per/lambda_mean"]) == 0.25
+        assert len(list(csv.DictReader(open(tmp_path / "knn_per_lambdas.csv")))) == clients
+    assert not (tmp_path / "knn_per_lambdas.png").exists()
