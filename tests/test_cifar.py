@@ -135,3 +135,54 @@ def test_cifar_datamodule_builds_the_unbalanced_split(tmp_path):
                          num_clients=20, partition="unbalanced", alpha=0.1)  # fmt: skip
     assert dm.sample_counts("train") == unbalanced_sizes(20)
     assert dm.sample_counts("test") == [n // 5 for n in unbalanced_sizes(20)]
+
+
+def test_grouped_dirichlet_sizes_follow_each_groups_counts_and_one_group_is_accepted():
+    """α = 10⁴: every group's multinomial splits it almost equally over the 3 clients, so
+    each client holds about a third of the samples (a cut past the second client would
+    leave the third empty); ``num_groups = 1`` pools every label; α = 0 is refused."""
+    labels = np.repeat(np.arange(4), 75)
+    for groups in (1, 2):
+        parts = grouped_dirichlet_partition(labels, 3, alpha=1e4, num_groups=groups, seed=0)
+        assert all(abs(len(p) - 100) < 25 for p in parts), [len(p) for p in parts]
+    with pytest.raises(ValueError, match="alpha must be > 0, got 0"):
+        grouped_dirichlet_partition(labels, 3, alpha=0.0, num_groups=1, seed=0)
+
+
+def test_pachinko_follows_each_clients_fine_draw_on_any_coarse_ids_and_its_bounds():
+    """α = β = 10⁻³: each client draws one coarse label and one fine label within it, so
+    its 10 samples are of one fine label (pools of 50 never run out); coarse ids 5 and 9
+    (not 0..C−1). Every sample taken at N·n = size; one more, or α or β = 0, is refused."""
+    fine = np.repeat(np.arange(4), 50)
+    coarse = np.where(fine < 2, 5, 9)
+    parts = pachinko_partition(coarse, fine, 4, 10, alpha=1e-3, beta=1e-3, seed=0)
+    assert all(len(set(fine[p])) == 1 for p in parts), [fine[p] for p in parts]
+    parts = pachinko_partition(coarse, fine, 4, 50, alpha=0.5, beta=0.5, seed=0)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(200))
+    with pytest.raises(ValueError, match="exceed the 200 samples"):
+        pachinko_partition(coarse, fine, 67, 3, alpha=0.5, beta=0.5, seed=0)
+    for alpha, beta in ((0.0, 1.0), (1.0, 0.0)):
+        with pytest.raises(ValueError, match="alpha and beta must be > 0"):
+            pachinko_partition(coarse, fine, 4, 10, alpha=alpha, beta=beta, seed=0)
+    assert len(pachinko_partition(coarse, fine, 4, 10, alpha=0.5, beta=0.5, seed=0)) == 4
+    for bad in ((coarse[:, None], fine), (coarse, fine[:, None])):
+        with pytest.raises(ValueError, match="non-empty 1-D"):
+            pachinko_partition(*bad, 4, 10, alpha=0.5, beta=0.5, seed=0)
+
+
+def test_unbalanced_sizes_fill_with_the_largest_and_cut_to_the_clients():
+    """Rounding the shares can leave clients over (4 clients: 0, 1, 1, 1, 0, then one 1000)
+    or give one too many (6: 1, 2, 2, 1, 1, cut to 6); α = 0 and 2-D labels are refused."""
+    from lightning_fl.datamodules.partition import (
+        unbalanced_dirichlet_partition,
+        unbalanced_sizes,
+    )
+
+    assert unbalanced_sizes(4) == [250, 500, 750, 1000]
+    assert unbalanced_sizes(6) == [100, 250, 250, 500, 500, 750]
+    labels = np.arange(100) % 10
+    with pytest.raises(ValueError, match="alpha must be > 0, got 0"):
+        unbalanced_dirichlet_partition(labels, labels, 4, 0.0, seed=0)
+    for bad in ((labels[:, None], labels), (labels, labels[:, None])):
+        with pytest.raises(ValueError, match="non-empty 1-D"):
+            unbalanced_dirichlet_partition(*bad, 4, 0.5, seed=0)

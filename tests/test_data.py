@@ -173,3 +173,94 @@ def test_constructors_store_and_validate_and_setup_reads_the_data_once(monkeypat
             missing.setup("fit")
     with pytest.raises(ValueError, match="Unknown partition 'zipf'"):
         DigitsDataModule(partition="zipf")
+
+
+# ---------------------------------------------------------------- partitioners' bounds
+def _partitioners():
+    """Every partitioner, as a function of (labels, num_clients), with its other options
+    at accepting values."""
+    from lightning_fl.datamodules.partition import (
+        grouped_dirichlet_partition,
+        one_class_partition,
+    )
+
+    return {
+        "iid": lambda y, n: iid_partition(y, n, 0),
+        "dirichlet": lambda y, n: dirichlet_partition(y, n, 0.5, 0),
+        "shards": lambda y, n: shard_partition(y, n, 1, 0),
+        "one_class": lambda y, n: one_class_partition(y, n, 0),
+        "grouped": lambda y, n: grouped_dirichlet_partition(y, n, 0.5, 1, 0),
+    }
+
+
+@pytest.mark.parametrize("name", ["iid", "dirichlet", "shards", "one_class", "grouped"])
+def test_every_partitioner_takes_one_client_to_one_per_sample_and_refuses_past_both(name):
+    split = _partitioners()[name]
+    labels = np.zeros(5, dtype=int)
+    for bad in (np.zeros((5, 1), dtype=int), np.zeros(0, dtype=int)):
+        with pytest.raises(ValueError, match="labels must be a non-empty 1-D array"):
+            split(bad, 1)
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        split(labels, 0)
+    with pytest.raises(ValueError, match="exceeds the 5 samples"):
+        split(labels, 6)
+    for n in (1, 5):
+        parts = split(labels, n)
+        assert len(parts) == n
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(5))
+    assert [p.tolist() for p in split(np.zeros(1, dtype=int), 1)] == [[0]]
+
+
+def test_shards_count_shards_against_the_samples_and_one_class_needs_a_client_per_class():
+    from lightning_fl.datamodules.partition import one_class_partition
+
+    labels = np.arange(6) % 3
+    assert len(shard_partition(labels, 3, 2, 0)) == 3  # 6 shards of one sample each
+    with pytest.raises(ValueError, match="num_clients=8 exceeds the 6 samples"):
+        shard_partition(labels, 4, 2, 0)
+    assert [labels[p].tolist() for p in one_class_partition(labels, 3, 0)] == [
+        [0, 0],
+        [1, 1],
+        [2, 2],
+    ]
+    with pytest.raises(ValueError, match="2 clients for 3 classes"):
+        one_class_partition(labels, 2, 0)
+
+
+def test_dirichlet_min_size_at_its_bound_and_past_it():
+    """min_size · N equal to the samples is accepted (each client exactly min_size, found
+    by redrawing) and one more is refused."""
+    labels = np.zeros(6, dtype=int)
+    parts = dirichlet_partition(labels, 2, 1e9, seed=0, min_size=3)
+    assert [len(p) for p in parts] == [3, 3]
+    with pytest.raises(ValueError, match="min_size=4 for 2 clients"):
+        dirichlet_partition(labels, 2, 1e9, seed=0, min_size=4)
+
+
+def test_label_partition_refuses_an_unknown_name_with_the_choices():
+    from lightning_fl.datamodules.partition import label_partition
+
+    with pytest.raises(ValueError, match="Unknown partition 'zipf'; use dirichlet"):
+        label_partition(LABELS, "zipf", 3, 0)
+
+
+def test_split_fractions_refuse_negatives_and_sums_off_one_either_way():
+    from lightning_fl.datamodules.partition import split_fractions
+
+    for bad in ((0.5, 0.6), (0.3, 0.3), (-0.5, 1.5), (1.0 - 2e-6,)):
+        with pytest.raises(ValueError, match="split fractions"):
+            split_fractions(np.arange(10), bad, 0)
+    assert [len(p) for p in split_fractions(np.arange(10), (0.0, 0.3, 0.7), 0)] == [0, 3, 7]
+
+
+def test_random_subset_at_both_ends_and_its_own_stream():
+    """1 to ``size`` samples; the (seed, 23) stream is pinned, so that a subset drawn by an
+    earlier run is drawn again."""
+    from lightning_fl.datamodules.partition import random_subset
+
+    assert len(random_subset(5, 1, 0, "x")) == 1
+    assert random_subset(5, 5, 0, "x").tolist() == [0, 1, 2, 3, 4]
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="use 1 to 5"):
+            random_subset(5, bad, 0, "x")
+    assert random_subset(10, 4, 1, "x").tolist() == [2, 4, 5, 9]  # (1, 24) draws 1, 5, 8, 9
