@@ -202,6 +202,31 @@ def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
         )
 
 
+def test_divergence_is_watched_afresh_each_fit_and_through_a_dict_loss():
+    """A second fit on the same Trainer warns again (the monitor is reset at each fit's
+    start: its first loss and its warning are the fit's); a training_step that returns
+    ``{"loss": ...}`` is watched as one that returns the tensor."""
+    from lightning_fl.engine.divergence import DivergenceWarning
+
+    class DictLoss(type(tiny_module())):
+        def training_step(self, batch, batch_idx):
+            return {"loss": super().training_step(batch, batch_idx)}
+
+    strategy = FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10)
+    trainer = make_trainer(strategy, 3)
+    with pytest.warns(DivergenceWarning, match="diverging"):
+        trainer.fit(tiny_module(lr=1e6), datamodule=tiny_datamodule())
+    trainer.fit_loop.max_epochs = 6
+    with pytest.warns(DivergenceWarning, match="Round 3: "):
+        trainer.fit(tiny_module(lr=1e6), datamodule=tiny_datamodule())
+    torch.manual_seed(1)
+    dict_loss = DictLoss(network=type(tiny_module().network)(6, (8,), 3), lr=1e6)
+    with pytest.warns(DivergenceWarning, match="diverging"):
+        make_trainer(FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10), 3).fit(
+            dict_loss, datamodule=tiny_datamodule()
+        )
+
+
 def test_the_divergence_threshold_is_the_rounds_mean_over_every_step_by_hand():
     """A fresh monitor, factor 100: the first step's loss (the first entry of a vector of
     clients' losses) is the reference; a round's mean counts every step of every client

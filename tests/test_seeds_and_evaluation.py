@@ -474,3 +474,40 @@ def test_each_client_evaluation_starts_and_ends_once_in_client_order():
     trainer = make_trainer(FederatedStrategy(local_steps=1), 1, [Record()])
     trainer.test(tiny_module(), datamodule=tiny_datamodule(num_clients=4), verbose=False)
     assert events == [(kind, c) for c in range(4) for kind in ("start", "end")]
+
+
+def test_the_round_summaries_and_no_run_files_without_a_logger(tmp_path):
+    """After three rounds of 4 sampled clients of 10: ``fl/round`` 2, ``fl/participants`` 4,
+    ``fl/dropped_updates`` 0; no ``fl/skipped_empty`` (the datamodule never skips a client)
+    nor ``fl/compile_seconds`` (nothing compiled); without a logger no participation.csv."""
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=3)
+    trainer = make_trainer(strategy, 3, [FedAvg()], default_root_dir=str(tmp_path))
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("fl/")}
+    assert metrics == {"fl/round": 2.0, "fl/participants": 4.0, "fl/dropped_updates": 0.0}
+    assert not list(tmp_path.rglob("participation.csv"))
+
+
+def test_participation_rows_hold_each_participants_weight_and_drop(tmp_path):
+    """participation.csv: one row per participant (round, client, ω_i to 10 significant
+    digits, 1 when its update was dropped), appended round after round under one header."""
+    import csv
+    from types import SimpleNamespace
+
+    from lightning_fl.engine.driver import _append_participation
+
+    path = str(tmp_path / "participation.csv")
+    for round_idx, clients, weights, dropped in (
+        (0, [4, 7, 1], [0.125, 2 / 3, 0.2083333333333], [7]),
+        (1, [2], [1.0], []),
+    ):
+        participation = SimpleNamespace(clients=clients, weights=weights)
+        state = SimpleNamespace(round_idx=round_idx, participation=participation, dropped=dropped)
+        _append_participation(path, state)
+    rows = [list(row.values()) for row in csv.DictReader(open(path))]
+    assert rows == [
+        ["0", "4", "0.125", "0"],
+        ["0", "7", "0.6666666667", "1"],
+        ["0", "1", "0.2083333333", "0"],
+        ["1", "2", "1", "0"],
+    ]
