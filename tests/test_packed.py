@@ -22,7 +22,14 @@ from lightning_fl.engine.packed import pack_federation
 from lightning_fl.engine.schedule import cycle_batches
 from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
 from lightning_fl.engine.vectorized_checks import needs_client_hooks
-from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_clients, tiny_datamodule
+from tests.helpers import (
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
 from tests.test_exactness import reference, run_strategy
 
 
@@ -360,3 +367,40 @@ def test_packed_local_steps_name_their_chunk_and_steps():
     steps = PackedLocalSteps(chunk=2, first=3, stop=6)
     assert (steps.chunk, steps.first, steps.stop) == (2, 3, 6)
     assert repr(steps) == "PackedLocalSteps(chunk=2, steps 3..5)"
+
+
+def test_packed_steps_carry_the_batch_size_lightning_reads_from_loaders():
+    """Lightning weighs a value a hook logs without ``batch_size`` by the size of the
+    batch's first tensor: on the loaders' path, the batch of the chunk's first client
+    with one at that step. Batches of 8 (client 0 has 4 samples, client 8's pass ends
+    with 7), E = 2 passes (client 0 runs out after 2 steps, so client 1 opens the later
+    steps), 2 local steps per Lightning step: the packed path's epoch mean is the same."""
+
+    class StepIndex(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            pl_module.log("step_index", float(batch_idx), on_epoch=True, on_step=False)
+
+    means = []
+    for on_device in (True, False):
+        strategy = FederatedStrategy(
+            local_epochs=2, seed=3, vectorize=True, max_vectorized_clients=4,
+            local_steps_per_training_step=2, data_on_device=on_device,
+        )  # fmt: skip
+        trainer = make_trainer(strategy, 2, [FedAvg(), StepIndex()])
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(batch_size=8))
+        assert (trainer.strategy.packed is not None) == on_device
+        means.append(float(trainer.callback_metrics["step_index"]))
+    assert means[0] == pytest.approx(means[1], abs=1e-6)
+
+
+def test_a_packed_clients_batch_lengths_by_hand():
+    """11 samples in batches of 4: 4, 4, 3, then the next pass; 4 in batches of 4: 4."""
+    packed, _ = pack_federation(*_federation_of_sizes([11, 4], batch_size=4))
+    assert [packed.batch_length(0, step) for step in range(7)] == [4, 4, 3, 4, 4, 3, 4]
+    assert [packed.batch_length(1, step) for step in range(3)] == [4, 4, 4]
+
+
+def _federation_of_sizes(sizes, batch_size):
+    clients = [{"train": (torch.zeros(n, 2), torch.zeros(n, dtype=torch.long))} for n in sizes]
+    dm = InMemoryFederatedDataModule(clients, batch_size=batch_size)
+    return dm, dm.sample_counts(), torch.device("cpu")

@@ -511,3 +511,31 @@ def test_participation_rows_hold_each_participants_weight_and_drop(tmp_path):
         ["0", "1", "0.2083333333", "0"],
         ["1", "2", "1", "0"],
     ]
+
+
+def test_clients_without_held_out_data_are_left_out_of_evaluation():
+    """Client 1 has no validation split and client 2 an empty one: validation runs over
+    the 8 others, each reported with its own 3 samples."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients()
+    del clients[1]["val"]
+    clients[2]["val"] = (clients[2]["val"][0][:0], clients[2]["val"][1][:0])
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, limit_val_batches=None)
+    trainer.validate(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, 4))
+    reported = trainer.strategy.metric_capture.per_client["val_acc"]
+    assert sorted(reported) == [0, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_samplers_error_is_raised_as_it_was_not_as_lightnings():
+    """An error while a round is planned surfaces unchanged at the round's first batch
+    (raised from iter(), Lightning's teardown would replace it)."""
+
+    class Failing(UniformSampler):
+        def sample(self, round_idx, seed, p):
+            raise ValueError("the sampler's own words")
+
+    with pytest.raises(ValueError, match="the sampler's own words"):
+        make_trainer(FederatedStrategy(sampler=Failing(3)), 1).fit(
+            tiny_module(), datamodule=tiny_datamodule()
+        )

@@ -85,6 +85,12 @@ class PackedFederation:
         index = np.asarray(clients, dtype=np.int64)
         return -(-self.sizes[index] // self.batch_sizes[index])
 
+    def batch_length(self, client: int, step: int) -> int:
+        """The number of samples in ``client``'s local batch ``step``: B, or what is left
+        of its n samples in the last batch of a pass."""
+        size, batch = int(self.sizes[client]), int(self.batch_sizes[client])
+        return min(batch, size - (step % -(-size // batch)) * batch)
+
     def chunk_batches(
         self, seed: int, round_idx: int, clients: Sequence[int], num_batches: Sequence[int]
     ) -> ChunkBatches:

@@ -68,12 +68,13 @@ class TrainRounds:
             local = plan.chunk_local_steps(index)
             per_call = local if fused is None else fused
             if plan.packed_chunk(index):  # packed on the device
-                first_client = plan.schedule.clients[chunk[0]]
-                size = min(packed.batch_sizes[first_client], packed.sizes[first_client])
-                # Lightning reads the batch size of what a hook logs from the batch's
-                # first tensor: the first client's batch size, as on the other paths
-                size_hint = torch.empty(int(size), 0, device=device)
                 for first in range(0, local, per_call):
+                    # Lightning reads the batch size of what a hook logs from the batch's
+                    # first tensor: on the other paths, the batch of the first client
+                    # with one at this step, which may be its pass's short last batch
+                    opening = next(pos for pos in chunk if counts[pos] > first)
+                    size = packed.batch_length(plan.schedule.clients[opening], first)
+                    size_hint = torch.empty(size, 0, device=device)
                     steps = PackedLocalSteps(index, first, min(first + per_call, local))
                     yield {"batch_size": size_hint, "local_steps": steps}
                 continue
@@ -107,8 +108,6 @@ class EvalRounds:
         ranks: Ranks,
         evaluation: ClientEvaluation,
     ) -> None:
-        self.datamodule = datamodule
-        self.split = split
         self.evaluation = evaluation
         clients, loaders = [], []
         #: each client's number of samples in ``split``
