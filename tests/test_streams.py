@@ -843,3 +843,34 @@ def test_the_configuration_rule_finds_the_minimizer_a_grid_search_finds():
     rule = configuration_rule(n, fresh, r)
     assert rule == pytest.approx(best, abs=4 * step)
     assert configuration_objective(rule, n, fresh, r) <= values.min() + 1e-6
+
+
+def test_stream_helpers_at_their_bounds_and_by_hand():
+    """A cache of one sample; largest-remainder rounding by hand (and of all-zero values);
+    λ-masses with a negative entry or all zero refused; Eq. 204's inputs each refused at 0
+    and its value by hand; estimate_constants' bounds, each bad one alone."""
+    from lightning_fl.systems.streams import _round_to_total, estimate_constants
+
+    one = FIFOCache(1)
+    one.update(np.array([7]), np.array([2]), np.random.default_rng(0))
+    assert one.ids.tolist() == [7]
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        FIFOCache(0)
+    # 1, 2, 3.5 scaled to 10: 1.54, 3.08, 5.38 → floors 1, 3, 5 and the largest remainder
+    assert _round_to_total(np.array([1.0, 2.0, 3.5]), 10).tolist() == [2, 3, 5]
+    assert _round_to_total(np.zeros(3), 2).tolist() == [1, 1, 0]
+    for bad in ([-1.0, 3.0], [0.0, 0.0]):
+        with pytest.raises(ValueError, match="λ-masses must be >= 0 and not all 0"):
+            aggregation_weights(bad)
+    assert estimate_ratio(2.0, 3.0, 0.5, 100, 25, 4) == pytest.approx((2 + 2) / (3 * 0.5 * 2))
+    for position in range(6):
+        args = [2.0, 3.0, 0.5, 100, 25, 4]
+        args[position] = 0
+        with pytest.raises(ValueError, match="must be > 0"):
+            estimate_ratio(*args)
+    module = _logistic_module()
+    datasets = [_stream_dm().client_dataset(0, "train")]
+    for bad in ({"steps": 0}, {"fraction": 0.0}, {"fraction": 1.5}, {"lr": 0.0}):
+        with pytest.raises(ValueError, match="steps >= 1, fraction in"):
+            estimate_constants(module, datasets, **bad)
+    assert estimate_constants(module, datasets, steps=1, fraction=1.0)[2] > 0
