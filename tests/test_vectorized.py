@@ -132,9 +132,10 @@ class _TorchOptimizer(Classifier):
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.3}),
         (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "betas": (0.8, 0.99)}),
         (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.05, "amsgrad": True}),
+        (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.3, "decoupled_weight_decay": True}),
         (torch.optim.SGD, {"lr": 0.02, "momentum": 0.5, "weight_decay": 0.1, "maximize": True}),
     ],
-    ids=["nesterov", "dampening", "adamw", "adam-amsgrad-l2", "sgd-maximize"],
+    ids=["nesterov", "dampening", "adamw", "adam-amsgrad-l2", "adam-decoupled", "sgd-maximize"],
 )
 def test_torch_optimizer_settings_equal_the_sequential_path(optimizer_class, kw):
     """Every option is torch.optim's own (the stacked optimizer calls its functional
@@ -280,20 +281,35 @@ def test_dropout_of_every_kind_equals_the_sequential_path():
     assert max_abs_diff(params_of(vec), params_of(module())) > 1e-3
 
 
-def test_kept_optimizer_state_equals_the_sequential_path():
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
+def test_kept_optimizer_state_equals_the_sequential_path(optimizer):
+    """keep_optimizer_state over 4 rounds of 6 of 10 clients: the stacked optimizer loads
+    each returning client's saved state and saves it back as torch.optim does (SGD: the
+    momentum buffer only; Adam: its step count and both moments)."""
+
+    def module():
+        if optimizer == "adam":
+            return _TorchOptimizer(torch.optim.Adam, lr=0.01)
+        return _module(momentum=0.9)
+
     kw = {"strategy": {"keep_optimizer_state": True}, "rounds": 4}
-    seq, seq_trainer = _fit(False, module=_module(momentum=0.9), **kw)
-    vec, vec_trainer = _fit(True, module=_module(momentum=0.9), **kw)
+    torch.manual_seed(1)
+    seq, seq_trainer = _fit(False, module=module(), **kw)
+    torch.manual_seed(1)
+    vec, vec_trainer = _fit(True, module=module(), **kw)
     assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
     a = seq_trainer.strategy.client_store.state_dict()
     b = vec_trainer.strategy.client_store.state_dict()
     assert a.keys() == b.keys()
+    names = {"momentum_buffer"} if optimizer != "adam" else {"step", "exp_avg", "exp_avg_sq"}
     for client in a:
         sa, sb = a[client]["optimizer_0"], b[client]["optimizer_0"]
         assert sa.keys() == sb.keys()
         for index in sa:
-            diff = sa[index]["momentum_buffer"] - sb[index]["momentum_buffer"]
-            assert float(diff.abs().max()) <= 1e-5
+            assert sa[index].keys() == sb[index].keys() == names
+            for name in names:
+                diff = sa[index][name] - sb[index][name]
+                assert float(diff.abs().max()) <= 1e-5, (client, index, name)
 
 
 def test_resume_is_exact(tmp_path):
