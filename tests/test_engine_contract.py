@@ -202,8 +202,9 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
 
     import torch.distributed as dist
 
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
     from lightning_fl.engine.context import Federation, Ranks
-    from tests.helpers import tiny_datamodule
+    from tests.helpers import tiny_clients, tiny_datamodule
 
     silos = []
     for rank in (0, 1):
@@ -240,6 +241,14 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
     with pytest.raises(ValueError, match="Every silo's clients have an empty training set"):
         Federation(empty, ranks=Ranks(1, 0))
     assert Federation(empty, require_data=False, ranks=Ranks(1, 0)).training_counts == (0,) * 10
+    assert Federation(empty, require_data=False).training_counts == (0,) * 10  # one process
+    clients = tiny_clients()
+    clients[3]["train"] = (clients[3]["train"][0][:0], clients[3]["train"][1][:0])
+    one_silo = InMemoryFederatedDataModule(clients, batch_size=3)
+    one_silo.enter_silo(0, 1)
+    federation = Federation(one_silo)
+    assert federation.training_counts[3] == 0 and federation.batches_per_pass[3] == 0
+    assert federation.batches_per_pass[4] == math.ceil(train[4] / 3)
 
 
 def test_the_aggregator_runs_first_and_observers_first_in_client_evaluation():
@@ -291,3 +300,25 @@ def test_the_round_state_lists_the_accepted_clients_on_both_paths(vectorize):
     make_trainer(strategy, 3, [Accepted()]).fit(tiny_module(), datamodule=tiny_datamodule())
     assert len(seen) == 3
     assert all(accepted == participants and len(accepted) == 3 for accepted, participants in seen)
+
+
+def test_who_keeps_client_state_decides_whether_states_move_and_ranks_need_a_group():
+    """A callback with per-client state (SCAFFOLD's c_i) or a kept optimizer state makes
+    the planner move a client's entries with it; FedAvg alone does not. Two ranks without a
+    process group run no collective."""
+    from types import SimpleNamespace
+
+    from lightning_fl import FullParticipation
+    from lightning_fl.callbacks import SCAFFOLD, FedAvg
+    from lightning_fl.engine.context import Plugins, Ranks
+    from lightning_fl.engine.planning import RoundPlanner
+
+    def planner(callbacks, keep_optimizer_state=False):
+        plugins = Plugins(tuple(callbacks), callbacks[0], FullParticipation())
+        config = SimpleNamespace(keep_optimizer_state=keep_optimizer_state, silos=False)
+        return RoundPlanner(SimpleNamespace(plugins=plugins, config=config))
+
+    assert planner([FedAvg()]).moves_state() is False
+    assert planner([SCAFFOLD()]).moves_state() is True
+    assert planner([FedAvg()], keep_optimizer_state=True).moves_state() is True
+    assert not Ranks(2, 0).distributed and not Ranks(1, 0).distributed
