@@ -321,3 +321,12 @@ def test_scaffold_uniform_control_weights_count_only_clients_with_data():
     every_client = [(i, float(p[i])) for i in range(5)]
     x = _scaffold_by_hand(clients, 3, STEPS, lambda r: every_client, lambda i: 1 / 5)
     assert max_abs_diff(params_of(module), x) <= 1e-6
+
+
+def test_target_weights_by_sample_count_and_uniform_over_clients_with_data():
+    """p_i = n_i / n, or 1/|{i: n_i > 0}| (``weighting="uniform"``): a client without
+    training data weighs 0 either way, and one with a single sample counts as any other."""
+    counts = [3, 0, 1, 4]
+    assert FedAvg().target_weights(counts).tolist() == [0.375, 0.0, 0.125, 0.5]
+    uniform = FedAvg(weighting="uniform").target_weights(counts).tolist()
+    assert uniform == pytest.approx([1 / 3, 0.0, 1 / 3, 1 / 3], abs=1e-15)
