@@ -350,3 +350,51 @@ def test_participants_come_in_increasing_order_whatever_the_draw_order():
             part = sampler.sample(t, 0, P)
             assert list(part.clients) == sorted(drawn)
     assert unsorted_draws > 0
+
+
+def test_a_wrapper_hands_its_samplers_narrow_inputs_checks_metrics_and_state_through():
+    """ExcludedClients around a sampler that records what it is given: the needs, the loss
+    function, ``check`` (less the excluded clients), ``observe``, the round metrics and the
+    state go to the wrapped sampler and come back from it unchanged."""
+    from lightning_fl import ExcludedClients
+    from lightning_fl.systems.samplers import ClientSampler, SamplerWrapper
+
+    class Recording(ClientSampler):
+        needs_updates, needs_losses = True, True
+
+        def __init__(self):
+            super().__init__(renormalize=True)
+            self.seen, self.state = [], {"kept": 1}
+
+        def check(self, num_eligible):
+            self.seen.append(("check", num_eligible))
+
+        def observe(self, clients, updates, num_clients):
+            self.seen.append(("observe", clients, num_clients))
+
+        def round_metrics(self):
+            return {"fl/recorded": 2.0}
+
+        def state_dict(self):
+            return dict(self.state)
+
+        def load_state_dict(self, state):
+            self.state = state
+
+    inner = Recording()
+    wrapper = ExcludedClients(inner, excluded=[4, 1])
+    assert wrapper.needs_updates and wrapper.needs_losses and wrapper.renormalize
+
+    def losses(clients):
+        return torch.zeros(len(clients))
+
+    wrapper.losses = losses
+    assert inner.losses is losses and wrapper.losses is losses
+    wrapper.check(10)
+    wrapper.observe((0, 3), torch.zeros(2, 5), 10)
+    SamplerWrapper(inner).check(9)  # the base wrapper passes the count on as it is
+    assert inner.seen == [("check", 8), ("observe", (0, 3), 10), ("check", 9)]
+    assert wrapper.round_metrics() == {"fl/recorded": 2.0}
+    assert wrapper.state_dict() == {"kept": 1}
+    wrapper.load_state_dict({"kept": 7})
+    assert inner.state == {"kept": 7}
