@@ -553,3 +553,56 @@ def test_reference_batches_cycle_on_their_own_seeded_order_by_hand():
     with pytest.raises(ValueError, match="reference dataset is empty"):
         WERMDataset(train, TensorDataset(torch.zeros(0, 1), torch.zeros(0)))
     assert len(WERMDataset(train, TensorDataset(torch.zeros(1, 1), torch.zeros(1)))) == 20
+
+
+def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
+    """The validate stage reports at each validation (CSV rows "val"), a test-only attack
+    stays out of validation, the results are cleared per epoch (a callback reused on 2
+    clients, then 1), a client with exactly 2 test samples is attacked, and no
+    ``mia_personal`` values appear without personalization; with FineTune, both clients'
+    personalized models are attacked before the report."""
+    import csv
+
+    from lightning_fl.callbacks import FineTune
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    torch.manual_seed(0)
+    module = Classifier(MLP(10, (32,), 4), lr=0.1)
+    two = _dm("none", num_clients=2, split=(0.5, 0.0, 0.2, 0.3))  # validation data, no reference
+    _fit(module, two)
+    test_only = MembershipInference(stages=("test",))
+    trainer = make_trainer(FederatedStrategy(seed=3), 1, [test_only], limit_val_batches=None)
+    trainer.validate(module, datamodule=two, verbose=False)
+    assert test_only.results == {} and not any(
+        k.startswith("mia") for k in trainer.callback_metrics
+    )
+    attack = MembershipInference(stages=("validate",))
+    x, y = _data(n=12)
+    tiny = [{"train": (torch.tensor(x[:6]), torch.tensor(y[:6])),
+             "val": (torch.tensor(x[8:10]), torch.tensor(y[8:10])),
+             "test": (torch.tensor(x[6:8]), torch.tensor(y[6:8]))}]  # fmt: skip
+    for dm, clients in ((two, [0, 1]), (InMemoryFederatedDataModule(tiny, 4), [0])):
+        trainer = make_trainer(
+            FederatedStrategy(seed=3), 1, [attack], limit_val_batches=None,
+            default_root_dir=str(tmp_path / str(len(clients))),
+        )  # fmt: skip
+        trainer.validate(module, datamodule=dm, verbose=False)
+        assert sorted(attack.results) == [("mia", "train", c) for c in clients]
+        assert "mia/train/best" in trainer.callback_metrics
+        (path,) = (tmp_path / str(len(clients))).rglob("membership_inference.csv")
+        rows = list(csv.DictReader(open(path)))
+        assert [(r["stage"], r["model"], int(r["client"])) for r in rows] == [
+            ("val", "mia", c) for c in clients
+        ]
+    personal = MembershipInference(stages=("test",))
+    trainer = make_trainer(
+        FederatedStrategy(seed=3), 1, [FineTune(lr=0.5, epochs=1), personal],
+        default_root_dir=str(tmp_path / "personal"),
+    )  # fmt: skip
+    trainer.test(module, datamodule=two, verbose=False)
+    (path,) = (tmp_path / "personal").rglob("membership_inference.csv")
+    rows = [(r["model"], int(r["client"])) for r in csv.DictReader(open(path))]
+    assert rows == [("mia", 0), ("mia", 1), ("mia_personal", 0), ("mia_personal", 1)]
+    trainer = make_trainer(FederatedStrategy(seed=3), 1, [FineTune(lr=0.5, epochs=1), personal])
+    trainer.test(module, datamodule=InMemoryFederatedDataModule(tiny, 4), verbose=False)
+    assert sorted(personal.results) == [("mia", "train", 0), ("mia_personal", "train", 0)]
