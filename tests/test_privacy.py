@@ -558,7 +558,7 @@ def test_reference_batches_cycle_on_their_own_seeded_order_by_hand():
 def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
     """The validate stage reports at each validation (CSV rows "val"), a test-only attack
     stays out of validation, the results are cleared per epoch (a callback reused on 2
-    clients, then 1), a client with exactly 2 test samples is attacked, and no
+    clients, then 1), a client with exactly 2 training and 2 test samples is attacked, and no
     ``mia_personal`` values appear without personalization; with FineTune, both clients'
     personalized models are attacked before the report."""
     import csv
@@ -578,7 +578,7 @@ def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
     )
     attack = MembershipInference(stages=("validate",))
     x, y = _data(n=12)
-    tiny = [{"train": (torch.tensor(x[:6]), torch.tensor(y[:6])),
+    tiny = [{"train": (torch.tensor(x[:2]), torch.tensor(y[:2])),
              "val": (torch.tensor(x[8:10]), torch.tensor(y[8:10])),
              "test": (torch.tensor(x[6:8]), torch.tensor(y[6:8]))}]  # fmt: skip
     for dm, clients in ((two, [0, 1]), (InMemoryFederatedDataModule(tiny, 4), [0])):
