@@ -606,3 +606,13 @@ def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
     trainer = make_trainer(FederatedStrategy(seed=3), 1, [FineTune(lr=0.5, epochs=1), personal])
     trainer.test(module, datamodule=InMemoryFederatedDataModule(tiny, 4), verbose=False)
     assert sorted(personal.results) == [("mia", "train", 0), ("mia_personal", "train", 0)]
+
+
+def test_server_reference_needs_the_servers_data_only_when_it_has_weight():
+    """w = 0: nothing of the server's is read (a datamodule without server data trains as
+    FedAvg); w > 0 on such a datamodule: a clear error naming the fix."""
+    from tests.helpers import tiny_datamodule, tiny_module
+
+    _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.0)], rounds=1)
+    with pytest.raises(TypeError, match=r"has no server_reference\(\): use reference='server'"):
+        _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.5)], rounds=1)
