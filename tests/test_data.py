@@ -264,3 +264,32 @@ def test_random_subset_at_both_ends_and_its_own_stream():
         with pytest.raises(ValueError, match="use 1 to 5"):
             random_subset(5, bad, 0, "x")
     assert random_subset(10, 4, 1, "x").tolist() == [2, 4, 5, 9]  # (1, 24) draws 1, 5, 8, 9
+
+
+def test_the_base_datamodule_at_its_edges():
+    """Batches of one accepted and of none refused (the loader and the datamodule); a
+    client without a split counts 0 samples in it; a silo refuses another silo's client by
+    name; a federated loader iterates only under FederatedStrategy, and says so at the
+    first batch, not when Lightning calls iter()."""
+    from torch.utils.data import TensorDataset
+
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from lightning_fl.datamodules.base import SiloError, TensorBatchLoader
+
+    data = TensorDataset(torch.arange(3.0), torch.arange(3))
+    assert [b[1].tolist() for b in TensorBatchLoader(data, 1)] == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        TensorBatchLoader(data, 0)
+    clients = [{"train": (torch.zeros(4, 2), torch.zeros(4, dtype=torch.long))} for _ in range(3)]
+    clients[1]["val"] = (torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))
+    dm = InMemoryFederatedDataModule(clients, batch_size=1)
+    assert dm.sample_counts("val") == [0, 2, 0] and dm.sample_counts() == [4, 4, 4]
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        InMemoryFederatedDataModule(clients, batch_size=0)
+    dm.enter_silo(0, 2)
+    assert len(dm.client_dataset(2, "train")) == 4
+    with pytest.raises(SiloError, match="client 1's data is held by silo 1, not by this one"):
+        dm.client_dataset(1, "train")
+    batches = iter(dm.train_dataloader())
+    with pytest.raises(RuntimeError, match="run only under FederatedStrategy"):
+        next(batches)
