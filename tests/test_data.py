@@ -290,6 +290,8 @@ def test_the_base_datamodule_at_its_edges():
     assert len(dm.client_dataset(2, "train")) == 4
     with pytest.raises(SiloError, match="client 1's data is held by silo 1, not by this one"):
         dm.client_dataset(1, "train")
+    with pytest.raises(ValueError, match=r"unseen_fraction must be in \[0, 1\), got 1.0"):
+        dm.hold_out(1.0)
     batches = iter(dm.train_dataloader())
     with pytest.raises(RuntimeError, match="run only under FederatedStrategy"):
         next(batches)
