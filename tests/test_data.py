@@ -284,6 +284,9 @@ def test_the_base_datamodule_at_its_edges():
     clients[1]["val"] = (torch.zeros(2, 2), torch.zeros(2, dtype=torch.long))
     dm = InMemoryFederatedDataModule(clients, batch_size=1)
     assert dm.sample_counts("val") == [0, 2, 0] and dm.sample_counts() == [4, 4, 4]
+    clients[2]["val"] = (torch.ones(1, 2), torch.ones(1, dtype=torch.long))  # one sample
+    pooled = InMemoryFederatedDataModule(clients, batch_size=1).pooled_dataset("val")
+    assert [int(y) for _, y in pooled] == [0, 0, 1]  # client 1's two, then client 2's one
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         InMemoryFederatedDataModule(clients, batch_size=0)
     dm.enter_silo(0, 2)
