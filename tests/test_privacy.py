@@ -571,8 +571,12 @@ def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
     two = _dm("none", num_clients=2, split=(0.5, 0.0, 0.2, 0.3))  # validation data, no reference
     _fit(module, two)
     test_only = MembershipInference(stages=("test",))
-    trainer = make_trainer(FederatedStrategy(seed=3), 1, [test_only], limit_val_batches=None)
+    trainer = make_trainer(
+        FederatedStrategy(seed=3), 1, [test_only], limit_val_batches=None,
+        default_root_dir=str(tmp_path / "none"),
+    )  # fmt: skip
     trainer.validate(module, datamodule=two, verbose=False)
+    assert not list((tmp_path / "none").rglob("membership_inference.csv"))  # nothing to write
     assert test_only.results == {} and not any(
         k.startswith("mia") for k in trainer.callback_metrics
     )
@@ -588,12 +592,32 @@ def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
         )  # fmt: skip
         trainer.validate(module, datamodule=dm, verbose=False)
         assert sorted(attack.results) == [("mia", "train", c) for c in clients]
+        if len(clients) == 1:  # by hand: the attacks on the model's softmax outputs
+            split = tiny[0]
+            with torch.no_grad():
+                member, nonmember = (
+                    torch.softmax(module(split[k][0]), dim=1) for k in ("train", "test")
+                )
+            expected = membership_inference(
+                member, split["train"][1], nonmember, split["test"][1], seed=attack.seed
+            )
+            assert attack.results[("mia", "train", 0)] == dict(
+                expected.accuracy, best=expected.best
+            )
         assert "mia/train/best" in trainer.callback_metrics
         (path,) = (tmp_path / str(len(clients))).rglob("membership_inference.csv")
         rows = list(csv.DictReader(open(path)))
         assert [(r["stage"], r["model"], int(r["client"])) for r in rows] == [
             ("val", "mia", c) for c in clients
         ]
+    one_test = [dict(tiny[0], test=(tiny[0]["test"][0][:1], tiny[0]["test"][1][:1]))]
+    trainer = make_trainer(
+        FederatedStrategy(seed=3), 1, [attack], limit_val_batches=None,
+        default_root_dir=str(tmp_path / "too_few"),
+    )  # fmt: skip
+    trainer.validate(module, datamodule=InMemoryFederatedDataModule(one_test, 4), verbose=False)
+    assert attack.results == {}
+    assert not list((tmp_path / "too_few").rglob("membership_inference.csv"))
     personal = MembershipInference(stages=("test",))
     trainer = make_trainer(
         FederatedStrategy(seed=3), 1, [FineTune(lr=0.5, epochs=1), personal],
@@ -616,3 +640,57 @@ def test_server_reference_needs_the_servers_data_only_when_it_has_weight():
     _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.0)], rounds=1)
     with pytest.raises(TypeError, match=r"has no server_reference\(\): use reference='server'"):
         _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.5)], rounds=1)
+
+
+def test_server_reference_with_local_steps_cycles_its_batches_by_hand():
+    """w = 1 and K = 15 local steps: the server's 15 steps cycle its shuffled reference
+    batches (more than one pass of batches of 16), the round's model is theirs alone."""
+    from lightning_fl.engine.schedule import cycle_batches
+    from lightning_fl.engine.seeding import generator
+
+    dm = _dm("server", num_clients=3)
+    torch.manual_seed(0)
+    one = Classifier(MLP(10, (16,), 4), lr=0.1)
+    trainer = make_trainer(FederatedStrategy(local_steps=15, seed=3), 1, [ServerReference(w=1.0)])
+    trainer.fit(one, datamodule=dm)
+    torch.manual_seed(0)
+    net = MLP(10, (16,), 4)
+    reference = dm.server_reference()
+    assert 16 * 15 > len(reference)  # the steps wrap around to a second pass
+    loader = torch.utils.data.DataLoader(
+        reference, batch_size=16, shuffle=True, generator=generator(3, "server_reference", 0)
+    )
+    for x, y in cycle_batches(loader, 15):
+        grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
+        with torch.no_grad():
+            for p, gr in zip(net.parameters(), grads):
+                p -= 0.1 * gr
+    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
+
+
+def test_dp_epsilon_at_no_noise_unit_noise_and_below_one(tmp_path):
+    """σ = 0 is ε = ∞; σ = 1 is Opacus's finite ε; a large σ gives ε < 1, still logged;
+    with WERM at w = 0 the reference data takes no noisy step and no ε."""
+    from opacus.accountants import RDPAccountant
+
+    from lightning_fl.engine.client_store import ClientStore
+
+    dp, store = DPSGD(noise_multiplier=1.0, max_grad_norm=1.0), ClientStore()
+    store.set(0, "dp_train_steps", 5)
+    store.set(0, "dp_train_rate", 0.1)
+    store.set(0, "dp_train_sigma", 1.0)
+    accountant = RDPAccountant()
+    accountant.history = [(1.0, 0.1, 5)]
+    assert dp.epsilon(store, 0) == pytest.approx(accountant.get_epsilon(1e-5))
+    store.set(0, "dp_train_sigma", 0.0)
+    assert dp.epsilon(store, 0) == float("inf")
+    torch.manual_seed(0)
+    module = WERMClassifier(MLP(10, (16,), 4), w=0.0, lr=0.1)
+    quiet = DPSGD(noise_multiplier=20.0, max_grad_norm=1.0)
+    trainer = _fit(module, _dm("client", num_clients=1), [quiet], rounds=1)
+    epsilon = float(trainer.callback_metrics["dp/epsilon"])
+    assert 0 < epsilon < 1 and epsilon == pytest.approx(
+        quiet.epsilon(trainer.strategy.client_store, 0)
+    )
+    assert trainer.strategy.client_store.get(0, "dp_reference_steps") is None
+    assert "dp/epsilon_reference" not in trainer.callback_metrics
