@@ -685,3 +685,32 @@ def test_a_mixing_matrix_of_the_wrong_shape_or_not_doubly_stochastic_is_refused(
     )
     with pytest.raises(ValueError, match=message):
         trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
+
+
+def test_gossip_evaluates_each_client_with_its_own_mixed_model():
+    """After two gossip rounds, a client's test accuracy is that of its own model in the
+    client store (row t of W^T θ), not the network average's."""
+    from lightning_fl.callbacks.gossip import STORE_KEY
+    from lightning_fl.engine.tensors import FederatedTensors, unflatten
+    from tests.helpers import tiny_clients
+
+    module = tiny_module(0.1)
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=3, seed=2), 2, [GossipAveraging(edge_probability=0.5, seed=1)]
+    )
+    trainer.fit(module, datamodule=tiny_datamodule())
+    store = trainer.strategy.client_store
+    trainer.test(module, datamodule=tiny_datamodule(), verbose=False)
+    reported = trainer.strategy.metric_capture.per_client["test_acc"]
+    copy = tiny_module(0.1)
+    tensors = FederatedTensors(copy)
+    differs = False
+    for c, data in enumerate(tiny_clients()):
+        tensors.load_(unflatten(store.get(c, STORE_KEY), tensors.tensors))
+        x, y = data["test"]
+        with torch.no_grad():
+            own = float((copy.network(x).argmax(1) == y).float().mean())
+            average = float((module.network(x).argmax(1) == y).float().mean())
+        assert reported[c][0] == pytest.approx(own, abs=1e-6), c
+        differs |= own != average
+    assert differs  # the test tells a client's model from the average
