@@ -599,11 +599,15 @@ def test_the_shipped_networks_match_the_papers_sizes():
     assert two_steps.advance() == 14.0  # t(4) = (10, 14)
 
 
-def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_scaled_steps():
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_scaled_steps(
+    vectorize,
+):
     """Three clients of 4, 11 and 18 samples, W doubly stochastic but not symmetric (W[s][t]
     is what t takes from s), ``step_scale="samples"``: each round, client t runs its steps
     from its own model at lr·T·n_t/n (Alg. 8), then θ_t = Σ_s W_st θ_s (eq. 2.2); the
-    global model is Σ_t (n_t/n) θ_t. Written out over three rounds."""
+    global model is Σ_t (n_t/n) θ_t. Written out over three rounds; the vectorized path
+    scales each client row's steps the same way."""
     import copy
 
     from lightning_fl.engine.tensors import flatten
@@ -616,7 +620,8 @@ def test_dpasgd_three_rounds_by_hand_with_a_directed_mixing_matrix_and_sample_sc
     lr, steps, seed, rounds = 0.1, 3, 2, 3
     gossip = GossipAveraging(mixing_matrix=w)
     module = tiny_module(lr)
-    trainer = make_trainer(FederatedStrategy(local_steps=steps, seed=seed), rounds, [gossip])
+    strategy = FederatedStrategy(local_steps=steps, seed=seed, vectorize=vectorize)
+    trainer = make_trainer(strategy, rounds, [gossip])
     trainer.fit(module, datamodule=tiny_datamodule(num_clients=3))
 
     start = tiny_module(lr).network
@@ -714,3 +719,33 @@ def test_gossip_evaluates_each_client_with_its_own_mixed_model():
         assert reported[c][0] == pytest.approx(own, abs=1e-6), c
         differs |= own != average
     assert differs  # the test tells a client's model from the average
+
+
+def test_gossip_nodes_are_the_clients_with_data_and_erdos_renyi_mixing_is_metropolis():
+    """Client 1 without training data is no node, client 2 with one sample is; the default
+    G(n, 0.5) overlay's W is Metropolis on its edges: doubly stochastic, zero off the graph."""
+    from lightning_fl.callbacks.gossip import erdos_renyi
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import tiny_clients
+
+    clients = tiny_clients(num_clients=5)
+    clients[1]["train"] = (clients[1]["train"][0][:0], clients[1]["train"][1][:0])
+    clients[2]["train"] = (clients[2]["train"][0][:1], clients[2]["train"][1][:1])
+    gossip = GossipAveraging(edge_probability=0.5, seed=1)
+    trainer = make_trainer(FederatedStrategy(local_steps=1, seed=2), 1, [gossip])
+    trainer.fit(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+    assert gossip.nodes == [0, 2, 3, 4]
+    w, graph = gossip.mixing, erdos_renyi(4, 0.5, 1)
+    ones = torch.ones(4, dtype=w.dtype)
+    assert torch.allclose(w.sum(0), ones) and torch.allclose(w.sum(1), ones)
+    off_graph = ~graph & ~torch.eye(4, dtype=torch.bool)
+    assert torch.all(w[off_graph] == 0) and torch.all(w[graph] > 0)
+
+
+def test_is_connected_by_hand():
+    from lightning_fl.callbacks.gossip import is_connected
+
+    path = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
+    apart = torch.tensor([[0, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    alone = torch.tensor([[0, 0, 0], [0, 0, 1], [0, 1, 0]], dtype=torch.bool)  # node 0 apart
+    assert is_connected(path) and not is_connected(apart) and not is_connected(alone)
