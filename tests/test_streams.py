@@ -849,6 +849,8 @@ def test_stream_helpers_at_their_bounds_and_by_hand():
     """A cache of one sample; largest-remainder rounding by hand (and of all-zero values);
     λ-masses with a negative entry or all zero refused; Eq. 204's inputs each refused at 0
     and its value by hand; estimate_constants' bounds, each bad one alone."""
+    import torch
+
     from lightning_fl.systems.streams import _round_to_total, estimate_constants
 
     one = FIFOCache(1)
@@ -859,6 +861,12 @@ def test_stream_helpers_at_their_bounds_and_by_hand():
     # 1, 2, 3.5 scaled to 10: 1.54, 3.08, 5.38 → floors 1, 3, 5 and the largest remainder
     assert _round_to_total(np.array([1.0, 2.0, 3.5]), 10).tolist() == [2, 3, 5]
     assert _round_to_total(np.zeros(3), 2).tolist() == [1, 1, 0]
+    assert _round_to_total(np.array([0.2, 0.3]), 5).tolist() == [2, 3]  # a sum below 1, scaled
+    assert one.label_distribution(4).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert FIFOCache(3).label_distribution(2).tolist() == [0.0, 0.0]  # empty: no 0/0
+    assert aggregation_weights([0.25, 0.75]).tolist() == [0.25, 0.75]
+    coefficients = weighted_minibatch_coefficients(np.array([0.0, 1.0, 3.0]), np.array([0, 2]))
+    assert coefficients.tolist() == [0.0, 3 / 2 * 3 / 4]  # a zero weight is allowed
     for bad in ([-1.0, 3.0], [0.0, 0.0]):
         with pytest.raises(ValueError, match="λ-masses must be >= 0 and not all 0"):
             aggregation_weights(bad)
@@ -873,4 +881,6 @@ def test_stream_helpers_at_their_bounds_and_by_hand():
     for bad in ({"steps": 0}, {"fraction": 0.0}, {"fraction": 1.5}, {"lr": 0.0}):
         with pytest.raises(ValueError, match="steps >= 1, fraction in"):
             estimate_constants(module, datasets, **bad)
-    assert estimate_constants(module, datasets, steps=1, fraction=1.0)[2] > 0
+    alone = estimate_constants(module, datasets, steps=2, fraction=1.0)
+    empty = torch.utils.data.TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long))
+    assert estimate_constants(module, [None, empty, *datasets], steps=2, fraction=1.0) == alone
