@@ -539,3 +539,29 @@ def test_a_samplers_error_is_raised_as_it_was_not_as_lightnings():
         make_trainer(FederatedStrategy(sampler=Failing(3)), 1).fit(
             tiny_module(), datamodule=tiny_datamodule()
         )
+
+
+def test_run_outputs_folder_csv_and_notes(tmp_path):
+    """A logger without ``log_dir`` (W&B's kind) puts the run's files in
+    ``save_dir/name/version_N``, falling back to the Trainer's folder without a save_dir;
+    ``append_csv`` creates the folder and writes one header; a note warns and is kept once."""
+    import csv
+    from types import SimpleNamespace
+
+    from lightning_fl.engine.outputs import RunSummary, append_csv, run_dir
+
+    def trainer(save_dir):
+        logger = SimpleNamespace(save_dir=save_dir, name="proj", version=3)
+        return SimpleNamespace(loggers=[logger], default_root_dir="/root_dir")
+
+    assert run_dir(trainer("/saved")) == "/saved/proj/version_3"
+    assert run_dir(trainer(None)) == "/root_dir/proj/version_3"
+    path = tmp_path / "new" / "deeper" / "rows.csv"
+    append_csv(str(path), ["a", "b"], [[1, 2]])
+    append_csv(str(path), ["a", "b"], [[3, 4]])
+    assert list(csv.reader(open(path))) == [["a", "b"], ["1", "2"], ["3", "4"]]
+    summary = RunSummary()
+    with pytest.warns(UserWarning, match="requests left undone"):
+        summary.note("requests left undone")
+        summary.note("requests left undone")
+    assert summary.notes == ["requests left undone"]
