@@ -476,7 +476,7 @@ def test_each_client_evaluation_starts_and_ends_once_in_client_order():
     assert events == [(kind, c) for c in range(4) for kind in ("start", "end")]
 
 
-def test_the_round_summaries_and_no_run_files_without_a_logger(tmp_path):
+def test_the_round_summaries_and_no_run_files_without_a_logger(tmp_path, capsys):
     """After three rounds of 4 sampled clients of 10: ``fl/round`` 2, ``fl/participants`` 4,
     ``fl/dropped_updates`` 0; no ``fl/skipped_empty`` (the datamodule never skips a client)
     nor ``fl/compile_seconds`` (nothing compiled); without a logger no participation.csv."""
@@ -486,6 +486,7 @@ def test_the_round_summaries_and_no_run_files_without_a_logger(tmp_path):
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("fl/")}
     assert metrics == {"fl/round": 2.0, "fl/participants": 4.0, "fl/dropped_updates": 0.0}
     assert not list(tmp_path.rglob("participation.csv"))
+    assert f"Outputs: {tmp_path}" in capsys.readouterr().out  # a Trainer script says it too
 
 
 def test_participation_rows_hold_each_participants_weight_and_drop(tmp_path):
