@@ -150,24 +150,29 @@ def test_server_reference_with_w_zero_is_fedavg_and_with_w_one_only_server_data(
     dm = _dm("server", num_clients=3)
     _fit(one, dm, [ServerReference(w=1.0)], rounds=1)
     # one pass of plain SGD over the server's reference data from the initial model
-    torch.manual_seed(0)
-    net = MLP(10, (16,), 4)
-    from torch.utils.data import DataLoader
+    net = _server_steps_by_hand(dm)
+    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
 
+
+def _server_steps_by_hand(dm, steps: int | None = None) -> torch.nn.Module:
+    """Round 0's server steps from the initial model (seed 0), lr 0.1, batches of 16 of its
+    reference data shuffled by (3, "server_reference", 0): one pass, or ``steps`` batches
+    cycled over passes."""
+    from lightning_fl.engine.schedule import cycle_batches
     from lightning_fl.engine.seeding import generator
 
-    loader = DataLoader(
-        dm.server_reference(),
-        batch_size=16,
-        shuffle=True,
+    torch.manual_seed(0)
+    net = MLP(10, (16,), 4)
+    loader = torch.utils.data.DataLoader(
+        dm.server_reference(), batch_size=16, shuffle=True,
         generator=generator(3, "server_reference", 0),
-    )
-    for x, y in loader:
+    )  # fmt: skip
+    for x, y in loader if steps is None else cycle_batches(loader, steps):
         grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
         with torch.no_grad():
             for p, gr in zip(net.parameters(), grads):
                 p -= 0.1 * gr
-    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
+    return net
 
 
 # ------------------------------------------------------------------ evaluation callback
@@ -645,26 +650,13 @@ def test_server_reference_needs_the_servers_data_only_when_it_has_weight():
 def test_server_reference_with_local_steps_cycles_its_batches_by_hand():
     """w = 1 and K = 15 local steps: the server's 15 steps cycle its shuffled reference
     batches (more than one pass of batches of 16), the round's model is theirs alone."""
-    from lightning_fl.engine.schedule import cycle_batches
-    from lightning_fl.engine.seeding import generator
-
     dm = _dm("server", num_clients=3)
     torch.manual_seed(0)
     one = Classifier(MLP(10, (16,), 4), lr=0.1)
     trainer = make_trainer(FederatedStrategy(local_steps=15, seed=3), 1, [ServerReference(w=1.0)])
     trainer.fit(one, datamodule=dm)
-    torch.manual_seed(0)
-    net = MLP(10, (16,), 4)
-    reference = dm.server_reference()
-    assert 16 * 15 > len(reference)  # the steps wrap around to a second pass
-    loader = torch.utils.data.DataLoader(
-        reference, batch_size=16, shuffle=True, generator=generator(3, "server_reference", 0)
-    )
-    for x, y in cycle_batches(loader, 15):
-        grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
-        with torch.no_grad():
-            for p, gr in zip(net.parameters(), grads):
-                p -= 0.1 * gr
+    assert 16 * 15 > len(dm.server_reference())  # the steps wrap around to a second pass
+    net = _server_steps_by_hand(dm, steps=15)
     assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
 
 
