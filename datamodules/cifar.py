@@ -220,8 +220,6 @@ class CifarDataModule(InMemoryFederatedDataModule):
         self._args = arguments(locals())
         if dataset not in CIFAR:
             raise ValueError(f"dataset must be cifar10 or cifar100, got {dataset!r}.")
-        if not 0 <= unseen_fraction < 1:
-            raise ValueError(f"unseen_fraction must be in [0, 1), got {unseen_fraction}.")
         partitions = ("dirichlet", "shards", "pachinko", "iid", "unbalanced")
         if partition not in partitions:
             raise ValueError(

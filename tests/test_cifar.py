@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -186,3 +187,118 @@ def test_unbalanced_sizes_fill_with_the_largest_and_cut_to_the_clients():
     for bad in ((labels[:, None], labels), (labels, labels[:, None])):
         with pytest.raises(ValueError, match="non-empty 1-D"):
             unbalanced_dirichlet_partition(*bad, 4, 0.5, seed=0)
+
+
+def _labels(dm, split):
+    return [dm.client_dataset(c, split)[:][1].tolist() for c in range(dm.num_clients)]
+
+
+@pytest.mark.parametrize(
+    "partition, options",
+    [("iid", {}), ("shards", {"shards_per_client": 3}), ("dirichlet", {"num_groups": 2})],
+)
+def test_each_partition_splits_train_and_test_with_its_own_seeds(cifar10_root, partition, options):
+    """The datamodule's clients by hand: the partition of the training labels with ``seed``,
+    of the test labels with ``seed + 1``, and each client's validation share with
+    ``seed + 31 c``."""
+    from lightning_fl.datamodules.cifar import read_cifar
+    from lightning_fl.datamodules.partition import (
+        grouped_dirichlet_partition,
+        iid_partition,
+        shard_partition,
+        split_fractions,
+    )
+
+    seed, n = 4, 5
+    dm = CifarDataModule("cifar10", root=str(cifar10_root), check_md5=False, num_clients=n,
+                         partition=partition, alpha=0.5, val_fraction=0.25, seed=seed,
+                         **options)  # fmt: skip
+    train = read_cifar(str(cifar10_root), CIFAR["cifar10"], "train", check=False)["labels"]
+    test = read_cifar(cifar10_root, CIFAR["cifar10"], "test", check=False)["labels"]
+    parts = {
+        "iid": lambda y, s: iid_partition(y, n, s),
+        "shards": lambda y, s: shard_partition(y, n, 3, s),
+        "dirichlet": lambda y, s: grouped_dirichlet_partition(y, n, 0.5, 2, s),
+    }[partition]
+    fits = [
+        split_fractions(p, (0.75, 0.25), seed + 31 * c) for c, p in enumerate(parts(train, seed))
+    ]
+    assert _labels(dm, "train") == [train[fit].tolist() for fit, _ in fits]
+    assert _labels(dm, "val") == [train[val].tolist() for _, val in fits]
+    assert _labels(dm, "test") == [test[p].tolist() for p in parts(test, seed + 1)]
+    assert set(train.tolist()) == set(range(10))  # the generator's 10 classes, all drawn
+
+
+def test_pachinko_test_share_is_the_training_share_scaled_down_and_at_least_one(tmp_path):
+    """Pachinko draws ``samples_per_client`` training images per client and
+    ⌊n_test · samples_per_client / n_train⌋ (at least 1) test images: 300 · 50 // 400 = 37."""
+    options = dict(generate=True, partition="pachinko", alpha=0.3, beta=10.0, num_clients=4,
+                   generate_sizes=(400, 300))  # fmt: skip
+    dm = CifarDataModule("cifar100", root=str(tmp_path), samples_per_client=50, **options)
+    assert dm.sample_counts("train") == [50] * 4 and dm.sample_counts("test") == [37] * 4
+    dm = CifarDataModule("cifar100", root=str(tmp_path), samples_per_client=1, **options)
+    assert dm.sample_counts("test") == [1] * 4  # 300 · 1 // 400 = 0
+
+
+def test_generated_cifar_by_hand(tmp_path):
+    """The ``small`` recipes' CIFAR-100 stand-in: a template per class drawn from
+    ``default_rng(seed)``, plus N(0, 40) noise per image, clipped to [0, 255]; coarse labels
+    are fine // 5; files in pickle protocol 2, like the official ones. Writing again over
+    them is allowed."""
+    from lightning_fl.datamodules.cifar import read_cifar
+
+    spec = CIFAR["cifar100"]
+    for _ in range(2):
+        write_synthetic_cifar(str(tmp_path / "new" / "root"), spec, 30, test_size=20, seed=3)
+    rng = np.random.default_rng(3)
+    templates = rng.integers(0, 256, size=(100, 3072))
+    for split, size in (("train", 30), ("test", 20)):
+        labels = rng.integers(0, 100, size=size)
+        pixels = np.clip(templates[labels] + rng.normal(0, 40, size=(size, 3072)), 0, 255)
+        data = read_cifar(tmp_path / "new" / "root", spec, split, check=False)
+        np.testing.assert_array_equal(data["images"].reshape(size, -1), pixels.astype(np.uint8))
+        assert data["labels"].tolist() == labels.tolist()
+        assert data["coarse"].tolist() == (labels // 5).tolist()
+    assert (tmp_path / "new" / "root" / spec.folder / "train").read_bytes()[:2] == b"\x80\x02"
+
+
+def test_download_fetches_the_archive_once_and_extracts_it(tmp_path, monkeypatch):
+    """``download=True`` fetches the (md5-checked) archive into ``root`` and extracts it
+    there, once: a second datamodule reads the extracted files without the source."""
+    import hashlib
+    import tarfile
+
+    from lightning_fl.datamodules import cifar
+
+    source = tmp_path / "source"
+    write_synthetic_cifar(source, CIFAR["cifar10"], train_per_file=10, test_size=10, seed=0)
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(source / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    md5 = hashlib.md5(archive.read_bytes()).hexdigest()
+    spec = dataclasses.replace(CIFAR["cifar10"], url=archive.as_uri(), archive_md5=md5)
+    monkeypatch.setitem(cifar.CIFAR, "cifar10", spec)
+    cifar.fetch_cifar(str(tmp_path / "direct"), spec)
+    assert (tmp_path / "direct" / "cifar-10-batches-py" / "test_batch").exists()
+    root = tmp_path / "root"
+    dm = CifarDataModule("cifar10", root=str(root), download=True, check_md5=False, num_clients=2)
+    assert sum(dm.sample_counts("train")) == 50 and (root / "cifar-10-python.tar.gz").exists()
+    archive.unlink()
+    (root / "cifar-10-python.tar.gz").unlink()
+    again = CifarDataModule(
+        "cifar10", root=str(root), download=True, check_md5=False, num_clients=2
+    )
+    assert again.sample_counts("train") == dm.sample_counts("train")
+
+
+def test_cifar_hyperparameters_default_root_and_bounds(tmp_path):
+    from lightning_fl.datamodules.cifar import CACHE
+
+    dm = CifarDataModule("cifar100", num_clients=3, alpha=0.7)
+    assert dm.root == CACHE / "cifar100" and dm.hparams["alpha"] == 0.7
+    with pytest.raises(ValueError, match=r"unseen_fraction must be in \[0, 1\)"):
+        CifarDataModule("cifar10", unseen_fraction=1.0)
+    path = tmp_path / "batch"
+    path.write_bytes(pickle.dumps([1, 2], protocol=2))
+    with pytest.raises(ValueError, match="batch: expected a dict, got list"):
+        load_pickle_batch(str(path))
