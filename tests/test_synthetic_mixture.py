@@ -97,3 +97,67 @@ def test_one_logit_mixture_equals_the_two_logit_form_0_z():
     for a, b in zip(one.network, two.network):
         assert torch.allclose(a.weight.grad, b.weight.grad[1:], atol=1e-6)
         assert torch.allclose(a.bias.grad, b.bias.grad[1:], atol=1e-6)
+
+
+def _corrected_by_hand(num_tasks, num_components, dimension, alpha, noise, num_test, seed):
+    """FedEM's synthetic mixture (App. I.1) as the corrected generator draws it from
+    ``default_rng(seed)``: θ*_m ~ U[-1, 1]^d, π*_t ~ Dir(α 1_M), n_t = min(⌊lognormal(4, 2)⌋
+    + 50, 1000), test sizes max(1, round(num_test · n_t / Σn)); then per task x ~ U[-1, 1]^d,
+    z ~ π*_t, y = 1{xᵀθ*_z + σ ε ≥ 0}."""
+    rng = np.random.default_rng(seed)
+    theta = rng.uniform(-1.0, 1.0, size=(num_components, dimension))
+    pi = rng.dirichlet([alpha] * num_components, size=num_tasks)
+    n = [min(int(s) + 50, 1000) for s in rng.lognormal(4.0, 2.0, size=num_tasks)]
+    test = [max(1, round(num_test * k / sum(n))) for k in n]
+    tasks = []
+    for t in range(num_tasks):
+        x = rng.uniform(-1.0, 1.0, size=(n[t] + test[t], dimension))
+        z = rng.choice(num_components, size=len(x), p=pi[t])
+        logit = (x * theta[z]).sum(1) + noise * rng.standard_normal(len(x))
+        tasks.append((x.astype(np.float32), (logit >= 0).astype(np.int64), n[t]))
+    return theta, pi, tasks
+
+
+def test_corrected_generator_by_hand():
+    """Eight tasks, two of them at the 1,000 cap (seed 0), and test shares that round to 0
+    for the small tasks (num_test = 10), so each keeps 1."""
+    theta, pi, expected = _corrected_by_hand(8, 4, 5, 0.3, 0.7, 10, seed=0)
+    tasks = generate_mixture_tasks(8, 4, 5, 0.3, 0.7, 10, seed=0)
+    assert max(n for _, _, n in expected) == 1000 and tasks.train_sizes == [
+        n for _, _, n in expected
+    ]
+    assert [len(y) - n for _, y, n in expected].count(1) >= 2
+    np.testing.assert_allclose(tasks.components, theta)
+    np.testing.assert_allclose(tasks.mixture_weights, pi)
+    for (x, y, _), xs, ys in zip(expected, tasks.features, tasks.labels):
+        np.testing.assert_array_equal(xs, x)
+        np.testing.assert_array_equal(ys, y)
+    assert all(type(n) is int for _, _, n in iter_mixture_tasks(3, 2, 4, generator="authors",
+                                                                num_test_per_task=2))  # fmt: skip
+    assert all(type(n) is int for _, _, n in iter_mixture_tasks(3, 2, 4))
+
+
+@pytest.mark.parametrize("field", ["num_tasks", "num_components", "dimension"])
+def test_sizes_of_one_are_accepted_and_zero_refused(field):
+    sizes = {"num_tasks": 2, "num_components": 2, "dimension": 3}
+    generate_mixture_tasks(**{**sizes, field: 1}, num_test=4)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        generate_mixture_tasks(**{**sizes, field: 0}, num_test=4)
+
+
+def test_datamodule_splits_each_task_by_hand():
+    """Client t: its first n_t rows split into train and val with ``seed + 31 t``, the rest
+    its test set; the last clients held out as unseen; the mixture read before setup."""
+    from lightning_fl.datamodules.partition import split_fractions
+
+    dm = SyntheticMixtureDataModule(num_tasks=5, num_components=2, dimension=4, num_test=50,
+                                    val_fraction=0.3, unseen_fraction=0.4, seed=7)  # fmt: skip
+    tasks = dm.tasks
+    assert dm.hparams["val_fraction"] == 0.3 and dm.unseen_clients == [3, 4]
+    assert tasks.train_sizes == generate_mixture_tasks(5, 2, 4, num_test=50, seed=7).train_sizes
+    for t, (x, y) in enumerate(zip(tasks.features, tasks.labels)):
+        n = tasks.train_sizes[t]
+        fit, val = split_fractions(np.arange(n), (0.7, 0.3), 7 + 31 * t)
+        for split, rows in (("train", fit), ("val", val), ("test", np.arange(n, len(y)))):
+            xs, ys = dm.client_dataset(t, split)[:]
+            assert torch.equal(xs, torch.from_numpy(x[rows])) and ys.tolist() == y[rows].tolist()
