@@ -264,3 +264,269 @@ def _shortened(stem: str) -> list[str]:
     if "pooled" in stem:
         return []
     return ["--trainer.strategy.init_args.local_steps", "5"]
+
+
+@pytest.mark.parametrize(
+    "counts, train_fraction, seed",
+    [((7, 7, 7, 3), 0.5, 0), ((5, 4, 4, 4, 2), 0.66, 43), ((9, 6, 3), 0.3, 5), ((2, 2, 2), 0.5, 1)],
+)
+def test_stratified_split_breaks_remainder_ties_as_scikit_learn(counts, train_fraction, seed):
+    """Classes whose proportional shares leave equal remainders: the ties are broken at
+    random from the split's own RandomState, over several rounds of ties, as
+    scikit-learn's ``_approximate_mode`` (both draws, the train counts and the test counts
+    of what is left)."""
+    sklearn = pytest.importorskip("sklearn.model_selection")
+    y = np.repeat(np.arange(len(counts)), counts)
+    np.random.default_rng(seed).shuffle(y)
+    ours = train_test_indices(y, len(y), train_fraction, seed)
+    theirs = sklearn.train_test_split(
+        np.arange(len(y)), test_size=1 - train_fraction, train_size=train_fraction,
+        random_state=seed, stratify=y,
+    )  # fmt: skip
+    assert all(np.array_equal(a, b) for a, b in zip(ours, theirs))
+
+
+HEART_CENTERS_ALL = ("cleveland", "hungarian", "switzerland", "va")
+
+
+def _heart_copy(folder: Path, centers=HEART_CENTERS_ALL) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in centers:
+        shutil.copy(HEART / f"processed.{name}.data", folder)
+    return folder
+
+
+@needs_heart
+def test_heart_columns_dummies_and_both_normalizations_by_hand():
+    """Columns 0, 1, 3, 4, 5, 7, 8, 9 of the complete rows, then the dummies of column 2
+    (levels 2, 3, 4) and 6 (levels 1, 2), the label 1{column 13 > 0}; each center's
+    features standardized with its training rows' mean and unbiased std (+ 1e-9, FLamby's:
+    a feature constant on a center's training rows reads 0), the pooled version with the
+    pooled training rows'."""
+    from lightning_fl.datamodules.flamby import read_heart_center
+
+    dm = FedHeartDiseaseDataModule(root=str(HEART))
+    pooled_train, raw_by_center = [], []
+    for c, name in enumerate(HEART_CENTERS_ALL):
+        table = read_heart_center(HEART / f"processed.{name}.data")
+        table = table[~np.isnan(np.delete(table, [10, 11, 12], axis=1)).any(axis=1)]
+        raw = np.concatenate(
+            [table[:, [0, 1, 3, 4, 5, 7, 8, 9]]]
+            + [(table[:, [col]] == np.array(levels)).astype(float) for col, levels in
+               ((2, (2.0, 3.0, 4.0)), (6, (1.0, 2.0)))],
+            axis=1,
+        )  # fmt: skip
+        train = heart_disease_tables(HEART)[c]["train"]
+        mean, std = raw[train].mean(0), raw[train].std(0, ddof=1)
+        x, y = dm.client_dataset(c, "test")[:]
+        np.testing.assert_allclose(
+            x.numpy(), (raw[~train] - mean) / (std + 1e-9), rtol=1e-5, atol=1e-5
+        )
+        assert y.tolist() == (table[~train, 13] > 0).astype(float).tolist()
+        pooled_train.append(raw[train])
+        raw_by_center.append(raw[~train])
+    reference = np.concatenate(pooled_train)
+    expected = (np.concatenate(raw_by_center) - reference.mean(0)) / (
+        reference.std(0, ddof=1) + 1e-9
+    )
+    np.testing.assert_allclose(dm.pooled["test"][0].numpy(), expected, rtol=1e-5, atol=1e-5)
+    unnormalized = FedHeartDiseaseDataModule(root=str(HEART), normalize=False)
+    np.testing.assert_allclose(
+        unnormalized.pooled["test"][0].numpy(), np.concatenate(raw_by_center)
+    )
+    assert dm.hparams["normalize"] is True
+
+
+@needs_heart
+@pytest.mark.parametrize("rank", [0, 1])
+def test_heart_silo_reads_its_own_centers_from_its_own_folder(tmp_path, rank):
+    """Silo ``rank`` of 2 holds centers ``rank`` and ``rank + 2``, reads only their files
+    from ``root`` with ``{rank}`` replaced, and serves them exactly as the full module
+    does; the other centers stay empty."""
+    from lightning_fl.datamodules.base import SiloError
+
+    mine = [rank, rank + 2]
+    _heart_copy(tmp_path / str(rank), [HEART_CENTERS_ALL[c] for c in mine])
+    silo = FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}"))
+    silo.enter_silo(rank, 2)
+    whole = FedHeartDiseaseDataModule(root=str(HEART))
+    for c in mine:
+        for split in ("train", "test"):
+            got, want = silo.client_dataset(c, split)[:], whole.client_dataset(c, split)[:]
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(SiloError):
+        silo.client_dataset(1 - rank, "train")
+    (tmp_path / str(rank) / f"processed.{HEART_CENTERS_ALL[rank + 2]}.data").unlink()
+    again = FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}"))
+    again.enter_silo(rank, 2)
+    with pytest.raises(FileNotFoundError, match=f"missing processed.{HEART_CENTERS_ALL[rank + 2]}"):
+        again.setup()
+
+
+@needs_heart
+def test_heart_download_fetches_only_the_missing_files(tmp_path, monkeypatch):
+    from lightning_fl.datamodules import flamby
+
+    urls = {
+        f"processed.{n}.data": (HEART / f"processed.{n}.data").as_uri() for n in HEART_CENTERS_ALL
+    }
+    monkeypatch.setattr(flamby, "HEART_URLS", urls)
+    _heart_copy(tmp_path / "root", ["va"])
+    dm = FedHeartDiseaseDataModule(root=str(tmp_path / "root"), download=True)
+    assert dm.sample_counts("train") == [199, 172, 30, 85]
+    assert sorted(p.name for p in (tmp_path / "root").iterdir()) == sorted(urls)
+    monkeypatch.setattr(flamby, "CACHE", tmp_path / "cache")
+    assert FedHeartDiseaseDataModule().root == tmp_path / "cache" / "fed_heart_disease"
+
+
+def _tcga_copy(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("brca.csv", "train_test_split.csv"):
+        shutil.copy(TCGA / name, folder)
+    return folder
+
+
+@needs_tcga
+def test_tcga_checks_its_files_at_setup_and_its_groups(tmp_path):
+    from lightning_fl.datamodules.flamby import tcga_brca_tables
+
+    root = _tcga_copy(tmp_path / "root")
+    assert sorted(tcga_brca_tables(str(root))) == ["0", "1", "2", "3", "4", "5", "pooled"]
+    (root / "train_test_split.csv").write_text(
+        (root / "train_test_split.csv").read_text().replace("train_0", "test_0", 1)
+    )
+    with pytest.raises(ChecksumError, match="train_test_split.csv: sha256 is"):
+        FedTcgaBrcaDataModule(root=str(root)).setup()
+    (root / "train_test_split.csv").unlink()
+    with pytest.raises(FileNotFoundError, match="missing train_test_split.csv"):
+        FedTcgaBrcaDataModule(root=str(root)).setup()
+    dm = FedTcgaBrcaDataModule(batch_size=3)
+    assert dm.hparams["batch_size"] == 3 and dm.root.name == "fed_tcga_brca"
+
+
+def test_tcga_split_file_needs_its_three_columns(tmp_path):
+    from lightning_fl.datamodules.flamby import tcga_brca_tables
+
+    header = ",".join(["pid", *[f"c{i}" for i in range(39)], "E", "T"])
+    (tmp_path / "brca.csv").write_text(header + "\nA," + ",".join(["1"] * 41) + "\n")
+    (tmp_path / "train_test_split.csv").write_text("pid,fold,fold2,site\nA,train,train_0,x\n")
+    assert tcga_brca_tables(tmp_path)["0"]["train"][0].shape == (1, 39)  # more columns: fine
+    (tmp_path / "train_test_split.csv").write_text("pid,fold,region\nA,train,train_0\n")
+    with pytest.raises(ValueError, match="expected columns pid, fold, fold2"):
+        tcga_brca_tables(tmp_path)
+
+
+def _natural(path, **options):
+    return NaturalSplitDataModule(str(path), ["label"], **options)
+
+
+def test_natural_split_centers_by_hand(tmp_path):
+    """Each center's rows split with ``train_test_indices`` (stratified when every label
+    has more than 2 rows), normalized with its training rows; the pooled data are the
+    centers' in order; ``centers`` fixes the clients' order."""
+    from lightning_fl.datamodules.flamby import _normalize
+
+    rng = np.random.default_rng(1)
+    labels = {"b": [0] * 6 + [1] * 6 + [2] * 3, "a": [0] * 7 + [1] * 2 + [2] * 5}
+    lines = ["site,f1,f2,label"]
+    for site, ys in labels.items():
+        lines += [f"{site},{rng.normal():.5f},{rng.normal() * 3:.5f},{y}" for y in ys]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    dm = _natural(tmp_path / "t.csv", center_column="site", test_fraction=0.4, seed=3,
+                  centers=("b", "a"))  # fmt: skip
+    assert dm.center_names == ["b", "a"] and dm.num_clients == 2
+    pooled = {"train": [], "test": []}
+    for c, site in enumerate(("b", "a")):
+        rows = [line.split(",") for line in lines[1:] if line.startswith(site)]
+        x = np.array([[float(r[1]), float(r[2])] for r in rows])
+        y = np.array([int(r[3]) for r in rows])
+        stratify = y if site == "b" else None  # center a has 2 rows of label 1
+        train, test = train_test_indices(stratify, len(y), 0.6, 3)
+        for split, idx in (("train", train), ("test", test)):
+            got_x, got_y = dm.client_dataset(c, split)[:]
+            np.testing.assert_allclose(got_x.numpy(), _normalize(x[idx], x[train]), rtol=1e-6)
+            assert got_y.tolist() == y[idx].tolist()
+            pooled[split].append(got_y)
+    assert dm.pooled["test"][1].tolist() == torch.cat(pooled["test"]).tolist()
+    with pytest.raises(ValueError, match=r"test_fraction must be in \(0, 1\)"):
+        _natural(tmp_path / "t.csv", test_fraction=1.0)
+    with pytest.raises(ValueError, match="name every center once"):
+        _natural(tmp_path / "t.csv", center_column="site", centers=["a"]).setup()
+
+
+def test_natural_split_stratifies_only_labels_with_more_than_two_rows(tmp_path):
+    """Labels of 1 and 2 (not 0 and 1): ``bincount`` of labels shifted to start at 0; a
+    label with exactly 2 rows turns stratification off, 3 rows keep it on."""
+    for rows_of_two, stratified in ((2, False), (3, True)):
+        ys = [1] * 8 + [2] * rows_of_two
+        lines = ["f1,label"] + [f"{i * 1.5:.1f},{y}" for i, y in enumerate(ys)]
+        (tmp_path / "c.csv").write_text("\n".join(lines) + "\n")
+        dm = _natural(tmp_path, test_fraction=0.3, seed=2, normalize=False)
+        y = np.array(ys)
+        train, _ = train_test_indices(y if stratified else None, len(ys), 0.7, 2)
+        assert dm.client_dataset(0, "train")[:][1].tolist() == y[train].tolist()
+
+
+def test_natural_split_regression_targets_and_files_in_sorted_order(tmp_path):
+    """Two target columns: float targets, no stratification. A folder's files are read in
+    sorted order, whatever the file system lists first."""
+    for name in ("m", "c", "q", "a", "k", "e", "o", "g", "i"):
+        lines = ["f1,t1,t2"] + [f"{i},{i * 0.5},{len(name) + i}" for i in range(6)]
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    dm = NaturalSplitDataModule(str(tmp_path), ["t1", "t2"], normalize=False, test_fraction=0.5)
+    assert dm.center_names == sorted("mcqakeogi")
+    x, target = dm.client_dataset(0, "train")[:]
+    assert target.dtype == torch.float32 and target[:, 0].tolist() == (x[:, 0] * 0.5).tolist()
+
+
+def test_natural_split_silo_reads_its_own_center_files(tmp_path):
+    """In silo mode, silo r of 2 reads ``path`` with ``{rank}`` → r and only its centers'
+    files; their tensors equal the full module's on the same files."""
+    from lightning_fl.datamodules.base import SiloError
+
+    names = ["north", "south", "east"]
+    for rank in (0, 1):
+        (tmp_path / f"silo{rank}").mkdir()
+    full = tmp_path / "all"
+    full.mkdir()
+    for c, name in enumerate(names):
+        lines = ["f1,f2,label"] + [f"{i * (c + 1)},{(i % 3) - c},{i % 2}" for i in range(10)]
+        for folder in (tmp_path / f"silo{c % 2}", full):
+            (folder / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    whole = _natural(full, centers=names)
+    silo = _natural(tmp_path / "silo{rank}", centers=names)
+    silo.enter_silo(0, 2)
+    assert silo.num_clients == 3 and silo.center_names == names
+    for c in (0, 2):
+        got, want = silo.client_dataset(c, "train")[:], whole.client_dataset(c, "train")[:]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(SiloError):
+        silo.client_dataset(1, "train")
+    unnamed = _natural(tmp_path / "silo{rank}")
+    unnamed.enter_silo(1, 2)
+    with pytest.raises(ValueError, match="needs centers="):
+        unnamed.setup()
+    table = _natural(tmp_path / "silo0" / "north.csv", centers=names)
+    table.enter_silo(0, 2)
+    with pytest.raises(ValueError, match="north.csv: in silo mode path is the folder"):
+        table.setup()
+
+
+@pytest.mark.parametrize("positives, stratified", [(0, False), (2, False), (3, True), (5, True)])
+def test_heart_split_stratifies_centers_with_both_labels_and_more_than_two_of_each(
+    tmp_path, positives, stratified
+):
+    """FLamby stratifies a center's 66/34 split by label only when both labels have more
+    than 2 rows (Switzerland has 1 negative); a center of one label is split at random."""
+    from lightning_fl.datamodules.flamby import HEART_LEVELS
+
+    rows = [
+        f"{50 + i},1,{1 + i % 4},120,200,0,{i % 3},150,0,1.0,2,0,3,{int(i < positives)}"
+        for i in range(14)
+    ]
+    (tmp_path / "processed.x.data").write_text("\n".join(rows) + "\n")
+    (table,) = heart_disease_tables(tmp_path, ["x"], HEART_LEVELS)
+    y = (np.arange(14) < positives).astype(np.int64)
+    train, _ = train_test_indices(y if stratified else None, 14, 0.66, 43)
+    assert table["y"].tolist() == y.tolist()
+    assert np.flatnonzero(table["train"]).tolist() == sorted(train)
