@@ -298,3 +298,38 @@ def test_the_base_datamodule_at_its_edges():
     batches = iter(dm.train_dataloader())
     with pytest.raises(RuntimeError, match="run only under FederatedStrategy"):
         next(batches)
+
+
+def test_digits_clients_and_server_by_hand_as_images():
+    """The server's samples drawn first (``server_split`` with ``seed``), the rest
+    partitioned, client c's part split with ``seed + 7919 (c + 1)``; ``image=True`` serves
+    the same 64 features as row-major 1×8×8 images, the server's too."""
+    from lightning_fl.datamodules import DigitsDataModule
+    from lightning_fl.datamodules.partition import label_partition, server_split, split_fractions
+
+    seed, split = 2, (0.5, 0.3, 0.2)
+    dm = DigitsDataModule(num_clients=4, partition="iid", seed=seed, split=split,
+                          server_samples=100, image=True, batch_size=5)  # fmt: skip
+    x, y = load_digits()
+    held, kept = server_split(len(y), 100, seed, "the digits")
+    server_x, server_y = dm.server_dataset()[:]
+    assert server_x.shape == (100, 1, 8, 8) and server_y.tolist() == y[held].tolist()
+    assert torch.equal(server_x.reshape(100, 64), torch.from_numpy(x[held]))
+    x, y = x[kept], y[kept]
+    for c, idx in enumerate(label_partition(y, "iid", 4, seed)):
+        for name, rows in zip(
+            ("train", "val", "test"), split_fractions(idx, split, seed + 7919 * (c + 1))
+        ):
+            images, labels = dm.client_dataset(c, name)[:]
+            assert images.shape[1:] == (1, 8, 8) and labels.tolist() == y[rows].tolist()
+            assert torch.equal(images.reshape(len(rows), 64), torch.from_numpy(x[rows]))
+    assert dm.hparams["server_samples"] == 100
+
+
+def test_a_watermark_may_cover_every_pixel_but_no_more():
+    from lightning_fl.datamodules.digits import watermarked
+
+    features = torch.rand(3, 1, 8, 8)
+    assert bool((watermarked(features, 4, 64, 2.0) == 2.0).all())
+    with pytest.raises(ValueError, match="watermark of 65 pixels on samples of 64"):
+        watermarked(features, 4, 65, 2.0)
