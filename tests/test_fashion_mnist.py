@@ -266,3 +266,90 @@ def test_the_free_rider_recipe_runs_on_the_real_data(tmp_path):
     last = {k: v for r in csv.DictReader(open(metrics)) for k, v in r.items() if v}
     assert float(last["free_riders/detection_rate"]) == 1.0
     assert float(last["free_riders/false_alarm_rate"]) == 0.0
+
+
+@_NEED_REAL
+def test_clients_and_server_by_hand_under_the_sifu_split():
+    """The server's images drawn first (``seed``), then ``train_samples`` of the rest
+    (``seed``) and ``test_samples`` of the test set (``seed + 1``); the SIFU split of the
+    training labels with ``seed``, of the test labels with ``seed + 1``; client c's
+    validation share with ``seed + 41 c``; pixels / 255, then (x − mean) / std, the
+    server's too."""
+    from lightning_fl.datamodules.partition import random_subset, server_split, split_fractions
+
+    seed, mean, std = 3, 0.3, 0.6
+    dm = FashionMnistDataModule(num_clients=4, partition="sifu", samples_per_client=6,
+                                server_samples=30, train_samples=500, test_samples=200,
+                                val_fraction=0.5, normalize=(mean, std), seed=seed,
+                                image=False, unseen_fraction=0.25)  # fmt: skip
+    x_train, y_train, x_test, y_test = read_fashion_mnist(DEBIAN_ROOT)
+    pixels = lambda images: (images.reshape(len(images), -1) / 255.0 - mean) / std  # noqa: E731
+    held, kept = server_split(60000, 30, seed, "the training images")
+    server_x, server_y = dm.server_dataset()[:]
+    np.testing.assert_allclose(server_x.numpy(), pixels(x_train[held]), rtol=1e-5, atol=1e-6)
+    assert server_y.tolist() == y_train[held].tolist()
+    kept = kept[random_subset(len(kept), 500, seed, "train_samples")]
+    tested = random_subset(10000, 200, seed + 1, "test_samples")
+    x_train, y_train, x_test, y_test = x_train[kept], y_train[kept], x_test[tested], y_test[tested]
+    train_parts = sifu_partition(y_train, 4, 6, seed)
+    test_parts = sifu_partition(y_test, 4, 6, seed + 1)
+    for c, (fit_idx, test_idx) in enumerate(zip(train_parts, test_parts)):
+        fit, val = split_fractions(fit_idx, (0.5, 0.5), seed + 41 * c)
+        for split, x, y, rows in (("train", x_train, y_train, fit), ("val", x_train, y_train, val),
+                                  ("test", x_test, y_test, test_idx)):  # fmt: skip
+            got_x, got_y = dm.client_dataset(c, split)[:]
+            np.testing.assert_allclose(got_x.numpy(), pixels(x[rows]), rtol=1e-5, atol=1e-6)
+            assert got_y.tolist() == y[rows].tolist()
+    assert dm.unseen_clients == [3] and dm.hparams["samples_per_client"] == 6
+
+
+@_NEED_REAL
+def test_the_dirichlet_split_leaves_clients_empty_rather_than_redraw():
+    """Fashion-MNIST's Dirichlet split takes no minimum size: at α = 0.05 over 30 clients
+    some clients hold nothing, as ``label_partition`` draws it with ``min_size=0``."""
+    from lightning_fl.datamodules.partition import label_partition, random_subset
+
+    dm = FashionMnistDataModule(num_clients=30, partition="dirichlet", alpha=0.05,
+                                train_samples=300, test_samples=100, seed=1)  # fmt: skip
+    _, y_train, _, _ = read_fashion_mnist(DEBIAN_ROOT)
+    y = y_train[random_subset(60000, 300, 1, "train_samples")]
+    expected = [len(p) for p in label_partition(y, "dirichlet", 30, 1, 0.05, 0)]
+    assert dm.sample_counts("train") == expected and 0 in expected
+
+
+@_NEED_REAL
+def test_download_copies_the_four_files_into_root(tmp_path, monkeypatch):
+    from lightning_fl.datamodules import fashion_mnist
+
+    monkeypatch.setattr(fashion_mnist, "URL", DEBIAN_ROOT.as_uri() + "/")
+    with pytest.raises(FileNotFoundError, match="apt-get install"):
+        FashionMnistDataModule(root=str(tmp_path)).prepare_data()
+    FashionMnistDataModule(root=str(tmp_path), download=True).prepare_data()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
+    assert (
+        read_fashion_mnist(str(tmp_path))[1].tolist() == read_fashion_mnist(DEBIAN_ROOT)[1].tolist()
+    )
+
+
+def test_the_reader_checks_the_published_checksums_and_the_shapes(tmp_path):
+    _fixture(tmp_path)
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz: its decompressed SHA-256"):
+        read_fashion_mnist(tmp_path)
+    _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.arange(19) % 10)
+    with pytest.raises(ValueError, match=r"t10k images of shape \(20, 28, 28\) for 19 labels"):
+        read_fashion_mnist(tmp_path, check=False)
+    with pytest.raises(ValueError, match=r"val_fraction must be in \[0, 1\)"):
+        FashionMnistDataModule(val_fraction=1.0)
+
+
+def test_sifu_partition_draws_from_its_own_seeded_stream_by_hand():
+    """Client i: ``samples_per_client`` draws with replacement from class (i mod C)'s
+    indices, clients in turn, from ``default_rng([seed, 5])``, each sorted; the classes
+    are the labels present (here 2, 5 and 7)."""
+    labels = np.array([7, 2, 5, 5, 7, 2, 2, 7, 5, 5, 2, 7])
+    rng = np.random.default_rng([4, 5])
+    expected = [
+        np.sort(rng.choice(np.flatnonzero(labels == c), 3, replace=True)) for c in (2, 5, 7, 2)
+    ]
+    got = sifu_partition(labels, 4, 3, seed=4)
+    assert [p.tolist() for p in got] == [p.tolist() for p in expected]
