@@ -530,3 +530,26 @@ def test_heart_split_stratifies_centers_with_both_labels_and_more_than_two_of_ea
     train, _ = train_test_indices(y if stratified else None, 14, 0.66, 43)
     assert table["y"].tolist() == y.tolist()
     assert np.flatnonzero(table["train"]).tolist() == sorted(train)
+
+
+def test_heart_values_must_be_numbers_and_roots_may_be_strings(tmp_path):
+    from lightning_fl.datamodules.flamby import HEART_LEVELS, read_heart_center
+
+    row = "50,1,2,120,200,0,1,150,0,1.0,2,0,3,1"
+    (tmp_path / "processed.x.data").write_text(f"{row}\n{row.replace('120', 'high')}\n")
+    with pytest.raises(ValueError, match=r"processed.x.data, line 2: not a number"):
+        read_heart_center(tmp_path / "processed.x.data")
+    (tmp_path / "processed.x.data").write_text(f"{row}\n" * 6)
+    (table,) = heart_disease_tables(str(tmp_path), ["x"], HEART_LEVELS)
+    assert table["x"].shape == (6, 13)
+
+
+def test_natural_split_orders_centers_by_name_and_owns_its_list(tmp_path):
+    """Centers of a table are sorted by name (here "b" comes first in the file); a
+    ``centers`` list changed after construction does not change the module."""
+    _table(tmp_path / "t.csv", centers=("b", "a", "c"))
+    assert _natural(tmp_path / "t.csv", center_column="hospital").center_names == ["a", "b", "c"]
+    centers = ["c", "a", "b"]
+    dm = _natural(tmp_path / "t.csv", center_column="hospital", centers=centers)
+    centers.append("d")
+    assert dm.num_clients == 3 and dm.center_names == ["c", "a", "b"]
