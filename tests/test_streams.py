@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_fl.systems.streams import (
     CurrentBatchCache,
@@ -884,3 +885,99 @@ def test_stream_helpers_at_their_bounds_and_by_hand():
     alone = estimate_constants(module, datasets, steps=2, fraction=1.0)
     empty = torch.utils.data.TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long))
     assert estimate_constants(module, [None, empty, *datasets], steps=2, fraction=1.0) == alone
+
+
+def _drifting_order_by_hand(labels, states, rate, seed, concentration, length=None):
+    """The docstring's stream, written out: u^j ~ Dir(α) (+1e-9, renormalized), P(i → j) ∝
+    exp(−KL(u^i ‖ u^j)), a permutation of each class's samples, a start state; each round
+    ``rate`` labels from u^state, each taking its class's last unseen sample (or, when the
+    class is out, the first class with samples left; with ``length``, a fresh permutation
+    of the class), then one transition."""
+    rng = np.random.default_rng(seed)
+    classes = sorted(set(labels.tolist()))
+    u = rng.dirichlet([concentration] * len(classes), size=states) + 1e-9
+    u = u / u.sum(1, keepdims=True)
+    p = np.array([[math.exp(-sum(a * math.log(a / b) for a, b in zip(ui, uj))) for uj in u]
+                  for ui in u])  # fmt: skip
+    p = p / p.sum(1, keepdims=True)
+    pools = {c: list(rng.permutation(np.flatnonzero(labels == c))) for c in classes}
+    order, state = [], int(rng.integers(states))
+    while (len(order) < length) if length else any(pools.values()):
+        for c in rng.choice(classes, size=rate, p=u[state]):
+            if length and not pools[c]:
+                pools[c] = list(rng.permutation(np.flatnonzero(labels == c)))
+            pool = pools[c] if pools[c] else next((q for q in pools.values() if q), [])
+            if pool:
+                order.append(pool.pop())
+        state = int(rng.choice(states, p=p[state]))
+    return order[:length] if length else order
+
+
+@pytest.mark.parametrize(
+    "counts, concentration, length",
+    [((10, 7, 4), 0.8, None), ((10, 7, 4), 0.8, 50), ((10, 1, 10), 50.0, None), ((7,), 1.0, None)],
+)
+def test_drifting_order_by_hand(counts, concentration, length):
+    """Classes of unequal size, 4 states, rate 3: they run out at different rounds (a class
+    of one sample, drawn about a third of the time at α = 50, runs out at once and its
+    draws go to the others); with ``length`` 50 the stream outlasts the 21 samples; one
+    class alone is a permutation of it, 7 samples at 3 a round leaving the last round short."""
+    from lightning_fl.datamodules.streaming import drifting_order
+
+    labels = np.concatenate([np.full(n, c) for n, c in zip(counts, (2, 5, 9))])
+    got = drifting_order(labels, 4, 3, np.random.default_rng(6), concentration, length)
+    expected = _drifting_order_by_hand(labels, 4, 3, 6, concentration, length)
+    assert got.tolist() == expected and got.dtype == np.int64
+    assert len(got) == (length or len(labels))
+    assert drifting_order(labels[:0], 4, 3, np.random.default_rng(0)).tolist() == []
+
+
+@pytest.mark.parametrize(
+    "cache, kind, theta",
+    [("lazy", "FixedCache", None), ("drsr", "SelectiveReplacementCache", None),
+     ("srsr", "SelectiveReplacementCache", 0.25), ("fifo", "FIFOCache", None),
+     ("current", "CurrentBatchCache", None)],
+)  # fmt: skip
+def test_each_cache_rule_builds_its_cache(cache, kind, theta):
+    dm = _stream_dm(cache=cache, capacity=10, theta=0.25)
+    made = dm._new_cache()
+    assert type(made).__name__ == kind and getattr(made, "theta", None) == theta
+
+
+def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
+    """``train`` is the client's cache (sorted ids into its training set); ``test`` and
+    its counts are the source's; with ``full_batch`` an empty cache keeps the source's
+    batch size; a source of plain datasets is served as a ``Subset``."""
+    from torch.utils.data import Dataset, TensorDataset
+
+    dm = _stream_dm(cache="fifo", capacity=10, full_batch=True)
+    dm.set_round(1)
+    source_train = dm.source.client_dataset(3, "train")
+    ids = np.sort(dm.cache_ids(3))
+    x, y = dm.client_dataset(3, "train")[:]
+    assert torch.equal(x, source_train.tensors[0][ids]) and len(ids) == 10
+    test = dm.client_dataset(3, "test")
+    assert torch.equal(test.tensors[0], dm.source.client_dataset(3, "test").tensors[0])
+    assert dm.sample_counts("test") == dm.source.sample_counts("test") == [10] * 6
+    assert dm.training_batch_size(TensorDataset(torch.zeros(0, 2))) == dm.batch_size
+    assert dm.training_batch_size(TensorDataset(torch.zeros(7, 2))) == 7
+
+    class Plain(Dataset):
+        def __init__(self, data):
+            self.data = data
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            return self.data[i]
+
+    plain_source = _stream_dm(cache="fifo", capacity=10).source
+    wrapped = plain_source.client_dataset
+    plain_source.client_dataset = lambda c, s: Plain(wrapped(c, s))  # noqa: ARG005
+    plain = _stream_dm(cache="fifo", capacity=10)
+    plain.source = plain_source
+    plain.set_round(1)
+    served = plain.client_dataset(3, "train")
+    assert type(served).__name__ == "Subset" and served.indices == ids.tolist()
+    assert torch.equal(torch.stack([served[i][0] for i in range(10)]), x)
