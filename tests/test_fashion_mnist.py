@@ -329,6 +329,11 @@ def test_download_copies_the_four_files_into_root(tmp_path, monkeypatch):
     assert (
         read_fashion_mnist(str(tmp_path))[1].tolist() == read_fashion_mnist(DEBIAN_ROOT)[1].tolist()
     )
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_ROOT", tmp_path / "no-debian")
+    monkeypatch.setattr(fashion_mnist, "CACHE", tmp_path / "cache")
+    FashionMnistDataModule(download=True).prepare_data()  # no root: into the cache
+    assert sorted(p.name for p in (tmp_path / "cache" / "fashion-mnist").iterdir()) == sorted(FILES)
+    FashionMnistDataModule().prepare_data()  # found there next time, without download
 
 
 def test_the_reader_checks_the_published_checksums_and_the_shapes(tmp_path):
