@@ -251,6 +251,33 @@ def test_the_progress_bar_shows_the_local_steps_of_each_training_step():
     assert seen == ["1–3/7", "4–6/7", "7/7"]
 
 
+def test_the_progress_bar_shows_the_round_client_and_local_step_of_sequential_rounds():
+    """Without vectorization the postfix is ``client i/m`` and ``step k/K`` (both from 1),
+    the description ``Round r/R`` (from 0, as Lightning's epochs), and outside training
+    neither key."""
+    from lightning_fl.engine.progress import FederatedProgressBar
+
+    seen = []
+
+    class Spy(FederatedProgressBar):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            metrics = self.get_metrics(trainer, pl_module)
+            bar = self.train_progress_bar
+            seen.append((bar.desc, metrics["client"], metrics["step"], bar.total))
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    strategy, spy, module = (
+        FederatedStrategy(sampler=UniformSampler(3), local_steps=2, seed=3),
+        Spy(),
+        _module(dropout=0.0),
+    )
+    trainer = make_trainer(strategy, 2, [spy], enable_progress_bar=True)
+    trainer.fit(module, datamodule=tiny_datamodule())
+    steps = [(f"{i}/3", f"{k}/2") for i in (1, 2, 3) for k in (1, 2)]
+    assert seen == [(f"Round {r}/1: ", c, k, 6) for r in (0, 1) for c, k in steps]
+    assert not {"client", "step"} & set(spy.get_metrics(trainer, module))  # after training
+
+
 def test_dropout_masks_follow_the_clients_seeds():
     """With dropout the run still equals the sequential one, and differs from a run
     without dropout: the masks are drawn, per client, as the sequential path draws them."""
