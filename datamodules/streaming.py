@@ -177,7 +177,8 @@ class StreamingDataModule(FederatedDataModule):
             size = 0 if data is None else len(data)
             labels = _labels(data, size)
             rng = np.random.default_rng([self.seed, 7, c])
-            length = self.rounds * self.rate if self.recycle else None
+            # a historical client holds its whole training set: only fresh streams recycle
+            length = self.rounds * self.rate if self.recycle and c >= self.historical else None
             order = rng.permutation(size) if not self.drift else drifting_order(
                 labels, self.drift, self.rate, rng, self.drift_concentration, length
             )  # fmt: skip

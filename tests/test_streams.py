@@ -961,6 +961,7 @@ def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
     assert dm.sample_counts("test") == dm.source.sample_counts("test") == [10] * 6
     assert dm.training_batch_size(TensorDataset(torch.zeros(0, 2))) == dm.batch_size
     assert dm.training_batch_size(TensorDataset(torch.zeros(7, 2))) == 7
+    assert dm.training_batch_size(TensorDataset(torch.zeros(1, 2))) == 1 != dm.batch_size
 
     class Plain(Dataset):
         def __init__(self, data):
@@ -981,3 +982,112 @@ def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
     served = plain.client_dataset(3, "train")
     assert type(served).__name__ == "Subset" and served.indices == ids.tolist()
     assert torch.equal(torch.stack([served[i][0] for i in range(10)]), x)
+
+
+def test_p1_synthetic_task_by_hand():
+    """App. D.1.1 drawn from ``Generator().manual_seed(seed)``: θ_0 ~ N(0, I), then per
+    client θ_m = θ_0 + ε N(0, I), x ~ U[−1, 1]^d (training rows, then test rows), y ~
+    Bernoulli(σ(⟨x, θ_m⟩)); the first ``historical`` clients hold ``historical_samples``."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule
+
+    dm = LogisticStreamsDataModule(num_clients=3, historical=1, dim=4, epsilon=0.5,
+                                   historical_samples=6, fresh_samples=3, test_samples=2,
+                                   seed=9)  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    theta0 = torch.randn(4, generator=g)
+    for m, size in enumerate((6, 3, 3)):
+        theta = theta0 + 0.5 * torch.randn(4, generator=g)
+        x = torch.rand(size + 2, 4, generator=g) * 2 - 1
+        y = torch.bernoulli(torch.sigmoid(x @ theta), generator=g)
+        for split, rows in (("train", slice(0, size)), ("test", slice(size, None))):
+            got_x, got_y = dm.client_dataset(m, split)[:]
+            assert torch.equal(got_x, x[rows]) and torch.equal(got_y, y[rows])
+    LogisticStreamsDataModule(num_clients=2, historical=0, epsilon=0.0)  # ε = 0: one model
+    with pytest.raises(ValueError, match="epsilon must be >= 0"):
+        LogisticStreamsDataModule(num_clients=2, historical=0, epsilon=-0.1)
+
+
+def test_streams_and_caches_by_hand_from_their_seeds():
+    """Client c's stream is ``default_rng([seed, 7, c]).permutation(n)`` (or, with drift,
+    ``drifting_order`` from that generator, ``rounds · rate`` long with ``recycle``); round
+    t's cache update draws from ``default_rng([seed, 11, c, t])``; before any round the
+    module serves round 0's cache. Counts: historical clients their whole set, fresh ones
+    at most ``rate · rounds``, and with ``recycle`` a historical client still its 30
+    samples (it held 50 indices into 30 rows before the fix)."""
+    from lightning_fl.datamodules.streaming import drifting_order
+    from lightning_fl.systems.streams import SelectiveReplacementCache
+
+    dm = _stream_dm(cache="srsr", capacity=10, rounds=4, theta=0.4, seed=5)
+    first = dm.client_dataset(3, "train")  # no set_round yet: round 0
+    first_ids = np.sort(dm.cache_ids(3)).tolist()
+    labels = {c: dm.source.client_dataset(c, "train").tensors[1].long().numpy() for c in (2, 3)}
+    for c in (2, 3):
+        stream = np.random.default_rng([5, 7, c]).permutation(30)
+        cache = SelectiveReplacementCache(10, 0.4)
+        for t in range(3):
+            batch = stream[5 * t : 5 * t + 5]
+            cache.update(batch, labels[c][batch], np.random.default_rng([5, 11, c, t]))
+            if t == 0 and c == 3:
+                assert len(first) == 5 and np.sort(cache.ids).tolist() == first_ids
+        dm.set_round(2)
+        assert np.sort(dm.cache_ids(c)).tolist() == np.sort(cache.ids).tolist()
+    assert dm.sample_counts() == [30, 30, 20, 20, 20, 20]  # fresh: at most 5 · 4 rounds
+    drifting = _stream_dm(drift=3, recycle=True, rounds=10, seed=5)
+    for c in (2, 5):
+        rng = np.random.default_rng([5, 7, c])
+        labels_c = drifting.source.client_dataset(c, "train").tensors[1].long().numpy()
+        expected = drifting_order(labels_c, 3, 5, rng, 0.5, 50)
+        drifting.set_round(0)
+        assert drifting._streams[c].tolist() == expected.tolist() and len(expected) == 50
+    assert drifting.sample_counts() == [30, 30, 50, 50, 50, 50]
+    assert [len(drifting.client_dataset(c, "train")) for c in (0, 1)] == [30, 30]
+
+
+def test_windowed_clients_by_hand():
+    """A fresh client's window starts at ``default_rng([seed, 13, c]).integers(0, rounds −
+    fresh_rounds + 1)``; before any round its cache is round 0's part; it counts its whole
+    training set; ``clients_without_data_now`` names every client (0 included) outside its
+    window, and none outside the federation."""
+    dm = _stream_dm(fresh_rounds=2, rounds=6, seed=8)
+    for c in range(2, 6):
+        start = int(np.random.default_rng([8, 13, c]).integers(0, 5))
+        assert dm.window(c) == (start, start + 2)
+    assert dm.sample_counts() == [30] * 6
+    at_zero = [c for c in range(2, 6) if dm.window(c)[0] == 0]
+    assert [c for c in range(2, 6) if len(dm.cache_ids(c))] == at_zero
+    from lightning_fl.datamodules import StreamingDataModule
+
+    empty = StreamingDataModule(dm.source, historical=0, rate=5, rounds=6, fresh_rounds=2, seed=8)
+    t = next(t for t in range(6) if not empty.window(0)[0] <= t < empty.window(0)[1])
+    empty.set_round(t)
+    outside = [c for c in range(6) if not empty.window(c)[0] <= t < empty.window(c)[1]]
+    assert empty.clients_without_data_now([-1, *range(6), 6]) == outside and 0 in outside
+
+
+def test_cache_discrepancy_by_hand():
+    """ψ_t = Σ_k Σ_r (v_t^{k,r} − π^{k,r})² over the fresh clients: v the cache's label
+    frequencies, π those of the client's whole stream (P2 §IV)."""
+    dm = _stream_dm(cache="fifo", capacity=10)
+    dm.set_round(1)
+    expected = 0.0
+    for c in range(2, 6):
+        labels = dm.source.client_dataset(c, "train").tensors[1].long().numpy()
+        cached = labels[dm.cache_ids(c)]
+        v = np.bincount(cached, minlength=3) / len(cached)
+        pi = np.bincount(labels, minlength=3) / len(labels)
+        expected += float(((v - pi) ** 2).sum())
+    assert dm.cache_discrepancy(3) == pytest.approx(expected, rel=1e-12) and expected > 0
+
+
+def test_one_sample_streams_cache_their_sample_and_count_it_in_the_discrepancy():
+    """Fresh clients of one sample: the stream is that sample (its label read), the cache
+    holds it after round 0, and π is its one label."""
+    from lightning_fl.datamodules import LogisticStreamsDataModule, StreamingDataModule
+
+    source = LogisticStreamsDataModule(num_clients=3, historical=1, historical_samples=4,
+                                       fresh_samples=1, test_samples=1, seed=2)  # fmt: skip
+    dm = StreamingDataModule(source, historical=1, rate=1, rounds=2, cache="fifo")
+    dm.set_round(0)
+    assert [dm.cache_ids(c).tolist() for c in (1, 2)] == [[0], [0]]
+    assert dm.cache_discrepancy(2) == 0.0  # the cache is the whole stream
+    assert dm.sample_counts() == [4, 1, 1]
