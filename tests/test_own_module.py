@@ -115,3 +115,34 @@ def test_every_main_plugin_has_a_summary_line():
         doc = getattr(callbacks, name).__doc__ or ""
         first = doc.strip().split("\n\n")[0]
         assert first and not first.startswith("Args"), name
+
+
+def test_the_plugin_table_has_a_row_per_plugin_by_hand(monkeypatch):
+    """One row per main plugin, in order; a row by hand for a plugin with a module type and
+    two needs (the type first), one with neither, and summaries at both ends of the cut."""
+    from lightning_fl.callbacks import catalog
+
+    class Typed:
+        """A plugin of a :class:`~lightning_fl.models.MixtureClassifier`: |x| ``ok``."""
+
+        module_type, requires_task_loss, module_methods = "Mixture", True, ("extra(x) -> y",)
+
+        def __init__(self, rate: float = 0.5, *args, steps: int, **kw) -> None: ...
+
+    class Bare:
+        def __init__(self) -> None: ...
+
+    table = plugin_table().splitlines()
+    assert len(table) == 2 + len(MAIN_PLUGINS) and all(r in SECTION for r in table)
+    monkeypatch.setattr(catalog, "MAIN_PLUGINS", ("Typed", "Bare"))
+    monkeypatch.setattr(catalog.callbacks, "Typed", Typed, raising=False)
+    monkeypatch.setattr(catalog.callbacks, "Bare", Bare, raising=False)
+    assert catalog.plugin_table().splitlines()[2:] == [
+        "| `Typed` | `rate=0.5`, `steps` | a `Mixture`; `loss_and_metrics(batch) -> (loss, {name: "
+        "value})`; `extra(x) -> y` | A plugin of a `MixtureClassifier`: ∣x∣ `ok`. |",
+        "| `Bare` | — | training_step only |  |",
+    ]
+    word = "abcdefghi "  # 10 characters a word
+    exact = (word * 16).strip() + "j"  # 160 characters: kept whole
+    assert len(exact) == 160 and catalog._summary(exact) == exact
+    assert catalog._summary(exact + "k") == (word * 15).strip() + " …"  # 161: cut at a word

@@ -686,3 +686,13 @@ def test_dp_epsilon_at_no_noise_unit_noise_and_below_one(tmp_path):
     )
     assert trainer.strategy.client_store.get(0, "dp_reference_steps") is None
     assert "dp/epsilon_reference" not in trainer.callback_metrics
+
+
+def test_werm_saves_w_with_the_optimizer_settings():
+    module = WERMClassifier(MLP(10, (16,), 4), w=0.3, lr=0.2, momentum=0.5)
+    assert {k: module.hparams[k] for k in ("w", "lr", "momentum")} == {
+        "w": 0.3,
+        "lr": 0.2,
+        "momentum": 0.5,
+    }
+    assert "network" not in module.hparams

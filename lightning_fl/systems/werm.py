@@ -37,8 +37,7 @@ class WERMClassifier(Classifier):
     ) -> None:
         if not 0.0 <= w <= 1.0:
             raise ValueError(f"The WERM weight w must be in [0, 1], got {w}.")
-        super().__init__(network, lr=lr, **optim)
-        self.save_hyperparameters(ignore=["network"])
+        super().__init__(network, lr=lr, **optim)  # saves w with the other hyperparameters
 
     @staticmethod
     def batch_size_of(batch) -> int:
