@@ -17,6 +17,7 @@ from lightning_fl.datamodules import (
     load_purchase100,
     load_texas100,
 )
+from lightning_fl.datamodules.privacy import generate_purchase_like
 from lightning_fl.systems.membership import attack_signals, best_threshold, membership_inference
 from tests.helpers import make_trainer, max_abs_diff, params_of
 
@@ -696,3 +697,135 @@ def test_werm_saves_w_with_the_optimizer_settings():
         "momentum": 0.5,
     }
     assert "network" not in module.hparams
+
+
+def _purchase_rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(rng.integers(1, 101))] + rng.integers(0, 2, 600).tolist() for _ in range(n)]
+
+
+def test_data_files_skip_blank_lines_read_float_text_and_check_the_label_range(tmp_path):
+    rows = _purchase_rows(3)
+    path = tmp_path / "dataset_purchase"
+    lines = [",".join(map(str, r)) for r in rows]
+    lines[0] = ",".join(f"{v}.0" for v in rows[0])  # numbers written as floats
+    path.write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n")
+    x, y = load_purchase100(str(path))
+    assert y.tolist() == [r[0] - 1 for r in rows] and x[0].tolist() == rows[0][1:]
+    for label, ok in ((1, True), (100, True), (0, False), (101, False)):
+        path.write_text(",".join(map(str, [label] + rows[0][1:])) + "\n")
+        if ok:
+            assert load_purchase100(path)[1].tolist() == [label - 1]
+        else:
+            with pytest.raises(ValueError, match="labels must be 1..100"):
+                load_purchase100(path)
+
+
+def test_reference_datamodule_splits_by_hand_and_holds_the_reference_where_asked():
+    """Client c's share of the label partition (``seed``) split into (train, reference,
+    val, test) with ``seed + 7919 (c + 1)``; ``reference="client"``: WERM pairs of train
+    and reference; ``"server"``: the reference parts pooled at the server, none at the
+    clients; the test parts pooled as the server's non-members."""
+    from lightning_fl.datamodules import ReferenceDataModule
+    from lightning_fl.datamodules.partition import label_partition, split_fractions
+
+    x, y = generate_purchase_like(300, 8, 5, 0.2, seed=1)
+    split, seed = (0.4, 0.3, 0.1, 0.2), 4
+    args = dict(num_clients=3, partition="dirichlet", alpha=0.7, split=split, seed=seed)
+    client = ReferenceDataModule(x, y, reference="client", **args)
+    server = ReferenceDataModule(x, y, reference="server", **args)
+    names = ("train", "reference", "val", "test")
+    parts = [
+        dict(zip(names, split_fractions(idx, split, seed + 7919 * (c + 1))))
+        for c, idx in enumerate(label_partition(y, "dirichlet", 3, seed, 0.7))
+    ]
+    for c, rows in enumerate(parts):
+        for name in ("val", "test"):
+            assert client.client_dataset(c, name).tensors[1].tolist() == y[rows[name]].tolist()
+        pair = client.client_dataset(c, "train")
+        assert type(pair).__name__ == "WERMDataset"
+        assert server.client_dataset(c, "reference") is None
+        assert server.client_dataset(c, "train").tensors[1].tolist() == y[rows["train"]].tolist()
+    pooled = [int(server.server_reference()[i][1]) for i in range(len(server.server_reference()))]
+    assert pooled == [int(v) for rows in parts for v in y[rows["reference"]]]
+    nonmembers = server.server_nonmembers()
+    assert [int(nonmembers[i][1]) for i in range(len(nonmembers))] == [
+        int(v) for rows in parts for v in y[rows["test"]]
+    ]
+    with pytest.raises(ValueError, match="Unknown partition 'shardz'"):
+        ReferenceDataModule(x, y, partition="shardz")
+    from lightning_fl.datamodules.base import SiloError
+
+    client.enter_silo(1, 2)
+    assert client.client_dataset(1, "test") is not None
+    with pytest.raises(SiloError, match="client 2's data is held by silo 0"):
+        client.client_dataset(2, "test")
+
+
+def test_purchase_like_table_by_hand_and_its_flip_bounds():
+    """A binary prototype per class from ``default_rng(seed)``, labels, then each bit
+    flipped with probability p."""
+    from lightning_fl.datamodules import SyntheticPurchaseDataModule
+
+    x, y = generate_purchase_like(50, 7, 4, 0.3, seed=2)
+    rng = np.random.default_rng(2)
+    prototypes = rng.integers(0, 2, size=(4, 7))
+    labels = rng.integers(0, 4, size=50)
+    flips = rng.random((50, 7)) < 0.3
+    assert y.tolist() == labels.tolist()
+    assert x.tolist() == np.where(flips, 1 - prototypes[labels], prototypes[labels]).tolist()
+    assert set(np.unique(prototypes)) == {0, 1}
+    for p in (0.0, 0.5):
+        SyntheticPurchaseDataModule(num_samples=10, flip_probability=p)
+        generate_purchase_like(10, 3, 2, p)
+    for p in (-0.01, 0.51):
+        with pytest.raises(ValueError, match=r"flip_probability must be in \[0, 0.5\]"):
+            SyntheticPurchaseDataModule(flip_probability=p)
+        with pytest.raises(ValueError, match=r"flip_probability must be in \[0, 0.5\]"):
+            generate_purchase_like(10, 3, 2, p)
+    dm = SyntheticPurchaseDataModule(num_samples=40, num_features=5, num_classes=3,
+                                     flip_probability=0.1, data_seed=6)  # fmt: skip
+    assert dm.read_table()[1].tolist() == generate_purchase_like(40, 5, 3, 0.1, 6)[1].tolist()
+
+
+@pytest.mark.parametrize("dataset", ["purchase", "texas"])
+def test_download_extracts_shokris_archive_once(tmp_path, monkeypatch, dataset):
+    """``download=True`` fetches the archive into ``root`` and extracts it there; a second
+    module reads the extracted files without the archive's source."""
+    import tarfile
+
+    from lightning_fl.datamodules import Purchase100DataModule, Texas100DataModule
+    from lightning_fl.datamodules import privacy as module
+
+    source = tmp_path / "source"
+    rows = _purchase_rows(6, seed=3)
+    if dataset == "purchase":
+        source.mkdir()
+        (source / "dataset_purchase").write_text("\n".join(",".join(map(str, r)) for r in rows))
+        members, make = ["dataset_purchase"], Purchase100DataModule
+    else:
+        (source / "texas" / "100").mkdir(parents=True)
+        feats = np.random.default_rng(3).integers(0, 2, (6, 6169))
+        (source / "texas" / "100" / "feats").write_text(
+            "\n".join(",".join(map(str, f)) for f in feats)
+        )
+        (source / "texas" / "100" / "labels").write_text("\n".join(str(r[0]) for r in rows))
+        members, make = ["texas"], Texas100DataModule
+    archive = tmp_path / f"dataset_{dataset}.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for m in members:
+            tar.add(source / m, arcname=m)
+    monkeypatch.setattr(module, f"{dataset.upper()}_URL", archive.as_uri())
+    root = tmp_path / "root"
+    if dataset == "purchase":
+        with pytest.raises(FileNotFoundError, match="pass download=True"):
+            make(root=str(root), num_clients=2).setup()
+    dm = make(root=str(root), download=True, num_clients=2, split=(0.5, 0.0, 0.0, 0.5))
+    labels = sorted(int(t) for c in range(2) for t in dm.client_dataset(c, "train").tensors[1])
+    labels += [int(t) for c in range(2) for t in dm.client_dataset(c, "test").tensors[1]]
+    assert sorted(labels) == sorted(r[0] - 1 for r in rows)
+    assert (root / archive.name).exists()
+    archive.unlink()
+    (root / archive.name).unlink()  # the extracted files are enough: nothing fetched again
+    again = make(root=str(root), download=True, num_clients=2, split=(0.5, 0.0, 0.0, 0.5))
+    assert again.num_clients == 2
