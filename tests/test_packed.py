@@ -404,3 +404,17 @@ def _federation_of_sizes(sizes, batch_size):
     clients = [{"train": (torch.zeros(n, 2), torch.zeros(n, dtype=torch.long))} for n in sizes]
     dm = InMemoryFederatedDataModule(clients, batch_size=batch_size)
     return dm, dm.sample_counts(), torch.device("cpu")
+
+
+def test_packing_keeps_one_sample_clients_skips_empty_ones_and_counts_its_bytes():
+    """Clients of 0, 1 and 6 samples: the one-sample client is packed (its row a view of
+    its data), the empty one is left out; ``nbytes`` is the packed columns' bytes (7 rows
+    of 3 float32 features and 7 int64 labels)."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(n, 3, generator=g), torch.arange(n)) for n in (0, 1, 6)]
+    dm = InMemoryFederatedDataModule([{"train": d} for d in data], batch_size=4)
+    packed, reason = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
+    assert reason == "" and packed.nbytes == 7 * 3 * 4 + 7 * 8
+    for c in (1, 2):
+        x, y = packed.client_dataset(c).tensors
+        assert torch.equal(x, data[c][0]) and torch.equal(y, data[c][1])

@@ -786,6 +786,7 @@ def test_purchase_like_table_by_hand_and_its_flip_bounds():
     dm = SyntheticPurchaseDataModule(num_samples=40, num_features=5, num_classes=3,
                                      flip_probability=0.1, data_seed=6)  # fmt: skip
     assert dm.read_table()[1].tolist() == generate_purchase_like(40, 5, 3, 0.1, 6)[1].tolist()
+    assert dm.num_clients == 1 and len(dm.client_dataset(0, "test")) == 12  # 0.3 of 40
 
 
 @pytest.mark.parametrize("dataset", ["purchase", "texas"])
