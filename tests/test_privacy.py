@@ -308,9 +308,13 @@ def test_dp_sgd_accounts_with_the_nominal_batch_size_when_batches_do_not_divide_
 
 
 # ------------------------------------------------------------------ data files
+def _purchase_rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(rng.integers(1, 101))] + rng.integers(0, 2, 600).tolist() for _ in range(n)]
+
+
 def test_purchase100_reads_the_published_format(tmp_path):
-    rng = np.random.default_rng(0)
-    rows = [[int(rng.integers(1, 101))] + rng.integers(0, 2, 600).tolist() for _ in range(5)]
+    rows = _purchase_rows(5)
     path = tmp_path / "dataset_purchase"
     path.write_text("\n".join(",".join(map(str, r)) for r in rows) + "\n")
     x, y = load_purchase100(path)
@@ -697,11 +701,6 @@ def test_werm_saves_w_with_the_optimizer_settings():
         "momentum": 0.5,
     }
     assert "network" not in module.hparams
-
-
-def _purchase_rows(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [[int(rng.integers(1, 101))] + rng.integers(0, 2, 600).tolist() for _ in range(n)]
 
 
 def test_data_files_skip_blank_lines_read_float_text_and_check_the_label_range(tmp_path):
