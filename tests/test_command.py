@@ -67,3 +67,5 @@ def test_early_errors_by_hand(tmp_path):
     )
     bad.write_text("")
     assert config_error(str(bad)) is None
+    bad.write_text("1: one\ntrainer: {}\n")  # a key that is not a string goes to the full parser
+    assert config_error(str(bad)) is None
