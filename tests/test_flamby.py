@@ -306,6 +306,7 @@ def test_heart_columns_dummies_and_both_normalizations_by_hand():
     from lightning_fl.datamodules.flamby import read_heart_center
 
     dm = FedHeartDiseaseDataModule(root=str(HEART))
+    tables = heart_disease_tables(HEART)  # read once: only the train masks are used
     pooled_train, raw_by_center = [], []
     for c, name in enumerate(HEART_CENTERS_ALL):
         table = read_heart_center(HEART / f"processed.{name}.data")
@@ -316,7 +317,7 @@ def test_heart_columns_dummies_and_both_normalizations_by_hand():
                ((2, (2.0, 3.0, 4.0)), (6, (1.0, 2.0)))],
             axis=1,
         )  # fmt: skip
-        train = heart_disease_tables(HEART)[c]["train"]
+        train = tables[c]["train"]
         mean, std = raw[train].mean(0), raw[train].std(0, ddof=1)
         x, y = dm.client_dataset(c, "test")[:]
         np.testing.assert_allclose(

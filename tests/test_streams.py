@@ -973,11 +973,13 @@ def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
         def __getitem__(self, i):
             return self.data[i]
 
+    from lightning_fl.datamodules import StreamingDataModule
+
     plain_source = _stream_dm(cache="fifo", capacity=10).source
     wrapped = plain_source.client_dataset
     plain_source.client_dataset = lambda c, s: Plain(wrapped(c, s))  # noqa: ARG005
-    plain = _stream_dm(cache="fifo", capacity=10)
-    plain.source = plain_source
+    plain = StreamingDataModule(plain_source, historical=2, rate=5, cache="fifo", capacity=10,
+                                rounds=6)  # fmt: skip
     plain.set_round(1)
     served = plain.client_dataset(3, "train")
     assert type(served).__name__ == "Subset" and served.indices == ids.tolist()
