@@ -1,0 +1,264 @@
+"""The networks and the task module (``lightning_fl/models.py``), pinned by values computed
+independently: parameter counts worked out layer by layer from each paper's architecture,
+MobileNet-v2 against torchvision's published count, the round means and evaluation sums
+by hand, the optimizers and schedules each setting builds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fl import models
+from lightning_fl.models import (
+    MLP,
+    BinaryClassifier,
+    CharLSTM,
+    CifarCNN,
+    Classifier,
+    CoxRegression,
+    DigitsCNN,
+    FemnistCNN,
+    InvertedResidual,
+    LeNet5,
+    MnistCNN,
+    MobileNetV2,
+    SifuFashionCNN,
+)
+from lightning_fl.survival import concordance_index, cox_partial_likelihood_loss
+
+
+def _count(network: nn.Module) -> int:
+    return sum(p.numel() for p in network.parameters())
+
+
+def _conv(cin, cout, k):
+    return cin * cout * k * k + cout
+
+
+def _linear(fin, fout):
+    return fin * fout + fout
+
+
+@pytest.mark.parametrize(
+    ("network", "shape", "parameters", "outputs"),
+    [
+        (MLP(64, (32, 16), 10), (3, 64), _linear(64, 32) + _linear(32, 16) + _linear(16, 10), 10),
+        (MLP(20, (), 1), (3, 20), _linear(20, 1), 1),
+        (MnistCNN(), (3, 1, 28, 28),
+         _conv(1, 16, 5) + _conv(16, 32, 5) + _linear(512, 64) + _linear(64, 10), 10),
+        # the authors' CNN_FashionMNIST (SIFU code): 824,458 parameters
+        (SifuFashionCNN(), (3, 784),
+         _conv(1, 32, 3) + _conv(32, 64, 3) + _linear(3136, 256) + _linear(256, 10), 10),
+        # LeNet-5 with a padded first convolution: the classic 61,706
+        (LeNet5(), (3, 784),
+         _conv(1, 6, 5) + _conv(6, 16, 5) + _linear(400, 120) + _linear(120, 84)
+         + _linear(84, 10), 10),
+        (DigitsCNN(), (3, 64), _conv(1, 16, 3) + _conv(16, 32, 3) + _linear(512, 10), 10),
+        # Reddi et al.'s EMNIST CNN: 1,206,590 parameters for 62 classes
+        (FemnistCNN(), (3, 1, 28, 28),
+         _conv(1, 32, 3) + _conv(32, 64, 3) + _linear(9216, 128) + _linear(128, 62), 62),
+        (CifarCNN(), (3, 3, 32, 32),
+         _conv(3, 32, 5) + _conv(32, 64, 5) + _linear(1600, 512) + _linear(512, 10), 10),
+    ],
+)  # fmt: skip
+def test_each_network_has_the_papers_layers(network, shape, parameters, outputs):
+    assert _count(network) == parameters
+    assert network.eval()(torch.randn(shape)).shape == (3, outputs)
+
+
+def test_the_published_parameter_counts():
+    """Counts the papers and libraries print: FedEM's CIFAR-10 CNN (d = 3,353,034),
+    torchvision's ``mobilenet_v2()`` (3,504,872 for 1,000 classes), LeNet-5, SIFU's CNN."""
+    assert _count(CifarCNN(10, hidden=2048)) == 3_353_034
+    assert _count(MobileNetV2(1000)) == 3_504_872
+    assert _count(MobileNetV2(10)) == 3_504_872 - _linear(1280, 1000) + _linear(1280, 10)
+    assert _count(LeNet5()) == 61_706
+    assert _count(SifuFashionCNN()) == 824_458
+    assert _count(FemnistCNN()) == 1_206_590
+
+
+def test_char_lstm_counts_and_its_final_state():
+    """Embedding, two LSTM layers (4 gates, two biases each), the head; the final state
+    seen by the identity hook is [h_n; c_n] of every layer, 2·layers·hidden per sequence,
+    and the logits are the head's on the last step's output."""
+    network = CharLSTM(vocab_size=11, embed_dim=5, hidden=7, layers=2)
+    lstm = 4 * 7 * (5 + 7) + 2 * 4 * 7 + 4 * 7 * (7 + 7) + 2 * 4 * 7
+    assert _count(network) == 11 * 5 + lstm + _linear(7, 11)
+    seen = []
+    network.final_state.register_forward_hook(lambda m, i, o: seen.append(o))
+    x = torch.randint(0, 11, (3, 6))
+    logits = network(x)
+    out, (h_n, c_n) = network.lstm(network.embedding(x))
+    assert torch.equal(logits, network.head(out[:, -1]))
+    expected = torch.stack(
+        [torch.cat([h_n[0, b], h_n[1, b], c_n[0, b], c_n[1, b]]) for b in range(3)]
+    )
+    assert torch.equal(seen[0], expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(32.0, 32), (16.0, 16), (18.0, 24), (11.2, 16), (3.0, 8), (1280.0, 1280), (52.0, 56)],
+)
+def test_make_divisible_by_hand(value, expected):
+    """torchvision's rule: the nearest multiple of 8 (halves up), at least 8, raised by 8
+    when rounding lost more than 10% (18 → 16 is 11% less: 24; 11.2 → 8: 16)."""
+    assert models._make_divisible(value) == expected
+
+
+def test_mobilenet_blocks_residuals_and_initialization():
+    """A block keeps a residual only at stride 1 with equal widths; t = 1 has no expansion
+    convolution; widths scale with ``width_mult`` (the head never below 1280); torchvision's
+    initialization: He-normal over fan-out for convolutions, N(0, 0.01²) and zero biases
+    for the classifier, unit/zero batch norms."""
+    torch.manual_seed(0)
+    block = InvertedResidual(8, 8, 1, 6).eval()
+    x = torch.randn(2, 8, 5, 5)
+    assert torch.allclose(block(x), x + block.block(x))
+    for cin, cout, stride in ((8, 8, 2), (8, 16, 1)):
+        other = InvertedResidual(cin, cout, stride, 6).eval()
+        assert not other.residual
+        assert torch.equal(other(x), other.block(x))
+    assert len(InvertedResidual(8, 8, 1, 1).block) == 3
+    assert len(InvertedResidual(8, 8, 1, 6).block) == 4
+    network = MobileNetV2(10)
+    residuals = [m.residual for m in network.features if isinstance(m, InvertedResidual)]
+    # (t, c, n, s): only the repeats of each setting keep their shape
+    assert residuals == [False, False, True, False, True, True, False, True, True, True,
+                         False, True, True, False, True, True, False]  # fmt: skip
+    assert network.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    half = MobileNetV2(10, width_mult=0.5)
+    assert half.features[0][0].out_channels == 16 and half.classifier[1].in_features == 1280
+    assert MobileNetV2(10, width_mult=1.5).classifier[1].in_features == 1920
+    assert network.classifier[0].p == 0.2
+    head = network.features[-1][0].weight  # 1×1, 320 → 1280: fan-out 1280
+    assert head.std().item() == pytest.approx(math.sqrt(2 / 1280), rel=0.02)
+    linear = network.classifier[1]
+    assert linear.weight.std().item() == pytest.approx(0.01, rel=0.05)
+    assert not linear.bias.any()
+    norms = [m for m in network.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
+
+
+def test_optimizers_and_schedules_each_setting_builds():
+    network = MLP(4, (3,), 2)
+    sgd = Classifier(network, lr=0.3, momentum=0.5, weight_decay=0.01).configure_optimizers()
+    assert isinstance(sgd, torch.optim.SGD)
+    assert (sgd.defaults["lr"], sgd.defaults["momentum"], sgd.defaults["weight_decay"]) == (
+        0.3, 0.5, 0.01,
+    )  # fmt: skip
+    adam = Classifier(network, lr=0.2, optimizer="adam", weight_decay=0.02).configure_optimizers()
+    assert isinstance(adam, torch.optim.Adam)
+    assert (adam.defaults["lr"], adam.defaults["weight_decay"]) == (0.2, 0.02)
+    decayed = Classifier(network, lr=0.1, lr_decay=0.7).configure_optimizers()
+    scheduler = decayed["lr_scheduler"]["scheduler"]
+    assert isinstance(scheduler, torch.optim.lr_scheduler.ExponentialLR)
+    assert scheduler.gamma == 0.7 and decayed["lr_scheduler"]["interval"] == "epoch"
+    stepped = Classifier(network, lr=0.1, lr_milestones=[2, 5], lr_gamma=0.5)
+    scheduler = stepped.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert isinstance(scheduler, torch.optim.lr_scheduler.MultiStepLR)
+    assert dict(scheduler.milestones) == {2: 1, 5: 1} and scheduler.gamma == 0.5
+    with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adam', got 'rmsprop'"):
+        Classifier(network, optimizer="rmsprop")
+
+
+def test_round_means_are_batch_weighted_in_step_order():
+    """Σ value·B / Σ B over a round's steps, scalars with integer sizes and a vectorized
+    step's per-client values with a size tensor alike; integer values become floats; the
+    sums are cleared once taken."""
+    means = models._RoundMeans()
+    means.add("loss", torch.tensor(0.5), 4)
+    means.add("loss", torch.tensor([1.0, 2.0]), torch.tensor([2, 6]))
+    means.add("acc", torch.tensor(1, dtype=torch.int64), 3)
+    means.add("acc", torch.tensor(0, dtype=torch.int64), 1)
+    sums = means.pop_sums()
+    total, count = sums["loss"]
+    assert (total.item(), count.item()) == (0.5 * 4 + 1.0 * 2 + 2.0 * 6, 12)
+    assert total.dtype == torch.float32 and count.dtype == torch.float32
+    assert [v.item() for v in sums["acc"]] == [3.0, 4.0]
+    assert means.pop_sums() == {}
+
+
+def test_round_means_accumulate_sequentially_in_float32():
+    """The running sum is in step order and in float32, as Lightning's reduction: a large
+    first value swallows small ones that a pairwise or double sum would keep."""
+    means = models._RoundMeans()
+    values = [1e8, *([1.0] * 16)]
+    for v in values:
+        means.add("loss", torch.tensor(v), 1)
+    total, _ = means.pop_sums()["loss"]
+    sequential = torch.tensor(0.0)
+    for v in values:
+        sequential = sequential + torch.tensor(v)
+    assert total.item() == sequential.item() == 1e8
+    assert sum(values) != 1e8
+
+
+def test_evaluation_sums_accumulate_value_times_size():
+    sums: dict = {}
+    models._accumulate(sums, "val_loss", torch.tensor(0.25), 4)
+    models._accumulate(sums, "val_loss", torch.tensor(1.5), 2)
+    models._accumulate(sums, "val_acc", torch.tensor(1, dtype=torch.int64), 3)
+    total, count = sums["val_loss"]
+    assert (total.item(), count.item()) == (0.25 * 4 + 1.5 * 2, 6)
+    assert count.dtype == torch.int64
+    assert sums["val_acc"][0].dtype == torch.float32 and sums["val_acc"][0].item() == 3.0
+
+
+def test_sums_over_ranks_in_rank_order(monkeypatch):
+    """Every rank's (total, count) added; a key only some ranks logged is still returned
+    with the others' sums, so that every rank logs the same keys."""
+    gathered = [
+        {"loss": (1.0, 2.0), "acc": (0.5, 1.0)},
+        {"loss": (3.0, 4.0)},
+        {},
+    ]
+
+    def all_gather_object(parts, mine):
+        assert mine == {"loss": (3.0, 4.0)}
+        parts[:] = gathered
+
+    monkeypatch.setattr(models.dist, "all_gather_object", all_gather_object)
+    mine = {"loss": (torch.tensor(3.0), torch.tensor(4.0))}
+    added = models._sum_over_ranks(mine, 3, torch.device("cpu"))
+    assert {k: (t.item(), c.item()) for k, (t, c) in added.items()} == {
+        "loss": (4.0, 6.0), "acc": (0.5, 1.0),
+    }  # fmt: skip
+    assert added["loss"][0].dtype == torch.get_default_dtype()
+
+
+def test_binary_classifier_and_cox_regression_by_hand():
+    """BCE on one logit, accuracy at p = 0.5 (a logit of exactly 0 predicts 0); Cox's loss
+    and C-index read events from the target's first column and times from its second."""
+    binary = BinaryClassifier(nn.Identity())
+    logits = torch.tensor([[2.0], [-1.0], [0.0], [0.5]])
+    y = torch.tensor([1, 1, 0, 0])
+    loss, metrics = binary.loss_and_metrics((logits, y))
+    p = torch.sigmoid(logits.reshape(-1))
+    target = y.float()
+    expected = -(target * p.log() + (1 - target) * (1 - p).log()).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["acc"].item() == 0.5
+    cox = CoxRegression(nn.Identity())
+    scores = torch.tensor([[0.3], [1.2], [-0.4], [0.9], [0.1]])
+    events = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    times = torch.tensor([5.0, 2.0, 7.0, 1.0, 3.0])
+    loss, metrics = cox.loss_and_metrics((scores, torch.stack([events, times], 1)))
+    s = scores.reshape(-1)
+    assert loss.item() == pytest.approx(cox_partial_likelihood_loss(s, events, times).item())
+    assert metrics["cindex"].item() == pytest.approx(concordance_index(times, s, events))
+    assert loss.item() != pytest.approx(cox_partial_likelihood_loss(s, times, events).item())
+
+
+def test_classifier_loss_and_accuracy_by_hand():
+    classifier = Classifier(nn.Identity())
+    logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 3.0, 0.0], [1.0, 0.0, 0.0]])
+    y = torch.tensor([0, 2, 0])
+    loss, metrics = classifier.loss_and_metrics((logits, y))
+    expected = -torch.log_softmax(logits, 1)[torch.arange(3), y].mean()
+    assert loss.item() == pytest.approx(expected.item())
+    assert metrics["acc"].item() == pytest.approx(2 / 3)
+    assert Classifier.batch_size_of((logits, y)) == 3
