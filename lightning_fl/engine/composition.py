@@ -188,7 +188,7 @@ def plugin_names(
     objects += [
         (obj, type(obj).__name__)
         for obj in [*trainer.callbacks, trainer.datamodule, trainer.lightning_module]
-        if obj is not None and not type(obj).__module__.startswith("lightning.")
+        if obj is not None
     ]
     names: dict[str, str] = {}
     for obj, shown in objects:
