@@ -116,3 +116,183 @@ def test_the_metrics_figure_reads_one_value_per_round(tmp_path):
     assert curves["val_acc"] == {0: 0.5, 1: 0.7} and curves["fl/time"] == {0: 1.5, 1: 3.0}
     assert "train_loss_step" not in curves and "test_acc" not in curves
     assert plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures as they are saved (drawn first, so that tick labels exist): path →
+    figure, and each saving's dpi."""
+    figures: dict[str, object] = {}
+    real = plots._save
+
+    def keep(plt, fig, path, dpi):
+        fig.canvas.draw()
+        figures[Path(path).name] = fig
+        figures[Path(path).name + ":dpi"] = dpi
+        return real(plt, fig, path, dpi)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def _lines(ax):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in ax.get_lines()}  # fmt: skip
+
+
+def test_the_metrics_figure_by_hand(tmp_path, drawn):
+    """One panel per kind, training and validation together (``_epoch`` dropped from the
+    labels), the namespaced metrics after them; bookkeeping columns, the final test and
+    the weighted means (equal to the plain mean) left out; rounds without training (a
+    resumed run's first row) not drawn; the second row against ``fl/time``."""
+    path = tmp_path / "metrics.csv"
+    path.write_text(
+        "epoch,step,train_loss_epoch,val_loss,val_acc,fl/participants,fl/time,"
+        "fl/federated_loss,val_acc/weighted,test_acc\n"
+        "0,4,0.9,1.0,0.5,3,1.5,0.8,0.51,\n"
+        "1,9,0.6,0.7,0.7,3,4.0,0.5,0.69,\n"
+        "2,9,,,0.9,,,,,\n"
+        ",9,,,,,,,,0.71\n"
+    )
+    assert plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png")) == str(
+        tmp_path / "m.png"
+    )
+    fig = drawn["m.png"]
+    assert drawn["m.png:dpi"] == 110
+    top, bottom = fig.axes[:3], fig.axes[3:]
+    assert [ax.get_ylabel() for ax in top] == ["acc", "loss", "fl/federated_loss"]
+    assert [ax.get_title().replace("\n", " ") for ax in top] == [
+        "acc against rounds", "loss against rounds", "fl/federated_loss against rounds"
+    ]  # fmt: skip
+    assert [ax.get_title().replace("\n", " ") for ax in bottom] == [
+        f"{k} against simulated time" for k in ("acc", "loss", "fl/federated_loss")
+    ]
+    assert _lines(top[0]) == {"val_acc": ([0, 1], [0.5, 0.7])}
+    assert _lines(top[1]) == {"train_loss": ([0, 1], [0.9, 0.6]), "val_loss": ([0, 1], [1.0, 0.7])}
+    assert _lines(bottom[1])["train_loss"] == ([1.5, 4.0], [0.9, 0.6])
+    assert {ax.get_xlabel() for ax in top} == {"round"}
+    assert {ax.get_xlabel() for ax in bottom} == {"simulated time (fl/time)"}
+    assert all(ax.get_legend() is not None for ax in fig.axes)
+    ticks = [t.get_text() for t in top[0].get_xticklabels() if t.get_text()]
+    assert ticks and all(t.lstrip("−-").isdigit() for t in ticks)  # whole rounds
+    assert top[0].get_lines()[0].get_marker() == "."
+
+
+def test_the_metrics_figure_without_a_clock_and_at_most_six_panels(tmp_path, drawn):
+    names = [f"val_m{i}" for i in range(8)]
+    path = tmp_path / "metrics.csv"
+    path.write_text(
+        "epoch,fl/round," + ",".join(names) + "\n"
+        + "".join(f"{r},{r}," + ",".join(str(r + i) for i in range(8)) + "\n" for r in range(31))
+    )  # fmt: skip
+    plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
+    fig = drawn["m.png"]
+    assert [ax.get_ylabel() for ax in fig.axes] == [f"m{i}" for i in range(6)]
+    assert _lines(fig.axes[2])["val_m2"] == (list(range(31)), [r + 2.0 for r in range(31)])
+    assert fig.axes[0].get_lines()[0].get_marker() in ("", "None")  # 30 rounds or more
+    empty = tmp_path / "empty.csv"
+    empty.write_text("epoch,step,fl/round,test_acc\n0,4,0,\n,4,,0.5\n")
+    assert plots.plot_metrics_over_rounds(str(empty), str(tmp_path / "e.png")) is None
+    assert not (tmp_path / "e.png").exists()
+
+
+def test_panel_order_by_hand():
+    assert plots._panel_of("train_loss_epoch") == (0, "loss")
+    assert plots._panel_of("val_loss/p90") == (0, "loss")
+    assert plots._panel_of("val_acc") == (0, "acc")
+    assert plots._panel_of("fl/federated_loss") == (1, "fl/federated_loss")
+    assert plots._panel_of("dp/epsilon") == (1, "dp/epsilon")
+
+
+def test_client_metrics_read_from_the_last_round(tmp_path):
+    path = tmp_path / "client_metrics.csv"
+    rows = [(0, 0, "test", "test_acc", 0.1), (0, 1, "test", "test_acc", 0.2),
+            (3, 0, "test", "test_acc", 0.5), (3, 2, "test", "test_acc", 0.7),
+            (3, 1, "val", "test_acc", 0.9), (3, 1, "test", "test_loss", 2.0),
+            (10, 1, "val", "val_acc", 0.3)]  # fmt: skip
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["round", "client", "stage", "metric", "value"])
+        writer.writerows(rows)
+    assert plots.read_client_metrics(str(path)) == {0: 0.5, 2: 0.7}
+    assert plots.read_client_metrics(str(path), clients=[2, 5]) == {2: 0.7}
+    assert plots.read_client_metrics(str(path), "val_acc", "val") == {1: 0.3}
+    with pytest.raises(ValueError, match="has no 'val' rows for metric 'test_loss'"):
+        plots.read_client_metrics(str(path), "test_loss", "val")
+
+
+def test_client_distributions_by_hand(tmp_path, drawn):
+    """A box per run over its clients, every client a dot, the 10th percentile marked,
+    the runs named on the x axis and the clients counted in the title."""
+    import numpy as np
+
+    runs = {"FedAvg": {c: 0.1 * c for c in range(11)}, "kNN-Per": {0: 0.9, 1: 0.3, 2: 0.6}}
+    plots.plot_client_distributions(runs, str(tmp_path / "d.png"), metric="test_acc")
+    ax = drawn["d.png"].axes[0]
+    assert ax.get_title() == "test_acc of every client (14 clients)"
+    assert ax.get_ylabel() == "per-client test_acc"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["FedAvg", "kNN-Per"]
+    dots = [
+        c for c in ax.collections if c.get_offsets().shape[0] > 2 and c.get_label() == "a client"
+    ]
+    assert sorted(dots[0].get_offsets()[:, 1].tolist()) == pytest.approx(
+        [0.1 * c for c in range(11)]
+    )
+    assert np.all(np.abs(dots[1].get_offsets()[:, 0] - 2) <= 0.12)
+    deciles = [c for c in ax.collections if c.get_label() == "10th percentile"]
+    segments = [seg for c in deciles for seg in c.get_segments()]
+    # numpy's linear quantile: 0.1 · 10 → the second of 0.0..1.0; 0.1 · 2 → 0.3 + 0.2 · 0.3
+    assert [seg[0][1] for seg in segments] == pytest.approx([0.1, 0.36])
+    ends = [x for seg in segments for x in (seg[0][0], seg[1][0])]
+    assert ends == pytest.approx([0.7, 1.3, 1.7, 2.3])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a client", "10th percentile"]
+
+
+def test_lambda_and_curve_figures_by_hand(tmp_path, drawn):
+    lambdas = tmp_path / "lambdas.csv"
+    lambdas.write_text("client,datastore_size,lambda\n0,12,0.25\n1,300,0.75\n")
+    plots.plot_lambda_vs_size(str(lambdas), str(tmp_path / "l.png"))
+    ax = drawn["l.png"].axes[0]
+    assert ax.collections[0].get_offsets().tolist() == [[12, 0.25], [300, 0.75]]
+    assert ax.get_xscale() == "log" and ax.get_ylim() == (-0.05, 1.05)
+    panels = {"regret": {"a": [3.0, 2.0, 1.0], "b": [1.0, 1.0]}, "": {"c": [5.0]}}
+    plots.plot_curves(panels, str(tmp_path / "c.png"), "round", "value")
+    first, second = drawn["c.png"].axes
+    assert _lines(first) == {"a": ([1, 2, 3], [3.0, 2.0, 1.0]), "b": ([1, 2], [1.0, 1.0])}
+    assert first.get_title() == "regret" and second.get_title() == ""
+    assert (first.get_xlabel(), first.get_ylabel()) == ("round", "value")
+
+
+def test_the_callback_draws_in_the_run_folder_on_rank_zero(tmp_path, drawn):
+    """At the fit's end: metrics.png from metrics.csv after the loggers saved, and
+    participation.png (a run with only virtual clients draws none); after a test epoch the
+    per-client distributions, seen and unseen apart; nothing on another rank, nothing
+    switched off, nothing during the sanity check."""
+    from types import SimpleNamespace
+
+    saved = []
+    logger = SimpleNamespace(log_dir=str(tmp_path), save=lambda: saved.append(True))
+    (tmp_path / "metrics.csv").write_text("epoch,train_loss_epoch\n0,0.5\n1,0.4\n")
+    (tmp_path / "participation.csv").write_text("round,client,weight\n0,-1,1.0\n")
+    report = ("test", {"test_acc": {0: (0.5, 3), 1: (0.7, 4), 2: (0.9, 2)}}, [2])
+    strategy = SimpleNamespace(evaluation=SimpleNamespace(last_report=report))
+
+    def trainer(rank_zero=True, sanity=False):
+        return SimpleNamespace(loggers=[logger], is_global_zero=rank_zero, strategy=strategy,
+                               sanity_checking=sanity, default_root_dir="/unused")  # fmt: skip
+
+    plots.FederatedPlots().on_fit_end(trainer(), None)
+    assert saved == [True] and set(drawn) == {"metrics.png", "metrics.png:dpi"}
+    (tmp_path / "participation.csv").write_text("round,client,weight\n0,3,1.0\n")
+    plots.FederatedPlots(metrics=False).on_fit_end(trainer(), None)
+    assert "participation.png" in drawn and len(saved) == 1
+    plots.FederatedPlots(participation=False).on_fit_end(trainer(), None)
+    drawn.clear()
+    plots.FederatedPlots().on_fit_end(trainer(rank_zero=False), None)
+    plots.FederatedPlots().on_test_epoch_end(trainer(sanity=True), None)
+    plots.FederatedPlots(client_distributions=False).on_test_epoch_end(trainer(), None)
+    assert drawn == {}
+    plots.FederatedPlots().on_test_epoch_end(trainer(), None)
+    ax = drawn["clients_test_acc.png"].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["seen", "unseen"]
+    assert ax.get_title() == "test_acc of every client (3 clients)"
