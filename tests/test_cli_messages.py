@@ -1,0 +1,111 @@
+"""The command line's one-line errors by hand (``lightning_fl/cli.py``'s ``short_message``),
+on the texts jsonargparse 4.x raises for each kind of mistake (copied from real runs of
+``lightning_fl.cli.run(..., exit_on_error=False)`` on the quickstart recipe). In process and
+without a run: tests/test_cli_and_logging.py drives the same messages through ``main``."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_fl.cli import _plain, short_message
+
+UNION_INT = (
+    'Parser key "trainer.max_epochs":\n  Does not validate against any of the Union subtypes\n'
+    "  Subtypes: [<class 'int'>, <class 'NoneType'>]\n  Errors:\n"
+    "    - Expected a <class 'int'>\n    - Expected a <class 'NoneType'>\n"
+    "  Given value type: <class 'str'>\n  Given value: abc"
+)
+NESTED_NAN = (
+    'Parser key "model":\n  Does not validate against any of the Union subtypes\n'
+    "  Subtypes: [<class 'lightning.pytorch.core.module.LightningModule'>, <class 'NoneType'>]\n"
+    "  Errors:\n    - Problem with given class_path 'lightning_fl.Classifier':\n"
+    "        Parser key \"lr\":\n          Expected a <class 'float'>. Got value: nan\n"
+    "    - Expected a <class 'NoneType'>\n"
+    "  Given value type: <class 'jsonargparse._util.NestedArg'>\n"
+    "  Given value: NestedArg(key='lr', val='nan')"
+)
+UNKNOWN_OPTION = (
+    'Parser key "trainer.strategy":\n  Does not validate against any of the Union subtypes\n'
+    "  Subtypes: [<class 'str'>, <class 'lightning.pytorch.strategies.strategy.Strategy'>]\n"
+    "  Errors:\n    - Expected a <class 'str'>\n"
+    "    - Problem with given class_path 'lightning_fl.FederatedStrategy':\n"
+    "        Option 'lcal_steps' is not accepted\n"
+    "  Given value type: <class 'jsonargparse._util.NestedArg'>\n"
+    "  Given value: NestedArg(key='lcal_steps', val='3')"
+)
+INIT_ERROR = (
+    "Does not validate against any of the Union subtypes\n"
+    "Subtypes: [<class 'str'>, <class 'lightning.pytorch.strategies.strategy.Strategy'>]\n"
+    "Errors:\n  - Expected a <class 'str'>\n  - local_steps must be >= 1, got 0.\n"
+    "Given value type: <class 'jsonargparse._namespace.Namespace'>\n"
+    "Given value: Namespace(class_path='lightning_fl.FederatedStrategy', ...)"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (UNION_INT, "trainer.max_epochs: expected int or NoneType, got 'abc'"),
+        (NESTED_NAN, "model.init_args.lr: expected float, got 'nan' (NaN and infinities are "
+                     "refused: give a finite number)"),
+        (UNKNOWN_OPTION, "trainer.strategy: Option 'lcal_steps' is not accepted"),
+        (INIT_ERROR, "local_steps must be >= 1, got 0."),
+        ("unrecognized arguments: --trainer.max_epoch 1",
+         "unrecognized arguments: --trainer.max_epoch 1: options are spelled in full "
+         "(`lightning-fl fit --help` lists them)"),
+        ("no such file: a.yaml\nmore detail", "ValueError: no such file: a.yaml"),
+        ('Parser key "seed":\n  Errors:\n    - Expected a <class \'int\'>\n  Given value type: x',
+         "seed: expected int, got '?'"),
+        ('Parser key "lr":\n  Errors:\n    - lr is NaN (lr)\n  Given value: nan',
+         "lr is NaN (lr)"),  # the reason names the key already
+    ],
+)  # fmt: skip
+def test_one_line_per_kind_of_mistake(text, message):
+    assert short_message(ValueError(text)) == message
+
+
+def test_an_error_without_words_says_its_cause_or_its_type():
+    try:
+        try:
+            raise KeyError("trainer")
+        except KeyError as inner:
+            raise RuntimeError("") from inner
+    except RuntimeError as outer:
+        assert short_message(outer) == "KeyError: 'trainer'"
+    assert short_message(RuntimeError()) == "RuntimeError"
+    try:
+        try:
+            raise OSError("disk full")
+        except OSError:
+            raise ValueError("   ")  # noqa: B904 - the implicit context is the point
+    except ValueError as outer:
+        assert short_message(outer) == "OSError: disk full"
+
+
+def test_an_error_list_stops_at_its_first_unindented_line():
+    """Items end where the list does; an informative item's continuation lines (deeper
+    than the item) belong to it, its last line is the reason."""
+    text = (
+        "Parser key \"data\":\n  Errors:\n    - Expected a <class 'str'>\n"
+        "    - Problem with given class_path 'x.DM':\n        first line\n"
+        "        the real reason\n  Given value: 3\n    - a stray item after the list"
+    )
+    assert short_message(ValueError(text)) == "data: the real reason"
+
+
+@pytest.mark.parametrize(
+    ("reason", "plain"),
+    [
+        ("Expected a <class 'float'>. Got value: 0.5x", "expected float, got '0.5x'"),
+        ("Expected a <class 'float'>. Got value: -inf",
+         "expected float, got '-inf' (NaN and infinities are refused: give a finite number)"),
+        ("Expected a <class 'float'>. Got value: .NaN",
+         "expected float, got '.NaN' (NaN and infinities are refused: give a finite number)"),
+        ("Expected a <class 'int'>. Got value: Infinity",
+         "expected int, got 'Infinity' (NaN and infinities are refused: give a finite number)"),
+        ("Expected a <class 'float'>. Got value: info", "expected float, got 'info'"),
+        ("something else entirely", "something else entirely"),
+    ],
+)  # fmt: skip
+def test_plain_reasons(reason, plain):
+    assert _plain(reason) == plain
