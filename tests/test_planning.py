@@ -151,7 +151,7 @@ def test_packed_clients_count_their_batches_and_draw_by_index():
     fit.packed = packed
     planner = RoundPlanner(fit)
     assert planner._num_batches([1, 4], {}, 0) == [8, 14]
-    assert planner.packs(2) and not planner.packs(POOLED_CLIENT)
+    assert planner.packs(2) and planner.packs(0) and not planner.packs(POOLED_CLIENT)
     assert len(planner._loader(2, 0).dataset) == 6
     pooled = planner._loader(POOLED_CLIENT, 0)
     assert len(pooled.dataset) == sum(SIZES)
@@ -161,6 +161,14 @@ def test_packed_clients_count_their_batches_and_draw_by_index():
     plan = RoundPlanner(vectorized).plan(0)
     assert plan.loaders == [None] * 10 and plan.packed_chunk(0)
     assert plan.chunk_local_steps(0) == 3 + 9
+    steps = _fit(local_steps=2, vectorize=True)  # K steps: no loader is needed either
+    steps.packed = packed
+    assert RoundPlanner(steps).plan(0).loaders == [None] * 10
+    sequential = _fit(local_steps=2)  # sequential clients read their packed data by loader
+    sequential.packed = packed
+    assert [len(loader.dataset) for loader in RoundPlanner(sequential).plan(0).loaders] == [6] * 10
+    unpacked = RoundPlanner(_fit(local_steps=2, vectorize=True)).plan(0)
+    assert [len(loader.dataset) for loader in unpacked.loaders] == SIZES
 
 
 def test_the_server_clients_loader_reads_the_server_data():
@@ -176,7 +184,7 @@ def test_vectorized_chunks_fuse_steps_and_pad():
     planner = RoundPlanner(_fit(vectorize=True, max_vectorized_clients=2))
     per_rank = [[4, 1, 6], [2, 2, 9, 3, 5]]
     schedule, steps, chunks = planner._schedules([0, 2, 4], [4, 1, 6], per_rank)
-    assert chunks == [(0, 1), (2,)] and schedule.clients == (0, 2, 4)
+    assert chunks == [(0, 1), (2,)] and schedule == ClientSchedule((0, 2, 4), (4, 1, 6))
     assert steps == ClientSchedule((0, 1, PADDING), (1, 1, 1))
     assert planning._fused(7, None) == 1 and planning._fused(7, 3) == 3
     assert planning._fused(6, 3) == 2
@@ -331,3 +339,24 @@ def test_loss_probes_on_this_ranks_clients(monkeypatch):
     assert sampler.losses([1])[0] == pytest.approx(
         RoundPlanner(_fit(1, 0))._probe_losses([1], 7)[0], rel=1e-12
     )
+
+
+def test_a_plan_moves_the_datamodule_to_its_round_and_warns_of_empty_clients():
+    """``plan`` first moves a stream's caches to the round (``set_round``), then warns of
+    the clients without any training data (once per fit), then draws among the others."""
+
+    class Recording(InMemoryFederatedDataModule):
+        rounds: list[int] = []
+
+        def set_round(self, round_idx):
+            self.rounds.append(round_idx)
+
+    clients = tiny_clients()
+    clients[6]["train"] = (clients[6]["train"][0][:0], clients[6]["train"][1][:0])
+    dm = Recording(clients, batch_size=4)
+    dm.setup("fit")
+    planner = RoundPlanner(_fit(datamodule=dm))
+    with pytest.warns(UserWarning, match=r"Skipping 1 client\(s\) with no training data: \[6\]$"):
+        plan = planner.plan(4)
+    assert dm.rounds == [4] and 6 not in plan.schedule.clients
+    assert len(plan.schedule.clients) == 9
