@@ -151,11 +151,29 @@ def test_plain_datamodule_is_refused():
         ({"local_steps": 1, "local_epochs": 1}, "either local_steps or local_epochs"),
         ({"local_steps": 0}, "local_steps must be >= 1"),
         ({"max_consecutive_bad_rounds": 0}, "max_consecutive_bad_rounds must be >= 1"),
+        ({"local_steps": None, "local_epochs": 0}, r"local_epochs must be >= 1, got 0\."),
+        ({"num_threads": 0}, r"num_threads must be 'auto', None or an int >= 1, got 0\."),
+        ({"num_threads": "2"}, r"num_threads must be 'auto', None or an int >= 1, got '2'\."),
+        ({"max_vectorized_clients": 0}, r"max_vectorized_clients must be >= 1 or None, got 0\."),
+        ({"vectorize": True, "local_steps_per_training_step": 0},
+         r"local_steps_per_training_step must be >= 1 or None, got 0\."),
+        ({"vectorize": True, "local_steps_per_training_step": 2.0},
+         r"local_steps_per_training_step must be >= 1 or None, got 2\.0\."),
+        ({"local_steps_per_training_step": 2}, "set vectorize=True as well, or leave it at 1"),
+        ({"local_steps_per_training_step": None}, "set vectorize=True as well"),
     ],
-)
+)  # fmt: skip
 def test_impossible_strategy_configs(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FederatedStrategy(**kwargs)
+
+
+def test_each_strategy_bound_is_accepted_at_its_edge():
+    """The smallest valid value of every bound above, and both ways of leaving one unset."""
+    FederatedStrategy(local_steps=1, max_consecutive_bad_rounds=1, num_threads=1,
+                      max_vectorized_clients=1)  # fmt: skip
+    FederatedStrategy(local_steps=None, local_epochs=1, num_threads=None)
+    FederatedStrategy(vectorize=True, local_steps_per_training_step=None, num_threads="auto")
 
 
 def test_manual_optimization_is_supported_and_matches_automatic():
