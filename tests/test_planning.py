@@ -243,9 +243,12 @@ def test_clients_without_any_data_are_warned_once_unseen_ones_never():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         planner._warn_clients_without_data(empty)
-    ten = RoundPlanner(_fit(datamodule=_datamodule()))
+    two = RoundPlanner(_fit(datamodule=_datamodule()))
     with pytest.warns(UserWarning, match=r"data: \[0, 1\]$"):
-        ten._warn_clients_without_data([0, 0, 3])
+        two._warn_clients_without_data([0, 0, 3])
+    ten = RoundPlanner(_fit(datamodule=_datamodule()))
+    with pytest.warns(UserWarning, match=r"data: \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\]$"):
+        ten._warn_clients_without_data([0] * 10 + [3])  # all ten named: no "..."
 
 
 def test_who_may_train_away_from_its_owner():
