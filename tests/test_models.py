@@ -293,3 +293,27 @@ def test_the_task_refuses_each_bad_optimizer_setting(settings, message):
 def test_a_reference_batch_pair_is_refused_by_a_plain_task():
     with pytest.raises(TypeError, match="Train a lightning_fl.WERMClassifier"):
         Classifier(MLP(4, (3,), 2))._step({"train": None, "reference": None}, "train")
+
+
+def test_a_task_validates_under_a_plain_lightning_trainer(tmp_path):
+    """Outside FederatedStrategy the task logs with ``self.log``: the epoch's value is the
+    batch-size-weighted mean over batches of unequal sizes (Lightning's mean reduction)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    task = Classifier(MLP(5, (4,), 3))
+    x, y = torch.randn(10, 5), torch.randint(0, 3, (10,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)  # batches of 4, 4 and 2
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=tmp_path, accelerator="cpu")  # fmt: skip
+    (results,) = trainer.validate(task, loader, verbose=False)
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(task(x[i : i + 4]), y[i : i + 4]) for i in (0, 4, 8)
+        ]
+        correct = (task(x).argmax(1) == y).float().sum()
+    sizes = torch.tensor([4.0, 4.0, 2.0])
+    assert results["val_loss"] == pytest.approx(float((torch.stack(losses) * sizes).sum() / 10))
+    assert results["val_acc"] == pytest.approx(float(correct / 10))
+    assert set(results) == {"val_loss", "val_acc"}

@@ -246,13 +246,17 @@ def test_client_distributions_by_hand(tmp_path, drawn):
     ends = [x for seg in segments for x in (seg[0][0], seg[1][0])]
     assert ends == pytest.approx([0.7, 1.3, 1.7, 2.3])
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a client", "10th percentile"]
+    flat = [tuple(line.get_ydata()) for line in ax.get_lines() if len(line.get_ydata()) == 2]
+    assert (0.5, 0.5) in flat and (0.6, 0.6) in flat  # the boxes' medians
 
 
 def test_lambda_and_curve_figures_by_hand(tmp_path, drawn):
     lambdas = tmp_path / "lambdas.csv"
     lambdas.write_text("client,datastore_size,lambda\n0,12,0.25\n1,300,0.75\n")
-    plots.plot_lambda_vs_size(str(lambdas), str(tmp_path / "l.png"))
+    plots.plot_lambda_vs_size(str(lambdas), str(tmp_path / "new" / "l.png"))  # folder made
     ax = drawn["l.png"].axes[0]
+    assert (tmp_path / "new" / "l.png").exists()
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("local dataset size n_t", "chosen λ_t")
     assert ax.collections[0].get_offsets().tolist() == [[12, 0.25], [300, 0.75]]
     assert ax.get_xscale() == "log" and ax.get_ylim() == (-0.05, 1.05)
     panels = {"regret": {"a": [3.0, 2.0, 1.0], "b": [1.0, 1.0]}, "": {"c": [5.0]}}
