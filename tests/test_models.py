@@ -317,3 +317,25 @@ def test_a_task_validates_under_a_plain_lightning_trainer(tmp_path):
     assert results["val_loss"] == pytest.approx(float((torch.stack(losses) * sizes).sum() / 10))
     assert results["val_acc"] == pytest.approx(float(correct / 10))
     assert set(results) == {"val_loss", "val_acc"}
+
+
+@pytest.mark.parametrize(("vectorize", "steps"), [(False, 24), (True, 6)])
+def test_step_values_are_logged_at_the_loggers_interval(vectorize, steps, tmp_path):
+    """``train_loss_step`` at every second Lightning step (``log_every_n_steps=2``: the
+    steps k with (k + 1) % 2 = 0): 4 clients × 3 local steps × 2 rounds = 24 sequential
+    steps, or 3 × 2 vectorized steps of the 4 clients together."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_fl import FederatedStrategy, UniformSampler
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=0,
+                                 vectorize=vectorize)  # fmt: skip
+    trainer = make_trainer(strategy, 2, logger=CSVLogger(tmp_path), log_every_n_steps=2)
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    assert trainer.global_step == steps
+    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as handle:
+        logged = [int(r["step"]) for r in csv.DictReader(handle) if r.get("train_loss_step")]
+    assert logged == list(range(1, steps, 2))

@@ -300,3 +300,36 @@ def test_the_callback_draws_in_the_run_folder_on_rank_zero(tmp_path, drawn):
     ax = drawn["clients_test_acc.png"].axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["seen", "unseen"]
     assert ax.get_title() == "test_acc of every client (3 clients)"
+
+
+def test_the_participation_figure_by_hand(tmp_path, drawn):
+    """Bars: rounds taken part in per client (0 for the clients never drawn); the raster:
+    a square per (round, participant) coloured by its weight, sized for the number of
+    points (30 at most); virtual clients (< 0) left out; both panels named."""
+    path = tmp_path / "participation.csv"
+    rows = [(0, 1, 0.25), (0, 4, 0.75), (1, 4, 1.0), (2, 1, 0.5), (2, 7, 0.5), (2, -1, 1.0)]
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["round", "client", "weight"])
+        writer.writerows(rows)
+    plots.plot_participation(str(path), str(tmp_path / "p.png"))
+    bars, raster = drawn["p.png"].axes[:2]
+    assert [p.get_height() for p in bars.patches] == [0, 2, 0, 0, 2, 0, 0, 1]
+    assert [p.get_width() for p in bars.patches] == pytest.approx([0.9] * 8)
+    assert (bars.get_xlabel(), bars.get_ylabel()) == ("client", "rounds taken part in")
+    assert (raster.get_xlabel(), raster.get_ylabel()) == ("round", "client")
+    assert bars.get_title() == "participation of every client"
+    assert raster.get_title().replace("\n", " ") == "participants of every round and their weights"
+    dots = raster.collections[0]
+    assert dots.get_offsets().tolist() == [[0, 1], [0, 4], [1, 4], [2, 1], [2, 7]]
+    assert dots.get_array().tolist() == [0.25, 0.75, 1.0, 0.5, 0.5]
+    assert dots.get_sizes().tolist() == [30.0]
+    many = tmp_path / "many.csv"
+    many.write_text("round,client,weight\n" + "".join(f"{r},{c},0.1\n" for r in range(50)
+                                                     for c in range(40)))  # fmt: skip
+    plots.plot_participation(str(many), str(tmp_path / "many.png"))
+    assert drawn["many.png"].axes[1].collections[0].get_sizes().tolist() == [2.0]
+    none = tmp_path / "none.csv"
+    none.write_text("round,client,weight\n0,-1,1.0\n")
+    with pytest.raises(ValueError, match="has no client rows"):
+        plots.plot_participation(str(none), str(tmp_path / "n.png"))
