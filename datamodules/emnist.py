@@ -73,7 +73,9 @@ class EmnistDataModule(InMemoryFederatedDataModule):
             with ``download=True``).
         split: EMNIST split (``byclass``: 62 classes).
         data_fraction: the fraction of all samples kept (FedEM: 0.1), drawn from ``seed``.
-        partition: ``"dirichlet"`` over labels (``alpha``) or ``"iid"``.
+        partition: ``"dirichlet"`` over labels (``alpha``), ``"iid"``, ``"shards"``
+            (``shards_per_client`` label-sorted shards each, McMahan et al. 2017) or
+            ``"one_class"``: :func:`~lightning_fl.datamodules.partition.label_partition`.
         test_fraction, val_fraction: each client's held-out parts (of its samples, and of
             the rest).
         unseen_fraction: the last clients held out as unseen.
@@ -86,8 +88,9 @@ class EmnistDataModule(InMemoryFederatedDataModule):
         split: str = "byclass",
         data_fraction: float = 0.1,
         num_clients: int = 100,
-        partition: Literal["dirichlet", "iid", "one_class"] = "dirichlet",
+        partition: Literal["dirichlet", "iid", "shards", "one_class"] = "dirichlet",
         alpha: float = 0.4,
+        shards_per_client: int = 2,
         test_fraction: float = 0.2,
         val_fraction: float = 0.0,
         unseen_fraction: float = 0.0,
@@ -129,7 +132,10 @@ class EmnistDataModule(InMemoryFederatedDataModule):
         rng = np.random.default_rng(seed)
         keep = np.sort(rng.permutation(len(labels))[: max(1, round(h.data_fraction * len(labels)))])
         images, labels = images[keep], labels[keep]
-        parts = label_partition(labels, h.partition, h.num_clients, seed, h.alpha)
+        parts = label_partition(
+            labels, h.partition, h.num_clients, seed, h.alpha,
+            shards_per_client=h.shards_per_client,
+        )  # fmt: skip
         x = torch.from_numpy(images.copy()).float().div_(255.0).unsqueeze(1)
         y = torch.from_numpy(labels)
         clients = []

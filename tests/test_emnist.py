@@ -146,3 +146,29 @@ def test_idx_reader_reads_plain_files_wide_types_and_checks_each_magic_byte(tmp_
     plain.write_bytes(b"\x00\x00\x08\x00")  # no sizes, no data: a 0-d array missing its byte
     with pytest.raises(ValueError, match=r"shape \(\) \(1 bytes\) but the file holds 0"):
         read_idx(plain)
+
+
+def test_shards_split_by_hand_and_every_partition_is_offered_to_the_cli(tmp_path):
+    """``partition="shards"`` gives each client its ``shards_per_client`` label-sorted
+    shards (``shard_partition`` of the kept labels, by hand); the type the CLI reads lists
+    every partition the constructor accepts."""
+    import typing
+
+    from lightning_fl.datamodules.partition import LABEL_PARTITIONS, shard_partition
+
+    train, test = _fixture(tmp_path / "gzip")
+    dm = EmnistDataModule(root=str(tmp_path), data_fraction=1.0, num_clients=4,
+                          partition="shards", shards_per_client=3, seed=2)  # fmt: skip
+    labels = np.concatenate([
+        read_idx(tmp_path / "gzip" / f"emnist-byclass-{part}-labels-idx1-ubyte.gz")
+        for part in ("train", "test")
+    ]).astype(np.int64)  # fmt: skip
+    parts = shard_partition(labels, 4, 3, 2)
+    two = shard_partition(labels, 4, 2, 2)  # the default would give other clients
+    assert not all(np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(parts, two))
+    for client, indices in enumerate(parts):
+        held = [dm.client_dataset(client, split) for split in ("train", "test")]
+        served = [int(data[i][1]) for data in held for i in range(len(data))]
+        assert sorted(served) == sorted(labels[indices].tolist())
+    hints = typing.get_type_hints(EmnistDataModule.__init__)
+    assert set(typing.get_args(hints["partition"])) == set(LABEL_PARTITIONS)
