@@ -53,7 +53,8 @@ class KNNPer(FederatedCallback):
 
     Seen and unseen clients are treated alike: kNN-Per never trains. Every client's λ_t and
     training-set size are written to ``<log_dir>/knn_per_lambdas.csv`` (and, after a test
-    with matplotlib installed, plotted against it in ``knn_per_lambdas.png``); λ's mean is
+    in a run that draws figures, ``FederatedStrategy(enable_plots=True)`` with matplotlib,
+    plotted against it in ``knn_per_lambdas.png``); λ's mean is
     logged as ``knn_per/lambda_mean``.
 
     The thesis' kernel is exp(−‖z−z'‖); the authors' code uses exp(−‖z−z'‖²/(p·scale));
@@ -243,13 +244,19 @@ class KNNPer(FederatedCallback):
                 writer.writerow(["client", "lambda", "datastore_size"])
                 for client, (lam, size) in sorted(rows.items()):
                     writer.writerow([client, lam, size])
-            if trainer.testing and _has_matplotlib():
+            if trainer.testing and _draws_figures(trainer):
                 from lightning_fl.plots import plot_lambda_vs_size
 
                 plot_lambda_vs_size(path, os.path.join(log_dir, "knn_per_lambdas.png"))
 
 
-def _has_matplotlib() -> bool:
+def _draws_figures(trainer: pl.Trainer) -> bool:
+    """Whether the run draws figures: a FederatedPlots callback is installed (by
+    ``FederatedStrategy(enable_plots=True)``, the default, or by the user) and matplotlib
+    is there."""
     import importlib.util
 
-    return importlib.util.find_spec("matplotlib") is not None
+    from lightning_fl.plots import FederatedPlots
+
+    has_plots = any(isinstance(cb, FederatedPlots) for cb in trainer.callbacks)
+    return has_plots and importlib.util.find_spec("matplotlib") is not None

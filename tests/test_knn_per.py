@@ -291,12 +291,20 @@ def test_last_linear_is_the_last_linear_layer_not_the_last_module():
 def test_a_reused_callback_reports_only_its_latest_epoch_and_leaves_no_hooks(tmp_path):
     """The per-epoch tables are cleared at each epoch's start: the same KNNPer tested on 10
     clients, then on 4, reports the 4 (λ, sizes, CSV rows); the PNG follows the test's CSV
-    in a folder the run creates; no hook stays on the network after an evaluation."""
+    in a folder the run creates when the run draws figures (FederatedPlots), and not
+    otherwise (``enable_plots=False``); no hook stays on the network after an
+    evaluation."""
     module = _trained()
     callback = KNNPer(k=3, lambda_=0.5)
     _test(module, [callback])
     folder = tmp_path / "fresh" / "run"
-    trainer = make_trainer(FederatedStrategy(seed=1), 1, [callback], default_root_dir=str(folder))
+    plain = make_trainer(FederatedStrategy(seed=1), 1, [callback], default_root_dir=str(folder))
+    plain.test(module, datamodule=tiny_datamodule(num_clients=4), verbose=False)
+    assert not (folder / "knn_per_lambdas.png").exists()  # the run draws no figures
+    from lightning_fl.plots import FederatedPlots
+
+    trainer = make_trainer(FederatedStrategy(seed=1), 1, [callback, FederatedPlots()],
+                           default_root_dir=str(folder))  # fmt: skip
     trainer.test(module, datamodule=tiny_datamodule(num_clients=4), verbose=False)
     sizes = [len(c["train"][1]) for c in tiny_clients(num_clients=4)]
     assert callback.lambdas == {c: 0.5 for c in range(4)}
