@@ -201,6 +201,11 @@ def test_bad_stream_settings_are_refused():
         SelectiveReplacementCache(10, theta=1.5)
     with pytest.raises(ValueError, match="r = c2/c1 must be > 0"):
         configuration_rule(np.array([0.5, 0.5]), np.array([False, True]), 0.0)
+    for shares, flags in (([3.0, 1.0], [False, True]), ([1.0, 0.0], [False, True]),
+                          ([0.5, 0.5], [False, True, True])):  # fmt: skip
+        with pytest.raises(ValueError, match="pass counts / counts.sum()"):
+            configuration_rule(np.array(shares), np.array(flags), 1.0, steps=5)
+    configuration_rule(np.array([0.25, 0.75]), np.array([False, True]), 1.0, steps=5)
 
 
 # ---- the streaming datamodule and P1's weights ------------------------------------------

@@ -206,6 +206,12 @@ def configuration_rule(
         raise ValueError(f"the ratio r = c2/c1 must be > 0, got {r}.")
     n = np.asarray(n, dtype=float)
     fresh = np.asarray(fresh, dtype=bool)
+    if n.shape != fresh.shape or not (n > 0).all() or not math.isclose(n.sum(), 1.0):
+        raise ValueError(
+            f"the shares n must be one positive value per client summing to 1 (got "
+            f"{n.size} shares summing to {n.sum():.6g} for {fresh.size} fresh flags): "
+            "pass counts / counts.sum() over the clients with samples."
+        )
     p = n / n.sum()
     best, best_value = p.copy(), configuration_objective(p, n, fresh, r)
     scale = 1.0 / max(1.0, r)
