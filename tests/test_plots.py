@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import math
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,7 @@ def test_the_metrics_figure_by_hand(tmp_path, drawn):
         "0,4,0.9,1.0,0.5,3,1.5,0.8,0.51,\n"
         "1,9,0.6,0.7,0.7,3,4.0,0.5,0.69,\n"
         "2,9,,,0.9,,,,,\n"
+        "3,9,0.4,,,,,,,\n"
         ",9,,,,,,,,0.71\n"
     )
     assert plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png")) == str(
@@ -159,7 +161,9 @@ def test_the_metrics_figure_by_hand(tmp_path, drawn):
     )
     fig = drawn["m.png"]
     assert drawn["m.png:dpi"] == 110
+    assert tuple(fig.get_size_inches()) == pytest.approx((4.2 * 3 + 1, 3.4 * 2))
     top, bottom = fig.axes[:3], fig.axes[3:]
+    assert all(any(g.get_visible() for g in ax.get_xgridlines()) for ax in fig.axes)
     assert [ax.get_ylabel() for ax in top] == ["acc", "loss", "fl/federated_loss"]
     assert [ax.get_title().replace("\n", " ") for ax in top] == [
         "acc against rounds", "loss against rounds", "fl/federated_loss against rounds"
@@ -168,8 +172,11 @@ def test_the_metrics_figure_by_hand(tmp_path, drawn):
         f"{k} against simulated time" for k in ("acc", "loss", "fl/federated_loss")
     ]
     assert _lines(top[0]) == {"val_acc": ([0, 1], [0.5, 0.7])}
-    assert _lines(top[1]) == {"train_loss": ([0, 1], [0.9, 0.6]), "val_loss": ([0, 1], [1.0, 0.7])}
-    assert _lines(bottom[1])["train_loss"] == ([1.5, 4.0], [0.9, 0.6])
+    assert _lines(top[1]) == {
+        "train_loss": ([0, 1, 3], [0.9, 0.6, 0.4]), "val_loss": ([0, 1], [1.0, 0.7])
+    }  # fmt: skip
+    clock_x, clock_y = _lines(bottom[1])["train_loss"]  # round 3 has no simulated time
+    assert clock_x[:2] == [1.5, 4.0] and math.isnan(clock_x[2]) and clock_y == [0.9, 0.6, 0.4]
     assert {ax.get_xlabel() for ax in top} == {"round"}
     assert {ax.get_xlabel() for ax in bottom} == {"simulated time (fl/time)"}
     assert all(ax.get_legend() is not None for ax in fig.axes)
@@ -183,13 +190,14 @@ def test_the_metrics_figure_without_a_clock_and_at_most_six_panels(tmp_path, dra
     path = tmp_path / "metrics.csv"
     path.write_text(
         "epoch,fl/round," + ",".join(names) + "\n"
-        + "".join(f"{r},{r}," + ",".join(str(r + i) for i in range(8)) + "\n" for r in range(31))
+        + "".join(f"{r},{r}," + ",".join(str(r + i) for i in range(8)) + "\n" for r in range(30))
     )  # fmt: skip
     plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
     fig = drawn["m.png"]
     assert [ax.get_ylabel() for ax in fig.axes] == [f"m{i}" for i in range(6)]
-    assert _lines(fig.axes[2])["val_m2"] == (list(range(31)), [r + 2.0 for r in range(31)])
+    assert _lines(fig.axes[2])["val_m2"] == (list(range(30)), [r + 2.0 for r in range(30)])
     assert fig.axes[0].get_lines()[0].get_marker() in ("", "None")  # 30 rounds or more
+    assert tuple(fig.get_size_inches()) == pytest.approx((4.2 * 6 + 1, 3.4))
     empty = tmp_path / "empty.csv"
     empty.write_text("epoch,step,fl/round,test_acc\n0,4,0,\n,4,,0.5\n")
     assert plots.plot_metrics_over_rounds(str(empty), str(tmp_path / "e.png")) is None
@@ -229,6 +237,9 @@ def test_client_distributions_by_hand(tmp_path, drawn):
     runs = {"FedAvg": {c: 0.1 * c for c in range(11)}, "kNN-Per": {0: 0.9, 1: 0.3, 2: 0.6}}
     plots.plot_client_distributions(runs, str(tmp_path / "d.png"), metric="test_acc")
     ax = drawn["d.png"].axes[0]
+    assert tuple(drawn["d.png"].get_size_inches()) == (4.5, 4) and drawn["d.png:dpi"] == 120
+    assert [t.get_rotation() for t in ax.get_xticklabels()] == [30, 30]
+    assert len(ax.get_lines()) == 2 * 6  # box, 2 whiskers, 2 caps, median: no fliers
     assert ax.get_title() == "test_acc of every client (14 clients)"
     assert ax.get_ylabel() == "per-client test_acc"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["FedAvg", "kNN-Per"]
@@ -238,7 +249,12 @@ def test_client_distributions_by_hand(tmp_path, drawn):
     assert sorted(dots[0].get_offsets()[:, 1].tolist()) == pytest.approx(
         [0.1 * c for c in range(11)]
     )
-    assert np.all(np.abs(dots[1].get_offsets()[:, 0] - 2) <= 0.12)
+    jitter = np.random.default_rng(2).uniform(-0.12, 0.12, 3)  # seeded per box
+    assert dots[1].get_offsets()[:, 0].tolist() == pytest.approx((2 + jitter).tolist())
+    assert [d.get_sizes().tolist() for d in dots] == [[10.0], [10.0]]
+    five = {f"run {k}": {0: 0.5} for k in range(5)}
+    plots.plot_client_distributions(five, str(tmp_path / "five.png"))
+    assert tuple(drawn["five.png"].get_size_inches()) == pytest.approx((1.6 + 1.3 * 5, 4))
     deciles = [c for c in ax.collections if c.get_label() == "10th percentile"]
     segments = [seg for c in deciles for seg in c.get_segments()]
     # numpy's linear quantile: 0.1 · 10 → the second of 0.0..1.0; 0.1 · 2 → 0.3 + 0.2 · 0.3
@@ -258,6 +274,9 @@ def test_lambda_and_curve_figures_by_hand(tmp_path, drawn):
     assert (tmp_path / "new" / "l.png").exists()
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("local dataset size n_t", "chosen λ_t")
     assert ax.collections[0].get_offsets().tolist() == [[12, 0.25], [300, 0.75]]
+    assert ax.collections[0].get_sizes().tolist() == [14.0]
+    assert tuple(drawn["l.png"].get_size_inches()) == (5, 3.5) and drawn["l.png:dpi"] == 120
+    assert ax.get_position().x0 != pytest.approx(0.125)  # tight_layout moved the axes
     assert ax.get_xscale() == "log" and ax.get_ylim() == (-0.05, 1.05)
     panels = {"regret": {"a": [3.0, 2.0, 1.0], "b": [1.0, 1.0]}, "": {"c": [5.0]}}
     plots.plot_curves(panels, str(tmp_path / "c.png"), "round", "value")
@@ -265,6 +284,9 @@ def test_lambda_and_curve_figures_by_hand(tmp_path, drawn):
     assert _lines(first) == {"a": ([1, 2, 3], [3.0, 2.0, 1.0]), "b": ([1, 2], [1.0, 1.0])}
     assert first.get_title() == "regret" and second.get_title() == ""
     assert (first.get_xlabel(), first.get_ylabel()) == ("round", "value")
+    assert tuple(drawn["c.png"].get_size_inches()) == pytest.approx((4.5 * 2 + 1, 3.5))
+    assert drawn["c.png:dpi"] == 110 and first.get_legend() is not None
+    assert any(g.get_visible() for g in first.get_xgridlines())
 
 
 def test_the_callback_draws_in_the_run_folder_on_rank_zero(tmp_path, drawn):
@@ -290,8 +312,9 @@ def test_the_callback_draws_in_the_run_folder_on_rank_zero(tmp_path, drawn):
     (tmp_path / "participation.csv").write_text("round,client,weight\n0,3,1.0\n")
     plots.FederatedPlots(metrics=False).on_fit_end(trainer(), None)
     assert "participation.png" in drawn and len(saved) == 1
-    plots.FederatedPlots(participation=False).on_fit_end(trainer(), None)
     drawn.clear()
+    plots.FederatedPlots(participation=False, metrics=False).on_fit_end(trainer(), None)
+    assert drawn == {}
     plots.FederatedPlots().on_fit_end(trainer(rank_zero=False), None)
     plots.FederatedPlots().on_test_epoch_end(trainer(sanity=True), None)
     plots.FederatedPlots(client_distributions=False).on_test_epoch_end(trainer(), None)
@@ -307,21 +330,22 @@ def test_the_participation_figure_by_hand(tmp_path, drawn):
     a square per (round, participant) coloured by its weight, sized for the number of
     points (30 at most); virtual clients (< 0) left out; both panels named."""
     path = tmp_path / "participation.csv"
-    rows = [(0, 1, 0.25), (0, 4, 0.75), (1, 4, 1.0), (2, 1, 0.5), (2, 7, 0.5), (2, -1, 1.0)]
+    rows = [(0, 1, 0.25), (0, 4, 0.75), (2, 4, 1.0), (5, 0, 0.5), (5, 7, 0.5), (5, -1, 1.0)]
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["round", "client", "weight"])
         writer.writerows(rows)
     plots.plot_participation(str(path), str(tmp_path / "p.png"))
     bars, raster = drawn["p.png"].axes[:2]
-    assert [p.get_height() for p in bars.patches] == [0, 2, 0, 0, 2, 0, 0, 1]
+    assert [p.get_height() for p in bars.patches] == [1, 1, 0, 0, 2, 0, 0, 1]
+    assert tuple(drawn["p.png"].get_size_inches()) == (11, 3.8) and drawn["p.png:dpi"] == 110
     assert [p.get_width() for p in bars.patches] == pytest.approx([0.9] * 8)
     assert (bars.get_xlabel(), bars.get_ylabel()) == ("client", "rounds taken part in")
     assert (raster.get_xlabel(), raster.get_ylabel()) == ("round", "client")
     assert bars.get_title() == "participation of every client"
     assert raster.get_title().replace("\n", " ") == "participants of every round and their weights"
     dots = raster.collections[0]
-    assert dots.get_offsets().tolist() == [[0, 1], [0, 4], [1, 4], [2, 1], [2, 7]]
+    assert dots.get_offsets().tolist() == [[0, 1], [0, 4], [2, 4], [5, 0], [5, 7]]
     assert dots.get_array().tolist() == [0.25, 0.75, 1.0, 0.5, 0.5]
     assert dots.get_sizes().tolist() == [30.0]
     many = tmp_path / "many.csv"
