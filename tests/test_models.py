@@ -134,8 +134,12 @@ def test_mobilenet_blocks_residuals_and_initialization():
     assert residuals == [False, False, True, False, True, True, False, True, True, True,
                          False, True, True, False, True, True, False]  # fmt: skip
     assert network.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    # a total stride of 32 (stem 2, then 2, 2, 2, 1, 2, 1): ImageNet's 224×224 → 7×7
+    assert network.features(torch.randn(1, 3, 224, 224)).shape == (1, 1280, 7, 7)
     half = MobileNetV2(10, width_mult=0.5)
     assert half.features[0][0].out_channels == 16 and half.classifier[1].in_features == 1280
+    widths = [m.block[-1].num_features for m in half.features if isinstance(m, InvertedResidual)]
+    assert sorted(set(widths)) == [8, 16, 32, 48, 80, 160]  # c · 0.5, to multiples of 8
     assert MobileNetV2(10, width_mult=1.5).classifier[1].in_features == 1920
     assert network.classifier[0].p == 0.2
     head = network.features[-1][0].weight  # 1×1, 320 → 1280: fan-out 1280
@@ -183,7 +187,11 @@ def test_round_means_are_batch_weighted_in_step_order():
     assert (total.item(), count.item()) == (0.5 * 4 + 1.0 * 2 + 2.0 * 6, 12)
     assert total.dtype == torch.float32 and count.dtype == torch.float32
     assert [v.item() for v in sums["acc"]] == [3.0, 4.0]
+    assert sums["acc"][0].dtype == torch.float32  # integer values become floats
     assert means.pop_sums() == {}
+    means.add("loss", torch.tensor(0.1, dtype=torch.float64), 3)
+    total, count = means.pop_sums()["loss"]
+    assert total.dtype == torch.float64 and total.item() == 0.1 * 3  # doubles kept
 
 
 def test_round_means_accumulate_sequentially_in_float32():
@@ -226,6 +234,7 @@ def test_sums_over_ranks_in_rank_order(monkeypatch):
 
     def all_gather_object(parts, mine):
         assert mine == {"loss": (3.0, 4.0)}
+        assert all(type(v) is float for v in mine["loss"])  # plain floats, not tensors
         parts[:] = gathered
 
     monkeypatch.setattr(models.dist, "all_gather_object", all_gather_object)
@@ -339,3 +348,92 @@ def test_step_values_are_logged_at_the_loggers_interval(vectorize, steps, tmp_pa
     with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as handle:
         logged = [int(r["step"]) for r in csv.DictReader(handle) if r.get("train_loss_step")]
     assert logged == list(range(1, steps, 2))
+
+
+def _functional_references():
+    """Each network written again as functions of its own parameters (in registration
+    order), from the architectures in the docstrings and the papers."""
+    pool, relu = torch.nn.functional.max_pool2d, torch.relu
+    conv, linear = torch.nn.functional.conv2d, torch.nn.functional.linear
+
+    def sifu(x, w):  # the authors' CNN_FashionMNIST: two 3×3 convolutions, padding 1
+        h = pool(relu(conv(x.view(-1, 1, 28, 28), w[0], w[1], padding=1)), 2)
+        h = pool(relu(conv(h, w[2], w[3], padding=1)), 2).flatten(1)
+        return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
+
+    def lenet(x, w):  # LeNet-5, first convolution padded by 2
+        h = pool(relu(conv(x.view(-1, 1, 28, 28), w[0], w[1], padding=2)), 2)
+        h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
+        return linear(relu(linear(relu(linear(h, w[4], w[5])), w[6], w[7])), w[8], w[9])
+
+    def mnist(x, w):
+        h = pool(relu(conv(x, w[0], w[1])), 2)
+        h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
+        return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
+
+    def digits(x, w):
+        h = relu(conv(x.view(-1, 1, 8, 8), w[0], w[1], padding=1))
+        h = pool(relu(conv(h, w[2], w[3], padding=1)), 2).flatten(1)
+        return linear(h, w[4], w[5])
+
+    def femnist(x, w):  # eval mode: dropout is the identity
+        h = relu(conv(x.view(-1, 1, 28, 28), w[0], w[1]))
+        h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
+        return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
+
+    def cifar(x, w):
+        h = pool(relu(conv(x, w[0], w[1])), 2)
+        h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
+        return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
+
+    return [
+        (SifuFashionCNN, (2, 784), sifu), (LeNet5, (2, 784), lenet),
+        (MnistCNN, (2, 1, 28, 28), mnist), (DigitsCNN, (2, 64), digits),
+        (FemnistCNN, (2, 1, 28, 28), femnist), (CifarCNN, (2, 3, 32, 32), cifar),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_each_network_computes_its_papers_function(index):
+    """Padding and pooling change no parameter count: the outputs against the network
+    written as functions of its own weights."""
+    build, shape, reference = _functional_references()[index]
+    torch.manual_seed(index)
+    network = build().eval()
+    x = torch.rand(shape)
+    weights = [p.detach() for p in network.parameters()]
+    assert torch.allclose(network(x), reference(x, weights), atol=1e-6)
+
+
+def test_vectorized_step_values_are_the_clients_batch_weighted_means(tmp_path):
+    """A vectorized step logs Σ_i B_i·loss_i / Σ_i B_i over its clients, the same clients'
+    losses the sequential path logs one by one (every batch here holds 4 samples, so the
+    mean is plain); a round's ``train_loss_epoch`` is the mean of its steps' values."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_fl import FederatedStrategy, UniformSampler
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    logged = {}
+    for vectorize in (False, True):
+        folder = tmp_path / str(vectorize)
+        strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=0,
+                                     vectorize=vectorize)  # fmt: skip
+        trainer = make_trainer(strategy, 2, logger=CSVLogger(folder), log_every_n_steps=1)
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+        with open(folder / "lightning_logs" / "version_0" / "metrics.csv") as handle:
+            logged[vectorize] = list(csv.DictReader(handle))
+    steps = [float(r["train_loss_step"]) for r in logged[False] if r["train_loss_step"]]
+    fused = [float(r["train_loss_step"]) for r in logged[True] if r["train_loss_step"]]
+    assert len(steps) == 24 and len(fused) == 6
+    for round_idx in range(2):
+        for k in range(3):  # client i's k-th step is sequential step 12·round + 3·i + k
+            clients = [steps[12 * round_idx + 3 * i + k] for i in range(4)]
+            assert fused[3 * round_idx + k] == pytest.approx(sum(clients) / 4, rel=1e-5)
+    for vectorize, per_round in ((False, 12), (True, 3)):
+        values = steps if not vectorize else fused
+        epochs = [float(r["train_loss_epoch"]) for r in logged[vectorize] if r["train_loss_epoch"]]
+        expected = [sum(values[per_round * r : per_round * (r + 1)]) / per_round for r in (0, 1)]
+        assert epochs == pytest.approx(expected, rel=1e-5)
