@@ -8,8 +8,9 @@ What it adds to LightningCLI:
 - everything a run writes (config.yaml, per-client CSVs, plots, checkpoints) goes to the
   run's own folder (:func:`lightning_fl.engine.outputs.run_dir`), named on the last line;
 - an error ends with one short line naming the problem (``--traceback`` shows the trace);
-- a quiet console: no Lightning tips or known-harmless warnings, and no progress bar when
-  the output is not a terminal (``--trainer.enable_progress_bar true`` brings it back).
+- a quiet console: no Lightning tips or known-harmless warnings (``lightning_fl``'s import
+  applies :func:`lightning_fl.console.quiet_console`), and no progress bar when the output
+  is not a terminal (``--trainer.enable_progress_bar true`` brings it back).
 
 ``predict`` is not offered: FL evaluation is per client (``validate``, ``test``).
 """
@@ -26,7 +27,6 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning_utilities.core.imports import RequirementCache
 
-from lightning_fl.console import quiet_console
 from lightning_fl.engine.outputs import RunSummary, run_dir
 
 
@@ -187,7 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     show_trace = "--traceback" in argv or bool(os.environ.get("LIGHTNING_FL_TRACEBACK"))
     sys.argv = [sys.argv[0], *(a for a in argv if a != "--traceback")]
-    quiet_console()
     try:
         run(exit_on_error=show_trace)
     except Exception as error:  # noqa: BLE001 - every failure ends with one short line
