@@ -246,23 +246,30 @@ def test_sums_over_ranks_in_rank_order(monkeypatch):
     assert added["loss"][0].dtype == torch.get_default_dtype()
 
 
+class _Doubling(nn.Module):
+    """A network whose output is not its input: the tasks must apply it."""
+
+    def forward(self, x):
+        return 2 * x
+
+
 def test_binary_classifier_and_cox_regression_by_hand():
     """BCE on one logit, accuracy at p = 0.5 (a logit of exactly 0 predicts 0); Cox's loss
     and C-index read events from the target's first column and times from its second."""
-    binary = BinaryClassifier(nn.Identity())
+    binary = BinaryClassifier(_Doubling())
     logits = torch.tensor([[2.0], [-1.0], [0.0], [0.5]])
     y = torch.tensor([1, 1, 0, 0])
-    loss, metrics = binary.loss_and_metrics((logits, y))
+    loss, metrics = binary.loss_and_metrics((logits / 2, y))
     p = torch.sigmoid(logits.reshape(-1))
     target = y.float()
     expected = -(target * p.log() + (1 - target) * (1 - p).log()).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     assert metrics["acc"].item() == 0.5
-    cox = CoxRegression(nn.Identity())
+    cox = CoxRegression(_Doubling())
     scores = torch.tensor([[0.3], [1.2], [-0.4], [0.9], [0.1]])
     events = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
     times = torch.tensor([5.0, 2.0, 7.0, 1.0, 3.0])
-    loss, metrics = cox.loss_and_metrics((scores, torch.stack([events, times], 1)))
+    loss, metrics = cox.loss_and_metrics((scores / 2, torch.stack([events, times], 1)))
     s = scores.reshape(-1)
     assert loss.item() == pytest.approx(cox_partial_likelihood_loss(s, events, times).item())
     assert metrics["cindex"].item() == pytest.approx(concordance_index(times, s, events))
@@ -270,10 +277,10 @@ def test_binary_classifier_and_cox_regression_by_hand():
 
 
 def test_classifier_loss_and_accuracy_by_hand():
-    classifier = Classifier(nn.Identity())
+    classifier = Classifier(_Doubling())
     logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 3.0, 0.0], [1.0, 0.0, 0.0]])
     y = torch.tensor([0, 2, 0])
-    loss, metrics = classifier.loss_and_metrics((logits, y))
+    loss, metrics = classifier.loss_and_metrics((logits / 2, y))
     expected = -torch.log_softmax(logits, 1)[torch.arange(3), y].mean()
     assert loss.item() == pytest.approx(expected.item())
     assert metrics["acc"].item() == pytest.approx(2 / 3)
