@@ -435,6 +435,7 @@ def test_vectorized_step_values_are_the_clients_batch_weighted_means(tmp_path):
         last = [float(r["train_loss_epoch"]) for r in logged[vectorize] if r["train_loss_epoch"]]
         # ``train_loss`` (callback_metrics only: what checkpoints and early stopping read)
         assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(last[-1])
+        assert "train_loss" not in logged[vectorize][0]  # not a logger column
     steps = [float(r["train_loss_step"]) for r in logged[False] if r["train_loss_step"]]
     fused = [float(r["train_loss_step"]) for r in logged[True] if r["train_loss_step"]]
     assert len(steps) == 24 and len(fused) == 6
