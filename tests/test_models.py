@@ -146,6 +146,7 @@ def test_mobilenet_blocks_residuals_and_initialization():
     assert head.std().item() == pytest.approx(math.sqrt(2 / 1280), rel=0.02)
     linear = network.classifier[1]
     assert linear.weight.std().item() == pytest.approx(0.01, rel=0.05)
+    assert abs(linear.weight.mean().item()) < 1e-3
     assert not linear.bias.any()
     norms = [m for m in network.modules() if isinstance(m, nn.BatchNorm2d)]
     assert all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
@@ -258,13 +259,13 @@ def test_binary_classifier_and_cox_regression_by_hand():
     and C-index read events from the target's first column and times from its second."""
     binary = BinaryClassifier(_Doubling())
     logits = torch.tensor([[2.0], [-1.0], [0.0], [0.5]])
-    y = torch.tensor([1, 1, 0, 0])
+    y = torch.tensor([1, 0, 0, 0])
     loss, metrics = binary.loss_and_metrics((logits / 2, y))
     p = torch.sigmoid(logits.reshape(-1))
     target = y.float()
     expected = -(target * p.log() + (1 - target) * (1 - p).log()).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
-    assert metrics["acc"].item() == 0.5
+    assert metrics["acc"].item() == 0.75  # predicted 1, 0, 0, 1
     cox = CoxRegression(_Doubling())
     scores = torch.tensor([[0.3], [1.2], [-0.4], [0.9], [0.1]])
     events = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
@@ -448,3 +449,12 @@ def test_vectorized_step_values_are_the_clients_batch_weighted_means(tmp_path):
         epochs = [float(r["train_loss_epoch"]) for r in logged[vectorize] if r["train_loss_epoch"]]
         expected = [sum(values[per_round * r : per_round * (r + 1)]) / per_round for r in (0, 1)]
         assert epochs == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_tasks_default_networks():
+    """Classifier: MLP 64-64-10; BinaryClassifier: FLamby Fed-Heart-Disease's Linear(13, 1);
+    CoxRegression: Fed-TCGA-BRCA's Linear(39, 1)."""
+    assert [(m.in_features, m.out_features) for m in Classifier().network.modules()
+            if isinstance(m, nn.Linear)] == [(64, 64), (64, 10)]  # fmt: skip
+    for task, features in ((BinaryClassifier(), 13), (CoxRegression(), 39)):
+        assert (task.network.in_features, task.network.out_features) == (features, 1)
