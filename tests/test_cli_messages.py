@@ -109,3 +109,13 @@ def test_an_error_list_stops_at_its_first_unindented_line():
 )  # fmt: skip
 def test_plain_reasons(reason, plain):
     assert _plain(reason) == plain
+
+
+def test_the_command_line_offers_fit_validate_and_test_only():
+    """``predict`` is not offered (FL evaluation is per client): in process, where the
+    console script's own test runs in a subprocess."""
+    from lightning_fl.cli import FederatedCLI, run
+
+    assert set(FederatedCLI.subcommands()) == {"fit", "validate", "test"}
+    with pytest.raises(BaseException, match="predict"):
+        run(["predict"], exit_on_error=False)
