@@ -5,9 +5,11 @@ without a run: tests/test_cli_and_logging.py drives the same messages through ``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from lightning_fl.cli import _plain, short_message
+from lightning_fl.cli import _plain, run, short_message
 
 UNION_INT = (
     'Parser key "trainer.max_epochs":\n  Does not validate against any of the Union subtypes\n'
@@ -114,8 +116,52 @@ def test_plain_reasons(reason, plain):
 def test_the_command_line_offers_fit_validate_and_test_only():
     """``predict`` is not offered (FL evaluation is per client): in process, where the
     console script's own test runs in a subprocess."""
-    from lightning_fl.cli import FederatedCLI, run
+    from lightning_fl.cli import FederatedCLI
 
     assert set(FederatedCLI.subcommands()) == {"fit", "validate", "test"}
     with pytest.raises(BaseException, match="predict"):
         run(["predict"], exit_on_error=False)
+
+
+def test_the_config_is_saved_in_a_run_folder_the_callback_creates(tmp_path):
+    """``RunFolderSaveConfig`` writes ``config.yaml`` into the run's folder (made if
+    missing), keeping unset entries (the jsonargparse keyword of its version)."""
+    from types import SimpleNamespace
+
+    from lightning_fl.cli import KEEP_UNSET, RunFolderSaveConfig
+
+    saved = []
+
+    def save(config, path, **options):
+        saved.append((config, path, options))
+        open(path, "w").close()
+
+    parser = SimpleNamespace(save=save)
+    callback = RunFolderSaveConfig(parser, {"seed": 1}, "config.yaml", overwrite=True)
+    folder = tmp_path / "new" / "run"
+    trainer = SimpleNamespace(loggers=[], default_root_dir=str(folder))
+    callback.save_config(trainer, None, "fit")
+    assert saved == [({"seed": 1}, str(folder / "config.yaml"),
+                      {"overwrite": True, "multifile": False, **KEEP_UNSET})]  # fmt: skip
+    assert (folder / "config.yaml").exists() and callback.save_to_log_dir is False
+
+
+def test_fit_and_validate_name_their_folder_once_and_last(tmp_path, capsys):
+    """In process: ``fit`` (with its test of the final model) and ``validate`` each end
+    with one ``Outputs:`` line, the last; without a terminal the progress bar is off by
+    default and the saved config says so."""
+    from tests.helpers import ACCELERATOR
+
+    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
+    args = ["--config", quickstart, "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_epochs", "1",
+            "--trainer.accelerator", ACCELERATOR]  # fmt: skip
+    for command, folder in (("fit", "version_0"), ("validate", "version_1")):
+        cli = run([command, *args])
+        out = capsys.readouterr().out.strip().splitlines()
+        expected = f"Outputs: {tmp_path / 'fedavg' / folder}"  # the recipe's logger name
+        assert [line for line in out if line.startswith("Outputs:")] == [expected]
+        assert out[-1] == expected
+        assert cli.trainer.progress_bar_callback is None
+    config = (tmp_path / "fedavg" / "version_0" / "config.yaml").read_text()
+    assert "enable_progress_bar: false" in config
