@@ -165,3 +165,43 @@ def test_fit_and_validate_name_their_folder_once_and_last(tmp_path, capsys):
         assert cli.trainer.progress_bar_callback is None
     config = (tmp_path / "fedavg" / "version_0" / "config.yaml").read_text()
     assert "enable_progress_bar: false" in config
+
+
+def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypatch):
+    from lightning_fl.cli import main
+
+    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LIGHTNING_FL_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        main(["fit", "--config", quickstart, "--trainer.max_epoch", "1"])
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "lightning-fl: the run stopped (--traceback shows where).",
+        "error: unrecognized arguments: --trainer.max_epoch 1: options are spelled in full "
+        "(`lightning-fl fit --help` lists them)",
+    ]
+
+
+def test_the_tasks_own_their_optimizers():
+    """``--optimizer`` is not offered (``auto_configure_optimizers=False``): the client
+    optimizer is the task's hyper-parameters (``--model.init_args.optimizer``)."""
+    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
+    with pytest.raises(BaseException, match="--optimizer"):
+        run(["fit", "--config", quickstart, "--optimizer", "Adam"], exit_on_error=False)
+
+
+def test_the_summary_is_the_strategys_or_a_plain_one():
+    """The notes the plugins left are the strategy's summary's; a strategy without one
+    gets a plain summary, kept for the run."""
+    from types import SimpleNamespace
+
+    from lightning_fl.cli import FederatedCLI
+    from lightning_fl.engine.outputs import RunSummary
+
+    own = RunSummary()
+    federated = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace(summary=own)))
+    assert FederatedCLI._summary(federated) is own
+    plain = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()))
+    made = FederatedCLI._summary(plain)
+    assert isinstance(made, RunSummary) and FederatedCLI._summary(plain) is made
