@@ -815,3 +815,36 @@ def test_stateful_triples_equal_the_sequential_path(name):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 diff = float((value - vec_store[client][key]).abs().max())
                 assert diff <= 1e-5, (client, key, diff)
+
+
+def _streams():
+    from lightning_fl.datamodules import StreamingDataModule
+
+    return StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=3)
+
+
+@pytest.mark.parametrize("datamodule", [tiny_datamodule, _streams])
+def test_a_loss_that_cannot_run_under_vmap_is_refused_before_the_first_round(datamodule):
+    """The setup probe runs the vmapped loss on the first client with data (a stream's
+    caches hold data from round 0 on, so it is moved there first): the refusal comes
+    before any round starts, not in the first step."""
+    import lightning.pytorch as pl
+
+    rounds_started = []
+
+    class Recorder(pl.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            rounds_started.append(trainer.current_epoch)
+
+    module, _ = _bad("item")
+    with pytest.raises(VectorizationError, match=MESSAGES["item"]):
+        _fit(True, [Recorder()], rounds=1, module=module, datamodule=datamodule,
+             strategy={"local_steps": 2, "local_epochs": None})  # fmt: skip
+    assert rounds_started == []
+
+
+def test_a_stream_trains_vectorized_as_sequentially():
+    seq, _ = _fit(False, datamodule=_streams, strategy={"local_steps": 2, "local_epochs": None})
+    vec, _ = _fit(True, datamodule=_streams, strategy={"local_steps": 2, "local_epochs": None})
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    assert max_abs_diff(params_of(vec), params_of(_module())) > 1e-3  # it trained
