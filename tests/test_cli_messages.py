@@ -5,6 +5,7 @@ without a run: tests/test_cli_and_logging.py drives the same messages through ``
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,8 @@ INIT_ERROR = (
         ("no such file: a.yaml\nmore detail", "ValueError: no such file: a.yaml"),
         ('Parser key "seed":\n  Errors:\n    - Expected a <class \'int\'>\n  Given value type: x',
          "seed: expected int, got '?'"),
+        ('Parser key "root":\n  Errors:\n    - Expected a <class \'int\'>\n'
+         "  Given value: http://host:80", "root: expected int, got 'http://host:80'"),
         ('Parser key "lr":\n  Errors:\n    - lr is NaN (lr)\n  Given value: nan',
          "lr is NaN (lr)"),  # the reason names the key already
     ],
@@ -173,8 +176,10 @@ def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypat
     quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LIGHTNING_FL_TRACEBACK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["lightning-fl", "fit", "--config", quickstart,
+                                      "--trainer.max_epoch", "1"])  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
-        main(["fit", "--config", quickstart, "--trainer.max_epoch", "1"])
+        main()  # the command line's own arguments
     assert stopped.value.code == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "lightning-fl: the run stopped (--traceback shows where).",
