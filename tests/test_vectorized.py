@@ -848,3 +848,15 @@ def test_a_stream_trains_vectorized_as_sequentially():
     vec, _ = _fit(True, datamodule=_streams, strategy={"local_steps": 2, "local_epochs": None})
     assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
     assert max_abs_diff(params_of(vec), params_of(_module())) > 1e-3  # it trained
+
+
+def test_unpacked_batches_of_several_shapes_log_the_sequential_metrics():
+    """Without packed data (``data_on_device=False``) a vectorized step groups its clients
+    by batch shape (last batches of 4..40 samples in fours differ): each group's batch size
+    weighs its losses, so the round's metrics equal the sequential path's."""
+    seq, seq_trainer = _fit(False)
+    vec, vec_trainer = _fit(True, strategy={"data_on_device": False})
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    expected = _epoch_metrics(seq_trainer)
+    for key, value in _epoch_metrics(vec_trainer).items():
+        assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
