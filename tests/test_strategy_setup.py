@@ -91,3 +91,50 @@ def test_connect_installs_the_driver_first_and_orders_the_gradient_callbacks():
     again = _connected(plots, prox, driver)
     assert again == [driver, plots, prox]
     assert [type(cb) for cb in _connected(prox, enable_plots=False)] == [RoundDriver, FedProx]
+
+
+def test_constructor_settings_by_hand():
+    """A timeout in seconds becomes a timedelta (a timedelta is kept); without local_steps
+    or local_epochs a client makes one pass; compile needs vectorize; data_on_device is
+    True, False or "auto"."""
+    from datetime import timedelta
+
+    assert FederatedStrategy(timeout=90)._timeout == timedelta(seconds=90)
+    assert FederatedStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(seconds=120)
+    default = FederatedStrategy(local_steps=None, local_epochs=None)
+    assert (default.config.local_steps, default.config.local_epochs) == (None, 1)
+    with pytest.raises(ValueError, match="compile=True compiles the vectorized step"):
+        FederatedStrategy(compile=True)
+    FederatedStrategy(compile=True, vectorize=True)
+    for valid in (True, False, "auto"):
+        assert FederatedStrategy(data_on_device=valid).data_on_device == valid
+    with pytest.raises(ValueError, match="data_on_device must be True, False or 'auto', got 'yes'"):
+        FederatedStrategy(data_on_device="yes")
+
+
+def test_a_restarted_torchrun_worker_meets_in_its_attempts_own_keys(monkeypatch):
+    """Under torchrun's agent store, a restarted worker's process group uses keys prefixed
+    with its attempt (the failed attempt's addresses stay in the store); the first attempt,
+    or a worker without the agent's store, uses Lightning's default rendezvous."""
+    from datetime import timedelta
+
+    made = []
+    monkeypatch.setattr(strategy_module.dist, "TCPStore",
+                        lambda *args, **kw: made.append((args, kw)) or "agent")  # fmt: skip
+    monkeypatch.setattr(strategy_module.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    timeout = timedelta(seconds=30)
+    for attempt, agent in (("0", "True"), ("2", "False"), ("2", None)):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", attempt)
+        if agent is None:
+            monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        else:
+            monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent)
+        assert strategy_module._restarted_worker_store(4, timeout) is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert strategy_module._restarted_worker_store(4, timeout) == (
+        "/lightning_fl/attempt_2",
+        "agent",
+    )
+    assert made == [(("node0", 29500, 4), {"is_master": False, "timeout": timeout})]
