@@ -138,3 +138,34 @@ def test_a_restarted_torchrun_worker_meets_in_its_attempts_own_keys(monkeypatch)
         "agent",
     )
     assert made == [(("node0", 29500, 4), {"is_master": False, "timeout": timeout})]
+
+
+def test_validation_is_skipped_only_when_no_client_has_validation_data():
+    def trainer(limit):
+        return SimpleNamespace(limit_val_batches=limit)
+
+    without, with_data = (SimpleNamespace(has_validation_data=lambda v=v: v) for v in (False, True))
+    for limit, federation, expected in ((1.0, without, 0), (5, with_data, 5), (0, without, 0)):
+        run = trainer(limit)
+        FederatedStrategy._skip_validation_without_data(run, federation)
+        assert run.limit_val_batches == expected
+
+
+def test_the_sigterm_flag_is_broadcast_once_per_round_on_several_processes():
+    """Lightning broadcasts rank 0's SIGTERM flag before every step; on several processes
+    the strategy lets the first step of each round do it (every rank at the same step), and
+    leaves one process alone."""
+    broadcasts = []
+    loop = SimpleNamespace(
+        _broadcast_sigterm_tensor=lambda: broadcasts.append(trainer.current_epoch)
+    )
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), current_epoch=0)
+    two = SimpleNamespace(world_size=2)
+    FederatedStrategy._check_sigterm_once_per_round(two, trainer)
+    for epoch in (0, 0, 0, 1, 1, 2, 2, 2):
+        trainer.current_epoch = epoch
+        loop._broadcast_sigterm_tensor()
+    assert broadcasts == [0, 1, 2]
+    original = loop._broadcast_sigterm_tensor
+    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=1), trainer)
+    assert loop._broadcast_sigterm_tensor is original  # one process: left as it is
