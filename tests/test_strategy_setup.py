@@ -56,7 +56,7 @@ def test_cpu_threads_by_hand(threads, monkeypatch):
     _set_threads("auto", parameters=1_000_000, processes=0)  # at least one process
     assert threads == [3, 1, 5, 16]
     monkeypatch.setattr(strategy_module.os, "cpu_count", lambda: None)
-    _set_threads("auto", parameters=1_000_000, processes=3)  # unknown: one core, one thread
+    _set_threads("auto", parameters=1_000_000, processes=1)  # unknown: one core, one thread
     monkeypatch.setattr(strategy_module.os, "cpu_count", lambda: 2)
     _set_threads("auto", parameters=1_000_000, processes=4)  # fewer cores than processes
     assert threads[4:] == [1, 1]
