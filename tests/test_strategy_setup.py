@@ -169,3 +169,22 @@ def test_the_sigterm_flag_is_broadcast_once_per_round_on_several_processes():
     original = loop._broadcast_sigterm_tensor
     FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=1), trainer)
     assert loop._broadcast_sigterm_tensor is original  # one process: left as it is
+
+
+def test_a_fit_applies_its_threads_and_skips_validation_without_data():
+    """Set-up runs both decisions: ``num_threads`` reaches torch, and a federation without
+    validation splits gets no validation loop."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import make_trainer, tiny_clients
+
+    clients = [{"train": c["train"], "test": c["test"]} for c in tiny_clients(4)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the strategy's 1 is seen
+    try:
+        trainer = make_trainer(FederatedStrategy(local_steps=1, num_threads=1), 1,
+                               limit_val_batches=1.0)  # fmt: skip
+        trainer.fit(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert trainer.limit_val_batches == 0
