@@ -12,6 +12,8 @@ import pytest
 
 from lightning_fl.cli import _plain, run, short_message
 
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
+
 UNION_INT = (
     'Parser key "trainer.max_epochs":\n  Does not validate against any of the Union subtypes\n'
     "  Subtypes: [<class 'int'>, <class 'NoneType'>]\n  Errors:\n"
@@ -155,8 +157,7 @@ def test_fit_and_validate_name_their_folder_once_and_last(tmp_path, capsys):
     default and the saved config says so."""
     from tests.helpers import ACCELERATOR
 
-    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
-    args = ["--config", quickstart, "--trainer.default_root_dir", str(tmp_path),
+    args = ["--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path),
             "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_epochs", "1",
             "--trainer.accelerator", ACCELERATOR]  # fmt: skip
     for command, folder in (("fit", "version_0"), ("validate", "version_1")):
@@ -173,10 +174,9 @@ def test_fit_and_validate_name_their_folder_once_and_last(tmp_path, capsys):
 def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypatch):
     from lightning_fl.cli import main
 
-    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LIGHTNING_FL_TRACEBACK", raising=False)
-    monkeypatch.setattr(sys, "argv", ["lightning-fl", "fit", "--config", quickstart,
+    monkeypatch.setattr(sys, "argv", ["lightning-fl", "fit", "--config", QUICKSTART,
                                       "--trainer.max_epoch", "1"])  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
         main()  # the command line's own arguments
@@ -191,9 +191,8 @@ def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypat
 def test_the_tasks_own_their_optimizers():
     """``--optimizer`` is not offered (``auto_configure_optimizers=False``): the client
     optimizer is the task's hyper-parameters (``--model.init_args.optimizer``)."""
-    quickstart = str(Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml")
     with pytest.raises(BaseException, match="--optimizer"):
-        run(["fit", "--config", quickstart, "--optimizer", "Adam"], exit_on_error=False)
+        run(["fit", "--config", QUICKSTART, "--optimizer", "Adam"], exit_on_error=False)
 
 
 def test_the_summary_is_the_strategys_or_a_plain_one():

@@ -336,11 +336,9 @@ def test_a_task_validates_under_a_plain_lightning_trainer(tmp_path):
     assert set(results) == {"val_loss", "val_acc"}
 
 
-@pytest.mark.parametrize(("vectorize", "steps"), [(False, 24), (True, 6)])
-def test_step_values_are_logged_at_the_loggers_interval(vectorize, steps, tmp_path):
-    """``train_loss_step`` at every second Lightning step (``log_every_n_steps=2``: the
-    steps k with (k + 1) % 2 = 0): 4 clients × 3 local steps × 2 rounds = 24 sequential
-    steps, or 3 × 2 vectorized steps of the 4 clients together."""
+def _logged_run(folder, vectorize: bool, every: int):
+    """4 of the tiny clients, 3 local steps, 2 rounds, a CSVLogger writing every ``every``
+    steps: the trainer and the rows of its metrics.csv."""
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
@@ -350,11 +348,20 @@ def test_step_values_are_logged_at_the_loggers_interval(vectorize, steps, tmp_pa
 
     strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=0,
                                  vectorize=vectorize)  # fmt: skip
-    trainer = make_trainer(strategy, 2, logger=CSVLogger(tmp_path), log_every_n_steps=2)
+    trainer = make_trainer(strategy, 2, logger=CSVLogger(folder), log_every_n_steps=every)
     trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    with open(folder / "lightning_logs" / "version_0" / "metrics.csv") as handle:
+        return trainer, list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize(("vectorize", "steps"), [(False, 24), (True, 6)])
+def test_step_values_are_logged_at_the_loggers_interval(vectorize, steps, tmp_path):
+    """``train_loss_step`` at every second Lightning step (``log_every_n_steps=2``: the
+    steps k with (k + 1) % 2 = 0): 4 clients × 3 local steps × 2 rounds = 24 sequential
+    steps, or 3 × 2 vectorized steps of the 4 clients together."""
+    trainer, rows = _logged_run(tmp_path, vectorize, every=2)
     assert trainer.global_step == steps
-    with open(tmp_path / "lightning_logs" / "version_0" / "metrics.csv") as handle:
-        logged = [int(r["step"]) for r in csv.DictReader(handle) if r.get("train_loss_step")]
+    logged = [int(r["step"]) for r in rows if r.get("train_loss_step")]
     assert logged == list(range(1, steps, 2))
 
 
@@ -374,7 +381,7 @@ def _functional_references():
         h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
         return linear(relu(linear(relu(linear(h, w[4], w[5])), w[6], w[7])), w[8], w[9])
 
-    def mnist(x, w):
+    def conv_pool_twice(x, w):  # MnistCNN and McMahan's CIFAR CNN alike
         h = pool(relu(conv(x, w[0], w[1])), 2)
         h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
         return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
@@ -389,15 +396,10 @@ def _functional_references():
         h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
         return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
 
-    def cifar(x, w):
-        h = pool(relu(conv(x, w[0], w[1])), 2)
-        h = pool(relu(conv(h, w[2], w[3])), 2).flatten(1)
-        return linear(relu(linear(h, w[4], w[5])), w[6], w[7])
-
     return [
         (SifuFashionCNN, (2, 784), sifu), (LeNet5, (2, 784), lenet),
-        (MnistCNN, (2, 1, 28, 28), mnist), (DigitsCNN, (2, 64), digits),
-        (FemnistCNN, (2, 1, 28, 28), femnist), (CifarCNN, (2, 3, 32, 32), cifar),
+        (MnistCNN, (2, 1, 28, 28), conv_pool_twice), (DigitsCNN, (2, 64), digits),
+        (FemnistCNN, (2, 1, 28, 28), femnist), (CifarCNN, (2, 3, 32, 32), conv_pool_twice),
     ]  # fmt: skip
 
 
@@ -417,22 +419,9 @@ def test_vectorized_step_values_are_the_clients_batch_weighted_means(tmp_path):
     """A vectorized step logs Σ_i B_i·loss_i / Σ_i B_i over its clients, the same clients'
     losses the sequential path logs one by one (every batch here holds 4 samples, so the
     mean is plain); a round's ``train_loss_epoch`` is the mean of its steps' values."""
-    import csv
-
-    from lightning.pytorch.loggers import CSVLogger
-
-    from lightning_fl import FederatedStrategy, UniformSampler
-    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
-
     logged = {}
     for vectorize in (False, True):
-        folder = tmp_path / str(vectorize)
-        strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=0,
-                                     vectorize=vectorize)  # fmt: skip
-        trainer = make_trainer(strategy, 2, logger=CSVLogger(folder), log_every_n_steps=1)
-        trainer.fit(tiny_module(), datamodule=tiny_datamodule())
-        with open(folder / "lightning_logs" / "version_0" / "metrics.csv") as handle:
-            logged[vectorize] = list(csv.DictReader(handle))
+        trainer, logged[vectorize] = _logged_run(tmp_path / str(vectorize), vectorize, every=1)
         last = [float(r["train_loss_epoch"]) for r in logged[vectorize] if r["train_loss_epoch"]]
         # ``train_loss`` (callback_metrics only: what checkpoints and early stopping read)
         assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(last[-1])

@@ -688,34 +688,40 @@ def test_window_starts_cover_exactly_the_admissible_rounds(rounds, fresh_rounds)
     assert dm.window(17) == _stream_dm(rounds=rounds, fresh_rounds=fresh_rounds).window(17)
 
 
+class _MapStyle(torch.utils.data.Dataset):
+    """A plain map-style dataset over a sequence of samples (not a TensorDataset)."""
+
+    def __init__(self, samples) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
 def test_stream_labels_from_any_map_style_dataset():
     """A source whose training set is not a TensorDataset (a map-style dataset of
     (x, y) pairs, y a 0-d tensor or an int): the stream reads each sample's label."""
     import torch
-    from torch.utils.data import Dataset, TensorDataset
+    from torch.utils.data import TensorDataset
 
     from lightning_fl.datamodules.streaming import _labels
 
-    class Pairs(Dataset):
-        def __init__(self, labels):
-            self.labels = labels
+    def pairs(labels):
+        return _MapStyle([(torch.zeros(2), label) for label in labels])
 
-        def __len__(self):
-            return len(self.labels)
-
-        def __getitem__(self, i):
-            return torch.zeros(2), self.labels[i]
-
-    assert _labels(Pairs([torch.tensor(3), torch.tensor(1), torch.tensor(3)]), 3).tolist() == [
+    assert _labels(pairs([torch.tensor(3), torch.tensor(1), torch.tensor(3)]), 3).tolist() == [
         3,
         1,
         3,
     ]
-    assert _labels(Pairs([2, 0]), 2).tolist() == [2, 0]
+    assert _labels(pairs([2, 0]), 2).tolist() == [2, 0]
     tensors = TensorDataset(torch.zeros(3, 2), torch.tensor([1.0, 0.0, 2.0]))
     got = _labels(tensors, 3)
     assert got.tolist() == [1, 0, 2] and got.dtype == np.int64
-    assert _labels(None, 0).tolist() == [] and _labels(Pairs([]), 0).tolist() == []
+    assert _labels(None, 0).tolist() == [] and _labels(pairs([]), 0).tolist() == []
 
 
 def test_cache_discrepancy_logs_each_rounds_value_and_their_running_sum():
@@ -953,7 +959,7 @@ def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
     """``train`` is the client's cache (sorted ids into its training set); ``test`` and
     its counts are the source's; with ``full_batch`` an empty cache keeps the source's
     batch size; a source of plain datasets is served as a ``Subset``."""
-    from torch.utils.data import Dataset, TensorDataset
+    from torch.utils.data import TensorDataset
 
     dm = _stream_dm(cache="fifo", capacity=10, full_batch=True)
     dm.set_round(1)
@@ -968,21 +974,11 @@ def test_streaming_train_split_is_the_cache_and_other_splits_the_sources():
     assert dm.training_batch_size(TensorDataset(torch.zeros(7, 2))) == 7
     assert dm.training_batch_size(TensorDataset(torch.zeros(1, 2))) == 1 != dm.batch_size
 
-    class Plain(Dataset):
-        def __init__(self, data):
-            self.data = data
-
-        def __len__(self):
-            return len(self.data)
-
-        def __getitem__(self, i):
-            return self.data[i]
-
     from lightning_fl.datamodules import StreamingDataModule
 
     plain_source = _stream_dm(cache="fifo", capacity=10).source
     wrapped = plain_source.client_dataset
-    plain_source.client_dataset = lambda c, s: Plain(wrapped(c, s))  # noqa: ARG005
+    plain_source.client_dataset = lambda c, s: _MapStyle(wrapped(c, s))  # noqa: ARG005
     plain = StreamingDataModule(plain_source, historical=2, rate=5, cache="fifo", capacity=10,
                                 rounds=6)  # fmt: skip
     plain.set_round(1)
