@@ -1,0 +1,327 @@
+"""FederatedStrategy's decisions that only a fit makes (``lightning_fl/engine/strategy.py``),
+each pinned in a small in-process fit: the default aggregator, the batch transfer it skips,
+where the training data lives (``data_on_device``) and what the log says about it, the
+sampler's check against the clients with data, the federation a fit reads and validation
+reuses, the optimizer hooks of idle and vectorized steps, the backward dispatch it skips,
+the summary at teardown and the silo mode's checks. The mutation runner (issue 39) sees
+these, which the process-level tests (torchrun, the command line) hide from it."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import Precision
+
+from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import FedAvg, Pooled
+from lightning_fl.datamodules import InMemoryFederatedDataModule
+from lightning_fl.engine import silo_checkpoints
+from lightning_fl.engine import strategy as strategy_module
+from lightning_fl.engine.packed import TooLarge
+from lightning_fl.engine.tensors import FederatedTensors
+from tests.helpers import (
+    IN,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
+
+
+def _fit(strategy: FederatedStrategy, rounds: int = 1, datamodule=None, module=None,
+         callbacks=(), **trainer_options) -> pl.Trainer:  # fmt: skip
+    trainer = make_trainer(strategy, rounds, list(callbacks), **trainer_options)
+    trainer.fit(module or tiny_module(), datamodule=datamodule or tiny_datamodule())
+    return trainer
+
+
+@pytest.fixture
+def log(monkeypatch):
+    """The strategy's info lines and warnings, as ``("info" | "warn", text)``."""
+    said: list[tuple[str, str]] = []
+    monkeypatch.setattr(strategy_module, "rank_zero_info", lambda m: said.append(("info", m)))
+    monkeypatch.setattr(strategy_module, "rank_zero_warn", lambda m: said.append(("warn", m)))
+    return said
+
+
+def test_before_set_up_nothing_is_read_and_the_tensors_are_refused():
+    strategy = FederatedStrategy()
+    assert strategy.packed is None and strategy.current_client is None
+    assert strategy.current_round is None and strategy.training_counts == []
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        _ = strategy.federated_tensors
+    _fit(strategy)
+    assert isinstance(strategy.federated_tensors, FederatedTensors)
+    assert strategy.training_counts == [4 + (c * 7) % 37 for c in range(10)]
+
+
+def test_fedavg_is_installed_when_no_aggregator_is_given():
+    """Without an aggregator the run averages with FedAvg, installed among the callbacks
+    (its hooks run): the model equals the run given ``FedAvg()``."""
+    default, given = tiny_module(), tiny_module()
+    trainer = _fit(FederatedStrategy(local_steps=2, seed=4), 3, module=default)
+    assert [type(cb) for cb in trainer.callbacks if isinstance(cb, FedAvg)] == [FedAvg]
+    _fit(FederatedStrategy(local_steps=2, seed=4), 3, module=given, callbacks=[FedAvg()])
+    assert max_abs_diff(params_of(default), params_of(given)) == 0.0
+    assert max_abs_diff(params_of(default), params_of(tiny_module())) > 0.0
+
+
+class _TransferCounting(type(tiny_module())):
+    """A module that overrides a batch transfer hook (and counts its calls)."""
+
+    calls = 0
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        type(self).calls += 1
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+def test_batch_transfer_is_skipped_only_on_the_cpu_without_transfer_hooks():
+    """On the CPU a batch is handed on as it is (the same list), unless the module
+    overrides a transfer hook; to another device it is always moved."""
+    plain = FederatedStrategy()
+    _fit(plain)
+    batch = [torch.zeros(2, IN), torch.zeros(2, dtype=torch.long)]
+    assert plain.batch_to_device(batch) is batch
+    moved = plain.batch_to_device(batch, torch.device("meta"))
+    assert moved is not batch and moved[0].device.type == "meta"
+    hooked = FederatedStrategy(local_steps=3)
+    _TransferCounting.calls = 0
+    module = _TransferCounting(network=tiny_module().network, lr=0.1)
+    _fit(hooked, module=module)
+    assert _TransferCounting.calls == 10 * 3  # every step of every client
+    assert hooked.batch_to_device(batch) is not batch
+    assert _TransferCounting.calls == 10 * 3 + 1
+
+
+@pytest.mark.parametrize(
+    ("data_on_device", "vectorize", "packed"),
+    [("auto", False, False), ("auto", True, True), (True, False, True), (False, True, False)],
+)
+def test_where_the_training_data_lives_and_what_the_log_says(log, data_on_device, vectorize,
+                                                             packed):  # fmt: skip
+    """``"auto"`` packs the federation on the device for vectorized (or GPU) runs only;
+    True packs a sequential CPU run too; False never packs. A packed run says its size."""
+    strategy = FederatedStrategy(local_steps=1, vectorize=vectorize, data_on_device=data_on_device)
+    _fit(strategy)
+    total = sum(4 + (c * 7) % 37 for c in range(10))
+    if packed:
+        assert len(strategy.packed.columns[0]) == total
+        size = strategy.packed.nbytes / 2**20
+        assert log == [("info", f"lightning_fl: the training data ({total} samples, "
+                                f"{size:.1f} MiB) is packed on cpu.")]  # fmt: skip
+    else:
+        assert strategy.packed is None and log == []
+
+
+def test_why_data_is_not_packed_is_a_warning_only_when_the_user_can_act(log, monkeypatch):
+    """Too large for the device: a warning (every step crosses from the host); any other
+    reason: a warning when the user asked for ``data_on_device=True``, else an info line;
+    the pooled baseline and silo mode never pack."""
+    reasons = iter([TooLarge("it needs 9 GiB"), "not plain TensorDatasets",
+                    "not plain TensorDatasets"])  # fmt: skip
+    monkeypatch.setattr(strategy_module, "pack_federation", lambda *a: (None, next(reasons)))
+    stays = "lightning_fl: the training data stays with the datamodule's loaders: "
+    for data_on_device in ("auto", "auto", True):
+        strategy = FederatedStrategy(local_steps=1, vectorize=True, data_on_device=data_on_device)
+        _fit(strategy)
+        assert strategy.packed is None
+    assert log == [
+        ("warn", stays + "it needs 9 GiB. Free device memory, or set data_on_device=False "
+                         "to silence this."),
+        ("info", stays + "not plain TensorDatasets."),
+        ("warn", stays + "not plain TensorDatasets. Set data_on_device='auto' to silence this."),
+    ]  # fmt: skip
+    log.clear()
+    pooled = FederatedStrategy(local_steps=1, data_on_device=True)
+    _fit(pooled, callbacks=[Pooled()])
+    silo = FederatedStrategy(local_steps=1, data_on_device=True, silos=True)
+    _fit(silo)
+    assert pooled.packed is None and silo.packed is None
+    assert log == [("info", "lightning_fl: silo mode: the training data stays with its silo.")]
+
+
+def _clients_with(sizes: list[int]) -> InMemoryFederatedDataModule:
+    """Clients with ``sizes`` training samples (and validation data)."""
+    clients = tiny_clients(len(sizes))
+    for client, n in zip(clients, sizes):
+        x, y = client["train"]
+        client["train"] = (x[:n], y[:n])
+    return InMemoryFederatedDataModule(clients, batch_size=4)
+
+
+def test_the_sampler_is_checked_against_the_clients_with_training_data():
+    """Four clients have training data (one of them a single sample), one has none: a
+    sampler of 4 clients a round trains, one of 5 is refused naming 4; the pooled baseline
+    trains one virtual client and checks nothing."""
+    sizes = [5, 1, 0, 7, 3]
+    _fit(
+        FederatedStrategy(sampler=UniformSampler(4), local_steps=1), datamodule=_clients_with(sizes)
+    )
+    with pytest.raises(ValueError, match="clients_per_round=5 but only 4 clients have training"):
+        _fit(FederatedStrategy(sampler=UniformSampler(5), local_steps=1),
+             datamodule=_clients_with(sizes))  # fmt: skip
+    _fit(FederatedStrategy(sampler=UniformSampler(5), local_steps=1),
+         datamodule=_clients_with(sizes), callbacks=[Pooled()])  # fmt: skip
+
+
+def test_one_client_on_one_process_trains():
+    module = tiny_module()
+    _fit(FederatedStrategy(local_steps=2), datamodule=tiny_datamodule(num_clients=1), module=module)
+    assert max_abs_diff(params_of(module), params_of(tiny_module())) > 0.0
+
+
+def test_a_fit_reads_its_federation_and_validation_reuses_the_last_fits():
+    """Each fit reads the sample counts anew; validation and test with the fit's datamodule
+    reuse its federation (and packed data), with another datamodule they read their own,
+    and a validation before any fit works."""
+    data = tiny_datamodule()
+    strategy = FederatedStrategy(local_steps=1, data_on_device=True)
+    trainer = _fit(strategy, datamodule=data, limit_val_batches=1.0)
+    first, packed = strategy.fit.federation, strategy.packed
+    trainer.validate(trainer.lightning_module, datamodule=data, verbose=False)
+    assert strategy.fit.federation is first and strategy.packed is packed
+    trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
+    assert strategy.fit.federation is first
+    other = tiny_datamodule(num_clients=4)
+    trainer.validate(trainer.lightning_module, datamodule=other, verbose=False)
+    assert strategy.fit.federation is not first and strategy.packed is None
+    assert strategy.fit.federation.training_counts == (4, 11, 18, 25)
+    trainer.fit_loop.max_epochs = 2  # the same trainer fits a round more
+    trainer.fit(trainer.lightning_module, datamodule=data)
+    assert strategy.fit.federation is not first
+    fresh = FederatedStrategy()
+    trainer = make_trainer(fresh, 1, limit_val_batches=1.0)
+    trainer.validate(tiny_module(), datamodule=tiny_datamodule(num_clients=3), verbose=False)
+    assert fresh.fit.federation.training_counts == (4, 11, 18)
+
+
+class _OptimizerSteps(pl.Callback):
+    """Counts the calls of the module's optimizer's ``step``."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        optimizer = trainer.optimizers[0]
+        step = optimizer.step
+
+        def counted(*args, **kwargs):
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        optimizer.step = counted
+
+
+def test_vectorized_steps_leave_the_modules_optimizer_alone():
+    """A vectorized chunk trains in ``training_step``; Lightning's optimizer step that
+    follows is idle: only its closure runs, the module's optimizer does not step (nor
+    clip, nor call ``on_before_optimizer_step``) on its gradient-less parameters. A
+    sequential run steps it once per local step."""
+    sequential, vectorized = _OptimizerSteps(), _OptimizerSteps()
+    _fit(FederatedStrategy(local_steps=3), 2, callbacks=[sequential])
+    _fit(FederatedStrategy(local_steps=3, vectorize=True), 2, callbacks=[vectorized])
+    assert (sequential.steps, vectorized.steps) == (2 * 10 * 3, 0)
+
+
+class _BackwardHooks(pl.Callback):
+    def __init__(self) -> None:
+        self.before_backward = 0
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.before_backward += 1
+
+
+def test_the_backward_and_step_skip_lightnings_dispatch_only_when_no_hook_is_overridden(
+    monkeypatch,
+):
+    """With nothing overriding the backward hooks and no clipping, the backward and the
+    optimizer step bypass the precision plugin's dispatch; a callback's
+    ``on_before_backward`` or gradient clipping brings it back for that path."""
+    calls = {"backward": 0, "optimizer_step": 0}
+    for name in calls:
+        original = getattr(Precision, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Precision, name, counted)
+    _fit(FederatedStrategy(local_steps=2))
+    assert calls == {"backward": 0, "optimizer_step": 0}
+    hooks = _BackwardHooks()
+    _fit(FederatedStrategy(local_steps=2), callbacks=[hooks])
+    assert calls == {"backward": 20, "optimizer_step": 0} and hooks.before_backward == 20
+    _fit(FederatedStrategy(local_steps=2), gradient_clip_val=1.0)
+    assert calls == {"backward": 20, "optimizer_step": 20}
+
+
+def test_teardown_says_the_summary_unless_the_command_line_says_it(capsys, tmp_path):
+    strategy = FederatedStrategy(local_steps=1)
+    _fit(strategy, default_root_dir=str(tmp_path))
+    assert capsys.readouterr().out == f"Outputs: {tmp_path}\n"
+    quiet = FederatedStrategy(local_steps=1)
+    quiet.summary.automatic = False
+    _fit(quiet, default_root_dir=str(tmp_path))
+    assert capsys.readouterr().out == ""
+
+
+def test_a_refused_combination_stops_the_fit_at_set_up():
+    from lightning_fl.engine.composition import CompositionError
+
+    module = tiny_module()
+    with pytest.raises(CompositionError, match=r"silos=True\) cannot be combined with Pooled"):
+        _fit(FederatedStrategy(silos=True, local_steps=1), callbacks=[Pooled()], module=module)
+    assert max_abs_diff(params_of(module), params_of(tiny_module())) == 0.0
+
+
+def test_silo_mode_on_one_process_enters_its_silo_and_keeps_shards_with_checkpoints(tmp_path):
+    """The datamodule learns it is silo 0 of 1 before set-up; each checkpoint gets its
+    shard beside it (in a folder the strategy creates), a removed checkpoint takes its
+    shard along, and a sharded checkpoint is refused outside silo mode naming the file."""
+    data = tiny_datamodule()
+    folder = tmp_path / "new" / "folder"
+    checkpoint = ModelCheckpoint(dirpath=folder, save_top_k=1, monitor="round",
+                                 mode="max", filename="r{round:.0f}",
+                                 auto_insert_metric_name=False)  # fmt: skip
+    _fit(FederatedStrategy(silos=True, local_steps=1), 3, datamodule=data,
+         callbacks=[checkpoint, _LogRound()], enable_checkpointing=True)  # fmt: skip
+    assert data.silo == (0, 1)
+    assert sorted(p.name for p in folder.iterdir()) == ["r2.ckpt", "r2.ckpt.silo0-of-1"]
+    shard = torch.load(folder / "r2.ckpt.silo0-of-1", weights_only=True)
+    assert (shard["rank"], shard["world_size"]) == (0, 1)
+    trainer = make_trainer(FederatedStrategy(local_steps=1), 4)
+    with pytest.raises(silo_checkpoints.SiloCheckpointError, match="r2.ckpt: made by 1 silos"):
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(), ckpt_path=str(folder / "r2.ckpt"),
+                    weights_only=True)  # fmt: skip
+
+
+def test_silo_mode_needs_a_federated_datamodule():
+    class Plain(pl.LightningDataModule):
+        pass
+
+    trainer = make_trainer(FederatedStrategy(silos=True, local_steps=1), 1)
+    with pytest.raises(TypeError, match="needs a lightning_fl.datamodules.FederatedDataModule"):
+        trainer.fit(tiny_module(), datamodule=Plain())
+
+
+class _LogRound(pl.Callback):
+    """Logs the round for ModelCheckpoint to monitor (the last round is the best)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("round", float(trainer.current_epoch))
+
+
+def test_a_single_process_fit_starts_no_process_group():
+    seen = []
+
+    class Record(pl.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            seen.append(torch.distributed.is_initialized())
+
+    _fit(FederatedStrategy(local_steps=1), callbacks=[Record()])
+    assert seen == [False]
