@@ -201,21 +201,23 @@ def test_manual_optimization_is_supported_and_matches_automatic():
     assert any(not torch.equal(a, b) for a, b in zip(params_of(auto), params_of(tiny_module())))
 
 
-def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not():
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_an_exploding_loss_warns_once_and_a_healthy_run_does_not(vectorize):
+    """Sequential clients and vectorized ones (a vector of the clients' losses per step)
+    are watched alike."""
     import warnings
 
     from lightning_fl.engine.divergence import DivergenceWarning
 
+    exploding = FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10, vectorize=vectorize)
     with pytest.warns(DivergenceWarning, match="diverging. Lower the learning rate") as record:
-        make_trainer(FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10), 3).fit(
-            tiny_module(lr=1e6), datamodule=tiny_datamodule()
-        )
+        make_trainer(exploding, 3).fit(tiny_module(lr=1e6), datamodule=tiny_datamodule())
     (warned,) = [w for w in record if issubclass(w.category, DivergenceWarning)]
     # shown at the engine's line that ends the round, not in Lightning's loop
     assert Path(warned.filename).name == "driver.py"
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)
-        make_trainer(FederatedStrategy(local_steps=3), 3).fit(
+        make_trainer(FederatedStrategy(local_steps=3, vectorize=vectorize), 3).fit(
             tiny_module(), datamodule=tiny_datamodule()
         )
 

@@ -32,7 +32,16 @@ from lightning_fl.callbacks import (
 )
 from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.engine.vectorized import VectorizationError
-from tests.helpers import HIDDEN, IN, OUT, make_trainer, max_abs_diff, params_of, tiny_datamodule
+from tests.helpers import (
+    HIDDEN,
+    IN,
+    OUT,
+    make_trainer,
+    max_abs_diff,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+)
 
 
 def _network(dropout: float = 0.3) -> nn.Module:
@@ -734,7 +743,6 @@ def _no_single_batches():
     """Unequal clients (4..12 samples, batch 4: short batches of 2 and 3, clients that run
     out of batches) but no batch of one sample, which BatchNorm cannot train on."""
     from lightning_fl.datamodules import InMemoryFederatedDataModule
-    from tests.helpers import tiny_clients
 
     clients = tiny_clients(6)
     for client, n in zip(clients, (8, 6, 12, 7, 10, 4)):
@@ -823,11 +831,24 @@ def _streams():
     return StreamingDataModule(tiny_datamodule(), rate=3, capacity=6, cache="fifo", rounds=3)
 
 
-@pytest.mark.parametrize("datamodule", [tiny_datamodule, _streams])
+def _one_sample_after_an_empty_client():
+    """Client 0 without training data, client 1 with a single sample."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = tiny_clients(2)
+    for client, n in zip(clients, (0, 1)):
+        x, y = client["train"]
+        client["train"] = (x[:n], y[:n])
+    return InMemoryFederatedDataModule(clients, batch_size=4)
+
+
+@pytest.mark.parametrize("datamodule", [tiny_datamodule, _streams,
+                                        _one_sample_after_an_empty_client])  # fmt: skip
 def test_a_loss_that_cannot_run_under_vmap_is_refused_before_the_first_round(datamodule):
     """The setup probe runs the vmapped loss on the first client with data (a stream's
-    caches hold data from round 0 on, so it is moved there first): the refusal comes
-    before any round starts, not in the first step."""
+    caches hold data from round 0 on, so it is moved there first; a client of one sample
+    has data, one of none is passed over): the refusal comes before any round starts, not
+    in the first step."""
     import lightning.pytorch as pl
 
     rounds_started = []
@@ -839,7 +860,7 @@ def test_a_loss_that_cannot_run_under_vmap_is_refused_before_the_first_round(dat
     module, _ = _bad("item")
     with pytest.raises(VectorizationError, match=MESSAGES["item"]):
         _fit(True, [Recorder()], rounds=1, module=module, datamodule=datamodule,
-             strategy={"local_steps": 2, "local_epochs": None})  # fmt: skip
+             strategy={"local_steps": 2, "local_epochs": None, "sampler": None})  # fmt: skip
     assert rounds_started == []
 
 
@@ -860,3 +881,26 @@ def test_unpacked_batches_of_several_shapes_log_the_sequential_metrics():
     expected = _epoch_metrics(seq_trainer)
     for key, value in _epoch_metrics(vec_trainer).items():
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_round_leaves_the_global_rng_as_the_sequential_path_does():
+    """The sequential path seeds the global RNG at each client's start; a model without
+    dropout draws nothing from it, so a round leaves it seeded with its last client's
+    seed. Vectorized clients started together seed it once, with that seed: a callback
+    that draws from it at the round's end draws the same numbers."""
+    import lightning.pytorch as pl
+
+    class Draw(pl.Callback):
+        def __init__(self):
+            self.draws = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.draws.append(torch.rand(3))
+
+    runs = []
+    for vectorize in (False, True):
+        draw = Draw()
+        _fit(vectorize, [draw], module=_module(dropout=0.0), chunk=4)
+        runs.append(torch.stack(draw.draws))
+    assert len(runs[0]) == 3 and torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0][0], runs[0][1])  # each round's last client differs

@@ -207,7 +207,8 @@ class VectorizedStep:
     def check_runs(self, batch: Any) -> None:
         """Run the vmapped loss once, at setup, on two copies of the module's parameters
         and of ``batch`` (dropout as the identity), so that a loss that cannot run under
-        vmap is refused before the first round rather than in it."""
+        vmap is refused before the first round rather than in it. The callbacks'
+        per-client state is made at each chunk's start, so the probe runs without it."""
         module = self.loss_module.task
         named = dict(module.named_parameters())
         named_buffers = dict(module.named_buffers())
@@ -218,11 +219,10 @@ class VectorizedStep:
         params = [pair(named[n[len("task.") :]]) for n in self.param_names]
         buffers = [pair(named_buffers[n[len("task.") :]]).clone() for n in self.buffer_names]
         batches = stack_batches([batch, batch])
-        states = [[pair(t[0]) for t in tensors] for tensors in self.client_state]
         try:
             with self.dropout._patched(lambda m, x: x), torch.no_grad():
-                probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, 0), randomness="error")
-                probe(params, buffers, batches, None, states)
+                probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, None), randomness="error")
+                probe(params, buffers, batches, None, [])
         except RuntimeError as err:
             raise not_vmappable(err) from err
 
