@@ -154,6 +154,16 @@ def _clients_with(sizes: list[int]) -> InMemoryFederatedDataModule:
     return InMemoryFederatedDataModule(clients, batch_size=4)
 
 
+class _FitStarted(pl.Callback):
+    """Whether the strategy's set-up passed (the fit's hooks start, then Lightning sets up
+    the data, which draws the first round's clients)."""
+
+    started = False
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.started = True
+
+
 def test_the_sampler_is_checked_against_the_clients_with_training_data():
     """Four clients have training data (one of them a single sample), one has none: a
     sampler of 4 clients a round trains, one of 5 is refused naming 4; the pooled baseline
@@ -162,9 +172,11 @@ def test_the_sampler_is_checked_against_the_clients_with_training_data():
     _fit(
         FederatedStrategy(sampler=UniformSampler(4), local_steps=1), datamodule=_clients_with(sizes)
     )
+    fit = _FitStarted()
     with pytest.raises(ValueError, match="clients_per_round=5 but only 4 clients have training"):
         _fit(FederatedStrategy(sampler=UniformSampler(5), local_steps=1),
-             datamodule=_clients_with(sizes))  # fmt: skip
+             datamodule=_clients_with(sizes), callbacks=[fit])  # fmt: skip
+    assert not fit.started  # refused at set-up, not by the first round's draw
     _fit(FederatedStrategy(sampler=UniformSampler(5), local_steps=1),
          datamodule=_clients_with(sizes), callbacks=[Pooled()])  # fmt: skip
 
@@ -325,3 +337,54 @@ def test_a_single_process_fit_starts_no_process_group():
 
     _fit(FederatedStrategy(local_steps=1), callbacks=[Record()])
     assert seen == [False]
+
+
+def test_validation_without_data_is_skipped_and_said(log):
+    clients = [{"train": c["train"]} for c in tiny_clients(3)]
+    trainer = _fit(FederatedStrategy(local_steps=1),
+                   datamodule=InMemoryFederatedDataModule(clients, batch_size=4),
+                   limit_val_batches=1.0)  # fmt: skip
+    assert trainer.limit_val_batches == 0
+    assert log == [("info", "No client has validation data: validation is skipped.")]
+
+
+def test_a_checkpoint_outside_silo_mode_has_no_shard(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    _fit(FederatedStrategy(local_steps=1), 2, callbacks=[checkpoint], enable_checkpointing=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_teardown_of_a_module_never_attached_to_a_trainer_says_nothing(capsys):
+    """Lightning tears down on an exception that can come before the module has a
+    trainer: nothing to summarize, and no error of its own."""
+    strategy = make_trainer(FederatedStrategy(), 1).strategy  # accelerator, cluster, ...
+    strategy._lightning_module = tiny_module()  # as Lightning connects it, before a trainer
+    strategy.teardown()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_64_bit_fit_trains_the_module_in_float64():
+    module = tiny_module()
+    _fit(FederatedStrategy(local_steps=2), 2, module=module, precision="64-true")
+    assert {p.dtype for p in module.parameters()} == {torch.float64}
+
+
+class _Predicting(type(tiny_module())):
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(1)
+
+
+def test_prediction_runs_on_a_plain_loader_as_lightning_does():
+    """A datamodule's ``predict_dataloader`` may be a plain DataLoader: the strategy leaves
+    loaders that are not federated to Lightning."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class WithPredictions(InMemoryFederatedDataModule):
+        def predict_dataloader(self):
+            return DataLoader(TensorDataset(inputs), batch_size=2)
+
+    inputs = torch.randn(5, IN, generator=torch.Generator().manual_seed(0))
+    module = _Predicting(network=tiny_module().network, lr=0.1)
+    trainer = make_trainer(FederatedStrategy(), 1)
+    predicted = trainer.predict(module, datamodule=WithPredictions(tiny_clients(3)))
+    assert torch.equal(torch.cat(predicted), module(inputs).argmax(1))
