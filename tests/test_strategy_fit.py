@@ -8,6 +8,8 @@ these, which the process-level tests (torchrun, the command line) hide from it."
 
 from __future__ import annotations
 
+import os
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -15,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_fl import FederatedStrategy, UniformSampler
-from lightning_fl.callbacks import FedAvg, Pooled
+from lightning_fl.callbacks import SCAFFOLD, FedAvg, Pooled
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine import silo_checkpoints
 from lightning_fl.engine import strategy as strategy_module
@@ -388,3 +390,40 @@ def test_prediction_runs_on_a_plain_loader_as_lightning_does():
     trainer = make_trainer(FederatedStrategy(), 1)
     predicted = trainer.predict(module, datamodule=WithPredictions(tiny_clients(3)))
     assert torch.equal(torch.cat(predicted), module(inputs).argmax(1))
+
+
+def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(tmp_path):
+    """Three clients of 1, 3 and 5 batches a round, split by steps: rank 0 trains client 2
+    (5 steps), rank 1 clients 0 and 1 (4) and pads a step a round, on which its optimizer
+    does not step. Every rank starts from rank 0's model (each built its own), the
+    SIGTERM flag crosses once a round, not once a step, and SCAFFOLD's models equal the
+    1-process run, sequential and vectorized (in chunks of 2: rank 1 pads its chunk's
+    steps)."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests import strategy_two_processes as script
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), "-m", "tests.strategy_two_processes", str(tmp_path)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    expected_steps = {"sequential": (3 * 5, 3 * 4), "vectorized": (0, 0)}
+    for name, vectorize in (("sequential", False), ("vectorized", True)):
+        one = script.module(seed=100)
+        trainer = make_trainer(script.strategy(vectorize), script.ROUNDS, [SCAFFOLD()])
+        trainer.fit(one, datamodule=tiny_datamodule(num_clients=script.CLIENTS))
+        for rank in ranks:
+            assert max_abs_diff(params_of(one), rank[name]["params"]) <= 1e-5, name
+            assert rank[name]["sigterm_broadcasts"] == script.ROUNDS, name
+        assert tuple(r[name]["optimizer_steps"] for r in ranks) == expected_steps[name]
