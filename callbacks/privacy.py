@@ -381,8 +381,11 @@ class DPSGD(FederatedCallback):
                 )  # fmt: skip
                 total[row] += noise
         for j, total in enumerate(summed):
-            if grads[j] is not None:
-                grads[j].copy_((total / size).to(grads[j].dtype))
+            value = (total / size).to(params[j].dtype)
+            if grads[j] is None:  # a parameter the loss does not use: its noise, as p.grad
+                grads[j] = value  # gets it on the sequential path
+            else:
+                grads[j].copy_(value)
         chunk = strategy.vectorized.chunk
         for row in rows:
             self._record(strategy, chunk.clients[row], "train", self.sigma, size)

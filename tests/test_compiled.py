@@ -59,6 +59,20 @@ def test_compiled_step_equals_the_eager_vectorized_path(name, callbacks, optim):
     assert trainer.strategy.vectorized.compile_seconds > 0
 
 
+def test_a_parameter_the_loss_does_not_use_stays_put_when_compiled():
+    """The compiled gradients are zeros for a parameter the loss does not use; the set-up
+    probe finds it, and it is left alone as on the eager path (with momentum and weight
+    decay a zero gradient would move it)."""
+    from tests.test_vectorized import _spare_module
+
+    eager, _ = _fit(False, module=_spare_module("sgd"))
+    compiled, trainer = _fit("aot_eager", module=_spare_module("sgd"))
+    assert max_abs_diff(params_of(eager), params_of(compiled)) <= 1e-5
+    spare = [name for name, _ in compiled.named_parameters()].index("network.spare.weight")
+    assert trainer.strategy.vectorized.step.unused == {spare, spare + 1}  # weight, bias
+    assert torch.equal(compiled.network.spare.weight, _spare_module("sgd").network.spare.weight)
+
+
 def test_compiled_runs_are_deterministic_and_log_the_compile_time(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

@@ -904,3 +904,53 @@ def test_a_round_leaves_the_global_rng_as_the_sequential_path_does():
         runs.append(torch.stack(draw.draws))
     assert len(runs[0]) == 3 and torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0][0], runs[0][1])  # each round's last client differs
+
+
+class _WithSpare(nn.Module):
+    """A network with a layer its forward never uses (an auxiliary head, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _network(dropout=0.0)
+        self.spare = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _spare_module(optimizer: str) -> Classifier:
+    torch.manual_seed(1)
+    if optimizer == "adamw":
+        module = _TorchOptimizer(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        module.network = _WithSpare()
+        return module
+    return Classifier(network=_WithSpare(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+
+SPARE_CASES = {
+    "sgd_momentum_decay": ("sgd", lambda: [], {}),
+    "adamw": ("adamw", lambda: [], {}),
+    "fedprox": ("sgd", lambda: [FedProx(mu=0.5)], {}),
+    "clipped": ("sgd", lambda: [], {"gradient_clip_val": 0.05}),
+    "dpsgd": ("sgd", lambda: [__import__("lightning_fl.callbacks").callbacks.DPSGD(
+        noise_multiplier=0.5, max_grad_norm=0.5)], {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SPARE_CASES))
+def test_a_parameter_the_loss_does_not_use_is_left_alone_as_sequentially(case):
+    """The sequential path gives an unused parameter no gradient, and torch's optimizer
+    leaves it alone: no weight decay, no momentum, no proximal term. Vectorized clients
+    do the same (a zero gradient would decay it and move it by FedProx's term); DP-SGD
+    gives it its noise on both paths."""
+    optimizer, callbacks, kw = SPARE_CASES[case]
+    seq, _ = _fit(False, callbacks(), module=_spare_module(optimizer), **kw)
+    vec, _ = _fit(True, callbacks(), module=_spare_module(optimizer), **kw)
+    start = _spare_module(optimizer).network.spare.weight
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    moved = float((vec.network.spare.weight - start).abs().max())
+    assert moved > 1e-2 if case == "dpsgd" else moved == 0.0
+    assert (
+        max_abs_diff(params_of(vec.network.net), params_of(_spare_module(optimizer).network.net))
+        > 1e-3
+    )

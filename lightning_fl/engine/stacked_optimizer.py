@@ -131,17 +131,24 @@ class StackedOptimizer:
 
     @torch.no_grad()
     def step(
-        self, params: TensorList, grads: TensorList, rows: list[int], index: Tensor | None
+        self,
+        params: TensorList,
+        grads: list[Tensor | None],
+        rows: list[int],
+        index: Tensor | None,
     ) -> None:
         """One step of the chunk's rows ``rows`` (``index``: the same rows on the device, or
         None when they are every row); ``grads[k]`` is the stacked gradient of the k-th
-        :attr:`stepped` parameter, ``rows`` only. A frozen parameter is left alone, its
-        state included (torch skips a parameter without gradient)."""
+        :attr:`stepped` parameter, ``rows`` only, or None for a parameter the loss does
+        not use. A frozen parameter and one without gradient are left alone, their state
+        included, as torch skips a parameter whose ``grad`` is None."""
         slots = zip(self.slots, self.state, self.counts)
         active = [(slot, entry, counts) for slot, entry, counts in slots
                   if slot[0] not in self.frozen]  # fmt: skip
         at_rows = np.asarray(rows)
         for ((j, group, _), entry, counts), grad in zip(active, grads, strict=True):
+            if grad is None:
+                continue
             groups = self._row_groups(rows, counts[at_rows])
             for (count, factor), members in groups.items():
                 if members is None:  # every row of the step: no regrouping

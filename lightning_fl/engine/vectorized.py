@@ -172,6 +172,10 @@ class VectorizedStep:
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
         self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
         self.client_state: list[list[Tensor]] = []
+        #: positions of the trainable parameters the loss does not use, found by the
+        #: set-up probe (:meth:`check_runs`), for the compiled path, whose gradients are
+        #: zeros for them; the eager path finds them at every step (no gradient)
+        self.unused: set[int] = set()
 
     @property
     def generators(self) -> list[torch.Generator]:
@@ -208,23 +212,33 @@ class VectorizedStep:
         """Run the vmapped loss once, at setup, on two copies of the module's parameters
         and of ``batch`` (dropout as the identity), so that a loss that cannot run under
         vmap is refused before the first round rather than in it. The callbacks'
-        per-client state is made at each chunk's start, so the probe runs without it."""
+        per-client state is made at each chunk's start, so the probe runs without it. Its
+        gradient finds the trainable parameters the loss does not use (:attr:`unused`)."""
         module = self.loss_module.task
         named = dict(module.named_parameters())
         named_buffers = dict(module.named_buffers())
+        trainable = self.optimizer.trainable
 
         def pair(t: Tensor) -> Tensor:
             return t.detach().unsqueeze(0).expand(2, *t.shape)
 
-        params = [pair(named[n[len("task.") :]]) for n in self.param_names]
+        params = [
+            pair(named[n[len("task.") :]]).clone().requires_grad_(j in trainable)
+            for j, n in enumerate(self.param_names)
+        ]
         buffers = [pair(named_buffers[n[len("task.") :]]).clone() for n in self.buffer_names]
         batches = stack_batches([batch, batch])
         try:
-            with self.dropout._patched(lambda m, x: x), torch.no_grad():
+            with self.dropout._patched(lambda m, x: x), torch.enable_grad():
                 probe = vmap(self._client_loss, in_dims=(0, 0, 0, None, None), randomness="error")
-                probe(params, buffers, batches, None, [])
+                loss, _ = probe(params, buffers, batches, None, [])
         except RuntimeError as err:
             raise not_vmappable(err) from err
+        found = [None] * len(trainable)
+        if loss.requires_grad:
+            wanted = [params[j] for j in trainable]
+            found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
+        self.unused = {j for j, g in zip(trainable, found) if g is None}
 
     def _dropout_masks(
         self,
@@ -355,16 +369,19 @@ class VectorizedStep:
                 raise not_vmappable(err) from err
             wanted = [params[j] for j in self.optimizer.stepped]
             found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
+        # a parameter the loss does not use has no gradient (None), as on the sequential
+        # path, where torch's optimizer then leaves it alone (no decay, no momentum)
         grads: list[Tensor | None] = [None] * len(params)
         if self.compiled is not None:  # it differentiates every trainable parameter
-            found = [g for j, g in zip(self.optimizer.trainable, found) if j in trainable]
+            every = zip(self.optimizer.trainable, found)
+            found = [None if j in self.unused else g for j, g in every if j in trainable]
         for j, g in zip(self.optimizer.stepped, found, strict=True):
-            grads[j] = torch.zeros_like(params[j]) if g is None else g
+            grads[j] = g
         self.batch = batch
         self.gradient_terms(group_rows, [p.detach() for p in params], grads)
         stepped = [grads[j] for j in self.optimizer.stepped]
         if self.clip is not None:
-            clip_gradients_(stepped, *self.clip)
+            clip_gradients_([g for g in stepped if g is not None], *self.clip)
         self.optimizer.step(chunk.params, stepped, group_rows, index)
         if index is not None:  # the rows' running statistics (BatchNorm), updated in place
             for full, rows in zip(chunk.tensors[chunk.num_params :], buffers):
