@@ -70,7 +70,7 @@ def run_sweep(spec: dict[str, Any], extra: list[str] | None = None) -> list[dict
 def plot_tradeoff(rows: list[dict[str, float]], spec: dict[str, Any], path: Path) -> Path:
     """Left: every metric against the swept value. Right: utility (the first metric)
     against each privacy metric, the points labelled by the swept value."""
-    from lightning_fl.plots import _pyplot
+    from lightning_fl.plots import _pyplot, _save
 
     plt = _pyplot()
     name = spec["parameter"].rsplit(".", 1)[-1]
@@ -93,9 +93,7 @@ def plot_tradeoff(rows: list[dict[str, float]], spec: dict[str, Any], path: Path
     right.legend()
     right.grid(alpha=0.3)
     fig.suptitle(f"{Path(spec['base']).stem}: trade-off over {name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, str(path), dpi=120)
     return path
 
 

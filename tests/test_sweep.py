@@ -1,0 +1,117 @@
+"""The sweep's figure and command line in process (``lightning_fl/sweep.py``): the
+trade-off figure by value, and ``main`` from a sweep file to its rows, with a stand-in for
+the runs (test_cli_and_logging runs the real WERM sweep)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_fl import plots, sweep
+
+ROWS = [
+    {"value": 0.5, "test_acc": 0.9, "mia/train/best": 0.7, "mia/reference/best": 0.6},
+    {"value": 0.75, "test_acc": 0.8, "mia/train/best": 0.6, "mia/reference/best": 0.55},
+    {"value": 1.0, "test_acc": 0.7, "mia/train/best": 0.52, "mia/reference/best": 0.5},
+]
+SPEC = {
+    "base": "recipes/privacy/tabular_werm.yaml",
+    "parameter": "model.init_args.w",
+    "values": [0.5, 0.75, 1.0],
+    "metrics": ["test_acc", "mia/train/best", "mia/reference/best"],
+}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures as they are saved: file name → (figure, dpi)."""
+    figures = {}
+    real = plots._save
+
+    def keep(plt, fig, path, dpi):
+        fig.canvas.draw()
+        figures[Path(path).name] = (fig, dpi)
+        return real(plt, fig, path, dpi)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def _lines(ax):
+    return {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in ax.get_lines()
+    }
+
+
+def test_the_tradeoff_figure_by_hand(tmp_path, drawn):
+    """Left: every metric against w; right: the utility (the first metric) against each
+    privacy metric, each point labelled with its w, and chance (0.5) marked."""
+    path = sweep.plot_tradeoff(ROWS, SPEC, tmp_path / "new" / "tradeoff.png")
+    assert path == tmp_path / "new" / "tradeoff.png" and path.exists()
+    fig, dpi = drawn["tradeoff.png"]
+    left, right = fig.axes
+    w = [0.5, 0.75, 1.0]
+    assert _lines(left) == {
+        "test_acc": (w, [0.9, 0.8, 0.7]),
+        "mia/train/best": (w, [0.7, 0.6, 0.52]),
+        "mia/reference/best": (w, [0.6, 0.55, 0.5]),
+    }
+    assert [line.get_marker() for line in left.get_lines()] == ["o"] * 3
+    assert left.get_xlabel() == "w"
+    assert [t.get_text() for t in left.get_legend().get_texts()] == SPEC["metrics"]
+    assert all(g.get_visible() for g in left.get_xgridlines())
+    assert left.get_xgridlines()[0].get_alpha() == 0.3
+    lines = _lines(right)
+    assert lines["mia/train/best"] == ([0.7, 0.6, 0.52], [0.9, 0.8, 0.7])
+    assert lines["mia/reference/best"] == ([0.6, 0.55, 0.5], [0.9, 0.8, 0.7])
+    chance = right.get_lines()[-1]
+    assert chance.get_label() == "chance (0.5)" and list(chance.get_xdata()) == [0.5, 0.5]
+    assert (chance.get_color(), chance.get_linestyle()) == ("grey", ":")
+    notes = [(t.get_text(), tuple(t.xy), t.get_fontsize()) for t in right.texts]
+    assert notes == [
+        ("0.5", (0.7, 0.9), 7),
+        ("0.75", (0.6, 0.8), 7),
+        ("1", (0.52, 0.7), 7),
+        ("0.5", (0.6, 0.9), 7),
+        ("0.75", (0.55, 0.8), 7),
+        ("1", (0.5, 0.7), 7),
+    ]
+    assert (right.get_xlabel(), right.get_ylabel()) == ("membership-inference accuracy", "test_acc")
+    assert [t.get_text() for t in right.get_legend().get_texts()] == [
+        "mia/train/best",
+        "mia/reference/best",
+        "chance (0.5)",
+    ]
+    assert all(g.get_visible() for g in right.get_xgridlines())
+    assert fig._suptitle.get_text() == "tabular_werm: trade-off over w"
+    assert tuple(fig.get_size_inches()) == (10, 4) and dpi == 120
+
+
+def test_main_runs_the_sweep_file_with_the_extra_options(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(args):
+        calls.append(args)
+        w = float(args[args.index("--model.init_args.w") + 1])
+        logged = {"test_acc": torch.tensor(1 - w / 2), "mia/train/best": torch.tensor(0.5 + w / 4)}
+        return SimpleNamespace(trainer=SimpleNamespace(callback_metrics=logged))
+
+    monkeypatch.setattr(sweep, "run", fake_run)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        f"base: a.yaml\nparameter: model.init_args.w\nvalues: [0.4, 1.0]\n"
+        f"metrics: [test_acc, mia/train/best]\noutput: {tmp_path / 'out'}\n"
+    )
+    sweep.main(["--config", str(path), "--trainer.max_epochs", "2"])
+    assert [c[-2:] for c in calls] == [["--trainer.max_epochs", "2"]] * 2
+    assert (tmp_path / "out" / "sweep.csv").read_text().splitlines() == [
+        "value,test_acc,mia/train/best",
+        "0.4,0.800000011920929,0.6000000238418579",
+        "1.0,0.5,0.75",
+    ]
+    with pytest.raises(SystemExit):
+        sweep.main([])  # --config is required
