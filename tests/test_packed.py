@@ -42,6 +42,31 @@ def test_derive_seeds_equals_derive_seed_bit_for_bit(keys):
     assert derive_seeds(0, "client", 4, last=[5]).tolist() != derive_seeds(0, "data", 4, last=[5])
 
 
+def test_derive_seed_generator_and_the_global_seed_by_hand():
+    """``derive_seed``: numpy's SeedSequence over (seed, crc32(purpose), keys), each word
+    masked to 32 bits, its first 64-bit word halved to 63 bits; ``generator`` seeds a CPU
+    generator with it; ``seed_global_rng`` gives the CPU stream ``torch.manual_seed``
+    gives, on the CPU and for another device."""
+    import zlib
+
+    from lightning_fl.engine.seeding import seed_global_rng
+
+    words = [2**32 + 3 & 0xFFFFFFFF, zlib.crc32(b"data"), 1, 2]
+    first = np.random.SeedSequence(words).generate_state(2, dtype=np.uint64)[0]
+    assert derive_seed(2**32 + 3, "data", 1, 2) == int(first) >> 1
+    assert derive_seed(3, "data", 1, 2) == derive_seed(2**32 + 3, "data", 1, 2 + 2**32)
+    drawn = torch.rand(4, generator=generator(3, "data", 1, 2))
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(derive_seed(3, "data", 1, 2)))
+    assert torch.equal(drawn, expected)
+    assert not torch.equal(drawn, torch.rand(4, generator=generator(3, "data", 2, 1)))
+    torch.manual_seed(11)
+    reference = torch.rand(5)
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        seed_global_rng(11, torch.device(device))
+        assert torch.equal(torch.rand(5), reference), device
+
+
 class _FullBatchDataModule(InMemoryFederatedDataModule):
     """Client 2 trains full-batch (its whole set in one batch), the others with batch 4."""
 
