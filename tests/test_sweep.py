@@ -113,5 +113,15 @@ def test_main_runs_the_sweep_file_with_the_extra_options(tmp_path, monkeypatch):
         "0.4,0.800000011920929,0.6000000238418579",
         "1.0,0.5,0.75",
     ]
+    path.write_text(
+        f"base: a.yaml\nparameter: seed_everything\nvalues: [1, 2]\n"
+        f"metrics: [test_acc]\noutput: {tmp_path / 'top'}\n"
+    )
+    monkeypatch.setattr(sweep, "run", lambda args: fake_run([*args, "--model.init_args.w", "0"]))
+    sweep.main(["--config", str(path)])  # a top-level setting, integer values
+    folders = [c[c.index("--trainer.default_root_dir") + 1] for c in calls[2:]]
+    assert folders == [str(tmp_path / "top" / f"seed_everything={v}") for v in (1, 2)]
+    lines = (tmp_path / "top" / "sweep.csv").read_text().splitlines()
+    assert lines == ["value,test_acc", "1.0,1.0", "2.0,1.0"]
     with pytest.raises(SystemExit):
         sweep.main([])  # --config is required
