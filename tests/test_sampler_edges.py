@@ -1,0 +1,142 @@
+"""The samplers at the ends of their ranges (``lightning_fl/systems/samplers.py``): zero
+exclusions, unsorted exclusion lists, invalid target weights, clients of zero weight, an
+availability exactly at the threshold, fewer available clients than F3AST's budget, a
+single client left for clustering, every client with a distribution of its own, and the
+refusals' texts. Each pins a value by hand where the tests of test_samplers did not
+separate a mistake (issue 39)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_fl import (
+    AvailableClients,
+    ExcludedClients,
+    FixedClustersSampler,
+    FullParticipation,
+    SampleSizeClusteredSampler,
+    SimilarityClusteredSampler,
+    UniformSampler,
+)
+
+
+def _p(*weights: float) -> torch.Tensor:
+    return torch.tensor(weights, dtype=torch.float64)
+
+
+def test_excluded_clients_at_zero_as_a_sorted_list_and_drawn_by_hand():
+    assert ExcludedClients(FullParticipation(), 0).sample(0, 1, _p(0.5, 0.5)).clients == (0, 1)
+    with pytest.raises(ValueError, match="excluded must be >= 0, got -1"):
+        ExcludedClients(FullParticipation(), -1)
+    assert ExcludedClients(FullParticipation(), [3, 1]).excluded_clients(5, 0) == [1, 3]
+    from lightning_fl.engine.seeding import generator
+
+    order = torch.randperm(10, generator=generator(7, "excluded")).tolist()
+    drawn = ExcludedClients(FullParticipation(), 3).excluded_clients(10, 7)
+    assert drawn == sorted(order[:3]) and drawn != order[:3]  # sorted, not in drawn order
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ExcludedClients(FullParticipation(), [0]),
+     lambda: AvailableClients(SimpleNamespace(), "unbiased")],
+)  # fmt: skip
+def test_wrappers_refuse_target_weights_that_do_not_sum_to_one(make):
+    with pytest.raises(ValueError, match="Target weights p must sum to 1, got 1.1"):
+        make().sample(0, 0, _p(0.5, 0.6))
+
+
+class _Availability:
+    """A stand-in availability model: fixed π and a fixed available set."""
+
+    def __init__(self, pi, available) -> None:
+        self.pi, self.mask = _p(*pi), torch.tensor(available)
+
+    def stationary(self, n):
+        return self.pi
+
+    def available(self, round_idx, seed, n):
+        return self.mask.clone()
+
+
+def test_available_clients_of_zero_weight_never_take_part():
+    """Client 1 has no training data (α = 0) though it is available: never a participant."""
+    availability = _Availability([0.5, 0.5, 0.25], [True, True, True])
+    part = AvailableClients(availability, "unbiased").sample(0, 0, _p(0.5, 0.0, 0.5))
+    assert part.clients == (0, 2) and part.weights == (1.0, 2.0)  # q = α/π
+
+
+def test_more_available_keeps_a_client_exactly_at_the_threshold():
+    """π = (0.5, 0.4, 0.8) and min_availability 0.5: clients 0 (at it) and 2 are kept,
+    each with q = α/π renormalized over the kept α's (0.25 + 0.25)."""
+    availability = _Availability([0.5, 0.4, 0.8], [True, True, True])
+    sampler = AvailableClients(availability, "more_available", min_availability=0.5)
+    part = sampler.sample(0, 0, _p(0.25, 0.5, 0.25))
+    assert part.clients == (0, 2)
+    assert part.weights == pytest.approx((0.25 / 0.5 / 0.5, 0.25 / 0.8 / 0.5))
+
+
+def test_f3ast_takes_only_the_available_clients_when_fewer_than_its_budget():
+    availability = _Availability([0.5, 0.5, 0.5, 0.5], [True, False, True, False])
+    sampler = AvailableClients(availability, "f3ast", clients_per_round=3, smoothness=1.0)
+    part = sampler.sample(0, 0, _p(0.25, 0.25, 0.25, 0.25))
+    assert part.clients == (0, 2)  # r = 1 after a smoothness of 1: weights α/r
+    assert part.weights == (0.25, 0.25)
+
+
+def test_smoothness_is_refused_outside_zero_to_one():
+    availability = _Availability([1.0], [True])
+    for ok in (0.0, 1.0):
+        AvailableClients(availability, "f3ast", smoothness=ok)
+    with pytest.raises(ValueError, match=r"smoothness must be in \[0, 1\], got 1.5"):
+        AvailableClients(availability, "f3ast", smoothness=1.5)
+
+
+@pytest.mark.parametrize("make", [lambda: SampleSizeClusteredSampler(5),
+                                  lambda: SimilarityClusteredSampler(5)])  # fmt: skip
+def test_clustered_samplers_name_the_count_of_clients_with_data(make):
+    message = (
+        r"^clients_per_round=5 but only 4 clients have training data; set clients_per_round <= 4\.$"
+    )
+    with pytest.raises(ValueError, match=message):
+        make().distributions(_p(0.25, 0.25, 0.0, 0.25, 0.25))
+
+
+def test_similarity_sampling_with_one_client_left_and_with_none_left():
+    """m = 2: client 0 (m·p = 1.2) gets a distribution of its own and keeps 0.2, the only
+    client left to group, which goes into the second distribution with client 1 (0.8).
+    With p = (0.5, 0.5) each client fills a distribution and none is left to group."""
+    sampler = SimilarityClusteredSampler(2)
+    sampler.observe((0, 1), torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 2)
+    r = sampler.distributions(_p(0.6, 0.4), torch.Generator().manual_seed(0))
+    assert torch.allclose(r, _p(1.0, 0.0, 0.2, 0.8).reshape(2, 2), atol=1e-12)
+    r = sampler.distributions(_p(0.5, 0.5), torch.Generator().manual_seed(0))
+    assert torch.equal(r, torch.eye(2, dtype=torch.float64))
+
+
+def test_one_client_of_weight_is_a_group_of_its_own():
+    """``groups`` of weights with a single positive entry: that client alone (Ward's tree
+    needs two; through ``distributions`` the fractional masses left always come two or
+    more at a time); two clients merge while their weight is at most 1/m."""
+    sampler = SimilarityClusteredSampler(2)
+    sampler.observe((0, 1, 2), torch.eye(3), 3)
+    assert sampler.groups(_p(0.0, 0.3, 0.0)) == [[1]]
+    assert sampler.groups(_p(0.0, 0.3, 0.2)) == [[1, 2]]  # 0.3 + 0.2 ≤ 1/m: one subtree
+    assert sampler.groups(_p(0.0, 0.3, 0.3)) == [[1], [2]]  # 0.6 > 1/m: two
+
+
+def test_fixed_clusters_keep_their_own_copy_of_the_lists():
+    clusters = [[0, 2], [1, 3]]
+    sampler = FixedClustersSampler(clusters)
+    clusters[0].append(1)
+    assert sampler.clusters == [[0, 2], [1, 3]]
+    part = sampler.sample(0, 0, _p(0.25, 0.25, 0.25, 0.25))
+    assert sorted(c % 2 for c in part.clients) == [0, 1]
+
+
+def test_uniform_sampler_refusal_names_the_count():
+    with pytest.raises(ValueError, match="clients_per_round=3 but only 2 clients"):
+        UniformSampler(3).check(2)
