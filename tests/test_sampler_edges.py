@@ -140,3 +140,17 @@ def test_fixed_clusters_keep_their_own_copy_of_the_lists():
 def test_uniform_sampler_refusal_names_the_count():
     with pytest.raises(ValueError, match="clients_per_round=3 but only 2 clients"):
         UniformSampler(3).check(2)
+
+
+@pytest.mark.filterwarnings("ignore:The symmetric non-negative hollow observation matrix")
+def test_ward_on_the_distances_by_hand_and_the_authors_rows_as_observations():
+    """One-dimensional updates 0, 1, 4, 8 (L1: ρ = |x − y|), equal weights, m = 2: Ward on
+    these distances merges 0 and 1 (distance 1), then 4 and 8 (√(2·1·1/2)·4 = 4) before
+    {0, 1} and 4 (√(2·2·1/3)·3.5 ≈ 4.04): two groups of weight 1/2. The authors' code
+    hands Ward the square matrix, whose rows it takes for points, and splits 4 from 8."""
+    groups = []
+    for authors_linkage in (False, True):
+        sampler = SimilarityClusteredSampler(2, similarity="L1", authors_linkage=authors_linkage)
+        sampler.observe((0, 1, 2, 3), torch.tensor([[0.0], [1.0], [4.0], [8.0]]), 4)
+        groups.append(sorted(map(sorted, sampler.groups(_p(0.25, 0.25, 0.25, 0.25)))))
+    assert groups == [[[0, 1], [2, 3]], [[0, 1], [2], [3]]]
