@@ -154,3 +154,18 @@ def test_ward_on_the_distances_by_hand_and_the_authors_rows_as_observations():
         sampler.observe((0, 1, 2, 3), torch.tensor([[0.0], [1.0], [4.0], [8.0]]), 4)
         groups.append(sorted(map(sorted, sampler.groups(_p(0.25, 0.25, 0.25, 0.25)))))
     assert groups == [[[0, 1], [2, 3]], [[0, 1], [2], [3]]]
+
+
+def test_the_leftover_order_without_a_generator_is_seed_zeros():
+    """``distributions(p)`` without a generator pours the leftover group in the order of a
+    generator seeded 0 (the sampler's draws pass their round's own): test_samplers'
+    example, where seeds 0 and 1 order clients 4 and 5 differently."""
+    p = _p(0.2, 0.15, 0.25, 0.1, 0.2, 0.1)
+    axes = torch.tensor([0, 0, 1, 1, 2, 3])
+    updates = torch.nn.functional.one_hot(axes, 4).float()
+    updates += 0.01 * torch.randn(6, 4, generator=torch.Generator().manual_seed(5))
+    sampler = SimilarityClusteredSampler(2)
+    sampler.observe(tuple(range(6)), updates, 6)
+    seeded = [sampler.distributions(p, torch.Generator().manual_seed(s)) for s in (0, 1)]
+    assert not torch.equal(seeded[0], seeded[1])
+    assert torch.equal(sampler.distributions(p), seeded[0])
