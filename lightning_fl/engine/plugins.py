@@ -232,8 +232,9 @@ class FederatedCallback(pl.Callback):
         and ``grads`` are stacked over the clients at chunk ``rows`` (dimension 0);
         change ``grads`` in place. A parameter the optimizer does not train, or the loss
         does not use, has no gradient (None) and is not stepped, as on the sequential path;
-        a callback that gives it one (DP-SGD's noise) assigns its entry of ``grads``. A term that depends on the data reads the rows' stacked batch
-        and per-client generators from ``trainer.strategy.vectorized.step`` (``batch``,
+        a callback that gives it one (DP-SGD's noise) assigns its entry of ``grads``. A
+        term that depends on the data reads the rows' stacked batch and per-client
+        generators from ``trainer.strategy.vectorized.step`` (``batch``,
         ``generators``; DP-SGD)."""
 
     def on_client_evaluation_start(
