@@ -32,6 +32,7 @@ from tests.helpers import (
     tiny_datamodule,
     tiny_module,
 )
+from tests.strategy_two_processes import OptimizerSteps
 
 
 def _fit(strategy: FederatedStrategy, rounds: int = 1, datamodule=None, module=None,
@@ -214,29 +215,12 @@ def test_a_fit_reads_its_federation_and_validation_reuses_the_last_fits():
     assert fresh.fit.federation.training_counts == (4, 11, 18)
 
 
-class _OptimizerSteps(pl.Callback):
-    """Counts the calls of the module's optimizer's ``step``."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        optimizer = trainer.optimizers[0]
-        step = optimizer.step
-
-        def counted(*args, **kwargs):
-            self.steps += 1
-            return step(*args, **kwargs)
-
-        optimizer.step = counted
-
-
 def test_vectorized_steps_leave_the_modules_optimizer_alone():
     """A vectorized chunk trains in ``training_step``; Lightning's optimizer step that
     follows is idle: only its closure runs, the module's optimizer does not step (nor
     clip, nor call ``on_before_optimizer_step``) on its gradient-less parameters. A
     sequential run steps it once per local step."""
-    sequential, vectorized = _OptimizerSteps(), _OptimizerSteps()
+    sequential, vectorized = OptimizerSteps(), OptimizerSteps()
     _fit(FederatedStrategy(local_steps=3), 2, callbacks=[sequential])
     _fit(FederatedStrategy(local_steps=3, vectorize=True), 2, callbacks=[vectorized])
     assert (sequential.steps, vectorized.steps) == (2 * 10 * 3, 0)

@@ -91,27 +91,75 @@ def test_the_tradeoff_figure_by_hand(tmp_path, drawn):
     assert tuple(fig.get_size_inches()) == (10, 4) and dpi == 120
 
 
-def test_main_runs_the_sweep_file_with_the_extra_options(tmp_path, monkeypatch):
-    calls = []
+def _stand_in(calls: list) -> object:
+    """A stand-in for ``lightning_fl.cli.run``: records its arguments and "logs"
+    test_acc = 1 − w/2 and mia/best = 0.5 + w/10 (float32, as metrics are)."""
 
-    def fake_run(args):
+    def run(args):
         calls.append(args)
         w = float(args[args.index("--model.init_args.w") + 1])
-        logged = {"test_acc": torch.tensor(1 - w / 2), "mia/train/best": torch.tensor(0.5 + w / 4)}
+        logged = {"test_acc": torch.tensor(1.0 - w / 2), "mia/best": torch.tensor(0.5 + w / 10)}
         return SimpleNamespace(trainer=SimpleNamespace(callback_metrics=logged))
 
+    return run
+
+
+def test_a_sweep_runs_each_value_in_its_own_folder_and_writes_what_they_logged(
+    tmp_path, monkeypatch, capsys
+):
+    """A stand-in for the runs: each value's arguments (its folder, the setting, the extra
+    options last) and the metrics it logged reach sweep.csv row by row; a metric no run
+    logged, a sweep file without its keys and one without values are refused by name."""
+    import csv as csv_module
+
+    calls = []
+    monkeypatch.setattr(sweep, "run", _stand_in(calls))
+    output = tmp_path / "a" / "sweep"  # created with its parents
+    spec = {"base": "recipes/x.yaml", "parameter": "model.init_args.w", "values": [0.2, 0.8],
+            "metrics": ["test_acc", "mia/best"], "output": str(output)}  # fmt: skip
+    rows = sweep.run_sweep(spec, ["--trainer.max_epochs", "2"])
+    assert rows == [
+        {"value": 0.2, "test_acc": pytest.approx(0.9), "mia/best": pytest.approx(0.52)},
+        {"value": 0.8, "test_acc": pytest.approx(0.6), "mia/best": pytest.approx(0.58)},
+    ]
+    printed = capsys.readouterr().out.splitlines()  # each value's row as it ends
+    assert [line.split(",")[0] for line in printed] == ["{'value': 0.2", "{'value': 0.8"]
+    folder = str(output / "w=0.8")
+    assert calls[1] == ["fit", "--config", "recipes/x.yaml", "--model.init_args.w", "0.8",
+                        "--trainer.default_root_dir", folder,
+                        "--trainer.logger.init_args.save_dir", folder,
+                        "--trainer.max_epochs", "2"]  # fmt: skip
+    with open(output / "sweep.csv") as handle:
+        written = list(csv_module.DictReader(handle))
+    assert [float(r["test_acc"]) for r in written] == pytest.approx([0.9, 0.6])
+    assert (output / "tradeoff.png").exists()
+    spec["metrics"] = ["test_acc", "mia/train/best"]
+    with pytest.raises(KeyError, match=r"w=0.2 logged no 'mia/train/best': choose 'metrics'"):
+        sweep.run_sweep(spec)
+    path = tmp_path / "sweep.yaml"
+    path.write_text("base: a.yaml\nparameter: model.init_args.w\n")
+    with pytest.raises(ValueError, match=r"a sweep needs \['metrics', 'values'\]"):
+        sweep.load_sweep(str(path))  # as the command line gives it
+    path.write_text("base: a.yaml\nparameter: p\nvalues: []\nmetrics: [m]\n")
+    with pytest.raises(ValueError, match="'values' is empty"):
+        sweep.load_sweep(path)
+
+
+def test_main_runs_the_sweep_file_with_the_extra_options(tmp_path, monkeypatch):
+    calls = []
+    fake_run = _stand_in(calls)
     monkeypatch.setattr(sweep, "run", fake_run)
     path = tmp_path / "sweep.yaml"
     path.write_text(
         f"base: a.yaml\nparameter: model.init_args.w\nvalues: [0.4, 1.0]\n"
-        f"metrics: [test_acc, mia/train/best]\noutput: {tmp_path / 'out'}\n"
+        f"metrics: [test_acc, mia/best]\noutput: {tmp_path / 'out'}\n"
     )
     sweep.main(["--config", str(path), "--trainer.max_epochs", "2"])
     assert [c[-2:] for c in calls] == [["--trainer.max_epochs", "2"]] * 2
     assert (tmp_path / "out" / "sweep.csv").read_text().splitlines() == [
-        "value,test_acc,mia/train/best",
-        "0.4,0.800000011920929,0.6000000238418579",
-        "1.0,0.5,0.75",
+        "value,test_acc,mia/best",
+        "0.4,0.800000011920929,0.5400000214576721",  # float32 0.8 and 0.54
+        "1.0,0.5,0.6000000238418579",
     ]
     path.write_text(
         f"base: a.yaml\nparameter: seed_everything\nvalues: [1, 2]\n"
