@@ -169,3 +169,43 @@ def test_the_leftover_order_without_a_generator_is_seed_zeros():
     seeded = [sampler.distributions(p, torch.Generator().manual_seed(s)) for s in (0, 1)]
     assert not torch.equal(seeded[0], seeded[1])
     assert torch.equal(sampler.distributions(p), seeded[0])
+
+
+def test_leftover_clients_pour_into_the_emptiest_distributions_in_turn():
+    """m = 3, five clients each a group of its own (no two weigh ≤ 1/3 together): the
+    three heaviest (m·p = 0.7, 0.65, 0.6) open the distributions, with room for 0.3,
+    0.35 and 0.4. The leftovers go lightest first into the emptiest first: client 3 (0.47)
+    fills 0.4 beside client 2 and puts 0.07 beside client 1; client 4 (0.58) fills the
+    0.28 left there, then 0.3 beside client 0."""
+    masses = (0.7, 0.65, 0.6, 0.47, 0.58)
+    sampler = SimilarityClusteredSampler(3)
+    sampler.observe(tuple(range(5)), torch.eye(5), 5)
+    r = sampler.distributions(_p(*(x / 3 for x in masses)), torch.Generator().manual_seed(0))
+    expected = [[0.7, 0, 0, 0, 0.3], [0, 0.65, 0, 0.07, 0.28], [0, 0, 0.6, 0.4, 0]]
+    assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+def test_sample_size_clusters_pour_a_single_unit():
+    """m = 1, p = (1/3, 2/3): capacity 3, client 0 holds one unit, which is poured."""
+    r = SampleSizeClusteredSampler(1).distributions(_p(1 / 3, 2 / 3))
+    assert torch.allclose(r, _p(1 / 3, 2 / 3).reshape(1, 2), atol=1e-15)
+
+
+def test_exact_masses_only_while_the_capacity_stays_below_10_to_the_15():
+    """Pairs summing to 1/3 over the primes a, b, c near 10⁵: exact fractions, but their
+    common capacity 3abc ≈ 3·10¹⁵ is past the exact path's bound, so the masses are
+    ``units`` per distribution, rounded by largest remainders."""
+    from lightning_fl.systems.samplers import _integer_masses
+
+    a, b, c = 100003, 100019, 100043
+    p = _p(1 / a, 1 / 3 - 1 / a, 1 / b, 1 / 3 - 1 / b, 1 / c, 1 / 3 - 1 / c)
+    masses, capacity = _integer_masses(p, 2, 10)
+    assert capacity == 10 and sum(masses) == 20
+    # shares 20·p: 0.0002, 6.66647, 0.0002, 6.66648, 0.0002, 6.66649, floored to 18 units:
+    # the 2 left go to the largest remainders, clients 5 and 3 (1/c < 1/b < 1/a)
+    assert masses == [0, 6, 0, 7, 0, 7]
+
+
+def test_target_weights_below_one_are_refused_too():
+    with pytest.raises(ValueError, match="Target weights p must sum to 1, got 0.9"):
+        ExcludedClients(FullParticipation(), [0]).sample(0, 0, _p(0.5, 0.4))
