@@ -209,3 +209,11 @@ def test_exact_masses_only_while_the_capacity_stays_below_10_to_the_15():
 def test_target_weights_below_one_are_refused_too():
     with pytest.raises(ValueError, match="Target weights p must sum to 1, got 0.9"):
         ExcludedClients(FullParticipation(), [0]).sample(0, 0, _p(0.5, 0.4))
+
+
+def test_sample_size_clusters_fill_three_distributions_in_order_by_hand():
+    """p = (0.1, 0.4, 0.2, 0.3), m = 3: capacity 10, masses 3, 12, 6, 9 units poured in the
+    order clients 1, 3, 2, 0: {1: 10} | {1: 2, 3: 8} | {3: 1, 2: 6, 0: 3}."""
+    r = SampleSizeClusteredSampler(3).distributions(_p(0.1, 0.4, 0.2, 0.3))
+    expected = [[0, 1, 0, 0], [0, 0.2, 0, 0.8], [0.3, 0, 0.6, 0.1]]
+    assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-15)
