@@ -87,6 +87,22 @@ def test_f3ast_takes_only_the_available_clients_when_fewer_than_its_budget():
     assert part.weights == (0.25, 0.25)
 
 
+def test_f3ast_breaks_ties_in_favour_of_the_lower_index():
+    """Twenty available clients, α alternating 0.04 and 0.06, r = 1: ten tie for the top
+    score; a budget of 3 takes the first three of them, clients 1, 3 and 5."""
+    availability = _Availability([0.5] * 20, [True] * 20)
+    sampler = AvailableClients(availability, "f3ast", clients_per_round=3, smoothness=1.0)
+    part = sampler.sample(0, 0, _p(*[0.04, 0.06] * 10))
+    assert part.clients == (1, 3, 5)
+
+
+def test_more_available_refuses_when_only_clients_without_data_are_kept():
+    availability = _Availability([0.9, 0.3, 0.3], [True, True, True])
+    sampler = AvailableClients(availability, "more_available", min_availability=0.5)
+    with pytest.raises(ValueError, match="No client has π_k >= min_availability=0.5"):
+        sampler.sample(0, 0, _p(0.0, 0.5, 0.5))
+
+
 def test_smoothness_is_refused_outside_zero_to_one():
     availability = _Availability([1.0], [True])
     for ok in (0.0, 1.0):
