@@ -1,8 +1,10 @@
-"""Small fits on 2 processes (run by tests/test_strategy_fit.py): SCAFFOLD on 5 clients of
+"""Small fits on 2 processes (run by tests/test_strategy_fit.py): SCAFFOLD on 3 clients of
 unequal sizes, sequential then vectorized in chunks of 2, each rank starting from a model
-of its own seed (the strategy broadcasts rank 0's). Each rank saves, per fit, the model,
-how many times its optimizer stepped and how many times Lightning's SIGTERM flag was
-broadcast, to ``<root>/rank<r>.pt``.
+of its own seed (the strategy broadcasts rank 0's); then DP-SGD on 5 clients, whose
+logged values (the round's training means, the largest ε) must be over every rank's
+clients. Each rank saves, per fit, the model, how many times its optimizer stepped, how
+many times Lightning's SIGTERM flag was broadcast and what it logged, to
+``<root>/rank<r>.pt``.
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.strategy_two_processes ROOT
 """
@@ -17,10 +19,23 @@ import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_fl import MLP, Classifier, FederatedStrategy
-from lightning_fl.callbacks import SCAFFOLD
+from lightning_fl.callbacks import DPSGD, SCAFFOLD
 from tests.helpers import HIDDEN, IN, OUT, make_trainer, params_of, tiny_datamodule
 
 ROUNDS, CLIENTS, CHUNK = 3, 3, 2
+#: the values every rank logs, compared with one process
+LOGGED = ("train_loss_epoch", "train_acc_epoch", "dp/epsilon")
+
+
+def private_fit(**trainer_options) -> pl.Trainer:
+    """DP-SGD on 5 clients for 2 rounds of 2 local steps (its accounting keeps client
+    state: client c trains on rank c % 2)."""
+    private = DPSGD(noise_multiplier=0.5, max_grad_norm=0.5)
+    trainer = make_trainer(
+        FederatedStrategy(local_steps=2, seed=3), 2, [private], **trainer_options
+    )
+    trainer.fit(module(seed=1), datamodule=tiny_datamodule(num_clients=5))
+    return trainer
 
 
 def module(seed: int) -> Classifier:
@@ -70,4 +85,6 @@ if __name__ == "__main__":
         trainer.fit(trained, datamodule=tiny_datamodule(num_clients=CLIENTS))
         results[name] = {"params": params_of(trained), "optimizer_steps": steps.steps,
                          "sigterm_broadcasts": broadcasts[0]}  # fmt: skip
+    trainer = private_fit(devices=2)
+    results["logged"] = {name: float(trainer.callback_metrics[name]) for name in LOGGED}
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
