@@ -19,23 +19,28 @@ import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_fl import MLP, Classifier, FederatedStrategy
-from lightning_fl.callbacks import DPSGD, SCAFFOLD
+from lightning_fl.callbacks import DPSGD, SCAFFOLD, MembershipInference
 from tests.helpers import HIDDEN, IN, OUT, make_trainer, params_of, tiny_datamodule
 
 ROUNDS, CLIENTS, CHUNK = 3, 3, 2
-#: the values every rank logs, compared with one process
-LOGGED = ("train_loss_epoch", "train_acc_epoch", "dp/epsilon")
+#: the values every rank logs, compared with one process: after the fit, then the test
+FIT_LOGGED = ("train_loss_epoch", "train_acc_epoch", "dp/epsilon")
+TEST_LOGGED = ("mia/train/best", "mia/train/loss")
 
 
-def private_fit(**trainer_options) -> pl.Trainer:
+def private_fit(**trainer_options) -> dict[str, float]:
     """DP-SGD on 5 clients for 2 rounds of 2 local steps (its accounting keeps client
-    state: client c trains on rank c % 2)."""
+    state: client c trains on rank c % 2), then a test with membership inference on every
+    client (each rank attacks its own): what this rank logged."""
     private = DPSGD(noise_multiplier=0.5, max_grad_norm=0.5)
-    trainer = make_trainer(
-        FederatedStrategy(local_steps=2, seed=3), 2, [private], **trainer_options
-    )
-    trainer.fit(module(seed=1), datamodule=tiny_datamodule(num_clients=5))
-    return trainer
+    attack = MembershipInference(stages=("test",))
+    strategy = FederatedStrategy(local_steps=2, seed=3)
+    trainer = make_trainer(strategy, 2, [private, attack], **trainer_options)
+    data, trained = tiny_datamodule(num_clients=5), module(seed=1)
+    trainer.fit(trained, datamodule=data)
+    logged = {name: float(trainer.callback_metrics[name]) for name in FIT_LOGGED}
+    trainer.test(trained, datamodule=data, verbose=False)
+    return logged | {name: float(trainer.callback_metrics[name]) for name in TEST_LOGGED}
 
 
 def module(seed: int) -> Classifier:
@@ -85,6 +90,5 @@ if __name__ == "__main__":
         trainer.fit(trained, datamodule=tiny_datamodule(num_clients=CLIENTS))
         results[name] = {"params": params_of(trained), "optimizer_steps": steps.steps,
                          "sigterm_broadcasts": broadcasts[0]}  # fmt: skip
-    trainer = private_fit(devices=2)
-    results["logged"] = {name: float(trainer.callback_metrics[name]) for name in LOGGED}
+    results["logged"] = private_fit(devices=2)
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))
