@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -72,6 +76,27 @@ def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -
     )
     options.update(kw)
     return pl.Trainer(**options)
+
+
+#: the repository root (the working directory of the launches below)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(module: str, *args: str, timeout: int, env: dict[str, str] | None = None):
+    """``python -m torch.distributed.run --nproc_per_node 2 -m module args`` from the
+    repository root, on a free port, one thread a rank: the completed process (its output
+    captured), asserted to have succeeded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), "-m", module, *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def params_of(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -410,25 +410,11 @@ def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path
     processes"; so does
     each plugin whose client state moves, with clients trained away from their owner
     (composition.DISTRIBUTED_RUNS)."""
-    import os
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.helpers import torchrun
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "outcomes.pt"
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1",
-           "COMPOSITION_ROOT": str(tmp_path)}  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), "-m", "tests.composition_distributed", str(out)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun("tests.composition_distributed", str(out), timeout=900,
+             env={"COMPOSITION_ROOT": str(tmp_path)})  # fmt: skip
     outcomes = torch.load(out, weights_only=True)
     assert set(outcomes) == set(composition.DISTRIBUTED_RUNS)
     refused = []

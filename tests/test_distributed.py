@@ -132,21 +132,13 @@ CASES: dict[str, list[str]] = {
 def two_processes(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """Every case on 2 gloo processes, in one torchrun launch: (root, {case: outcome})."""
     import json
-    import socket
+
+    from tests.helpers import torchrun
 
     root = tmp_path_factory.mktemp("two_processes")
     (root / "cases.json").write_text(json.dumps(CASES))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), "-m", "tests.recipes_distributed", str(root),
-         str(root / "cases.json")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun("tests.recipes_distributed", str(root), str(root / "cases.json"),
+                      timeout=900)  # fmt: skip
     return root, json.loads((root / "outcomes.json").read_text()), result.stderr
 
 

@@ -8,8 +8,6 @@ these, which the process-level tests (torchrun, the command line) hide from it."
 
 from __future__ import annotations
 
-import os
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -31,6 +29,7 @@ from tests.helpers import (
     tiny_clients,
     tiny_datamodule,
     tiny_module,
+    torchrun,
 )
 from tests.strategy_two_processes import OptimizerSteps
 
@@ -277,6 +276,13 @@ def test_a_refused_combination_stops_the_fit_at_set_up():
     assert max_abs_diff(params_of(module), params_of(tiny_module())) == 0.0
 
 
+class _LogRound(pl.Callback):
+    """Logs the round for ModelCheckpoint to monitor (the last round is the best)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("round", float(trainer.current_epoch))
+
+
 def test_silo_mode_on_one_process_enters_its_silo_and_keeps_shards_with_checkpoints(tmp_path):
     """The datamodule learns it is silo 0 of 1 before set-up; each checkpoint gets its
     shard beside it (in a folder the strategy creates), a removed checkpoint takes its
@@ -305,13 +311,6 @@ def test_silo_mode_needs_a_federated_datamodule():
     trainer = make_trainer(FederatedStrategy(silos=True, local_steps=1), 1)
     with pytest.raises(TypeError, match="needs a lightning_fl.datamodules.FederatedDataModule"):
         trainer.fit(tiny_module(), datamodule=Plain())
-
-
-class _LogRound(pl.Callback):
-    """Logs the round for ModelCheckpoint to monitor (the last round is the best)."""
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        pl_module.log("round", float(trainer.current_epoch))
 
 
 def test_a_single_process_fit_starts_no_process_group():
@@ -384,24 +383,9 @@ def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(t
     1-process run, sequential and vectorized (in chunks of 2: rank 1 pads its chunk's
     steps). What every rank logs (the round's training means, DP-SGD's largest ε, the
     membership-inference means) is over both ranks' clients, as on one process."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from tests import strategy_two_processes as script
 
-    root = Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(port), "-m", "tests.strategy_two_processes", str(tmp_path)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun("tests.strategy_two_processes", str(tmp_path), timeout=600)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     expected_steps = {"sequential": (3 * 5, 3 * 4), "vectorized": (0, 0)}
     for name, vectorize in (("sequential", False), ("vectorized", True)):

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_fl import Classifier, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import (
     APFL,
+    DPSGD,
     SCAFFOLD,
     Ditto,
     FedAdagrad,
@@ -664,7 +665,6 @@ def test_dpsgd_equals_the_sequential_path_noise_included(prox_mu):
     (seed, round, client) generator: the same model as client by client (a noise drawn
     from a shared generator, or clipping over the whole chunk, would differ by the noise
     scale), the same privacy accounting, and a model that differs from no noise."""
-    from lightning_fl.callbacks import DPSGD
 
     def run(vectorize, sigma=0.5):
         callbacks = [DPSGD(noise_multiplier=sigma, max_grad_norm=0.5)]
@@ -932,9 +932,8 @@ SPARE_CASES = {
     "adamw": ("adamw", lambda: [], {}),
     "fedprox": ("sgd", lambda: [FedProx(mu=0.5)], {}),
     "clipped": ("sgd", lambda: [], {"gradient_clip_val": 0.05}),
-    "dpsgd": ("sgd", lambda: [__import__("lightning_fl.callbacks").callbacks.DPSGD(
-        noise_multiplier=0.5, max_grad_norm=0.5)], {}),
-}  # fmt: skip
+    "dpsgd": ("sgd", lambda: [DPSGD(noise_multiplier=0.5, max_grad_norm=0.5)], {}),
+}
 
 
 @pytest.mark.parametrize("case", list(SPARE_CASES))
