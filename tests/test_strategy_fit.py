@@ -23,6 +23,7 @@ from lightning_fl.engine.packed import TooLarge
 from lightning_fl.engine.tensors import FederatedTensors
 from tests.helpers import (
     IN,
+    local_sgd,
     make_trainer,
     max_abs_diff,
     params_of,
@@ -113,7 +114,7 @@ def test_where_the_training_data_lives_and_what_the_log_says(log, data_on_device
     total = sum(4 + (c * 7) % 37 for c in range(10))
     if packed:
         assert len(strategy.packed.columns[0]) == total
-        size = strategy.packed.nbytes / 2**20
+        size = total * (IN * 4 + 8) / 2**20  # float32 features, int64 labels
         assert log == [("info", f"lightning_fl: the training data ({total} samples, "
                                 f"{size:.1f} MiB) is packed on cpu.")]  # fmt: skip
     else:
@@ -183,10 +184,18 @@ def test_the_sampler_is_checked_against_the_clients_with_training_data():
          datamodule=_clients_with(sizes), callbacks=[Pooled()])  # fmt: skip
 
 
-def test_one_client_on_one_process_trains():
-    module = tiny_module()
-    _fit(FederatedStrategy(local_steps=2), datamodule=tiny_datamodule(num_clients=1), module=module)
-    assert max_abs_diff(params_of(module), params_of(tiny_module())) > 0.0
+def test_one_client_on_one_process_trains_as_its_local_sgd():
+    """One client of 25 samples (ω = 1, η_g = 1): each round's global model is the
+    client's after its K = 2 steps of SGD on batches of 4 drawn by that round's shuffle,
+    written out by hand over three rounds."""
+    only = tiny_clients(4)[3]
+    module, reference = tiny_module(), tiny_module()
+    _fit(FederatedStrategy(local_steps=2, seed=3), 3, module=module,
+         datamodule=InMemoryFederatedDataModule([only], batch_size=4))  # fmt: skip
+    for round_idx in range(3):
+        local_sgd(reference.network, only["train"], 2, 0.1, 4, 3, round_idx, 0)
+    assert max_abs_diff(params_of(module), params_of(reference)) <= 1e-6
+    assert max_abs_diff(params_of(module), params_of(tiny_module())) > 1e-3
 
 
 def test_a_fit_reads_its_federation_and_validation_reuses_the_last_fits():
