@@ -39,6 +39,25 @@ GPU_MODULES = {
 MULTI_PROCESS = ("test_distributed", "test_composition::test_every_plugin_on_two_processes")
 
 
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures as ``lightning_fl.plots._save`` saves them (drawn first, so that tick
+    labels exist): file name → figure, and ``name + ":dpi"`` → each saving's dpi."""
+    from lightning_fl import plots
+
+    figures: dict[str, object] = {}
+    real = plots._save
+
+    def keep(plt, fig, path, dpi):
+        fig.canvas.draw()
+        figures[Path(path).name] = fig
+        figures[Path(path).name + ":dpi"] = dpi
+        return real(plt, fig, path, dpi)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--accelerator",

@@ -99,6 +99,12 @@ def torchrun(module: str, *args: str, timeout: int, env: dict[str, str] | None =
     return result
 
 
+def line_data(ax) -> dict[str, tuple[list, list]]:
+    """A matplotlib axes' lines: label → (x values, y values)."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in ax.get_lines()}  # fmt: skip
+
+
 def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in module.parameters()]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lightning_fl import plots
+from tests.helpers import line_data
 from tests.test_cli_and_logging import ROOT, _fit
 
 matplotlib = pytest.importorskip("matplotlib")
@@ -119,28 +120,6 @@ def test_the_metrics_figure_reads_one_value_per_round(tmp_path):
     assert plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
 
 
-@pytest.fixture
-def drawn(monkeypatch):
-    """The figures as they are saved (drawn first, so that tick labels exist): path →
-    figure, and each saving's dpi."""
-    figures: dict[str, object] = {}
-    real = plots._save
-
-    def keep(plt, fig, path, dpi):
-        fig.canvas.draw()
-        figures[Path(path).name] = fig
-        figures[Path(path).name + ":dpi"] = dpi
-        return real(plt, fig, path, dpi)
-
-    monkeypatch.setattr(plots, "_save", keep)
-    return figures
-
-
-def _lines(ax):
-    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-            for line in ax.get_lines()}  # fmt: skip
-
-
 def test_the_metrics_figure_by_hand(tmp_path, drawn):
     """One panel per kind, training and validation together (``_epoch`` dropped from the
     labels), the namespaced metrics after them; bookkeeping columns, the final test and
@@ -171,11 +150,11 @@ def test_the_metrics_figure_by_hand(tmp_path, drawn):
     assert [ax.get_title().replace("\n", " ") for ax in bottom] == [
         f"{k} against simulated time" for k in ("acc", "loss", "fl/federated_loss")
     ]
-    assert _lines(top[0]) == {"val_acc": ([0, 1], [0.5, 0.7])}
-    assert _lines(top[1]) == {
+    assert line_data(top[0]) == {"val_acc": ([0, 1], [0.5, 0.7])}
+    assert line_data(top[1]) == {
         "train_loss": ([0, 1, 3], [0.9, 0.6, 0.4]), "val_loss": ([0, 1], [1.0, 0.7])
     }  # fmt: skip
-    clock_x, clock_y = _lines(bottom[1])["train_loss"]  # round 3 has no simulated time
+    clock_x, clock_y = line_data(bottom[1])["train_loss"]  # round 3 has no simulated time
     assert clock_x[:2] == [1.5, 4.0] and math.isnan(clock_x[2]) and clock_y == [0.9, 0.6, 0.4]
     assert {ax.get_xlabel() for ax in top} == {"round"}
     assert {ax.get_xlabel() for ax in bottom} == {"simulated time (fl/time)"}
@@ -195,7 +174,7 @@ def test_the_metrics_figure_without_a_clock_and_at_most_six_panels(tmp_path, dra
     plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
     fig = drawn["m.png"]
     assert [ax.get_ylabel() for ax in fig.axes] == [f"m{i}" for i in range(6)]
-    assert _lines(fig.axes[2])["val_m2"] == (list(range(30)), [r + 2.0 for r in range(30)])
+    assert line_data(fig.axes[2])["val_m2"] == (list(range(30)), [r + 2.0 for r in range(30)])
     assert fig.axes[0].get_lines()[0].get_marker() in ("", "None")  # 30 rounds or more
     assert tuple(fig.get_size_inches()) == pytest.approx((4.2 * 6 + 1, 3.4))
     empty = tmp_path / "empty.csv"
@@ -281,7 +260,7 @@ def test_lambda_and_curve_figures_by_hand(tmp_path, drawn):
     panels = {"regret": {"a": [3.0, 2.0, 1.0], "b": [1.0, 1.0]}, "": {"c": [5.0]}}
     plots.plot_curves(panels, str(tmp_path / "c.png"), "round", "value")
     first, second = drawn["c.png"].axes
-    assert _lines(first) == {"a": ([1, 2, 3], [3.0, 2.0, 1.0]), "b": ([1, 2], [1.0, 1.0])}
+    assert line_data(first) == {"a": ([1, 2, 3], [3.0, 2.0, 1.0]), "b": ([1, 2], [1.0, 1.0])}
     assert first.get_title() == "regret" and second.get_title() == ""
     assert (first.get_xlabel(), first.get_ylabel()) == ("round", "value")
     assert tuple(drawn["c.png"].get_size_inches()) == pytest.approx((4.5 * 2 + 1, 3.5))

@@ -4,13 +4,13 @@ the runs (test_cli_and_logging runs the real WERM sweep)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_fl import plots, sweep
+from lightning_fl import sweep
+from tests.helpers import line_data
 
 ROWS = [
     {"value": 0.5, "test_acc": 0.9, "mia/train/best": 0.7, "mia/reference/best": 0.6},
@@ -25,37 +25,15 @@ SPEC = {
 }
 
 
-@pytest.fixture
-def drawn(monkeypatch):
-    """The figures as they are saved: file name → (figure, dpi)."""
-    figures = {}
-    real = plots._save
-
-    def keep(plt, fig, path, dpi):
-        fig.canvas.draw()
-        figures[Path(path).name] = (fig, dpi)
-        return real(plt, fig, path, dpi)
-
-    monkeypatch.setattr(plots, "_save", keep)
-    return figures
-
-
-def _lines(ax):
-    return {
-        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
-        for line in ax.get_lines()
-    }
-
-
 def test_the_tradeoff_figure_by_hand(tmp_path, drawn):
     """Left: every metric against w; right: the utility (the first metric) against each
     privacy metric, each point labelled with its w, and chance (0.5) marked."""
     path = sweep.plot_tradeoff(ROWS, SPEC, tmp_path / "new" / "tradeoff.png")
     assert path == tmp_path / "new" / "tradeoff.png" and path.exists()
-    fig, dpi = drawn["tradeoff.png"]
+    fig, dpi = drawn["tradeoff.png"], drawn["tradeoff.png:dpi"]
     left, right = fig.axes
     w = [0.5, 0.75, 1.0]
-    assert _lines(left) == {
+    assert line_data(left) == {
         "test_acc": (w, [0.9, 0.8, 0.7]),
         "mia/train/best": (w, [0.7, 0.6, 0.52]),
         "mia/reference/best": (w, [0.6, 0.55, 0.5]),
@@ -65,7 +43,7 @@ def test_the_tradeoff_figure_by_hand(tmp_path, drawn):
     assert [t.get_text() for t in left.get_legend().get_texts()] == SPEC["metrics"]
     assert all(g.get_visible() for g in left.get_xgridlines())
     assert left.get_xgridlines()[0].get_alpha() == 0.3
-    lines = _lines(right)
+    lines = line_data(right)
     assert lines["mia/train/best"] == ([0.7, 0.6, 0.52], [0.9, 0.8, 0.7])
     assert lines["mia/reference/best"] == ([0.6, 0.55, 0.5], [0.9, 0.8, 0.7])
     chance = right.get_lines()[-1]
