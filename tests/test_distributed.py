@@ -264,8 +264,14 @@ def test_more_processes_than_clients_is_refused(two_processes):
 
 
 def test_fedem_and_knn_per_on_two_processes_equal_one_process(two_processes, tmp_path):
-    """FedEM's π live in the client store; kNN-Per's λ_t are gathered from every rank."""
-    for recipe in ("digits_fedem", "digits_knn_per"):
+    """FedEM's π live in the client store; kNN-Per's λ_t are gathered from every rank:
+    rank 0 writes every client's λ and datastore size, in client order, and the logged
+    λ mean and π entropy are over both ranks' clients."""
+    logged_means = {
+        "digits_fedem": "fedem/pi_entropy_epoch",
+        "digits_knn_per": "knn_per/lambda_mean",
+    }
+    for recipe, mean in logged_means.items():
         dirs = {"1": tmp_path / recipe, "2": _two(two_processes, recipe)}
         _one_process(dirs["1"], *CASES[recipe])
         one, two = _weights(dirs["1"]), _weights(dirs["2"])
@@ -274,6 +280,20 @@ def test_fedem_and_knn_per_on_two_processes_equal_one_process(two_processes, tmp
         assert [r[:4] for r in rows["1"]] == [r[:4] for r in rows["2"]] and rows["1"]
         for a, b in zip(rows["1"], rows["2"]):
             assert abs(float(a[4]) - float(b[4])) < 1e-4, (a, b)
+        logged = {
+            d: [float(r[mean]) for r in csv.DictReader(open(run_file(f, "metrics.csv")))
+                if r.get(mean)]
+            for d, f in dirs.items()
+        }  # fmt: skip
+        assert logged["1"] and logged["1"] == pytest.approx(logged["2"], abs=1e-5), mean
+    lambdas = {
+        d: open(run_file(f, "knn_per_lambdas.csv")).read().splitlines()
+        for d, f in {"1": tmp_path / "digits_knn_per",
+                     "2": _two(two_processes, "digits_knn_per")}.items()
+    }  # fmt: skip
+    # seen and unseen clients, in client order (not in the gather's rank order)
+    assert [row.split(",")[0] for row in lambdas["1"][1:]] == [str(c) for c in range(10)]
+    assert lambdas["1"] == lambdas["2"]
     fedem = {"1": tmp_path / "digits_fedem", "2": _two(two_processes, "digits_fedem")}
     store = {
         d: _checkpoint(f)["callbacks"]["_RoundDriver"]["client_store"] for d, f in fedem.items()
