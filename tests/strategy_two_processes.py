@@ -1,10 +1,18 @@
-"""Small fits on 2 processes (run by tests/test_strategy_fit.py): SCAFFOLD on 3 clients of
-unequal sizes, sequential then vectorized in chunks of 2, each rank starting from a model
-of its own seed (the strategy broadcasts rank 0's); then DP-SGD on 5 clients, whose
-logged values (the round's training means, the largest ε) must be over every rank's
-clients. Each rank saves, per fit, the model, how many times its optimizer stepped, how
-many times Lightning's SIGTERM flag was broadcast and what it logged, to
-``<root>/rank<r>.pt``.
+"""Small fits on 2 processes (run by tests/test_strategy_fit.py), each compared there with
+the same fit on one process:
+
+- SCAFFOLD on 3 clients of unequal sizes, sequential then vectorized in chunks of 2, each
+  rank starting from a model of its own seed (the strategy broadcasts rank 0's): the
+  model, how many times the rank's optimizer stepped and how many times Lightning's
+  SIGTERM flag was broadcast;
+- DP-SGD on 5 clients, then a test with membership inference: what the rank logged (the
+  round's training means, the largest ε, the attacks' means, over every rank's clients)
+  and how many test batches it ran (its own clients' only);
+- CA-Fed, whose loss probes run on each client's rank and are summed over ranks: the model;
+- SIFU with a request, whose sensitivity increments are summed over ranks: the model, the
+  history Ψ and the request's restart point; and FEDACCUM, refused on several processes.
+
+Each rank saves them to ``<root>/rank<r>.pt``.
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.strategy_two_processes ROOT
 """
@@ -15,12 +23,15 @@ import os
 import sys
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from lightning_fl import MLP, Classifier, FederatedStrategy
-from lightning_fl.callbacks import DPSGD, SCAFFOLD, MembershipInference
-from tests.helpers import HIDDEN, IN, OUT, make_trainer, params_of, tiny_datamodule
+from lightning_fl import MLP, Classifier, FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import DPSGD, SCAFFOLD, FedAvg, MembershipInference, Unlearning
+from lightning_fl.systems.availability import MarkovAvailability
+from lightning_fl.systems.samplers import AvailableClients
+from tests.helpers import HIDDEN, IN, OUT, make_trainer, params_of, tiny_datamodule, tiny_module
 
 ROUNDS, CLIENTS, CHUNK = 3, 3, 2
 #: the values every rank logs, compared with one process: after the fit, then the test
@@ -31,16 +42,45 @@ TEST_LOGGED = ("mia/train/best", "mia/train/loss")
 def private_fit(**trainer_options) -> dict[str, float]:
     """DP-SGD on 5 clients for 2 rounds of 2 local steps (its accounting keeps client
     state: client c trains on rank c % 2), then a test with membership inference on every
-    client (each rank attacks its own): what this rank logged."""
+    client (each rank attacks its own): what this rank logged, and its test batches."""
     private = DPSGD(noise_multiplier=0.5, max_grad_norm=0.5)
-    attack = MembershipInference(stages=("test",))
+    attack, batches = MembershipInference(stages=("test",)), TestBatches()
     strategy = FederatedStrategy(local_steps=2, seed=3)
-    trainer = make_trainer(strategy, 2, [private, attack], **trainer_options)
+    trainer = make_trainer(strategy, 2, [private, attack, batches], **trainer_options)
     data, trained = tiny_datamodule(num_clients=5), module(seed=1)
     trainer.fit(trained, datamodule=data)
     logged = {name: float(trainer.callback_metrics[name]) for name in FIT_LOGGED}
     trainer.test(trained, datamodule=data, verbose=False)
-    return logged | {name: float(trainer.callback_metrics[name]) for name in TEST_LOGGED}
+    logged |= {name: float(trainer.callback_metrics[name]) for name in TEST_LOGGED}
+    return logged | {"test_batches": batches.count}
+
+
+def ca_fed_fit(**trainer_options) -> list[torch.Tensor]:
+    """CA-Fed (κ̄² = 0.5) on 8 clients of unequal availability for 5 rounds: which
+    clients it keeps depends on the losses probed on every available client, each on its
+    own rank (here it excludes clients in rounds 1, 3 and 4).
+    The model."""
+    pi, lam = [0.9] * 4 + [0.15] * 4, [0.9, 0.0] * 4
+    sampler = AvailableClients(MarkovAvailability(pi, lam), selector="ca_fed", kappa2=0.5)
+    trained = tiny_module()
+    trainer = make_trainer(FederatedStrategy(sampler=sampler, local_steps=2, seed=1), 5,
+                           **trainer_options)  # fmt: skip
+    trainer.fit(trained, datamodule=tiny_datamodule(num_clients=8))
+    return params_of(trained)
+
+
+def unlearning_fit(method: str, **trainer_options) -> dict:
+    """``method`` on 8 clients, 4 a round, 6 rounds, with clients 0 and 1 asking to be
+    forgotten at round 4 (SIFU at σ = 0.01 restarts from round 1, a point that the
+    sensitivities of every rank's clients decide): the model, SIFU's history Ψ (one
+    tensor a branch, rounds × clients) and the requests served."""
+    forgetting = Unlearning(method, sigma=0.01, requests={4: [0, 1]})
+    trained = tiny_module()
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=3)
+    trainer = make_trainer(strategy, 6, [FedAvg(), forgetting], **trainer_options)
+    trainer.fit(trained, datamodule=tiny_datamodule(num_clients=8))
+    psi = [torch.tensor(np.array(branch, dtype=np.float64)) for branch in forgetting.history.psi]
+    return {"params": params_of(trained), "psi": psi, "requests": forgetting.done_requests}
 
 
 def module(seed: int) -> Classifier:
@@ -51,6 +91,16 @@ def module(seed: int) -> Classifier:
 def strategy(vectorize: bool, **kw) -> FederatedStrategy:
     return FederatedStrategy(local_epochs=1, seed=3, vectorize=vectorize,
                              max_vectorized_clients=CHUNK if vectorize else None, **kw)  # fmt: skip
+
+
+class TestBatches(pl.Callback):
+    """Counts the test batches this process runs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_test_batch_start(self, *args) -> None:
+        self.count += 1
 
 
 class OptimizerSteps(pl.Callback):
@@ -91,4 +141,11 @@ if __name__ == "__main__":
         results[name] = {"params": params_of(trained), "optimizer_steps": steps.steps,
                          "sigterm_broadcasts": broadcasts[0]}  # fmt: skip
     results["logged"] = private_fit(devices=2)
+    results["ca_fed"] = ca_fed_fit(devices=2)
+    results["sifu"] = unlearning_fit("sifu", devices=2)
+    try:
+        unlearning_fit("fedaccum", devices=2)
+        results["fedaccum"] = "ran"
+    except ValueError as err:
+        results["fedaccum"] = str(err)
     torch.save(results, os.path.join(root, f"rank{rank}.pt"))

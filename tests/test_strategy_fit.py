@@ -384,18 +384,29 @@ def test_prediction_runs_on_a_plain_loader_as_lightning_does():
     assert torch.equal(torch.cat(predicted), module(inputs).argmax(1))
 
 
-def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_fits(tmp_path_factory) -> list[dict]:
+    """tests/strategy_two_processes.py's fits on 2 processes, in one torchrun launch:
+    what each rank saved."""
+    root = tmp_path_factory.mktemp("two_process_fits")
+    torchrun("tests.strategy_two_processes", str(root), timeout=600)
+    return [torch.load(root / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(
+    two_process_fits,
+):
     """Three clients of 1, 3 and 5 batches a round, split by steps: rank 0 trains client 2
     (5 steps), rank 1 clients 0 and 1 (4) and pads a step a round, on which its optimizer
     does not step. Every rank starts from rank 0's model (each built its own), the
     SIGTERM flag crosses once a round, not once a step, and SCAFFOLD's models equal the
     1-process run, sequential and vectorized (in chunks of 2: rank 1 pads its chunk's
     steps). What every rank logs (the round's training means, DP-SGD's largest ε, the
-    membership-inference means) is over both ranks' clients, as on one process."""
+    membership-inference means) is over both ranks' clients, as on one process; each
+    rank tests its own clients only."""
     from tests import strategy_two_processes as script
 
-    torchrun("tests.strategy_two_processes", str(tmp_path), timeout=600)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = two_process_fits
     expected_steps = {"sequential": (3 * 5, 3 * 4), "vectorized": (0, 0)}
     for name, vectorize in (("sequential", False), ("vectorized", True)):
         one = script.module(seed=100)
@@ -406,6 +417,29 @@ def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(t
             assert rank[name]["sigterm_broadcasts"] == script.ROUNDS, name
         assert tuple(r[name]["optimizer_steps"] for r in ranks) == expected_steps[name]
     one = script.private_fit()  # every rank logs the values of one process
+    # ... and tests its own clients only: one batch each, clients 0, 2, 4 and 1, 3
+    assert one.pop("test_batches") == 5
+    assert [rank["logged"].pop("test_batches") for rank in ranks] == [3, 2]
     assert set(one) == {*script.FIT_LOGGED, *script.TEST_LOGGED}
     for rank in ranks:
         assert rank["logged"] == pytest.approx(one)
+
+
+def test_plugins_that_sum_over_ranks_on_two_processes_equal_one_process(two_process_fits):
+    """CA-Fed's loss probes and SIFU's sensitivity increments are computed on each
+    client's rank and summed over ranks: the models, Ψ and SIFU's restart point equal one
+    process's; FEDACCUM, which needs every client's model, is refused."""
+    from tests import strategy_two_processes as script
+
+    ranks = two_process_fits
+    one = script.ca_fed_fit()
+    for rank in ranks:
+        assert max_abs_diff(one, rank["ca_fed"]) <= 1e-5
+    one = script.unlearning_fit("sifu")
+    assert one["requests"] == [{"round": 4, "clients": [0, 1], "branch": 0, "restart_round": 1}]
+    for rank in ranks:
+        assert max_abs_diff(one["params"], rank["sifu"]["params"]) <= 1e-5
+        assert rank["sifu"]["requests"] == one["requests"]
+        assert [p.shape for p in rank["sifu"]["psi"]] == [p.shape for p in one["psi"]]
+        assert max_abs_diff(one["psi"], rank["sifu"]["psi"]) <= 1e-5
+        assert rank["fedaccum"] == "FEDACCUM re-aggregates every client's model: use devices=1."
