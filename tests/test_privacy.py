@@ -3,6 +3,7 @@ reference data), DP-SGD, and the Purchase100/Texas100 file formats."""
 
 from __future__ import annotations
 
+import csv
 import math
 
 import numpy as np
@@ -155,15 +156,24 @@ def test_server_reference_with_w_zero_is_fedavg_and_with_w_one_only_server_data(
     assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
 
 
-def _server_steps_by_hand(dm, steps: int | None = None) -> torch.nn.Module:
+def _dropout_network() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)
+    )
+
+
+def _server_steps_by_hand(dm, steps: int | None = None, dropout: bool = False) -> torch.nn.Module:
     """Round 0's server steps from the initial model (seed 0), lr 0.1, batches of 16 of its
     reference data shuffled by (3, "server_reference", 0): one pass, or ``steps`` batches
-    cycled over passes."""
+    cycled over passes. With ``dropout``, :func:`_dropout_network`, whose masks the server
+    draws from its own seed (3, "server_reference", 0), as a client does from its own."""
     from lightning_fl.engine.schedule import cycle_batches
-    from lightning_fl.engine.seeding import generator
+    from lightning_fl.engine.seeding import derive_seed, generator
 
     torch.manual_seed(0)
-    net = MLP(10, (16,), 4)
+    net = _dropout_network() if dropout else MLP(10, (16,), 4)
+    if dropout:
+        torch.manual_seed(derive_seed(3, "server_reference", 0))
     loader = torch.utils.data.DataLoader(
         dm.server_reference(), batch_size=16, shuffle=True,
         generator=generator(3, "server_reference", 0),
@@ -230,13 +240,20 @@ def test_song_mittal_thresholds_are_per_class():
     assert single.accuracy["confidence"] <= 0.8
 
 
-def test_membership_inference_attacks_the_server_reference_data():
+def test_membership_inference_attacks_the_server_reference_data(tmp_path):
     torch.manual_seed(0)
     module = Classifier(MLP(10, (32,), 4), lr=0.1)
     dm = _dm("server", num_clients=2)
-    trainer = _fit(module, dm, [ServerReference(w=0.5), MembershipInference(stages=("test",))])
+    trainer = _fit(module, dm, [ServerReference(w=0.5), MembershipInference(stages=("test",))],
+                   default_root_dir=str(tmp_path))  # fmt: skip
     results = trainer.test(module, datamodule=dm, verbose=False)[0]
-    assert "mia/reference/best" in results and "mia/train/best" in results
+    rows = list(csv.DictReader(open(tmp_path / "membership_inference.csv")))
+    # each client attacks its training data; the server, client id -1, its reference data
+    assert [(r["data"], r["client"]) for r in rows] == [("reference", "-1"), ("train", "0"),
+                                                        ("train", "1")]  # fmt: skip
+    assert results["mia/reference/best"] == pytest.approx(float(rows[0]["best"]), abs=1e-6)
+    mean = (float(rows[1]["best"]) + float(rows[2]["best"])) / 2
+    assert results["mia/train/best"] == pytest.approx(mean, abs=1e-6)
 
 
 # ------------------------------------------------------------------ DP-SGD
@@ -265,6 +282,62 @@ def test_dp_sgd_gradient_is_clipped_per_sample_and_noised():
     noise = {n: torch.normal(0.0, 2.0 * 0.5, size=p.shape) for n, p in params.items()}
     for n in params:
         assert torch.allclose(noisy[n], expected[n] + noise[n] / 6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_clipping_scales_each_gradient_by_hand_down_to_norms_below_its_guard(rows):
+    """clip_C(g) = g · min(1, C / (‖g‖ + 10⁻⁶)) over all parameters: gradients of norm
+    5 (scaled to C = 0.5), 0.5 (scaled by 0.5 / (0.5 + 10⁻⁶)) and 10⁻⁷ (below the guard:
+    kept as it is), summed; with ``rows``, the same per client row."""
+    dp = DPSGD(noise_multiplier=0.0, max_grad_norm=0.5)
+    g = torch.tensor([[3.0, 4.0], [0.3, 0.4], [6e-8, 8e-8]], dtype=torch.float64)
+    factors = [0.5 / (5 + 1e-6), 0.5 / (0.5 + 1e-6), 1.0]
+    expected = sum(f * row for f, row in zip(factors, g))
+    columns = [g[:, :1], g[:, 1:]]  # two parameters: the norm is over both
+    if rows:  # two client rows: the samples, and the samples reversed
+        columns = [torch.stack([c, c.flip(0)]) for c in columns]
+    clipped = torch.cat(dp.clipped_sum(columns, rows=rows), dim=-1)
+    assert torch.allclose(clipped, expected.expand_as(clipped), rtol=0, atol=1e-12)
+
+
+def test_a_reused_dpsgd_accounts_with_each_fits_own_client_sizes():
+    """One DPSGD over two fits: the second's clients hold 18, 11 and 1 training samples
+    (the first's 4, 11 and 18), so its rates are B/n of the second fit's sizes, with B
+    the largest batch seen: 4/18, 4/11, and 1/1 for the one-sample client; ε as the
+    accountant's for 2 rounds of 2 steps."""
+    from opacus.accountants import RDPAccountant
+
+    from lightning_fl import FullParticipation
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from tests.helpers import tiny_clients, tiny_datamodule, tiny_module
+
+    dp = DPSGD(noise_multiplier=1.1, max_grad_norm=1.0)
+    clients = tiny_clients(3)[::-1]
+    clients[2]["train"] = tuple(t[:1] for t in clients[2]["train"])
+    for dm in (tiny_datamodule(num_clients=3), InMemoryFederatedDataModule(clients, 4)):
+        strategy = FederatedStrategy(sampler=FullParticipation(), local_steps=2, seed=3)
+        trainer = make_trainer(strategy, 2, [dp])
+        trainer.fit(tiny_module(), datamodule=dm)
+    store = trainer.strategy.client_store
+    for client, rate in enumerate((4 / 18, 4 / 11, 1.0)):
+        assert store.get(client, "dp_train_steps") == 4
+        accountant = RDPAccountant()
+        accountant.history = [(1.1, rate, 4)]
+        assert dp.epsilon(store, client, "train") == pytest.approx(accountant.get_epsilon(1e-5))
+
+
+def test_dp_sgd_without_noise_or_clipping_is_werms_sgd_between_the_ends():
+    """At σ = 0 and a bound no gradient reaches, DP-SGD's step on WERM's batches is the
+    (1 − w, w) mix of the two sources' mean gradients: at w = 0.3, 2 rounds of 3 steps on
+    3 clients equal WERM trained without DP-SGD."""
+    models = []
+    for callbacks in ([], [DPSGD(noise_multiplier=0.0, max_grad_norm=1e9)]):
+        torch.manual_seed(0)
+        module = WERMClassifier(MLP(10, (16,), 4), w=0.3, lr=0.1)
+        trainer = make_trainer(FederatedStrategy(local_steps=3, seed=3), 2, callbacks)
+        trainer.fit(module, datamodule=_dm("client", num_clients=3))
+        models.append(params_of(module))
+    assert max_abs_diff(*models) < 1e-6
 
 
 def test_dp_sgd_training_reports_epsilon_for_both_datasets():
@@ -650,6 +723,19 @@ def test_server_reference_needs_the_servers_data_only_when_it_has_weight():
     _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.0)], rounds=1)
     with pytest.raises(TypeError, match=r"has no server_reference\(\): use reference='server'"):
         _fit(tiny_module(), tiny_datamodule(), [ServerReference(w=0.5)], rounds=1)
+
+
+def test_server_steps_draw_their_dropout_masks_from_the_servers_own_seed():
+    """w = 1 on a network with dropout: the round's model is the server's steps by hand,
+    with masks drawn from the server's seed, not from what the last client's steps left
+    in the global generator."""
+    dm = _dm("server", num_clients=3)
+    torch.manual_seed(0)
+    one = Classifier(_dropout_network(), lr=0.1)
+    _fit(one, dm, [ServerReference(w=1.0)], rounds=1)
+    net = _server_steps_by_hand(dm, dropout=True)
+    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
+    assert max_abs_diff(params_of(one), params_of(_server_steps_by_hand(dm))) > 1e-3
 
 
 def test_server_reference_with_local_steps_cycles_its_batches_by_hand():
