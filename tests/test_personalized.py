@@ -596,6 +596,21 @@ def test_clustered_fl_evaluates_each_client_with_its_cluster_and_an_unseen_one_b
     tested = trainer.strategy.evaluation.last_report[1]["test_loss"]
     assert loss(1, clients[5]["train"]) < loss(0, clients[5]["train"])
     assert tested[5][0] == pytest.approx(loss(1, clients[5]["test"]), rel=1e-5)
+    # Unseen client 4 again, its validation data in batches of unequal sizes, 8 samples of
+    # the second group then 1 of the first: the lowest total loss is the second cluster's,
+    # which a sum of batch means, weighted or divided by batch sizes, would not choose.
+    big, lone, test = group(8, True), group(1, False), group(6, True)
+    clients[4] = {"train": clients[4]["train"], "test": test,
+                  "val": tuple(torch.cat(pair) for pair in zip(big, lone))}  # fmt: skip
+    unequal = InMemoryFederatedDataModule(clients, batch_size=8)
+    unequal.unseen_clients = [4, 5]
+    totals = [8 * loss(c, big) + loss(c, lone) for c in (0, 1)]
+    means = [loss(c, big) + loss(c, lone) for c in (0, 1)]
+    divided = [loss(c, big) / 8 + loss(c, lone) for c in (0, 1)]
+    assert totals[1] < totals[0] and means[0] < means[1] and divided[0] < divided[1]
+    trainer.test(module, datamodule=unequal, verbose=False)
+    tested = trainer.strategy.evaluation.last_report[1]["test_loss"]
+    assert tested[4][0] == pytest.approx(loss(1, test), rel=1e-5)
 
 
 def test_finetune_leaves_validation_to_the_global_model_outside_its_stages():
