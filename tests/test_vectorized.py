@@ -643,20 +643,45 @@ def test_apfl_with_batchnorm_is_refused_under_vectorize():
 
 def test_clipping_by_norm_leaves_rows_under_the_value_alone():
     """Per-row total norm: a row over the value is scaled to it, a row under it is left
-    as it is (a clip value that clips every client cannot tell the two apart)."""
+    as it is (a clip value that clips every client cannot tell the two apart), down to a
+    row whose norm, 10⁻⁷, is below the 10⁻⁶ in the coefficient value/(norm + 10⁻⁶)."""
     from lightning_fl.engine.stacked_optimizer import clip_gradients_
 
-    a = torch.tensor([[3.0, 0.0], [0.3, 0.0]])  # rows: client 0, client 1
-    b = torch.tensor([[[0.0, 4.0]], [[0.0, 0.4]]])  # row norms with a: 5 and 0.5
+    a = torch.tensor([[3.0, 0.0], [0.3, 0.0], [6e-8, 0.0]])  # rows: clients 0, 1 and 2
+    b = torch.tensor([[[0.0, 4.0]], [[0.0, 0.4]], [[0.0, 8e-8]]])  # norms 5, 0.5 and 1e-7
     grads = [a.clone(), b.clone()]
     clip_gradients_(grads, 1.0, "norm")
     scale = 1.0 / (5.0 + 1e-6)
     assert torch.allclose(grads[0][0], a[0] * scale) and torch.allclose(grads[1][0], b[0] * scale)
-    assert torch.equal(grads[0][1], a[1]) and torch.equal(grads[1][1], b[1])
+    assert torch.equal(grads[0][1:], a[1:]) and torch.equal(grads[1][1:], b[1:])
     grads = [a.clone(), b.clone()]
     clip_gradients_(grads, 0.35, "value")
-    assert torch.allclose(grads[0], torch.tensor([[0.35, 0.0], [0.3, 0.0]]))
-    assert torch.allclose(grads[1], torch.tensor([[[0.0, 0.35]], [[0.0, 0.35]]]))
+    assert torch.allclose(grads[0], torch.tensor([[0.35, 0.0], [0.3, 0.0], [6e-8, 0.0]]))
+    assert torch.allclose(grads[1], torch.tensor([[[0.0, 0.35]], [[0.0, 0.35]], [[0.0, 8e-8]]]))
+
+
+@pytest.mark.parametrize("kind, momentum", [("sgd", 0.9), ("sgd", 1.0), ("adam", None)])
+def test_a_client_row_that_never_stepped_has_no_optimizer_state(kind, momentum):
+    """Row 0 loads a saved state (SGD's momentum buffer, at momentum 0.9 and at its upper
+    end 1; Adam's 3 steps and moments), row 1
+    has none and has not stepped: row 0's state comes back as it was saved, and row 1's
+    is empty, as torch.optim keeps no state for a parameter it never stepped."""
+    from lightning_fl.engine.stacked_optimizer import StackedOptimizer
+
+    param = torch.nn.Parameter(torch.zeros(3))
+    if kind == "sgd":
+        optimizer = torch.optim.SGD([param], lr=0.1, momentum=momentum)
+        saved = {0: {"momentum_buffer": torch.tensor([1.0, 2.0, 3.0])}}
+    else:
+        optimizer = torch.optim.Adam([param], lr=0.1)
+        saved = {0: {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, 2.0, 3.0]),
+                     "exp_avg_sq": torch.tensor([4.0, 5.0, 6.0])}}  # fmt: skip
+    stacked = StackedOptimizer(optimizer, [param])
+    stacked.reset([torch.zeros(2, 3)], [saved, None])
+    assert stacked.state_of(1) == {}
+    row = stacked.state_of(0)
+    assert row.keys() == saved.keys() and row[0].keys() == saved[0].keys()
+    assert all(torch.equal(row[0][name], value) for name, value in saved[0].items())
 
 
 @pytest.mark.parametrize("prox_mu", [None, 0.5])
