@@ -12,6 +12,7 @@ import torch
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import FedAvg, GossipAveraging
+from lightning_fl.callbacks.base import FederatedCallback
 from lightning_fl.systems.topology import (
     NETWORKS,
     DelayModel,
@@ -403,6 +404,94 @@ def test_dpasgd_on_the_complete_graph_equals_fedavg_with_full_participation():
             gossip, datamodule=tiny_datamodule(num_clients=11)
         )
         assert max_abs_diff(params_of(fedavg), params_of(gossip)) < 1e-6
+
+
+class _StillClient(FederatedCallback):
+    """Client 3 steps with learning rate 0 in round 1: its model does not move."""
+
+    def on_client_start(self, trainer, pl_module, client, state) -> None:
+        self.saved = None
+        if (state.round_idx, client) == (1, 3):
+            groups = trainer.optimizers[0].param_groups
+            self.saved = [group["lr"] for group in groups]
+            for group in groups:
+                group["lr"] = 0.0
+
+    def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+        if self.saved is not None:
+            for group, lr in zip(trainer.optimizers[0].param_groups, self.saved):
+                group["lr"] = lr
+
+
+def test_a_dropped_update_under_gossip_mixes_the_clients_own_model():
+    """Client 3's update is NaN in round 1 and dropped: the row it fills in that round's
+    mixing is its own model, as if it had not moved, so the 3 rounds over Gaia's ring
+    (W not uniform: which model fills the row shows) end as a run whose client 3 steps
+    with learning rate 0 in round 1, every silo's model included; neither is the clean
+    run."""
+    from lightning_fl.callbacks.gossip import STORE_KEY
+    from tests.helpers import PoisonedUpdates
+
+    def run(callbacks: list) -> list[torch.Tensor]:
+        gossip = GossipAveraging(topology=SiloTopology("gaia", "ring"), step_scale="none")
+        trainer = make_trainer(FederatedStrategy(local_steps=3, seed=2), 3, [gossip, *callbacks])
+        trainer.fit(tiny_module(lr=0.2), datamodule=tiny_datamodule(num_clients=11))
+        return [trainer.strategy.client_store.get(c, STORE_KEY) for c in range(11)]
+
+    dropped = run([PoisonedUpdates([1], [3])])
+    assert max_abs_diff(dropped, run([_StillClient()])) < 1e-6
+    assert max_abs_diff(dropped, run([])) > 1e-3
+
+
+def test_a_second_fit_with_the_same_optimizer_scales_its_steps_once():
+    """A module that hands Lightning the same optimizer at its second fit: GossipAveraging
+    hooks it once, so its steps are scaled by T·n_t/n once and its learning rate is
+    restored after each; the two fits equal two fits with a new optimizer each (SGD
+    without momentum keeps no state)."""
+    from lightning_fl import MLP, Classifier
+    from tests.helpers import HIDDEN, IN, OUT
+
+    class _SameOptimizer(Classifier):
+        def configure_optimizers(self):
+            if not hasattr(self, "_optimizer"):
+                self._optimizer = super().configure_optimizers()
+            return self._optimizer
+
+    models = []
+    for kind in (Classifier, _SameOptimizer):
+        torch.manual_seed(1)
+        module = kind(network=MLP(IN, (HIDDEN,), OUT), lr=0.1)
+        gossip = GossipAveraging(edge_probability=0.6, seed=1)
+        for _ in range(2):
+            trainer = make_trainer(FederatedStrategy(local_steps=2, seed=2), 2, [gossip])
+            trainer.fit(module, datamodule=tiny_datamodule(num_clients=5))
+        models.append(params_of(module))
+        assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1
+    assert max_abs_diff(*models) < 1e-6
+
+
+def test_a_restored_clock_takes_effect_at_once_and_is_not_restored_again():
+    """The silo clock (eq. 2.4) of a callback that already has one: a saved state loaded
+    into it is its clock at once, and the next fits continue from it, each from where the
+    last ended (not from the loaded state again)."""
+    import copy
+
+    gossip = GossipAveraging(topology=SiloTopology("gaia", "ring"), step_scale="none")
+
+    def fit(rounds: int) -> None:
+        trainer = make_trainer(FederatedStrategy(local_steps=1, seed=2), rounds, [gossip])
+        trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=11))
+
+    fit(2)
+    saved, at_two = copy.deepcopy(gossip.state_dict()), gossip.clock.now
+    fit(2)
+    assert gossip.clock.now > at_two
+    gossip.load_state_dict(saved)
+    assert gossip.clock.now == at_two
+    expected = copy.deepcopy(gossip.clock)
+    for _ in range(2):
+        fit(1)
+        assert gossip.clock.now == expected.advance()
 
 
 def test_dpasgd_over_a_ring_reaches_consensus_when_learning_stops():
