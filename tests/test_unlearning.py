@@ -550,6 +550,59 @@ def test_a_resume_within_a_phase_keeps_the_check_period(tmp_path):
     assert max_abs_diff(params_of(full), params_of(resumed)) == 0.0
 
 
+def test_checks_are_scheduled_from_every_two_rounds_on():
+    """Fewer checks than every round (and the start model's observation that comes with
+    them) from ``check_every = 2`` on; ``check_every = 1`` checks every round."""
+    every = {n: StopAtTarget("unlearning/remaining_train_acc", 0.9, check_every=n) for n in (1, 2)}
+    assert (every[1].scheduled, every[2].scheduled) == (False, True)
+
+
+def test_the_check_period_is_restored_only_when_both_sides_have_a_target():
+    """A checkpoint's check period is loaded into a callback with a target when the
+    checkpoint has one too; one without it leaves the callback's period as it is; a
+    callback without a target takes a checkpoint with one and has nothing to restore."""
+
+    def callback(period: int | None = None) -> Unlearning:
+        if period is None:
+            return Unlearning(requests={3: [0]})
+        stop = StopAtTarget("unlearning/remaining_train_acc", 0.9, check_every=4)
+        stop.period = period
+        return Unlearning(requests=[[0]], on_target=stop)
+
+    saved = callback(period=1).state_dict()
+    target = callback(period=2)
+    target.load_state_dict(saved)
+    assert target.on_target.period == 1
+    target = callback(period=2)
+    target.load_state_dict(callback().state_dict())
+    assert target.on_target.period == 2
+    plain = callback()
+    plain.load_state_dict(saved)
+    assert plain.on_target is None and plain.queue == [[0]]  # the checkpoint's requests
+
+
+def test_the_remaining_clients_are_those_with_training_data_one_sample_included():
+    """Client 0 has no training data and client 1 one sample: a request for clients 2 and
+    3 leaves client 1 and is served; the DP baseline sizes its noise on the remaining
+    clients with data (3, then 1); a request that would leave only client 0 is refused."""
+    clients = tiny_clients(4)
+    clients[0]["train"] = tuple(t[:0] for t in clients[0]["train"])
+    clients[1]["train"] = tuple(t[:1] for t in clients[1]["train"])
+
+    def fit(requests):
+        unlearning = Unlearning("dp", requests=requests)
+        sizes, noise_std = [], unlearning.forgetting.round_noise_std
+        unlearning.forgetting.round_noise_std = lambda m: sizes.append(m) or noise_std(m)
+        dm = InMemoryFederatedDataModule(clients, batch_size=4)
+        _fit([FedAvg(), unlearning], 4, sampler=FullParticipation(), dm=dm)
+        return unlearning, sizes
+
+    served, sizes = fit({2: [2, 3]})
+    assert served.removed == [2, 3] and sizes == [3, 3, 1, 1]
+    with pytest.raises(ValueError, match="The request would remove every client"):
+        fit({2: [1, 2, 3]})
+
+
 def test_a_method_change_after_a_request_or_to_a_method_that_trains_otherwise_is_refused(
     tmp_path,
 ):
