@@ -503,7 +503,7 @@ def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step()
 
 
 def test_ours_with_an_estimated_ratio_runs_from_the_trainer_and_logs_it():
-    from lightning_fl import FederatedStrategy
+    from lightning_fl import BinaryClassifier, FederatedStrategy
     from lightning_fl.callbacks import StreamFedAvg
     from lightning_fl.systems.streams import estimate_constants
     from tests.helpers import make_trainer
@@ -522,6 +522,21 @@ def test_ours_with_an_estimated_ratio_runs_from_the_trainer_and_logs_it():
     n = np.array(dm.sample_counts()) / sum(dm.sample_counts())
     fresh = np.arange(6) >= 2
     assert weights == pytest.approx(configuration_rule(n, fresh, expected), abs=1e-9)
+    # the estimate (at each fit's start) leaves the global RNG as it found it, and a
+    # client without samples gets no weight, the rule running over the others
+    constants = estimate_constants(module, datasets, 20, 0.1, dm.batch_size, 0.2, seed=4)
+    trained = estimate_ratio(*constants, 21, sum(dm.sample_counts()), 4)  # the trained model's
+    dropout = BinaryClassifier(torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(20, 1)))
+    torch.manual_seed(7)
+    before = torch.random.get_rng_state()
+    aggregator.on_fit_start(trainer, module)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert aggregator.estimated_ratio == pytest.approx(trained)
+    with_empty = aggregator.target_weights([*dm.sample_counts(), 0]).numpy()
+    assert with_empty[-1] == 0.0
+    assert with_empty[:-1] == pytest.approx(configuration_rule(n, fresh, trained), abs=1e-9)
+    aggregator.on_fit_start(trainer, dropout)  # its masks come from the global RNG
+    assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_full_batch_local_training_is_gradient_descent_on_the_cache():
