@@ -589,6 +589,10 @@ def test_bad_networks_and_parameters_get_clear_errors(tmp_path):
         SiloNetwork.from_underlay(no_capacity, core_bps=None)
     with pytest.raises(TopologyError, match="core_bps must be > 0 bit/s, got 0"):
         SiloNetwork.from_underlay("gaia", core_bps=0)
+    slow = SiloNetwork.from_underlay("gaia", core_bps=0.5)  # any positive rate, below 1 too
+    fast = SiloNetwork.from_underlay("gaia", core_bps=1e9)
+    off = ~np.eye(11, dtype=bool)
+    assert slow.bandwidth_bps[off] == pytest.approx(fast.bandwidth_bps[off] * 0.5e-9)
     with pytest.raises(TopologyError, match=r"access_bps has 3 values for 11 silos"):
         SiloNetwork.from_underlay("gaia", access_bps=[1e9, 1e9, 1e9])
     with pytest.raises(TopologyError, match=r"access_bps\[0\] = 0.0"):
@@ -662,6 +666,13 @@ def test_silo_pairs_come_in_the_order_dijkstra_first_reaches_them(tmp_path):
         (0, 3), (0, 2), (0, 1), (1, 2), (1, 3), (1, 0),
         (2, 0), (2, 1), (2, 3), (3, 0), (3, 1), (3, 2),
     )  # fmt: skip
+    # ties: silos 2 and 1 are both 1 km from silo 0 (2 relaxed first, though "s1" sorts
+    # first): 2 is searched first, so its neighbour 4 comes before 1's neighbour 3
+    ties = _write_gml(tmp_path / "ties.gml", [(0, 2, 1.0), (0, 1, 1.0), (1, 3, 1.0), (2, 4, 1.0)])
+    assert SiloNetwork.from_underlay(ties).pair_order[:4] == ((0, 2), (0, 1), (0, 4), (0, 3))
+    # the nearer silo 1 (1 km, against 5) is searched first: its neighbour 3 comes first
+    near = _write_gml(tmp_path / "near.gml", [(0, 1, 1.0), (0, 2, 5.0), (1, 3, 1.0), (2, 4, 1.0)])
+    assert SiloNetwork.from_underlay(near).pair_order[:4] == ((0, 1), (0, 2), (0, 3), (0, 4))
 
 
 def test_a_tree_is_as_slow_as_its_slowest_computation_when_that_exceeds_every_link():
