@@ -10,7 +10,10 @@ the same fit on one process:
   and how many test batches it ran (its own clients' only);
 - CA-Fed, whose loss probes run on each client's rank and are summed over ranks: the model;
 - SIFU with a request, whose sensitivity increments are summed over ranks: the model, the
-  history Ψ and the request's restart point; and FEDACCUM, refused on several processes.
+  history Ψ and the request's restart point; and FEDACCUM, refused on several processes;
+- a test of a module that logs a torchmetrics macro accuracy: each client's value, computed
+  on its rank from its own share of the metric's state, and the value pooled over the
+  seen clients of every rank.
 
 Each rank saves them to ``<root>/rank<r>.pt``.
 
@@ -67,6 +70,36 @@ def ca_fed_fit(**trainer_options) -> list[torch.Tensor]:
                            **trainer_options)  # fmt: skip
     trainer.fit(trained, datamodule=tiny_datamodule(num_clients=8))
     return params_of(trained)
+
+
+class MacroAccuracy(Classifier):
+    """A Classifier that also logs a torchmetrics macro accuracy in test."""
+
+    def __init__(self, **kw) -> None:
+        from torchmetrics.classification import MulticlassAccuracy
+
+        super().__init__(**kw)
+        self.macro = MulticlassAccuracy(num_classes=OUT, average="macro")
+
+    def test_step(self, batch, batch_idx):
+        super().test_step(batch, batch_idx)
+        self.macro.update(self(batch[0]), batch[1])
+        self.log("test_macro_acc", self.macro, on_epoch=True)
+
+
+def torchmetrics_test(**trainer_options) -> dict:
+    """One round on 6 clients (2 of them unseen), then a test: each client's macro
+    accuracy, as (value, count) rows, and the logged value pooled over the seen clients."""
+    torch.manual_seed(1)
+    trained = MacroAccuracy(network=MLP(IN, (HIDDEN,), OUT), lr=0.1)
+    data = tiny_datamodule(num_clients=6)
+    data.hold_out(1 / 3)
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 1, **trainer_options)
+    trainer.fit(trained, datamodule=data)
+    trainer.test(trained, datamodule=data, verbose=False)
+    per_client = trainer.strategy.evaluation.last_report[1]["test_macro_acc"]
+    return {"clients": {c: list(v) for c, v in per_client.items()},
+            "pooled": float(trainer.callback_metrics["test_macro_acc"])}  # fmt: skip
 
 
 def unlearning_fit(method: str, **trainer_options) -> dict:
@@ -143,6 +176,7 @@ if __name__ == "__main__":
     results["logged"] = private_fit(devices=2)
     results["ca_fed"] = ca_fed_fit(devices=2)
     results["sifu"] = unlearning_fit("sifu", devices=2)
+    results["torchmetrics"] = torchmetrics_test(devices=2)
     try:
         unlearning_fit("fedaccum", devices=2)
         results["fedaccum"] = "ran"

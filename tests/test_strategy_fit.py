@@ -443,3 +443,20 @@ def test_plugins_that_sum_over_ranks_on_two_processes_equal_one_process(two_proc
         assert [p.shape for p in rank["sifu"]["psi"]] == [p.shape for p in one["psi"]]
         assert max_abs_diff(one["psi"], rank["sifu"]["psi"]) <= 1e-5
         assert rank["fedaccum"] == "FEDACCUM re-aggregates every client's model: use devices=1."
+
+
+def test_a_torchmetrics_metric_per_client_and_pooled_on_two_processes_equals_one_process(
+    two_process_fits,
+):
+    """Each rank computes its clients' macro accuracy from its own share of the metric's
+    state (no sync with the other rank's clients); the logged value is pooled over every
+    rank's seen clients: both equal one process's."""
+    from tests import strategy_two_processes as script
+
+    one = script.torchmetrics_test()
+    assert sorted(one["clients"]) == list(range(6))
+    for rank in two_process_fits:
+        assert rank["torchmetrics"]["clients"] == {
+            c: pytest.approx(v, abs=1e-6) for c, v in one["clients"].items()
+        }
+        assert rank["torchmetrics"]["pooled"] == pytest.approx(one["pooled"], abs=1e-6)
