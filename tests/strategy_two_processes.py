@@ -13,7 +13,8 @@ the same fit on one process:
   history Ψ and the request's restart point; and FEDACCUM, refused on several processes;
 - a test of a module that logs a torchmetrics macro accuracy: each client's value, computed
   on its rank from its own share of the metric's state, and the value pooled over the
-  seen clients of every rank.
+  seen clients of every rank; and of a plain LightningModule that logs its loss synced:
+  each client's value, read before Lightning syncs the epoch's sums over ranks.
 
 Each rank saves them to ``<root>/rank<r>.pt``.
 
@@ -102,6 +103,35 @@ def torchmetrics_test(**trainer_options) -> dict:
             "pooled": float(trainer.callback_metrics["test_macro_acc"])}  # fmt: skip
 
 
+class PlainTest(pl.LightningModule):
+    """A LightningModule with Lightning's methods only, logging its test loss synced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.network = MLP(IN, (HIDDEN,), OUT)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.cross_entropy(self.network(batch[0]), batch[1])
+
+    def test_step(self, batch, batch_idx):
+        loss = torch.nn.functional.cross_entropy(self.network(batch[0]), batch[1])
+        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def plain_test(**trainer_options) -> dict[int, list[float]]:
+    """One round on 5 clients, then a test of :class:`PlainTest`: each client's logged
+    loss, as (value, count) rows."""
+    torch.manual_seed(1)
+    trained, data = PlainTest(), tiny_datamodule(num_clients=5)
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 1, **trainer_options)
+    trainer.fit(trained, datamodule=data)
+    trainer.test(trained, datamodule=data, verbose=False)
+    return {c: list(v) for c, v in trainer.strategy.evaluation.last_report[1]["test_loss"].items()}
+
+
 def unlearning_fit(method: str, **trainer_options) -> dict:
     """``method`` on 8 clients, 4 a round, 6 rounds, with clients 0 and 1 asking to be
     forgotten at round 4 (SIFU at σ = 0.01 restarts from round 1, a point that the
@@ -177,6 +207,7 @@ if __name__ == "__main__":
     results["ca_fed"] = ca_fed_fit(devices=2)
     results["sifu"] = unlearning_fit("sifu", devices=2)
     results["torchmetrics"] = torchmetrics_test(devices=2)
+    results["plain"] = plain_test(devices=2)
     try:
         unlearning_fit("fedaccum", devices=2)
         results["fedaccum"] = "ran"

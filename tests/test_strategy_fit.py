@@ -460,3 +460,15 @@ def test_a_torchmetrics_metric_per_client_and_pooled_on_two_processes_equals_one
             c: pytest.approx(v, abs=1e-6) for c, v in one["clients"].items()
         }
         assert rank["torchmetrics"]["pooled"] == pytest.approx(one["pooled"], abs=1e-6)
+
+
+def test_a_plain_modules_clients_on_two_processes_equal_one_process(two_process_fits):
+    """A plain LightningModule's loss, logged synced: each client's value is read on its
+    rank before Lightning syncs the epoch's sums over ranks (the last client's included),
+    as on one process."""
+    from tests import strategy_two_processes as script
+
+    one = script.plain_test()
+    assert sorted(one) == list(range(5))
+    for rank in two_process_fits:
+        assert rank["plain"] == {c: pytest.approx(v, abs=1e-6) for c, v in one.items()}
