@@ -66,6 +66,17 @@ def test_srsr_hits_its_label_targets_case_by_case():
     assert counts.tolist() in ([3, 1, 2], [2, 2, 2])
     assert set(cache.ids[cache.labels == 2].tolist()) == {6, 7}  # Case 1 keeps batch samples
     assert 8 in cache.ids  # Case 2 inserts all of the batch's label-0 samples
+    # Exactly, label by label (filling drew nothing): the targets round to (3, 1, 2);
+    # label 0 keeps 2 of its 3 cached and its 1 new (Case 2), label 1 keeps 1 of 3
+    # (Case 2), label 2's target equals its 2 new samples: Case 1, a draw of both
+    rng = np.random.default_rng(1)
+    expected = [
+        *rng.choice([0, 1, 3], 2, replace=False),
+        8,
+        *rng.choice([2, 4, 5], 1, replace=False),
+        *rng.choice([6, 7], 2, replace=False),
+    ]
+    assert cache.ids.tolist() == expected and cache.labels.tolist() == [0, 0, 0, 1, 2, 2]
 
 
 def test_srsr_with_theta_zero_keeps_the_label_counts_of_a_full_cache():
@@ -184,6 +195,35 @@ def test_configuration_rule_moves_from_historical_to_uniform_with_r():
         best_known = min(configuration_objective(n, n, fresh, r),
                          configuration_objective(hist, n, fresh, r))  # fmt: skip
         assert configuration_objective(p, n, fresh, r) <= best_known + 1e-6
+
+
+@pytest.mark.parametrize("r, steps", [(0.3, 6), (4.0, 6), (0.01, 200)])
+def test_configuration_rule_is_its_projected_subgradient_descent_by_hand(r, steps):
+    """Every iterate by hand: from p = n, steps of length 0.05/(max(1, r)·√k) along the
+    normalized subgradient of sqrt(Σ_fresh p²) + r·sqrt(Σ p²/n) (its first term left out
+    while the fresh weights are all 0), projected on the simplex, keeping the best
+    iterate. At r = 0.01 the fresh weights reach 0 and the best iterate is the 199th of
+    200; r = 4 takes steps 4 times shorter than r = 0.3."""
+    n = np.array([5.0, 1.0, 3.0, 8.0, 3.0]) / 20
+    fresh = np.array([False, False, True, True, True])
+
+    def objective(p):
+        return math.sqrt(np.sum(p[fresh] ** 2)) + r * math.sqrt(np.sum(p**2 / n))
+
+    p = best = n.copy()
+    best_k, without_fresh = 0, 0
+    for k in range(1, steps + 1):
+        g = r * (p / n) / math.sqrt(np.sum(p**2 / n))
+        fresh_norm = math.sqrt(np.sum(p[fresh] ** 2))
+        if fresh_norm > 0:
+            g[fresh] += p[fresh] / fresh_norm
+        else:
+            without_fresh += 1
+        p = project_simplex(p - 0.05 / (max(1.0, r) * math.sqrt(k)) * g / np.linalg.norm(g))
+        if objective(p) < objective(best):
+            best, best_k = p.copy(), k
+    assert configuration_rule(n, fresh, r, steps=steps) == pytest.approx(best, abs=1e-12)
+    assert (best_k, without_fresh > 0) == ((199, True) if r == 0.01 else (steps, False))
 
 
 def test_equation_204_reproduces_the_papers_femnist_and_shakespeare_ratios():
@@ -500,6 +540,43 @@ def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step()
     assert G == pytest.approx(max(float(g.norm()) for _, g in expected), rel=1e-5)
     assert D == pytest.approx(0.3 * G, rel=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))  # restored
+
+
+def test_estimated_constants_by_hand_over_seeded_subsets_and_a_one_sample_client():
+    """Three minibatch steps of 2 on a seeded 30% of each historical client's samples,
+    rounded (4 of 12; a client of one sample keeps it), every step's loss and gradient in
+    closed form: B̂ the largest loss, Ĝ the largest gradient norm, D̂ the farthest a
+    client moved. A parameter the loss does not use has no gradient and stays put."""
+    from torch.utils.data import TensorDataset
+
+    from lightning_fl.systems.streams import estimate_constants
+
+    dm = _stream_dm()
+    x, y = dm.client_dataset(0, "train").tensors
+    datasets = [TensorDataset(x[:12], y[:12]), TensorDataset(x[:1], y[:1])]
+    module = _logistic_module()
+    module.spare = torch.nn.Parameter(torch.ones(3))  # unused by the loss
+    start = torch.cat([module.network.weight.detach()[0], module.network.bias.detach()])
+    rng = torch.Generator().manual_seed(4)
+    B = G = D = 0.0
+    for data in datasets:
+        xs, ys = data.tensors
+        size = max(1, round(0.3 * len(xs)))
+        part = torch.randperm(len(xs), generator=rng)[:size]
+        theta = start.clone()
+        for _ in range(3):
+            rows = part[torch.randperm(size, generator=rng)[: min(2, size)]]
+            z = xs[rows] @ theta[:-1] + theta[-1]
+            target = ys[rows].float()
+            loss = float(torch.nn.functional.binary_cross_entropy_with_logits(z, target))
+            residual = (torch.sigmoid(z) - target) / len(rows)
+            gradient = torch.cat([xs[rows].T @ residual, residual.sum().reshape(1)])
+            B, G = max(B, loss), max(G, float(gradient.norm()))
+            theta -= 0.1 * gradient
+        D = max(D, float((theta - start).norm()))
+    estimated = estimate_constants(module, datasets, 3, 0.1, 2, 0.3, seed=4)
+    assert estimated == pytest.approx((B, G, D), rel=1e-5)
+    assert torch.equal(module.spare, torch.ones(3))
 
 
 def test_ours_with_an_estimated_ratio_runs_from_the_trainer_and_logs_it():
