@@ -14,7 +14,8 @@ the same fit on one process:
 - a test of a module that logs a torchmetrics macro accuracy: each client's value, computed
   on its rank from its own share of the metric's state, and the value pooled over the
   seen clients of every rank; and of a plain LightningModule that logs its loss synced:
-  each client's value, read before Lightning syncs the epoch's sums over ranks.
+  each client's value, read before Lightning syncs the epoch's sums over ranks; and a
+  test where rank 1's clients have no test data: it logs the other rank's values.
 
 Each rank saves them to ``<root>/rank<r>.pt``.
 
@@ -33,9 +34,19 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
 from lightning_fl import MLP, Classifier, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import DPSGD, SCAFFOLD, FedAvg, MembershipInference, Unlearning
+from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.systems.availability import MarkovAvailability
 from lightning_fl.systems.samplers import AvailableClients
-from tests.helpers import HIDDEN, IN, OUT, make_trainer, params_of, tiny_datamodule, tiny_module
+from tests.helpers import (
+    HIDDEN,
+    IN,
+    OUT,
+    make_trainer,
+    params_of,
+    tiny_clients,
+    tiny_datamodule,
+    tiny_module,
+)
 
 ROUNDS, CLIENTS, CHUNK = 3, 3, 2
 #: the values every rank logs, compared with one process: after the fit, then the test
@@ -132,6 +143,20 @@ def plain_test(**trainer_options) -> dict[int, list[float]]:
     return {c: list(v) for c, v in trainer.strategy.evaluation.last_report[1]["test_loss"].items()}
 
 
+def idle_rank_test(**trainer_options) -> dict[str, float]:
+    """One round on 4 clients, then a test where clients 1 and 3 (rank 1's) have no test
+    data: the logged test loss and accuracy."""
+    clients = tiny_clients(4)
+    for c in (1, 3):
+        del clients[c]["test"]
+    data = InMemoryFederatedDataModule(clients, batch_size=4)
+    trained = tiny_module()
+    trainer = make_trainer(FederatedStrategy(local_steps=2, seed=0), 1, **trainer_options)
+    trainer.fit(trained, datamodule=data)
+    trainer.test(trained, datamodule=data, verbose=False)
+    return {name: float(trainer.callback_metrics[name]) for name in ("test_loss", "test_acc")}
+
+
 def unlearning_fit(method: str, **trainer_options) -> dict:
     """``method`` on 8 clients, 4 a round, 6 rounds, with clients 0 and 1 asking to be
     forgotten at round 4 (SIFU at σ = 0.01 restarts from round 1, a point that the
@@ -208,6 +233,7 @@ if __name__ == "__main__":
     results["sifu"] = unlearning_fit("sifu", devices=2)
     results["torchmetrics"] = torchmetrics_test(devices=2)
     results["plain"] = plain_test(devices=2)
+    results["idle_rank"] = idle_rank_test(devices=2)
     try:
         unlearning_fit("fedaccum", devices=2)
         results["fedaccum"] = "ran"

@@ -472,3 +472,13 @@ def test_a_plain_modules_clients_on_two_processes_equal_one_process(two_process_
     assert sorted(one) == list(range(5))
     for rank in two_process_fits:
         assert rank["plain"] == {c: pytest.approx(v, abs=1e-6) for c, v in one.items()}
+
+
+def test_a_rank_without_test_data_logs_the_other_ranks_values(two_process_fits):
+    """Clients 1 and 3, rank 1's, have no test data: rank 1 evaluates nobody, yet logs
+    the test loss and accuracy of clients 0 and 2, as one process does."""
+    from tests import strategy_two_processes as script
+
+    one = script.idle_rank_test()
+    for rank in two_process_fits:
+        assert rank["idle_rank"] == pytest.approx(one, abs=1e-6)

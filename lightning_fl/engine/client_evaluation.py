@@ -60,7 +60,10 @@ class ClientEvaluation:
         self.capture.reset()
 
     def step(self, step: Any, args: tuple, kwargs: dict) -> Any:
-        """Run the module's evaluation ``step``, switching clients at their first batch."""
+        """Run the module's evaluation ``step``, switching clients at their first batch;
+        a rank without clients to evaluate has one idle batch, which runs nothing."""
+        if self.schedule.total == 0:
+            return None
         batch_idx = kwargs["batch_idx"] if "batch_idx" in kwargs else args[1]
         pos, local_step = self.schedule.locate(batch_idx)
         if local_step == 0:

@@ -99,6 +99,13 @@ class EvalRounds:
     seen clients first, then the unseen (held-out) ones, which the strategy reports apart
     and which personalization callbacks adapt to before their batches. ``evaluation``
     begins its epoch over them when Lightning asks for them.
+
+    On several processes a rank whose clients have no such data gives one idle batch
+    ``()``, which evaluates nobody: Lightning refuses a rank with no batches while others
+    have some, and the rank must still reach the epoch's end, where every rank's clients
+    are gathered and reported. A module whose evaluation step itself logs with
+    ``sync_dist=True`` (a plain LightningModule's) still needs data on every rank:
+    Lightning syncs each logged name over ranks, and the idle rank logged none.
     """
 
     def __init__(
@@ -122,11 +129,15 @@ class EvalRounds:
                 self.sizes[c] = len(dataset)
         self.loaders = loaders
         self.schedule = ClientSchedule(tuple(clients), tuple(len(lo) for lo in loaders))
+        #: whether this rank gives one idle batch (see the class docstring)
+        self.idle = ranks.distributed and self.schedule.total == 0
 
     def __len__(self) -> int:
-        return self.schedule.total
+        return 1 if self.idle else self.schedule.total
 
     def __iter__(self) -> Iterator[Any]:
         self.evaluation.begin(self.schedule, self.sizes)
+        if self.idle:
+            yield ()
         for loader in self.loaders:
             yield from loader
