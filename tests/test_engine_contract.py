@@ -322,3 +322,17 @@ def test_who_keeps_client_state_decides_whether_states_move_and_ranks_need_a_gro
     assert planner([SCAFFOLD()]).moves_state() is True
     assert planner([FedAvg()], keep_optimizer_state=True).moves_state() is True
     assert not Ranks(2, 0).distributed and not Ranks(1, 0).distributed
+
+
+def test_a_process_group_of_one_runs_no_collective():
+    """Under an initialized process group of one process (a user's own, or Lightning's
+    on one device) the fit is not distributed; of two ranks it is."""
+    import torch.distributed as dist
+
+    from lightning_fl.engine.context import Ranks
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert not Ranks(1, 0).distributed and Ranks(2, 0).distributed
+    finally:
+        dist.destroy_process_group()
