@@ -523,6 +523,33 @@ def _logistic_gradient(module, x, y):
     return float(loss), torch.cat([x.T @ residual, residual.sum().reshape(1)])
 
 
+@pytest.mark.filterwarnings("ignore:.*stream.*ran out")
+def test_cache_discrepancy_by_hand_with_fresh_clients_of_no_and_one_sample():
+    """ψ_t = Σ_k Σ_r (v_t^{k,r} − π^{k,r})² over the fresh clients, by hand from their
+    cache ids after 3 rounds of FIFO caches of 4 fed 2 samples a round; fresh client 3 has
+    no training data (an empty stream and cache, which add nothing) and client 4 one
+    sample (its cache and its stream are that sample)."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule, StreamingDataModule
+    from tests.helpers import tiny_clients
+
+    clients = tiny_clients(5)
+    del clients[3]["train"]
+    clients[4]["train"] = tuple(t[:1] for t in clients[4]["train"])
+    source = InMemoryFederatedDataModule(clients, batch_size=4)
+    dm = StreamingDataModule(source, historical=1, rate=2, cache="fifo", capacity=4, rounds=3)
+    for t in range(3):
+        dm.set_round(t)
+    expected = 0.0
+    for c, size in ((1, 4), (2, 4), (4, 1)):
+        labels = clients[c]["train"][1].numpy()
+        cached = labels[dm.cache_ids(c)]
+        assert len(cached) == size
+        v = np.bincount(cached, minlength=3) / size
+        expected += float(np.sum((v - np.bincount(labels, minlength=3) / len(labels)) ** 2))
+    assert len(dm.cache_ids(3)) == 0
+    assert dm.cache_discrepancy(3) == pytest.approx(expected, abs=1e-12) and expected > 0
+
+
 def test_estimated_constants_of_one_full_batch_step_are_loss_gradient_and_step():
     """With one full-batch step on the whole data: B̂ = L(θ¹), Ĝ = ‖∇L(θ¹)‖ and
     D̂ = lr·‖∇L(θ¹)‖, the largest over the clients."""
