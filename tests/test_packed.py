@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_fl import MLP, Classifier, FederatedStrategy, MDSampler, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
@@ -130,6 +130,18 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
     assert pack_federation(lazy, counts, torch.device("cpu")) == (
         None,
         "its training sets are _Wrapped, not plain TensorDatasets",
+    )
+
+    class _Mixed(InMemoryFederatedDataModule):  # three kinds of dataset, named in order
+        def client_dataset(self, client, split):
+            data = TensorDataset(*self._clients[client][split])
+            if client % 3 == 0:
+                return _Wrapped(self._clients[client][split])
+            return Subset(data, range(len(data))) if client % 3 == 1 else ConcatDataset([data])
+
+    assert pack_federation(_Mixed(tiny_clients()), counts, torch.device("cpu")) == (
+        None,
+        "its training sets are ConcatDataset, Subset, _Wrapped, not plain TensorDatasets",
     )
     stream = pack_federation(_Stream(tiny_clients()), counts, torch.device("cpu"))
     assert stream == (None, "its clients' data changes every round (a stream)")
