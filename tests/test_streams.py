@@ -996,6 +996,7 @@ def test_stream_helpers_at_their_bounds_and_by_hand():
     assert one.label_distribution(4).tolist() == [0.0, 0.0, 1.0, 0.0]
     assert FIFOCache(3).label_distribution(2).tolist() == [0.0, 0.0]  # empty: no 0/0
     assert aggregation_weights([0.25, 0.75]).tolist() == [0.25, 0.75]
+    assert aggregation_weights([0.0, 1.0, 3.0]).tolist() == [0.0, 0.25, 0.75]  # one at 0
     coefficients = weighted_minibatch_coefficients(np.array([0.0, 1.0, 3.0]), np.array([0, 2]))
     assert coefficients.tolist() == [0.0, 3 / 2 * 3 / 4]  # a zero weight is allowed
     for bad in ([-1.0, 3.0], [0.0, 0.0]):

@@ -338,6 +338,27 @@ def test_ring_takes_the_faster_direction_of_its_tour():
     assert overlay.cycle_time(network, model) == 1.0
 
 
+def test_delta_mbst_picks_the_degree_two_prim_path_when_it_is_fastest():
+    """Six silos whose slow download links (silo 0: 7.5 Mbit/s) punish a node of degree 3:
+    δ-Prim at δ = 2 grows the path 0-1-5-4-2-3, whose cycle time (398 ms) beats the trees
+    of δ ≥ 3 (427.2 ms) and the Hamiltonian path of the MST's cube (524.2 ms): Algorithm
+    3 keeps it."""
+    from lightning_fl.systems.topology import DelayModel, delta_mbst
+
+    latency = np.array([[0, 4, 36, 40, 23, 15], [4, 0, 22, 26, 34, 32],
+                        [36, 22, 0, 16, 15, 15], [40, 26, 16, 0, 37, 33],
+                        [23, 34, 15, 37, 0, 20], [15, 32, 15, 33, 20, 0]], dtype=float)  # fmt: skip
+    network = SiloNetwork(
+        tuple("abcdef"), latency, np.full((6, 6), np.inf),
+        np.array([80, 49, 82, 61, 66, 92]) * 1e6, np.array([7.5, 84, 39, 33, 99, 78]) * 1e6,
+        ~np.eye(6, dtype=bool),
+    )  # fmt: skip
+    model = DelayModel(4.9e6, 9.0)
+    best = delta_mbst(network, model)
+    assert np.array_equal(best.arcs, _arcs([(0, 1), (1, 5), (5, 4), (4, 2), (2, 3)], 6))
+    assert best.cycle_time(network, model) == pytest.approx(398.0)
+
+
 def test_delta_mbst_keeps_the_star_when_only_an_unbounded_degree_spans_cheaply():
     """Silo 0 is 1 ms from every other silo, which are 10 ms apart: every path (the cube's
     Hamiltonian path, δ = 2) crosses a 10 ms link, and only δ ≥ n − 1 = 3 builds the star."""
