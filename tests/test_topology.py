@@ -359,6 +359,25 @@ def test_delta_mbst_picks_the_degree_two_prim_path_when_it_is_fastest():
     assert best.cycle_time(network, model) == pytest.approx(398.0)
 
 
+def test_matcha_plus_on_a_network_without_a_link_order_takes_the_upper_triangles_links():
+    """A network built from matrices has no GML link order: MATCHA⁺ colours its underlay's
+    links in the upper triangle's row-major order, as if that order were given (the
+    reverse order colours otherwise and takes longer rounds)."""
+    import dataclasses
+
+    rng = np.random.default_rng(3)
+    d = rng.uniform(5, 50, (5, 5))
+    network, model = _network_with_delays((d + d.T) / 2)
+    assert network.link_order == ()
+    pairs = tuple((i, j) for i in range(5) for j in range(i + 1, 5))
+    times = [
+        matcha_cycle_time(net, model, base="underlay", rounds=50, probabilities="uniform")
+        for net in (network, dataclasses.replace(network, link_order=pairs),
+                    dataclasses.replace(network, link_order=pairs[::-1]))
+    ]  # fmt: skip
+    assert times[0] == times[1] and abs(times[2] - times[1]) > 0.1
+
+
 def test_delta_mbst_keeps_the_star_when_only_an_unbounded_degree_spans_cheaply():
     """Silo 0 is 1 ms from every other silo, which are 10 ms apart: every path (the cube's
     Hamiltonian path, δ = 2) crosses a 10 ms link, and only δ ≥ n − 1 = 3 builds the star."""
