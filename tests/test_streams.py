@@ -79,6 +79,20 @@ def test_srsr_hits_its_label_targets_case_by_case():
     assert cache.ids.tolist() == expected and cache.labels.tolist() == [0, 0, 0, 1, 2, 2]
 
 
+def test_drsr_keeps_what_it_has_of_a_label_whose_target_exceeds_its_samples():
+    """C = 3, one sample a round, labels 1, 1, 1, 2, 0, 2 (DRSR): label 0's sample is
+    dropped in round 4, and in round 5 the targets (0.5, 1.5, 1) round to one sample of
+    each label; label 0 has none cached and none new, so it keeps nothing (Case 2 drops
+    no cached sample below zero), and the cache holds one sample of label 1 and the new
+    label-2 sample: 2 samples, below its capacity."""
+    cache = SelectiveReplacementCache(3, theta=None)
+    rng = np.random.default_rng(1)
+    for t, label in enumerate([1, 1, 1, 2, 0, 2]):
+        cache.update([t], [label], rng)
+    assert cache.targets == pytest.approx({0: 0.5, 1: 1.5, 2: 1.0})
+    assert cache.labels.tolist() == [1, 2] and cache.ids[1] == 5 and cache.ids[0] in (0, 1)
+
+
 def test_srsr_with_theta_zero_keeps_the_label_counts_of_a_full_cache():
     """θ = 0: ñ_r = n_r(L), so the label counts never change (Case 1 may still swap a
     cached sample for a batch sample of the same label)."""
