@@ -201,6 +201,28 @@ def test_leftover_clients_pour_into_the_emptiest_distributions_in_turn():
     assert torch.allclose(r, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
 
 
+def test_the_last_distribution_takes_the_crumbs_of_a_distribution_filled_within_tolerance():
+    """m = 3, masses m·p = 0.8 (clients 0-2) and 0.2 − 3·10⁻¹³, 0.2, 0.2 + 3·10⁻¹³ (clients
+    3-5, close updates: one leftover group), poured in seed 3's order 4, 3, 5. Client 4
+    fills client 0's distribution; client 3 ends 3·10⁻¹³ short of full in client 1's,
+    within the 10⁻¹² tolerance, so it counts as full; client 5 fills client 2's with 0.2,
+    and the 3·10⁻¹³ left, with no distribution open, goes to the last one (client 2's,
+    not the middle one). Each row is then normalized."""
+    d = 3e-13
+    sampler = SimilarityClusteredSampler(3)
+    updates = torch.zeros(6, 4)
+    updates[:3, :3] = torch.eye(3)
+    updates[3:, 3] = torch.tensor([1.0, 1.01, 1.02])
+    sampler.observe(tuple(range(6)), updates, 6)
+    p = torch.tensor([0.8, 0.8, 0.8, 0.2 - d, 0.2, 0.2 + d], dtype=torch.float64) / 3
+    r = sampler.distributions(p, torch.Generator().manual_seed(3))
+    expected = torch.tensor([[0.8, 0, 0, 0, 0.2, 0], [0, 0.8, 0, 0.2 - d, 0, 0],
+                             [0, 0, 0.8, 0, 0, 0.2 + d]], dtype=torch.float64)  # fmt: skip
+    expected /= expected.sum(dim=1, keepdim=True)
+    assert torch.allclose(r, expected, rtol=0, atol=1e-15)
+    assert r[2, 5] - 0.2 > 2e-13  # the crumbs are there
+
+
 def test_sample_size_clusters_pour_a_single_unit():
     """m = 1, p = (1/3, 2/3): capacity 3, client 0 holds one unit, which is poured."""
     r = SampleSizeClusteredSampler(1).distributions(_p(1 / 3, 2 / 3))
