@@ -247,6 +247,32 @@ def test_divergence_is_watched_afresh_each_fit_and_through_a_dict_loss():
         )
 
 
+def test_a_first_training_loss_of_exactly_zero_is_the_fits_reference():
+    """The driver hands the monitor every step's loss, one of exactly 0 included: a fit
+    whose first step's loss is 0 has no reference (nothing is "100× 0") and does not
+    warn, though it then diverges at lr = 10⁶; the zero step counts in round 0's mean."""
+    import warnings
+
+    from lightning_fl.engine.divergence import DivergenceWarning
+
+    class ZeroFirst(type(tiny_module())):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return 0 * loss if self.trainer.global_step == 0 else loss
+
+    torch.manual_seed(1)
+    module = ZeroFirst(network=type(tiny_module().network)(6, (8,), 3), lr=1e6)
+    strategy = FederatedStrategy(local_steps=3, max_consecutive_bad_rounds=10)
+    observed = []
+    observe = strategy.divergence.observe
+    strategy.divergence.observe = lambda loss: observed.append(float(loss)) or observe(loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        make_trainer(strategy, 3).fit(module, datamodule=tiny_datamodule())
+    assert strategy.divergence.first == 0.0 and observed[0] == 0.0
+    assert len(observed) == 3 * 3 * 10 and max(observed) > 1e3  # every step, diverging
+
+
 def test_the_divergence_threshold_is_the_rounds_mean_over_every_step_by_hand():
     """A fresh monitor, factor 100: the first step's loss (the first entry of a vector of
     clients' losses) is the reference; a round's mean counts every step of every client
