@@ -59,6 +59,11 @@ def test_early_errors_by_hand(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: [1,\n")
     assert config_error(str(bad)).startswith(f"--config {bad}: not valid YAML at line 2 (")
+    bad.write_text("trainer: \x07\n")  # PyYAML's reader: no mark, no problem, two lines
+    assert config_error(str(bad)) == (
+        f"--config {bad}: not valid YAML (unacceptable character #x0007: special characters "
+        "are not allowed): fix the file's syntax"
+    )
     bad.write_text("- 1\n- 2\n")
     assert config_error(str(bad)).endswith("a configuration is a mapping of keys, got a list")
     bad.write_text("traner:\n  max_epochs: 1\n")
