@@ -171,6 +171,23 @@ def test_fit_and_validate_name_their_folder_once_and_last(tmp_path, capsys):
     assert "enable_progress_bar: false" in config
 
 
+def test_a_resume_trains_on_with_the_checkpoints_hyper_parameters(tmp_path):
+    """As LightningCLI resumes: a checkpoint made at lr = 0.3 (given on the command line;
+    the recipe says 0.2), resumed without lr, trains on at the checkpoint's 0.3."""
+    import glob
+
+    from tests.helpers import ACCELERATOR
+
+    args = ["--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--test_after_fit", "false",
+            "--trainer.accelerator", ACCELERATOR]  # fmt: skip
+    first = run(["fit", *args, "--trainer.max_epochs", "1", "--model.init_args.lr", "0.3"])
+    assert first.model.hparams.lr == 0.3
+    (checkpoint,) = glob.glob(str(tmp_path / "**" / "last.ckpt"), recursive=True)
+    resumed = run(["fit", *args, "--trainer.max_epochs", "2", "--ckpt_path", checkpoint])
+    assert resumed.model.hparams.lr == 0.3 and resumed.trainer.current_epoch == 2
+
+
 def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypatch):
     from lightning_fl.cli import main
 
