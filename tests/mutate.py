@@ -30,7 +30,9 @@ by coverage.py with one context per test (this module is its pytest plugin), and
 mutant on lines that no test executes survives without a run. A mutant's tests run
 fastest first (their clean-run times), so that ``-x`` stops at the first cheap failure.
 Tests run in other processes (torchrun) are not measured, so what only they exercise
-shows as a survivor to look at. Without coverage.py installed every mutant runs every given test.
+shows as a survivor to look at; ``--uncovered-runs-all`` runs every given test against such
+a mutant instead (give it the tests that launch those processes). Without coverage.py
+installed every mutant runs every given test.
 """
 
 from __future__ import annotations
@@ -363,6 +365,10 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
     parser.add_argument("--survivors", type=Path,
                         help="try only the survivors of this earlier --json result (after "
                         "adding tests for them)")  # fmt: skip
+    parser.add_argument("--uncovered-runs-all", action="store_true",
+                        help="run every given test against a mutant of lines no test runs "
+                        "in process (lines only another process runs, such as torchrun's "
+                        "ranks), instead of counting it a survivor")  # fmt: skip
     args, pytest_options = parser.parse_known_args(argv)  # -k, -m: pytest's
     args.tests += pytest_options
     path = (ROOT / args.module).resolve()
@@ -385,6 +391,8 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
             print(f"[{done + 1}/{len(found)}] {args.module}:{mutant.line} {mutant.description}",
                   file=sys.stderr, flush=True)  # fmt: skip
             tests = args.tests if lines is None else tests_for(mutant, lines, seconds)
+            if not tests and args.uncovered_runs_all:
+                tests = args.tests
             path.write_text(mutated_source(original, mutant))
             limit = time_limit(tests, seconds, timeout)
             if not tests or run_tests(tests, limit, fork=fork):

@@ -109,6 +109,38 @@ def test_only_the_tests_that_run_a_mutant_run_against_it_and_unrun_lines_survive
     assert json.loads(again.read_text())["mutants"] == 2 == json.loads(again.read_text())["caught"]
 
 
+CHILD_TESTS = """import subprocess
+import sys
+
+sys.path.insert(0, {folder!r})
+from two import double
+
+
+def test_double():
+    assert double(3) == 6
+
+
+def test_halve_in_another_process():
+    code = "import sys; sys.path.insert(0, {folder!r}); from two import halve; "
+    subprocess.run([sys.executable, "-c", code + "assert halve(3) == 1.5"], check=True)
+"""
+
+
+def test_lines_only_another_process_runs_can_run_every_given_test(tmp_path):
+    """``halve`` runs only in a child process, which coverage does not measure: its two
+    mutants survive unrun by default, and are caught with ``--uncovered-runs-all``."""
+    module, tests = tmp_path / "two.py", tmp_path / "test_two.py"
+    module.write_text(TWO)
+    tests.write_text(CHILD_TESTS.format(folder=str(tmp_path)))
+    caught = []
+    for extra in ([], ["--uncovered-runs-all"]):
+        result = tmp_path / f"result{len(extra)}.json"
+        assert main([str(module), str(tests), "--json", str(result), *extra]) == 0
+        caught.append(json.loads(result.read_text())["caught"])
+        assert module.read_text() == TWO
+    assert caught == [2, 4]
+
+
 ORDER_TESTS = """import sys
 import time
 
