@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import subprocess
@@ -178,15 +177,14 @@ class CrashOnRank(pl.Callback):
 
 class PoisonedUpdates(FederatedCallback):
     """Replaces the updates of ``clients`` in ``rounds`` with NaN (the dropped-update
-    tests; on several processes each rank poisons the clients it trains), or with
-    ``value``."""
+    tests; on several processes each rank poisons the clients it trains)."""
 
-    def __init__(self, rounds: list[int], clients: list[int], value: float = math.nan) -> None:
-        self.rounds, self.clients, self.value = set(rounds), set(clients), value
+    def __init__(self, rounds: list[int], clients: list[int]) -> None:
+        self.rounds, self.clients = set(rounds), set(clients)
 
     def transform_update(self, trainer, pl_module, client, update, state):
         if state.round_idx in self.rounds and client in self.clients:
-            return [torch.full_like(u, self.value) for u in update]
+            return [torch.full_like(u, float("nan")) for u in update]
         return update
 
 
