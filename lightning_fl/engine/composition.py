@@ -160,6 +160,13 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "ServerReference",
+        ("GossipAveraging",),
+        "the server's steps and the clients' (1 − w) weights act on the round's update sum, "
+        "which gossip does not read: it mixes the clients' trained models",
+        "aggregate with FedAvg or a server optimizer, or drop ServerReference",
+    ),
+    Refusal(
+        "ServerReference",
         ("StreamingDataModule",),
         "the server's reference data comes from ReferenceDataModule(reference='server')",
         "use a ReferenceDataModule with reference='server'",
