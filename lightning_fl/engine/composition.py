@@ -160,9 +160,10 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "ServerReference",
-        ("GossipAveraging",),
+        ("GossipAveraging", "Local"),
         "the server's steps and the clients' (1 − w) weights act on the round's update sum, "
-        "which gossip does not read: it mixes the clients' trained models",
+        "which neither reads: gossip mixes the clients' trained models, and local training "
+        "never aggregates",
         "aggregate with FedAvg or a server optimizer, or drop ServerReference",
     ),
     Refusal(
