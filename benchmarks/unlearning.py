@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--max-rounds", type=int, help="a phase's cap; default: per dataset")
     parser.add_argument("--no-sweep", action="store_true", help="skip the σ sweep")
+    parser.add_argument("--sigmas", type=float, nargs="+",
+                        help="the sweep's σ values to run now, in this order (default: all of "
+                             "the dataset's); the table lists every finished one")  # fmt: skip
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--table-only", action="store_true",
                         help="the table of the journal's finished runs; run nothing")  # fmt: skip
@@ -225,17 +228,28 @@ def main() -> None:
         plot = RESULTS / f"unlearning{suffix}.png"
         _plot(figure, plot, MAX_ROUNDS)
         lines += ["", f"![retraining rounds and forgotten-class accuracy per request]({plot.name})"]
-    if args.no_sweep or args.table_only:
+    if args.no_sweep:
         _write(RESULTS / f"unlearning{suffix}.md", lines)
         return
     lines += ["", "## σ sweep (Fig. D.2): SIFU, one request (class 0), first seed", "",
               "| σ | Ψ* | retraining rounds | forgotten acc |", "|---|---|---|---|"]  # fmt: skip
     from lightning_fl.systems.unlearning import sensitivity_threshold
 
-    for sigma in SWEEPS[args.dataset]:
-        digit_0 = [[c for c in range(0, 100, 10)]]
-        rounds, forgotten = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
+    digit_0 = [[c for c in range(0, 100, 10)]]
+    sweep = SWEEPS[args.dataset]
+    unknown = sorted(set(args.sigmas or ()) - set(sweep))
+    if unknown:
+        parser.error(f"--sigmas {unknown} are not in the sweep {list(sweep)}: pick from it")
+    chosen = () if args.table_only else args.sigmas or sweep
+    for sigma in chosen:  # in the given order, so that a stopped sweep keeps its spread
+        journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
+    for sigma in sweep:
+        run = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0, run=False)
         threshold = sensitivity_threshold(10, 0.01, sigma)
+        if run is None:
+            lines.append(f"| {sigma:g} | {threshold:.4g} | not run yet | |")
+            continue
+        rounds, forgotten = run
         cap = "≥" if rounds[1] >= MAX_ROUNDS else ""
         lines.append(f"| {sigma:g} | {threshold:.4g} | {cap}{rounds[1]} | {forgotten[0]:.3f} |")
     _write(RESULTS / f"unlearning{suffix}.md", lines)

@@ -496,6 +496,35 @@ def test_fedrep_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize)
         assert torch.allclose(store.get(c, FedRep.key), flat, atol=1e-5), c
 
 
+@pytest.mark.parametrize("fedrep_first", [True, False])
+def test_fedrep_heads_stay_personal_under_gossip_in_either_callback_order(fedrep_first):
+    """Decentralized FedRep: GossipAveraging mixes every client's whole model, heads
+    included, but each seen client is tested with its gossip body and its own FedRep head,
+    whatever the callbacks' order (the aggregator's hooks run first, so FedRep's head is
+    loaded over the mixed one). 3 clients of unequal size, an explicit W with different
+    rows, 3 rounds: the bodies differ per client, and so do the heads."""
+    from lightning_fl.callbacks.gossip import STORE_KEY, GossipAveraging
+
+    W3 = [[0.5, 0.3, 0.2], [0.3, 0.4, 0.3], [0.2, 0.3, 0.5]]  # noqa: N806 - the paper's W
+
+    clients = tiny_clients()[1:4]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    module = tiny_module(LR)
+    fedrep, gossip = FedRep(head_epochs=1, head_lr=0.05), GossipAveraging(mixing_matrix=W3)
+    trainer = _fit(module, [fedrep, gossip] if fedrep_first else [gossip, fedrep], dm, rounds=3)
+    trainer.test(module, datamodule=dm, verbose=False)
+    losses = trainer.strategy.metric_capture.per_client["test_loss"]
+    w, store = params_of(module), trainer.strategy.client_store
+    models = [_stored(store, c, STORE_KEY, w) for c in range(3)]
+    heads = [_stored(store, c, FedRep.key, w[2:]) for c in range(3)]
+    pairs = ((0, 1), (0, 2), (1, 2))
+    assert min(max_abs_diff(models[a][:2], models[b][:2]) for a, b in pairs) > 1e-4
+    for c in range(3):
+        assert max_abs_diff(models[c][2:], heads[c]) > 1e-4, c  # the mixed head is not used
+        expected = _test_loss(models[c][:2] + heads[c], clients[c])
+        assert losses[c][0] == pytest.approx(expected, rel=1e-5), c
+
+
 def test_complete_linkage_lists_each_cluster_in_index_order():
     """On a line at 0, 1.5, 10, 0.2: {0, 3} merge first, then client 1 joins them, so
     the merged cluster is [0, 1, 3] (members in index order), not [0, 3, 1]."""
