@@ -565,6 +565,9 @@ def test_werm_loss_and_metrics_by_hand_at_both_ends_and_between(w):
         assert float(metrics["acc"]) == acc
     if "reference_acc" in metrics:
         assert float(metrics["reference_acc"]) == ref_acc
+    # the logged means weigh a step by its training samples (5), not its reference ones (4)
+    assert module.batch_size_of({"train": (x, y), "reference": (x_ref, y_ref)}) == 5
+    assert module.batch_size_of((x_ref, y_ref)) == 4
 
 
 def test_membership_inference_at_the_smallest_sizes():
