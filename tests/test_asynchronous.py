@@ -239,6 +239,11 @@ def test_clients_with_one_sample_take_part_and_clients_without_data_do_not():
     trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 1, [callback])
     trainer.fit(tiny_module(LR), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
     assert callback.clients == [0, 1, 2, 3]
+    # uniform target weights leave out the client without data: sync's d_i = p_i = 1/4
+    uniform = AsynchronousFL(SyncSchedule(), weighting="uniform")
+    trainer = make_trainer(FederatedStrategy(local_steps=STEPS, seed=SEED), 1, [uniform])
+    trainer.fit(tiny_module(LR), datamodule=InMemoryFederatedDataModule(clients, batch_size=4))
+    assert uniform.d.tolist() == pytest.approx([0.25] * 4, abs=1e-15)
 
 
 def test_fedbuff_with_time_based_weights_optimizes_the_target_weights():
