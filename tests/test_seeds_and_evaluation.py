@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from torchmetrics import Metric
 
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import FedAvg, Local, Pooled
@@ -88,6 +89,8 @@ def test_bottom_decile_is_the_worst_clients_for_losses_too():
     assert "p90" not in summarize(values, "test_acc")
     assert lower_is_better("val_loss") and lower_is_better("train_error")
     assert not lower_is_better("test_acc") and not lower_is_better("test_cindex")
+    # the name's end decides: "err" inside a word (inter-rater agreement) is not an error
+    assert not lower_is_better("val_interrater_kappa") and lower_is_better("val/cls_err")
 
 
 def test_local_evaluates_each_client_with_its_own_model():
@@ -307,6 +310,23 @@ def test_a_client_with_one_validation_sample_is_reported_and_one_without_is_not(
     assert per_client["val_loss"][0][0] == pytest.approx(expected, rel=1e-6)
 
 
+class _SignedShift(Metric):
+    """Σ over samples of (+1, −1) for label 0 and (−1, +1) otherwise: a summed vector
+    state whose entries cancel, nonzero for a client with data; its value is the first
+    entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("shift", torch.zeros(2), dist_reduce_fx="sum")
+
+    def update(self, y: torch.Tensor) -> None:
+        sign = torch.where(y == 0, 1.0, -1.0).sum()
+        self.shift += torch.stack([sign, -sign])
+
+    def compute(self) -> torch.Tensor:
+        return self.shift[0]
+
+
 class _TorchmetricsValidation(pl.LightningModule):
     """A macro accuracy (a summed-state torchmetrics Metric) in validation and test, and a
     running maximum (a max-reduced state, which cannot be split per client) in test."""
@@ -321,6 +341,7 @@ class _TorchmetricsValidation(pl.LightningModule):
         self.val_macro = MulticlassAccuracy(num_classes=OUT, average="macro")
         self.test_macro = MulticlassAccuracy(num_classes=OUT, average="macro")
         self.test_top = MaxMetric()
+        self.test_shift = _SignedShift()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -338,6 +359,8 @@ class _TorchmetricsValidation(pl.LightningModule):
         self.test_top.update(logits.max())
         self.log("test_macro", self.test_macro, on_epoch=True)
         self.log("test_top", self.test_top, on_epoch=True)
+        self.test_shift.update(y)
+        self.log("test_shift", self.test_shift, on_epoch=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -384,7 +407,11 @@ def test_torchmetrics_values_per_client_in_every_epoch_and_stage_apart():
         trainer.test(module, datamodule=dm, verbose=False)
     assert sum("cannot be split per client" in str(r.message) for r in w) == 1
     stage, per_client, _ = trainer.strategy.evaluation.last_report
-    assert stage == "test" and set(per_client) == {"test_macro"}
+    assert stage == "test" and set(per_client) == {"test_macro", "test_shift"}
+    for c, client in enumerate(clients):  # a share whose entries sum to 0 is not empty
+        y = client["test"][1]
+        shift = float((y == 0).sum() - (y != 0).sum())
+        assert per_client["test_shift"][c] == pytest.approx((shift, len(y)), abs=1e-6), c
     with torch.no_grad():
         top = max(float(module.network(c["test"][0]).max()) for c in clients)
     assert float(trainer.callback_metrics["test_top"]) == pytest.approx(top, rel=1e-6)
