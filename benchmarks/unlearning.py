@@ -100,7 +100,8 @@ def protocol(method: str, seed: int, target: float, sigma: float = 0.05, request
     by_epoch = {int(r["epoch"]): r for r in rows if r.get("unlearning/forgotten_acc")}
     forgotten = [float(by_epoch[e]["unlearning/forgotten_acc"]) if e in by_epoch else float("nan")
                  for e in ends[1:]]  # fmt: skip
-    return unlearning.phase_rounds, forgotten
+    restarts = [[r["branch"], r["restart_round"]] for r in unlearning.done_requests]
+    return unlearning.phase_rounds, forgotten, restarts
 
 
 def shared_training(seed: int, target: float, sigma: float, edit) -> Path:
@@ -146,20 +147,21 @@ class Journal:
         self, method: str, seed: int, target: float, sigma: float = 0.05, requests=None,
         run: bool = True,
     ):  # fmt: skip
-        """The run's (phase rounds, forgotten accuracies), run now unless ``run`` is False
-        (then None when it has not finished yet)."""
+        """The run's (phase rounds, forgotten accuracies, restart nodes [branch, round] of
+        its requests: None in entries journaled before they were), run now unless ``run``
+        is False (then None when it has not finished yet)."""
         key = json.dumps([method, seed, target, sigma, requests, MAX_ROUNDS, recipe_hash()])
         if key not in self.done and not run:
             return None
         if key not in self.done:
-            rounds, forgotten = protocol(method, seed, target, sigma, requests)
-            entry = {"key": key, "rounds": rounds, "forgotten": forgotten}
+            rounds, forgotten, restarts = protocol(method, seed, target, sigma, requests)
+            entry = {"key": key, "rounds": rounds, "forgotten": forgotten, "restarts": restarts}
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(entry) + "\n")
             self.done[key] = entry
             print(method, seed, sigma, rounds, forgotten, flush=True)
         entry = self.done[key]
-        return entry["rounds"], entry["forgotten"]
+        return entry["rounds"], entry["forgotten"], entry.get("restarts")
 
 
 def main() -> None:
@@ -232,7 +234,8 @@ def main() -> None:
         _write(RESULTS / f"unlearning{suffix}.md", lines)
         return
     lines += ["", "## σ sweep (Fig. D.2): SIFU, one request (class 0), first seed", "",
-              "| σ | Ψ* | retraining rounds | forgotten acc |", "|---|---|---|---|"]  # fmt: skip
+              "| σ | Ψ* | restarts from θ^T, T of the rounds before the request | "
+              "retraining rounds | forgotten acc |", "|---|---|---|---|---|"]  # fmt: skip
     from lightning_fl.systems.unlearning import sensitivity_threshold
 
     digit_0 = [[c for c in range(0, 100, 10)]]
@@ -247,11 +250,13 @@ def main() -> None:
         run = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0, run=False)
         threshold = sensitivity_threshold(10, 0.01, sigma)
         if run is None:
-            lines.append(f"| {sigma:g} | {threshold:.4g} | not run yet | |")
+            lines.append(f"| {sigma:g} | {threshold:.4g} | | not run yet | |")
             continue
-        rounds, forgotten = run
+        rounds, forgotten, restarts = run
+        restart = "" if restarts is None else f"{restarts[0][1]} of {rounds[0]}"
         cap = "≥" if rounds[1] >= MAX_ROUNDS else ""
-        lines.append(f"| {sigma:g} | {threshold:.4g} | {cap}{rounds[1]} | {forgotten[0]:.3f} |")
+        lines.append(f"| {sigma:g} | {threshold:.4g} | {restart} | {cap}{rounds[1]} | "
+                     f"{forgotten[0]:.3f} |")  # fmt: skip
     _write(RESULTS / f"unlearning{suffix}.md", lines)
 
 

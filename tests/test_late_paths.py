@@ -50,6 +50,7 @@ def run_late(recipe: str, rounds: int, edit: Callable[[dict], None] | None = Non
     expected = "cuda" if ACCELERATOR == "gpu" else "cpu"
     assert next(cli.model.parameters()).device.type == expected
     assert any(r.get("test_acc") for r in rows), "the final model was not tested"
+    assert cli.trainer.checkpoint_callbacks == []  # not even Lightning's default, every round
     return cli, rows
 
 
