@@ -405,6 +405,51 @@ def test_ditto_over_three_rounds_and_clients_of_unequal_size_by_hand():
         assert torch.allclose(store.get(c, Ditto.key), flat, atol=1e-5), c
 
 
+def test_ditto_starts_a_late_clients_personal_model_from_w0_not_from_its_first_rounds_w():
+    """Partial participation, rounds {0, 1}, {1, 2}, {0, 2} at weights 0.6 / 0.4: client 2
+    first trains in round 1, and its personal model starts from w^0 (Alg. 1's v_k^0), with
+    the round's w^1 as its proximal anchor; a start from w^1 differs."""
+    from lightning_fl.systems.samplers import ClientSampler, Participation
+
+    schedule = [(0, 1), (1, 2), (0, 2)]
+
+    class Scripted(ClientSampler):
+        def sample(self, round_idx, seed, p):
+            return Participation(schedule[round_idx], (0.6, 0.4))
+
+    clients = tiny_clients()[1:4]
+    dm = InMemoryFederatedDataModule(clients, batch_size=BATCH)
+    module = tiny_module(LR)
+    w = params_of(module)
+    trainer = make_trainer(
+        FederatedStrategy(sampler=Scripted(), local_steps=STEPS, seed=SEED), 3,
+        [Ditto(lam=0.3, personal_lr=0.04, personal_epochs=2)],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    personal = [[t.clone() for t in w] for _ in clients]  # every v_k^0 is w^0
+    for r, participants in enumerate(schedule):
+        step = [torch.zeros_like(t) for t in w]
+        for c, share in zip(participants, (0.6, 0.4)):
+            with torch.no_grad():
+                for p, t in zip(params, w):
+                    p.copy_(t)
+            local_sgd(net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c)
+            step = [s + share * (e - t) for s, e, t in zip(step, params_of(net), w)]
+            with torch.no_grad():
+                for p, v in zip(params, personal[c]):
+                    p.copy_(v)
+            _ditto_passes(net, params, clients[c]["train"], w, 0.3, 0.04, 2, "ditto", r, c)
+            personal[c] = params_of(net)
+        w = [t + s for t, s in zip(w, step)]
+    assert max_abs_diff(params_of(module), w) < 1e-5
+    for c in range(3):
+        flat = torch.cat([t.reshape(-1) for t in personal[c]])
+        assert torch.allclose(trainer.strategy.client_store.get(c, Ditto.key), flat, atol=1e-5), c
+
+
 @pytest.mark.parametrize("vectorize", [False, True])
 def test_apfl_over_three_rounds_and_clients_of_unequal_size_by_hand(vectorize):
     """Clients of 11, 18 and 25 samples, three rounds, adaptive α: each client's v and α
