@@ -186,7 +186,7 @@ def main() -> None:
     torch.set_num_threads(1)
     setting = ("digits (100 one-digit clients, logistic regression)" if args.dataset == "digits"
                else "Fashion-MNIST (100 one-class clients, the SIFU authors' CNN)")  # fmt: skip
-    sigma = 0.05 if args.dataset == "digits" else 0.1  # Tab. D.1
+    sigma = sigma_main = 0.05 if args.dataset == "digits" else 0.1  # Tab. D.1
     plateau = "; digits plateaus near 0.95 in this one-class split" if suffix == "" else ""
     lines = [f"# Sequential unlearning on {setting}", "",
              f"`python benchmarks/unlearning.py --dataset {args.dataset}`: target training "
@@ -246,6 +246,7 @@ def main() -> None:
     chosen = () if args.table_only else args.sigmas or sweep
     for sigma in chosen:  # in the given order, so that a stopped sweep keeps its spread
         journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
+    finished: list[tuple[float, int, float]] = []
     for sigma in sweep:
         run = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0, run=False)
         threshold = sensitivity_threshold(10, 0.01, sigma)
@@ -257,6 +258,12 @@ def main() -> None:
         cap = "≥" if rounds[1] >= MAX_ROUNDS else ""
         lines.append(f"| {sigma:g} | {threshold:.4g} | {restart} | {cap}{rounds[1]} | "
                      f"{forgotten[0]:.3f} |")  # fmt: skip
+        finished.append((sigma, rounds[1], forgotten[0]))
+    if finished:
+        scratch = journal.protocol("scratch", args.seeds[0], args.target, sigma_main, run=False)
+        plot = RESULTS / f"unlearning{suffix}_sigma.png"
+        _plot_sweep(finished, None if scratch is None else scratch[0][1], plot, MAX_ROUNDS)
+        lines += ["", f"![retraining rounds and forgotten-class accuracy against σ]({plot.name})"]
     _write(RESULTS / f"unlearning{suffix}.md", lines)
 
 
@@ -281,6 +288,35 @@ def _plot(figure: dict[str, tuple[list[float], list[float]]], path: Path, cap: i
         ax.grid(axis="y", alpha=0.3)
     forgotten_ax.set_ylim(0, 1)
     forgotten_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_sweep(
+    finished: list[tuple[float, int, float]], scratch: int | None, path: Path, cap: int
+) -> None:
+    """Fig. D.2's two readings against σ (log scale): SIFU's retraining rounds after the
+    request, beside SCRATCH's on the same seed, and the accuracy on the forgotten clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sigmas, rounds, forgotten = zip(*finished)
+    fig, (rounds_ax, forgotten_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rounds_ax.plot(sigmas, rounds, "o-", label="SIFU")
+    if scratch is not None:
+        rounds_ax.axhline(scratch, color="gray", linestyle="--", label="SCRATCH (same seed)")
+    forgotten_ax.plot(sigmas, forgotten, "o-", label="SIFU")
+    for ax, label in ((rounds_ax, f"retraining rounds (cap {cap})"),
+                      (forgotten_ax, "accuracy on the forgotten clients")):  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel("σ")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    forgotten_ax.set_ylim(0, 1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
