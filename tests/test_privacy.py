@@ -494,7 +494,9 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
     scored on the last 3, for the confidence attack, against a brute-force reference.
     Class 1's members are less confident than class 0's non-members, so per-class
     thresholds help (2/3 against 1/2); the fit half's non-members are all of class 1, so
-    classes 0 and 2 fall back to the global threshold. Yeom's loss attack keeps one global
+    classes 0 and 2 fall back to the global threshold. With seed 2, a class has members
+    but no non-members in the fit half: it too falls back (a threshold fitted on its
+    members alone scores 5/6, not 1). Yeom's loss attack keeps one global
     threshold either way: log F_y is monotone in F_y, so it scores as confidence does
     without classes (1/2)."""
     from lightning_fl.engine.seeding import generator
@@ -512,14 +514,15 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
         onehot = F.one_hot(labels, 3).double()
         return onehot * conf[:, None] + (1 - onehot) * ((1 - conf[:, None]) / 2)
 
-    for per_class in (True, False):
+    for seed, per_class in ((3, True), (3, False), (2, True)):
         members = probs(member_conf, member_labels)
         others = probs(other_conf, other_labels)
         attacks = ("confidence", "loss")
-        result = membership_inference(members, member_labels, others, other_labels, seed=3,
+        result = membership_inference(members, member_labels, others, other_labels, seed=seed,
                                       attacks=attacks, per_class=per_class)  # fmt: skip
-        assert result.accuracy["loss"] == pytest.approx(1 / 2)
-        perm = generator(3, "membership", 6)
+        if seed == 3:
+            assert result.accuracy["loss"] == pytest.approx(1 / 2)
+        perm = generator(seed, "membership", 6)
         m_idx = torch.randperm(9, generator=perm)[:6].tolist()
         o_idx = torch.randperm(6, generator=perm)[:6].tolist()
         m = [(float(member_conf[i]), int(member_labels[i])) for i in m_idx]
@@ -536,9 +539,10 @@ def test_membership_inference_on_unbalanced_classes_by_hand():
         tpr = sum(s >= threshold(c) for s, c in m[3:]) / 3
         tnr = sum(s < threshold(c) for s, c in o[3:]) / 3
         assert result.accuracy["confidence"] == pytest.approx(0.5 * (tpr + tnr))
-        assert {c for _, c in o[:3]} == {1}
-        found[per_class] = result.accuracy["confidence"]
-    assert found == pytest.approx({True: 2 / 3, False: 1 / 2})
+        fit_classes = ({c for _, c in m[:3]}, {c for _, c in o[:3]})
+        assert fit_classes[1] == {1} if seed == 3 else fit_classes[0] - fit_classes[1]
+        found[seed, per_class] = result.accuracy["confidence"]
+    assert found == pytest.approx({(3, True): 2 / 3, (3, False): 1 / 2, (2, True): 1.0})
 
 
 @pytest.mark.parametrize("w", [0.0, 0.25, 1.0])
