@@ -405,6 +405,13 @@ def test_the_delay_model_divides_access_links_by_the_degree():
     rate = min(1e8 / 3, 1e8 / 1, network.bandwidth_bps[0, 1])
     assert d[0, 1] == pytest.approx(6.0 + network.latency_ms[0, 1] + 1e3 * 1e7 / rate)
     assert d[0, 0] == 6.0 and d[1, 2] == -np.inf
+    # per-silo compute times: an arc carries its sender's s·T_c(i), not its receiver's
+    computes = [2.0 + k for k in range(11)]
+    d = DelayModel(1e7, computes, local_steps=3).arc_delays(network, arcs)
+    assert d[0, 1] == pytest.approx(3 * 2.0 + network.latency_ms[0, 1] + 1e3 * 1e7 / rate)
+    back = min(1e8 / 1, 1e8 / 1, network.bandwidth_bps[1, 0])  # silo 0 receives from 1 only
+    assert d[1, 0] == pytest.approx(3 * 3.0 + network.latency_ms[1, 0] + 1e3 * 1e7 / back)
+    assert np.diag(d).tolist() == [3 * c for c in computes]
 
 
 def test_connectivity_graph_latency_and_bandwidth_follow_the_shortest_path():
