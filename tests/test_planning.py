@@ -303,6 +303,9 @@ def test_ranks_by_owner_when_one_process_or_state_stays():
     assert RoundPlanner(_fit(1, 0)).ranks([3, 1], [1, 9]) == [0, 0]
     # three ranks by steps, ties to the earlier participant and the lower rank
     assert RoundPlanner(_fit(3, 0)).ranks([0, 1, 2, 3, 4], [4, 4, 4, 4, 1]) == [0, 1, 2, 0, 1]
+    # a client drawn twice (MD sampling) weighs both its draws, 3 + 3, and trains on one
+    # rank: client 5 (6 steps) first, then 7 (5), then 2 (4) on the less loaded rank 1
+    assert RoundPlanner(_fit(2, 0)).ranks([5, 2, 5, 7], [3, 4, 3, 5]) == [0, 1, 0, 1]
 
 
 def test_a_sampler_that_needs_updates_gets_a_row_per_participant():
