@@ -535,3 +535,34 @@ def test_dp_sgd_keeps_the_terms_fedprox_and_scaffold_add_to_the_gradient(other, 
     without = fit([DPSGD(noise_multiplier=0.0, max_grad_norm=1e6)])
     assert max_abs_diff(alone, both) <= 1e-5
     assert max_abs_diff(alone, without) > 1e-3  # the term matters here
+
+
+@pytest.mark.parametrize("order", ["scale_first", "scale_last"])
+def test_an_update_transform_acts_on_the_aggregators_delta_whatever_the_order(order):
+    """A callback that scales every update by c, beside AsynchronousFL (whose own transform
+    adds the stale client's drift θ^n − θ^ρ, making the update Δ_i(ρ)), must scale the
+    whole Δ_i(ρ): the run equals AsynchronousFL alone with η_g·c, in either order. Before,
+    listed first, it scaled the update before the drift was added (ServerReference with
+    AsynchronousFL differed by 0.008 between the two orders)."""
+    from lightning_fl import ClientTimes, FedBuffSchedule
+    from lightning_fl.callbacks import AsynchronousFL
+    from lightning_fl.engine.plugins import FederatedCallback
+
+    class Scale(FederatedCallback):
+        def transform_update(self, trainer, pl_module, client, update, state):
+            return torch._foreach_mul(update, 0.7)
+
+    def asynchronous(server_lr):
+        return AsynchronousFL(FedBuffSchedule(2, ClientTimes(50.0)), server_lr=server_lr)
+
+    def fit(callbacks):
+        module = tiny_module()
+        strategy = FederatedStrategy(local_steps=2, seed=4)
+        trainer = make_trainer(strategy, 4, callbacks)
+        trainer.fit(module, datamodule=tiny_datamodule(5))
+        return params_of(module), float(trainer.callback_metrics["fl/staleness"])
+
+    scaled = asynchronous(1.0)
+    both, staleness = fit([Scale(), scaled] if order == "scale_first" else [scaled, Scale()])
+    assert staleness > 0  # the last aggregation's updates came from stale models
+    assert max_abs_diff(both, fit([asynchronous(0.7)])[0]) <= 1e-6

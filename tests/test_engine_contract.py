@@ -252,19 +252,26 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
 
 
 def test_the_aggregator_runs_first_and_observers_first_in_client_evaluation():
-    """Every hook runs the aggregator first (it decides which model a client starts from),
-    then the others in the order given; in the client evaluation hooks the evaluation
+    """Every hook runs the aggregator first (it decides which model a client starts from,
+    and its ``transform_update`` makes the update the client's own), then the others in
+    the order given; in the client evaluation hooks the evaluation
     observers (membership inference) run before everyone."""
     from lightning_fl import FederatedStrategy
     from lightning_fl.callbacks import FedAvg
     from lightning_fl.engine.plugins import FederatedCallback
     from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
-    calls: dict[str, list[str]] = {"on_round_start": [], "on_client_evaluation_start": []}
+    calls: dict[str, list[str]] = {
+        "on_round_start": [], "on_client_evaluation_start": [], "transform_update": []
+    }  # fmt: skip
 
     def recording(base, name, **attributes):
         def hook(kind):
-            return lambda self, *args: calls[kind].append(name)
+            def record(self, *args):
+                calls[kind].append(name)
+                return args[3] if kind == "transform_update" else None  # the update
+
+            return record
 
         hooks = {kind: hook(kind) for kind in calls}
         return type(name, (base,), {**hooks, **attributes})()
@@ -275,6 +282,7 @@ def test_the_aggregator_runs_first_and_observers_first_in_client_evaluation():
                            limit_val_batches=1.0)  # fmt: skip
     trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=3))
     assert calls["on_round_start"] == ["aggregator", "plain", "observer"]
+    assert calls["transform_update"][:3] == ["aggregator", "plain", "observer"]  # a client
     evaluation = calls["on_client_evaluation_start"]
     assert evaluation and evaluation[:3] == ["observer", "aggregator", "plain"]
 

@@ -172,7 +172,9 @@ class FederatedCallback(pl.Callback):
         update: TensorList,
         state: RoundState,
     ) -> TensorList:
-        """May change the update a client sends (DP noise, attacks, compression)."""
+        """May change the update a client sends (DP noise, attacks, compression). The
+        aggregator's runs first (it makes the update the client's own Δ_i: against its
+        cluster's model, its stale model), then the others' in the Trainer's order."""
         return update
 
     def on_client_end(

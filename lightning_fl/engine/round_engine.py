@@ -81,7 +81,9 @@ class RoundEngine:
         client = self.current_round.schedule.clients[pos]
         update = fit.tensors.minus(state.global_tensors)
         trainer, module = fit.trainer, fit.module
-        for cb in fit.plugins.callbacks:
+        # the aggregator's first: it turns the strategy's update into the client's own Δ_i
+        # (against its cluster's model, its stale model), which the others then change
+        for cb in self.ordered_callbacks("transform_update"):
             update = cb.transform_update(trainer, module, client, update, state)
         if not all_finite(update):
             state.dropped.append(client)
