@@ -130,3 +130,27 @@ def test_personal_models_save_load_and_say_when_a_client_has_none():
     assert all(torch.equal(a, b) for a, b in zip(model.tensors, changed))
     assert personal.load(store, 3, model) is True
     assert all(torch.equal(a, b) for a, b in zip(model.tensors, kept))
+
+
+def test_client_loader_gives_plain_training_batches_where_training_data_carries_reference():
+    """With WERM's reference data at the clients (``reference='client'``) the training
+    loader pairs every batch with a reference batch; personalization's own passes train on
+    the client's training data alone, so client_loader unwraps it: (x, y) batches of
+    exactly the training samples."""
+    import numpy as np
+
+    from lightning_fl.datamodules import ReferenceDataModule
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 3)).astype(np.float32)
+    y = rng.integers(0, 2, size=60).astype(np.int64)
+    dm = ReferenceDataModule(x, y, num_clients=2, reference="client", batch_size=4)
+    dm.setup("fit")
+    trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace(seed=3))
+    train = dm.client_dataset(0, "train").train
+    loader = client_loader(trainer, 0, "train", shuffle_seed=("personal", 7))
+    batches = list(loader)
+    assert all(isinstance(b, (list, tuple)) and len(b) == 2 for b in batches)
+    seen = torch.cat([b[0] for b in batches])
+    expected = torch.stack([train[i][0] for i in range(len(train))])
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, expected.tolist()))
