@@ -1,4 +1,5 @@
-"""FedProx (Li et al., MLSys 2020): local objective L_i(θ) + (μ/2)‖θ − θ^t‖².
+"""FedProx (Li et al., MLSys 2020): local objective L_i(θ) + (μ/2)‖θ − θ^t‖², θ^t the
+model the client starts from.
 
 Fraboni thesis eq. B.31. The proximal gradient μ(θ − θ^t) is added to each parameter's
 gradient before the optimizer step, before gradient clipping, exactly as if it were part
@@ -17,30 +18,47 @@ from lightning_fl.engine.tensors import TensorList
 
 
 class FedProx(FederatedCallback):
-    """FedProx (Li et al., MLSys 2020): each client minimizes L_i(θ) + (μ/2)‖θ − θ^t‖², the
-    proximal gradient μ(θ − θ^t) added to its gradient at every local step.
+    """FedProx (Li et al., MLSys 2020, eq. 2): each client minimizes L_i(θ) + (μ/2)‖θ − θ^t‖²,
+    θ^t its starting model, adding μ(θ − θ^t) to each local gradient.
+
+    Thesis eq. B.31. The anchor θ^t is the model the client received, the one it starts
+    its local steps from: the round's global model under synchronous FedAvg, the stale
+    model θ^ρ it was sent under :class:`AsynchronousFL`, its cluster's model under
+    :class:`ClusteredFL`, its own model under :class:`Local` or :class:`GossipAveraging`.
+    It is read at the client's first optimizer step, after every callback's
+    ``on_client_start``, so the order of the Trainer's callbacks does not matter.
+    Vectorized clients: each row's starting model, copied once per chunk (none when every
+    row starts from the round's global model).
 
     Args:
         mu: μ ≥ 0 (0 is FedAvg).
     """
 
-    keeps_client_state = False  # the anchor is this round's global model
+    keeps_client_state = False  # the anchor is the client's starting model of the round
 
     def __init__(self, mu: float = 0.01) -> None:
         require_rate("mu", mu, 0.01, allow_zero=True)
         self.mu = mu
-        self._anchor: TensorList | None = None
+        self._anchor: TensorList | None = None  # reused from client to client
+        self._anchor_state = "none"  # "none" outside a client, "stale" until its first step
+        self._rows_anchor: TensorList | None = None
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self._anchor = state.global_params
+        self._anchor_state = "stale"  # read at the first step, after every callback's start
 
     @torch.no_grad()
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if self._anchor is None or self.mu == 0:
+        if self.mu == 0 or self._anchor_state == "none":
             return
         params = trainer.strategy.federated_tensors.params
+        if self._anchor_state == "stale":
+            if self._anchor is None or self._anchor[0].device != params[0].device:
+                self._anchor = [p.detach().clone() for p in params]
+            else:
+                torch._foreach_copy_(self._anchor, [p.detach() for p in params])
+            self._anchor_state = "ready"
         pairs = [(p, a) for p, a in zip(params, self._anchor) if p.grad is not None]
         if pairs:
             grads = [p.grad for p, _ in pairs]
@@ -48,18 +66,29 @@ class FedProx(FederatedCallback):
             torch._foreach_add_(grads, diff, alpha=self.mu)
 
     supports_vectorized_clients = True
-    vectorized_client_hooks = False  # the vectorized term reads state.global_params
+    vectorized_client_hooks = False  # the rows' anchors are read in on_vectorized_clients_start
+
+    def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
+        """Each row's anchor: its starting model, copied when the rows start from different
+        models (None: every row starts from the round's global model)."""
+        vectorized = trainer.strategy.vectorized
+        shared = vectorized.batched_lifecycle  # every row starts from θ^t
+        self._rows_anchor = None if shared else [t.clone() for t in vectorized.chunk.params]
 
     @torch.no_grad()
     def on_before_vectorized_optimizer_step(
         self, trainer, pl_module, rows, params, grads, state: RoundState
     ) -> None:
-        """The same proximal gradient μ(θ_c − θ^t) for every client row at once."""
+        """The same proximal gradient μ(θ_c − θ_c^start) for every client row at once."""
         if self.mu == 0:
             return
-        for p, g, anchor in zip(params, grads, state.global_params):
+        anchors = state.global_params
+        if self._rows_anchor is not None:
+            index = torch.tensor(rows, device=params[0].device)
+            anchors = [t.index_select(0, index) for t in self._rows_anchor]
+        for p, g, anchor in zip(params, grads, anchors):
             if g is not None:
                 g.add_(p - anchor, alpha=self.mu)
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
-        self._anchor = None
+        self._anchor_state, self._rows_anchor = "none", None

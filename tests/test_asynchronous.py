@@ -23,7 +23,7 @@ from lightning_fl import (
     SyncSchedule,
     UniformSampler,
 )
-from lightning_fl.callbacks import AsynchronousFL, FedAvg
+from lightning_fl.callbacks import AsynchronousFL, FedAvg, FedProx
 from lightning_fl.systems.asynchrony import async_aggregations, exact
 from tests.helpers import (
     local_sgd,
@@ -122,9 +122,10 @@ def test_fx_times_are_the_authors_evenly_spaced_times():
 # ---- staleness against a hand-written event loop ----------------------------------------
 
 
-def _hand_written_async(clients, rounds, weights_of, times, lr_g=1.0):
+def _hand_written_async(clients, rounds, weights_of, times, lr_g=1.0, mu=0.0):
     """Async FedAvg by hand: each aggregation takes the earliest return (lowest index on
-    ties); that client's K steps start from the model it last received."""
+    ties); that client's K steps start from the model it last received, with FedProx's
+    (μ/2)‖θ − θ^ρ‖² toward that model when ``mu`` > 0."""
     torch.manual_seed(1)  # tiny_module's initialization
     start = tiny_module(LR)
     theta = [p.detach().clone() for p in start.network.parameters()]
@@ -137,8 +138,15 @@ def _hand_written_async(clients, rounds, weights_of, times, lr_g=1.0):
         with torch.no_grad():
             for p, v in zip(net.parameters(), history[received[i]]):
                 p.copy_(v)
-        local_sgd(net, clients[i]["train"], STEPS, LR, 4, SEED, n, i)
-        delta = [p.detach() - v for p, v in zip(net.parameters(), history[received[i]])]
+        anchor = history[received[i]]
+
+        def prox(net, anchor=anchor):
+            return mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+
+        local_sgd(
+            net, clients[i]["train"], STEPS, LR, 4, SEED, n, i, loss_extra=prox if mu else None
+        )
+        delta = [p.detach() - v for p, v in zip(net.parameters(), anchor)]
         theta = [t + lr_g * weights_of[i] * d for t, d in zip(theta, delta)]
         history[n + 1] = [t.clone() for t in theta]
         ready[i] += times[i]
@@ -159,6 +167,21 @@ def test_async_updates_come_from_the_stale_model_each_client_received(weights):
     ours, _ = _fit([callback], rounds, num_clients=m)
     assert max_abs_diff(expected, params_of(ours)) < 1e-6
     assert len(callback.models) <= m  # only the versions in flight are kept
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_fedprox_pulls_a_stale_client_toward_the_model_it_received(vectorize):
+    """FedProx's anchor under asynchrony is θ^ρ, the stale model the client started from,
+    not the server's current θ^n (Li et al. 2020 eq. 2: the model the client received):
+    with F80's unequal times, clients return several aggregations after they were sent."""
+    rounds, m, mu = 9, 4, 1.0
+    times = ClientTimes(80).means(m)
+    clients = tiny_clients(num_clients=m)
+    expected = _hand_written_async(clients, rounds, np.ones(m), times, lr_g=0.5, mu=mu)
+    callbacks = [FedProx(mu=mu), AsynchronousFL(AsyncSchedule(F80), "identical", server_lr=0.5)]
+    strategy = FederatedStrategy(local_steps=STEPS, seed=SEED, vectorize=vectorize)
+    ours, _ = _fit(callbacks, rounds, num_clients=m, strategy=strategy)
+    assert max_abs_diff(expected, params_of(ours)) < 1e-6
 
 
 # ---- unbiasedness (Thm 4.3) --------------------------------------------------------------

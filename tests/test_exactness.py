@@ -7,6 +7,9 @@ import torch
 
 from lightning_fl import FederatedStrategy, MDSampler, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
+from lightning_fl.callbacks.baselines import STORE_KEY as LOCAL_KEY
+from lightning_fl.callbacks.baselines import Local
+from lightning_fl.engine.plugins import FederatedCallback
 from tests.helpers import (
     local_sgd,
     make_trainer,
@@ -111,6 +114,84 @@ def test_fedprox_equals_proximal_loss_by_autograd(mu, vectorize):
 
     ref = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)], loss_extra=prox)
     assert max_abs_diff(ours, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_fedprox_anchors_each_client_to_the_model_it_starts_from(vectorize):
+    """Under Local, every client starts from, and is pulled toward, its own model of the
+    previous round (θ^0 the first time), never the unchanging global model: the clients
+    the sampler draws again in later rounds tell the two anchors apart."""
+    sampler, mu = UniformSampler(3), 1.0
+    strategy = FederatedStrategy(sampler=sampler, local_steps=STEPS, seed=SEED, vectorize=vectorize)
+    trainer = make_trainer(strategy, ROUNDS, [Local(), FedProx(mu)])
+    trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
+    clients = tiny_clients()
+    net = tiny_module(LR).network
+    theta0 = params_of(net)
+    own = {}
+    p = sample_weights(clients)
+    drawn_again = 0
+    for r in range(ROUNDS):
+        for c in sampler.sample(r, SEED, p).clients:
+            drawn_again += c in own
+            start = own.get(c, theta0)
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), start):
+                    q.copy_(t)
+
+            def prox(net, anchor=start):
+                return mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+
+            local_sgd(net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c, loss_extra=prox)
+            own[c] = params_of(net)
+    assert drawn_again >= 2  # the setting separates the anchors
+    for c, theta in own.items():
+        stored = trainer.strategy.client_store.get(c, LOCAL_KEY)
+        flat = torch.cat([t.flatten() for t in theta])
+        assert (stored[: len(flat)] - flat).abs().max() <= 1e-6
+
+
+class _ShiftedStart(FederatedCallback):
+    """A user's callback that moves every client's starting model by a constant."""
+
+    def on_client_start(self, trainer, pl_module, client, state) -> None:
+        with torch.no_grad():
+            for p in trainer.strategy.federated_tensors.params:
+                p.add_(0.05)
+
+
+@pytest.mark.parametrize("shift_first", [False, True], ids=["fedprox-first", "shift-first"])
+def test_fedprox_reads_its_anchor_after_every_callbacks_client_start(shift_first):
+    """Whatever the order of the Trainer's callbacks, the anchor is the model the client
+    starts its steps from (here θ^t + 0.05), not θ^t."""
+    sampler, mu = UniformSampler(3), 1.0
+    callbacks = [FedProx(mu), _ShiftedStart()]
+    ours = run_strategy(sampler, callbacks[::-1] if shift_first else callbacks)
+
+    def prox(theta):
+        anchor = [t + 0.05 for t in theta]
+        return lambda net: (
+            mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
+        )
+
+    clients = tiny_clients()
+    net = tiny_module(LR).network
+    p = sample_weights(clients)
+    theta = params_of(net)
+    for r in range(ROUNDS):
+        part = sampler.sample(r, SEED, p)
+        delta = [torch.zeros_like(t) for t in theta]
+        for c, w in zip(part.clients, part.weights):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), theta):
+                    q.copy_(t + 0.05)
+            local_sgd(
+                net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c, loss_extra=prox(theta)
+            )
+            for d, q, t in zip(delta, net.parameters(), theta):
+                d += w * (q.detach() - t)
+        theta = [a + b for a, b in zip(theta, delta)]
+    assert max_abs_diff(ours, theta) <= 1e-5  # float32 round-off; anchored at θ^t: 0.19
 
 
 @pytest.mark.parametrize("v0", [None, 0.0])
