@@ -73,9 +73,11 @@ class FineTune(FederatedCallback):
 class Ditto(FederatedCallback):
     """Ditto (Li et al., ICML 2021, Alg. 1). The global model trains as in FedAvg (the
     user's local steps); each participating client also updates its personal model v_k by
-    ``personal_epochs`` passes of v ← v − η_p(∇F_k(v) + λ(v − w^t)), w^t being the round's
-    global model. v_k starts from the first global model (w^0). Clients are evaluated with
-    v_k; an unseen client trains v from the final global model the same way.
+    ``personal_epochs`` passes of v ← v − η_p(∇F_k(v) + λ(v − w^t)), w^t being the model the
+    client received and starts its local steps from (the round's global model; under
+    :class:`AsynchronousFL` the stale model it was sent), read after the aggregator's
+    ``on_client_start``. v_k starts from the first global model (w^0). Clients are
+    evaluated with v_k; an unseen client trains v from the final global model the same way.
 
     Args:
         lam: λ, the proximal weight (the kNN-Per paper tunes it per client over
@@ -98,10 +100,18 @@ class Ditto(FederatedCallback):
         require_rate("personal_lr", personal_lr, 0.01)
         self.lam, self.personal_lr, self.personal_epochs = lam, personal_lr, personal_epochs
         self.initial: Tensor | None = None
+        #: w^t of each client started and not yet ended (vectorized clients start together)
+        self._received: dict[int, TensorList] = {}
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if self.initial is None:
             self.initial = flatten(state.global_params).clone()
+
+    def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
+        self._received[client] = [p.detach().clone() for p in _params(pl_module)]
+
+    def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
+        self._received.clear()  # the clients whose update was dropped
 
     def _train_personal(
         self, trainer, module, client: int, start: TensorList, anchor: TensorList, tag: Any
@@ -121,7 +131,7 @@ class Ditto(FederatedCallback):
         sgd(module, params, loader, self.personal_lr, self.personal_epochs, extra_grad=proximal)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        anchor = [t.clone() for t in state.global_params]
+        anchor = self._received.pop(client)
         start = _load_params(state.store, client, self.key, anchor)
         if start is None:
             start = unflatten(self.initial.to(anchor[0].device), anchor)

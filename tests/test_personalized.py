@@ -405,6 +405,54 @@ def test_ditto_over_three_rounds_and_clients_of_unequal_size_by_hand():
         assert torch.allclose(store.get(c, Ditto.key), flat, atol=1e-5), c
 
 
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_ditto_anchors_a_stale_client_on_the_model_it_received(vectorize):
+    """Under AsynchronousFL (F80's unequal times, 8 aggregations, server step 0.5), a
+    client's personal model is pulled toward the stale w^ρ it was sent and trained from
+    (Alg. 1's w^t), not the server's current model, which has moved on meanwhile."""
+    from lightning_fl import AsyncSchedule, ClientTimes
+    from lightning_fl.callbacks import AsynchronousFL
+
+    m, rounds, lam, lr_p = 4, 8, 0.3, 0.04
+    times = ClientTimes(80.0).means(m)
+    clients = tiny_clients(num_clients=m)
+    module = tiny_module(LR)
+    w0 = params_of(module)
+    callbacks = [
+        Ditto(lam=lam, personal_lr=lr_p, personal_epochs=2),
+        AsynchronousFL(AsyncSchedule(ClientTimes(80.0)), "identical", server_lr=0.5),
+    ]
+    strategy = FederatedStrategy(local_steps=STEPS, seed=SEED, vectorize=vectorize)
+    trainer = make_trainer(strategy, rounds, callbacks)
+    trainer.fit(module, datamodule=tiny_datamodule(BATCH, num_clients=m))
+
+    net = tiny_module(LR).network
+    params = list(net.parameters())
+    history, theta = {0: w0}, w0
+    ready, received, personal, stale = list(times), [0] * m, {}, 0
+    for n in range(rounds):
+        i = min(range(m), key=lambda k: (ready[k], k))
+        sent = history[received[i]]
+        stale += received[i] < n
+        with torch.no_grad():
+            for p, t in zip(params, sent):
+                p.copy_(t)
+        local_sgd(net, clients[i]["train"], STEPS, LR, BATCH, SEED, n, i)
+        theta = [t + 0.5 * (e - s) for t, e, s in zip(theta, params_of(net), sent)]
+        with torch.no_grad():
+            for p, v in zip(params, personal.get(i, w0)):
+                p.copy_(v)
+        _ditto_passes(net, params, clients[i]["train"], sent, lam, lr_p, 2, "ditto", n, i)
+        personal[i] = params_of(net)
+        history[n + 1], ready[i], received[i] = theta, ready[i] + times[i], n + 1
+    assert stale >= 3  # the setting separates w^ρ from the current model
+    assert max_abs_diff(params_of(module), theta) < 1e-5
+    store = trainer.strategy.client_store
+    for c, v in personal.items():
+        flat = torch.cat([t.reshape(-1) for t in v])
+        assert torch.allclose(store.get(c, Ditto.key), flat, atol=1e-5), c
+
+
 def test_ditto_starts_a_late_clients_personal_model_from_w0_not_from_its_first_rounds_w():
     """Partial participation, rounds {0, 1}, {1, 2}, {0, 2} at weights 0.6 / 0.4: client 2
     first trains in round 1, and its personal model starts from w^0 (Alg. 1's v_k^0), with
