@@ -39,26 +39,23 @@ class FedProx(FederatedCallback):
     def __init__(self, mu: float = 0.01) -> None:
         require_rate("mu", mu, 0.01, allow_zero=True)
         self.mu = mu
-        self._anchor: TensorList | None = None  # reused from client to client
-        self._anchor_state = "none"  # "none" outside a client, "stale" until its first step
+        self._anchor: TensorList = []
+        self._anchor_stale = True  # until the client's first step
         self._rows_anchor: TensorList | None = None
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self._anchor_state = "stale"  # read at the first step, after every callback's start
+        self._anchor_stale = True  # read at the first step, after every callback's start
 
     @torch.no_grad()
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if self.mu == 0 or self._anchor_state == "none":
+        if self.mu == 0:
             return
         params = trainer.strategy.federated_tensors.params
-        if self._anchor_state == "stale":
-            if self._anchor is None or self._anchor[0].device != params[0].device:
-                self._anchor = [p.detach().clone() for p in params]
-            else:
-                torch._foreach_copy_(self._anchor, [p.detach() for p in params])
-            self._anchor_state = "ready"
+        if self._anchor_stale:
+            self._anchor = [p.detach().clone() for p in params]
+            self._anchor_stale = False
         pairs = [(p, a) for p, a in zip(params, self._anchor) if p.grad is not None]
         if pairs:
             grads = [p.grad for p, _ in pairs]
@@ -91,4 +88,4 @@ class FedProx(FederatedCallback):
                 g.add_(p - anchor, alpha=self.mu)
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
-        self._anchor_state, self._rows_anchor = "none", None
+        self._rows_anchor = None
