@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import glob
+import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -54,8 +55,28 @@ class PhaseCheckpoint(Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         unlearning = next(c for c in trainer.callbacks if type(c).__name__ == "Unlearning")
         if len(unlearning.phase_rounds) == self.phases and not trainer.should_stop:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)
             trainer.should_stop = True
+
+
+class ProgressCheckpoint(Callback):
+    """Save the fit to ``path`` every ``every`` rounds, replacing the previous save (written
+    beside it, then renamed: a run killed while saving keeps the previous one), so that a
+    run stopped anywhere resumes from its last save (``--ckpt_path path``) with at most
+    ``every`` − 1 rounds to train again. List it after the callbacks whose round end it
+    must hold (``Unlearning``); nothing is saved at the round that stops the run."""
+
+    def __init__(self, path: str, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1 (rounds between saves), got {every}.")
+        self.path, self.every = Path(path), every
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if (trainer.current_epoch + 1) % self.every or trainer.should_stop:
+            return
+        saving = self.path.with_name(self.path.name + ".saving")
+        trainer.save_checkpoint(saving, weights_only=False)  # the whole fit
+        os.replace(saving, self.path)
 
 
 def callback_of(cli, name: str):

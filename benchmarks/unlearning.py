@@ -9,7 +9,11 @@ authors' CNN and settings).
 
 Every finished protocol run is appended to benchmarks/results/unlearning_<dataset>.jsonl
 and skipped when the script runs again, so a long Fashion-MNIST sweep can be stopped and
-resumed (or run on a GPU machine) and its table rebuilt from what has finished. As in the
+resumed (or run on a GPU machine) and its table rebuilt from what has finished. A run in
+progress is saved every PROGRESS_EVERY rounds under outputs/unlearning/ (one checkpoint
+per run, named by its method, seed and journal key), and the next invocation resumes it
+from there: a stopped 10^4-round phase loses at most PROGRESS_EVERY − 1 rounds, and the
+resumed run ends where the uninterrupted one would (tests/test_late_paths.py). As in the
 authors' code, SIFU, SCRATCH, FINE-TUNING and LAST share the training before the first
 request: it runs once per seed and σ, is saved under outputs/unlearning/ (kept between
 invocations), and each of the four methods resumes from it (the resumed protocol equals
@@ -56,6 +60,9 @@ CAPS = {"digits": 400, "fashion_mnist": 10_000}
 MAX_ROUNDS = CAPS["digits"]
 RECIPE, ACCELERATOR = RECIPES["digits"], "cpu"
 SHARED = ROOT / "outputs" / "unlearning"
+#: rounds between the saves of a run in progress (under SHARED), from which a stopped run
+#: resumes: a Fashion-MNIST phase may take 10^4 rounds, hours on a CPU
+PROGRESS_EVERY = 200
 #: σ of Fig. D.2's sweep: digits's earlier table; Fashion-MNIST, the authors' code's
 #: {1, 2, 5} × 10^-k, k = 0..4 (one request, P70)
 SWEEPS = {
@@ -89,18 +96,43 @@ def recipe_edit(method: str, seed: int, target: float, sigma: float, requests=No
     return edit
 
 
+def run_key(method: str, seed: int, target: float, sigma: float, requests) -> str:
+    """What decides a protocol run's result: its method, seed, target, σ, requests, the
+    phase cap and the recipe's settings (the journal's key)."""
+    return json.dumps([method, seed, target, sigma, requests, MAX_ROUNDS, recipe_hash()])
+
+
+def progress_path(key: str) -> Path:
+    """Where the run of ``key`` is saved while in progress (every PROGRESS_EVERY rounds)."""
+    method, seed = json.loads(key)[:2]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return SHARED / f"{RECIPE.stem}-{method}-seed{seed}-{digest}.progress.ckpt"
+
+
+def saving_progress(path: Path) -> dict:
+    """The recipe callback that saves a run to ``path`` every PROGRESS_EVERY rounds."""
+    return {"class_path": "recipe_runs.ProgressCheckpoint",
+            "init_args": {"path": str(path), "every": PROGRESS_EVERY}}  # fmt: skip
+
+
 def protocol(method: str, seed: int, target: float, sigma: float = 0.05, requests=None):
+    """Run the protocol, from its last save if a stopped run left one (its rounds before
+    the save are not trained again); the save is deleted when the run has finished."""
     edit = recipe_edit(method, seed, target, sigma, requests)
+    progress = progress_path(run_key(method, seed, target, sigma, requests))
     args = []
-    if method in SHARED_TRAINING and requests is None:
+    if progress.exists():
+        print(f"resuming {progress.name}", flush=True)
+        args = ["--ckpt_path", str(progress)]
+    elif method in SHARED_TRAINING and requests is None:
         args = ["--ckpt_path", str(shared_training(seed, target, sigma, edit))]
-    cli, rows = run_recipe(RECIPE, edit, seed, args)
+    SHARED.mkdir(parents=True, exist_ok=True)
+    save = saving_progress(progress)
+    cli, _ = run_recipe(RECIPE, lambda config: edit(config, method, [save]), seed, args)
     unlearning = callback_of(cli, "Unlearning")
-    ends = [sum(unlearning.phase_rounds[: k + 1]) - 1 for k in range(len(unlearning.phase_rounds))]
-    by_epoch = {int(r["epoch"]): r for r in rows if r.get("unlearning/forgotten_acc")}
-    forgotten = [float(by_epoch[e]["unlearning/forgotten_acc"]) if e in by_epoch else float("nan")
-                 for e in ends[1:]]  # fmt: skip
+    forgotten = unlearning.phase_forgotten_acc[1:]  # kept in the checkpoints
     restarts = [[r["branch"], r["restart_round"]] for r in unlearning.done_requests]
+    progress.unlink(missing_ok=True)
     return unlearning.phase_rounds, forgotten, restarts
 
 
@@ -114,9 +146,13 @@ def shared_training(seed: int, target: float, sigma: float, edit) -> Path:
     if not path.exists():
         SHARED.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
+        progress = path.with_suffix(".progress.ckpt")
         stop = {"class_path": "recipe_runs.PhaseCheckpoint", "init_args": {"path": str(partial)}}
-        run_recipe(RECIPE, lambda config: edit(config, "sifu", [stop]), seed)
+        save = saving_progress(progress)
+        args = ["--ckpt_path", str(progress)] if progress.exists() else []
+        run_recipe(RECIPE, lambda config: edit(config, "sifu", [stop, save]), seed, args)
         partial.rename(path)
+        progress.unlink(missing_ok=True)
     return path
 
 
@@ -150,7 +186,7 @@ class Journal:
         """The run's (phase rounds, forgotten accuracies, restart nodes [branch, round] of
         its requests: None in entries journaled before they were), run now unless ``run``
         is False (then None when it has not finished yet)."""
-        key = json.dumps([method, seed, target, sigma, requests, MAX_ROUNDS, recipe_hash()])
+        key = run_key(method, seed, target, sigma, requests)
         if key not in self.done and not run:
             return None
         if key not in self.done:

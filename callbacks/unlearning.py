@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -170,7 +171,10 @@ class Unlearning(FederatedCallback):
         on_target: a :class:`StopAtTarget` on ``unlearning/remaining_train_acc``: train to
             the target, then apply the next request, retrain to the target, …, and stop
             after the last one (the thesis's protocol). The rounds of each phase are in
-            :attr:`phase_rounds`.
+            :attr:`phase_rounds`, and, with ``evaluate_forgotten``, the accuracy on the
+            clients forgotten so far when each phase reached the target in
+            :attr:`phase_forgotten_acc` (NaN before the first request); both are kept in
+            checkpoints.
         decay: (1 − η_l λ)^K for an L2 weight λ (Cor. 5.1); 1 without.
         clip: C of the DP baseline.
         evaluate_every: rounds between evaluations of the remaining clients without
@@ -239,6 +243,7 @@ class Unlearning(FederatedCallback):
         self.history: BranchHistory | None = None
         self.versions = ModelVersions()
         self.phase_rounds: list[int] = []
+        self.phase_forgotten_acc: list[float] = []
         self.done_requests: list[dict] = []
         self._phase_start = 0
         self._deltas: dict[int, torch.Tensor] = {}
@@ -393,7 +398,7 @@ class Unlearning(FederatedCallback):
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if self.on_target is not None and self.on_target.scheduled:
             if state.round_idx == self._phase_start:  # the model the phase starts from
-                self.on_target.observe(self._measure(trainer, pl_module, log=False))
+                self.on_target.observe(self._measure(trainer, pl_module, log=False)[0])
         self._start = flatten(state.global_tensors).clone()
         self._deltas = {}
         std = self.forgetting.round_noise_std(len(self._remaining()))
@@ -462,11 +467,12 @@ class Unlearning(FederatedCallback):
             return
         if not self.on_target.due(phase):
             return
-        value = self._measure(trainer, pl_module, log=True)
+        value, forgotten = self._measure(trainer, pl_module, log=True)
         if not self.on_target.reached(value, phase):
             self.on_target.observe(value)
             return
         self.phase_rounds.append(phase)
+        self.phase_forgotten_acc.append(forgotten)
         self._phase_start = epoch + 1
         self.on_target.start_phase()
         if self.queue:
@@ -474,22 +480,23 @@ class Unlearning(FederatedCallback):
         else:
             trainer.should_stop = True
 
-    def _measure(self, trainer, pl_module, log: bool) -> float:
-        """The p-weighted training accuracy of the remaining clients; with ``log``, logged
-        with the branch and (``evaluate_forgotten``) the removed clients' accuracy."""
+    def _measure(self, trainer, pl_module, log: bool) -> tuple[float, float]:
+        """The p-weighted training accuracy of the remaining clients and, with ``log`` and
+        ``evaluate_forgotten``, of the removed ones (else NaN); with ``log``, logged with
+        the branch."""
         remaining = self._remaining()
         forgotten = self.removed if self.evaluate_forgotten and log else []
         _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
         # host: as the accuracies (client_training_metrics returns them on the host)
         counts = torch.tensor(trainer.strategy.training_counts, dtype=torch.float64)
-        value = float(_weighted(accuracy, counts, remaining))
+        value, value_forgotten = float(_weighted(accuracy, counts, remaining)), math.nan
         if log:
             pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)
             pl_module.log("unlearning/branch", float(self.history.branch), on_epoch=True)
         if forgotten:
             value_forgotten = float(_weighted(accuracy, counts, forgotten))
             pl_module.log("unlearning/forgotten_acc", value_forgotten, on_epoch=True)
-        return value
+        return value, value_forgotten
 
     # ---- checkpoint --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -500,6 +507,7 @@ class Unlearning(FederatedCallback):
             "versions": {f"{s},{n}": m for (s, n), m in self.versions.models.items()},
             "shadows": self.forgetting.state_dict(),
             "phase_rounds": self.phase_rounds, "phase_start": self._phase_start,
+            "phase_forgotten_acc": self.phase_forgotten_acc,
             "done_requests": self.done_requests,
             "on_target": None if self.on_target is None else self.on_target.state_dict(),
         }  # fmt: skip
@@ -538,6 +546,8 @@ class Unlearning(FederatedCallback):
         }
         self.forgetting.load_state_dict(state["shadows"])
         self.phase_rounds, self._phase_start = list(state["phase_rounds"]), state["phase_start"]
+        unknown = [math.nan] * len(self.phase_rounds)  # checkpoints that predate the record
+        self.phase_forgotten_acc = list(state.get("phase_forgotten_acc", unknown))
         self.done_requests = list(state["done_requests"])
         if self.on_target is not None and state.get("on_target") is not None:
             self.on_target.load_state_dict(state["on_target"])

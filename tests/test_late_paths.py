@@ -11,6 +11,7 @@ test mode (``make test-gpu``), where a tensor left on the host fails them.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("recipe_runs", ROOT / "benchmarks/recipe_runs.py")
 recipe_runs = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(recipe_runs)
+sys.modules.setdefault("recipe_runs", recipe_runs)  # recipes name its callbacks by class path
 callback_of = recipe_runs.callback_of
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
 
@@ -72,6 +74,39 @@ def test_a_forgetting_request_executes(method):
     assert [r["round"] for r in unlearning.done_requests] == [2]
     assert unlearning.done_requests[0]["clients"] == [0, 10, 20]
     assert len(logged(rows, "unlearning/forgotten_acc")) >= 1
+
+
+def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path):
+    """benchmarks/recipe_runs.ProgressCheckpoint, as benchmarks/unlearning.py uses it: a
+    SIFU run with a request at round 2, saved every 2 rounds, stops after 5 (its last save
+    after round 4, before the stop, not at it); resumed from that save to round 6, it ends
+    where the run that never stopped does, to the bit, with the same request done."""
+    saved = tmp_path / "progress.ckpt"
+
+    def edit(rounds: int, save: bool):
+        def edited(config: dict) -> None:
+            config["trainer"].update(accelerator=ACCELERATOR, max_epochs=rounds)
+            args = init_args(config, "Unlearning")
+            args.update(method="sifu", requests={2: [0, 10, 20]}, on_target=None)
+            if save:
+                config["trainer"]["callbacks"].append({
+                    "class_path": "recipe_runs.ProgressCheckpoint",
+                    "init_args": {"path": str(saved), "every": 2},
+                })  # fmt: skip
+
+        return edited
+
+    recipe = ROOT / "recipes" / "robustness" / "digits_sifu.yaml"
+    full, _ = recipe_runs.run_recipe(recipe, edit(6, False))
+    recipe_runs.run_recipe(recipe, edit(5, True))
+    checkpoint = torch.load(saved, weights_only=True)
+    assert checkpoint["epoch"] == 3 and not list(tmp_path.glob("*.saving"))
+    resumed, rows = recipe_runs.run_recipe(recipe, edit(6, False), args=["--ckpt_path", str(saved)])
+    assert min(int(r["epoch"]) for r in rows if r.get("epoch")) == 4  # from round 5 on
+    ours = [p.detach() for p in resumed.model.parameters()]
+    assert all(torch.equal(a, p.detach()) for a, p in zip(ours, full.model.parameters()))
+    requests = callback_of(resumed, "Unlearning").done_requests
+    assert requests == callback_of(full, "Unlearning").done_requests and len(requests) == 1
 
 
 def test_free_riders_make_their_updates_on_the_models_device():

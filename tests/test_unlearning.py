@@ -4,6 +4,8 @@ limits σ → 0 and σ → ∞, baselines, resume, and what a removed client sti
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -500,10 +502,12 @@ class _CheckpointAfterPhase(pl.Callback):
             trainer.should_stop = True
 
 
-def _protocol(method: str, checkpoint=None, after_phase=None, every_round=None):
+def _protocol(method: str, checkpoint=None, after_phase=None, every_round=None, forgotten=False):
     stop = StopAtTarget("unlearning/remaining_train_acc", target=0.6, min_rounds=3,
                         max_rounds=12, check_every=6, check_near=[(0.2, 2), (0.05, 1)])  # fmt: skip
-    unlearning = Unlearning(method, sigma=0.3, requests=[[0, 5], [1], [6]], on_target=stop)
+    unlearning = Unlearning(
+        method, sigma=0.3, requests=[[0, 5], [1], [6]], on_target=stop, evaluate_forgotten=forgotten
+    )
     callbacks = [FedAvg(), unlearning]
     if after_phase is not None:
         callbacks.append(_CheckpointAfterPhase(unlearning, after_phase))
@@ -541,13 +545,29 @@ def test_a_resume_within_a_phase_keeps_the_check_period(tmp_path):
     """Round 7 of SCRATCH's second phase (epoch 12): the check at its round 6 came within
     0.05 of the target, so checks are every round and the phase ends at 10; a resume that
     forgot the period would check at 12 instead."""
-    full, alone = _protocol("scratch", every_round=tmp_path)
+    full, alone = _protocol("scratch", every_round=tmp_path, forgotten=True)
     saved = torch.load(tmp_path / "epoch=12.ckpt", weights_only=True)["callbacks"]
     (state,) = [s for k, s in saved.items() if "Unlearning" in k]
     assert state["on_target"] == {"period": 1} and state["phase_start"] == 6
-    resumed, again = _protocol("scratch", checkpoint=str(tmp_path / "epoch=12.ckpt"))
+    resumed, again = _protocol(
+        "scratch", checkpoint=str(tmp_path / "epoch=12.ckpt"), forgotten=True
+    )
     assert again.phase_rounds == alone.phase_rounds == [6, 10, 6, 6]
     assert max_abs_diff(params_of(full), params_of(resumed)) == 0.0
+    # the accuracy on the forgotten clients at each phase's end: none before the first
+    # request, the final model's at the last; a resume in the third phase (epoch 18) takes
+    # the second phase's from the checkpoint
+    assert math.isnan(alone.phase_forgotten_acc[0]) and len(alone.phase_forgotten_acc) == 4
+    assert again.phase_forgotten_acc[1:] == alone.phase_forgotten_acc[1:]
+    _, late = _protocol("scratch", checkpoint=str(tmp_path / "epoch=18.ckpt"), forgotten=True)
+    assert late.phase_forgotten_acc[1:] == alone.phase_forgotten_acc[1:]
+    clients = tiny_clients(num_clients=8)
+    x = torch.cat([clients[c]["train"][0] for c in (0, 5, 1, 6)])
+    y = torch.cat([clients[c]["train"][1] for c in (0, 5, 1, 6)])
+    with torch.no_grad():
+        by_hand = float((full.network(x).argmax(1) == y).double().mean())
+    assert alone.phase_forgotten_acc[3] == pytest.approx(by_hand, abs=1e-9)
+    assert len(set(alone.phase_forgotten_acc[1:])) == 3  # three different values
 
 
 def test_checks_are_scheduled_from_every_two_rounds_on():
