@@ -43,6 +43,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,6 +347,26 @@ def time_limit(tests: list[str], seconds: dict[str, float], whole_run: float) ->
     return min(whole_run, 5 * sum(seconds[test] for test in tests) + 10)
 
 
+def changed_lines(module: Path, since: str) -> set[int]:
+    """The lines of ``module`` as it is now that were added or changed since the git
+    revision ``since`` (``git diff -U0``: its hunks' new line ranges)."""
+    diff = subprocess.run(
+        ["git", "diff", "--no-color", "-U0", since, "--", module.name],
+        cwd=module.parent, capture_output=True, text=True,
+    )  # fmt: skip
+    if diff.returncode != 0:
+        raise SystemExit(f"git diff {since} failed: {diff.stderr.strip()}: give a revision.")
+    lines: set[int] = set()
+    for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff.stdout, re.MULTILINE):
+        start = int(hunk[1])
+        lines.update(range(start, start + int(hunk[2] or 1)))  # ",0": lines removed only
+    return lines
+
+
+def _touches(mutant: Mutant, lines: set[int]) -> bool:
+    return any(line in lines for line in range(mutant.line, max(mutant.end_line, mutant.line) + 1))
+
+
 def _same(mutant: Mutant, earlier: dict) -> bool:
     """Whether an earlier result's survivor is this mutant (its index, line and rewrite)."""
     return (earlier["index"], earlier["line"], earlier["description"]) == (
@@ -369,10 +390,14 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
                         help="run every given test against a mutant of lines no test runs "
                         "in process (lines only another process runs, such as torchrun's "
                         "ranks), instead of counting it a survivor")  # fmt: skip
+    parser.add_argument("--since", metavar="REV",
+                        help="try only the mutants of lines added or changed since the git "
+                        "revision REV (the habit: mutate what you just wrote)")  # fmt: skip
     args, pytest_options = parser.parse_known_args(argv)  # -k, -m: pytest's
     args.tests += pytest_options
     path = (ROOT / args.module).resolve()
     original = path.read_text()
+    changed = None if args.since is None else changed_lines(path, args.since)
     start = time.perf_counter()
     measure = importlib.util.find_spec("coverage") is not None
     if not run_tests(args.tests, timeout=3600, coverage_of=path if measure else None):
@@ -385,6 +410,8 @@ def main(argv: list[str] | None = None, fork: bool = False) -> int:
     if args.survivors is not None:
         earlier = json.loads(args.survivors.read_text())["survivors"]
         found = [m for m in found if any(_same(m, s) for s in earlier)]
+    if changed is not None:
+        found = [m for m in found if _touches(m, changed)]
     survivors = []
     try:
         for done, mutant in enumerate(found):

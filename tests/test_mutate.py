@@ -235,3 +235,31 @@ def test_a_mutants_time_limit_is_its_own_tests_clean_time_not_the_whole_runs():
     assert time_limit(["a", "c"], seconds, 100.0) == 100.0
     assert time_limit(["a", "unmeasured"], seconds, 600.0) == 600.0
     assert time_limit([], seconds, 600.0) == 600.0
+
+
+def test_since_a_revision_only_the_changed_lines_are_mutated(tmp_path):
+    """``--since REV``: the mutants of lines added or changed since a git revision, here
+    ``halve``'s rewritten body (its two mutants), not ``double``'s (two more); a revision
+    git does not know is refused before any test runs."""
+    import subprocess
+
+    import pytest
+
+    from tests.mutate import changed_lines
+
+    module, tests = tmp_path / "two.py", tmp_path / "test_two.py"
+    module.write_text(TWO)
+    tests.write_text(TWO_TESTS.format(folder=str(tmp_path)).replace("double", "double, halve", 1))
+    tests.write_text(tests.read_text() + "\n\ndef test_halve():\n    assert halve(7) == 3\n")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "two.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "two"], check=True)
+    module.write_text(TWO.replace("return x / 2", "return x // 2"))
+    assert changed_lines(module, "HEAD") == {9}
+    result = tmp_path / "result.json"
+    assert main([str(module), str(tests), "--json", str(result), "--since", "HEAD"]) == 0
+    summary = json.loads(result.read_text())
+    assert (summary["mutants"], summary["caught"]) == (2, 2)  # // → /, 2 → 3: line 9 only
+    with pytest.raises(SystemExit, match="give a revision"):
+        main([str(module), str(tests), "--since", "no-such-revision"])
