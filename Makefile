@@ -42,7 +42,7 @@ test-gpu:
 # Mutation testing of one module (tests/mutate.py, issue 39): realistic bugs written into
 # MODULE one at a time, TESTS run against each, the survivors printed.
 #   make mutate MODULE=lightning_fl/systems/forgetting.py TESTS=tests/test_unlearning.py
-mutate: $(STAMP)  # ARGS="--survivors result.json" reruns an earlier run's survivors
+mutate: $(STAMP)  # ARGS="--survivors result.json" reruns an earlier run's survivors; ARGS="--since main~3" tries only the lines changed since that revision
 	$(PY) -m tests.mutate $(MODULE) $(TESTS) $(ARGS)
 
 bench: $(STAMP)
