@@ -40,6 +40,12 @@ class RoundState:
     ``global_tensors`` is θ^t (parameters first, then floating buffers; the first
     ``num_params`` entries are parameters). ``update_sum`` accumulates Σ_i ω_i Δ_i over
     the accepted client updates Δ_i = θ_i^{t+1} − θ^t.
+
+    θ^t is not always the model a client starts from: the aggregator's ``on_client_start``
+    may load another (AsynchronousFL the stale θ^ρ the client was sent, ClusteredFL its
+    cluster's, Local and GossipAveraging the client's own). A callback that needs the
+    client's starting model (FedProx's and Ditto's anchors) reads the module in its own
+    ``on_client_start``, which runs after the aggregator's.
     """
 
     round_idx: int
@@ -162,7 +168,9 @@ class FederatedCallback(pl.Callback):
     def on_client_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int, state: RoundState
     ) -> None:
-        """After the global weights are loaded into the module for ``client``."""
+        """After the global weights are loaded into the module for ``client`` and, for
+        the other callbacks, after the aggregator's ``on_client_start``, which may load the
+        model this client starts from instead (see :class:`RoundState`)."""
 
     def transform_update(
         self,
