@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_fl import MLP, Classifier, FederatedStrategy, MDSampler, UniformSampler
-from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx
+from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx, Local
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine import packed as packed_module
 from lightning_fl.engine.packed import pack_federation
@@ -193,14 +193,18 @@ def _fit(callbacks, rounds=3, **strategy_kw):
 
 
 @pytest.mark.parametrize(
-    "callbacks", [lambda: [FedAvg()], lambda: [FedProx(mu=0.3)], lambda: [SCAFFOLD()]],
-    ids=["fedavg", "fedprox", "scaffold"],
+    "callbacks",
+    [lambda: [FedAvg()], lambda: [FedProx(mu=0.3)], lambda: [SCAFFOLD()],
+     lambda: [Local(), FedProx(mu=0.3)]],
+    ids=["fedavg", "fedprox", "scaffold", "fedprox-local"],
 )  # fmt: skip
 def test_packed_and_unpacked_vectorized_paths_equal_the_sequential_path(callbacks):
     """Dropout, momentum, unequal batch counts (E = 2 passes), chunks of 4: packed data
     with clients started together (FedAvg, FedProx) or one by one (SCAFFOLD's control
-    variates), unpacked data, and the sequential path over packed data."""
-    sequential, _ = _fit(callbacks(), data_on_device=False)
+    variates; Local's own models, each row's FedProx anchor its own, the rows that still
+    step picked out of the chunk's), unpacked data, and the sequential path over packed
+    data."""
+    sequential, reference = _fit(callbacks(), data_on_device=False)
     runs = {
         "sequential, packed": _fit(callbacks(), data_on_device=True),
         "vectorized, packed": _fit(callbacks(), vectorize=True, max_vectorized_clients=4),
@@ -208,12 +212,21 @@ def test_packed_and_unpacked_vectorized_paths_equal_the_sequential_path(callback
             callbacks(), vectorize=True, max_vectorized_clients=4, data_on_device=False
         ),
     }
+    local = isinstance(callbacks()[0], Local)  # each client's own model, in its store
+    own = [reference.strategy.client_store.get(c, "local_model") for c in range(10)]
+    assert not local or sum(m is not None for m in own) >= 6
     for name, (params, trainer) in runs.items():
         assert max_abs_diff(sequential, params) <= 1e-5, name
+        if local:
+            store = trainer.strategy.client_store
+            ours = [store.get(c, "local_model") for c in range(10)]
+            assert max_abs_diff([m for m in own if m is not None],
+                                [m for m in ours if m is not None]) <= 1e-5, name  # fmt: skip
+            assert [m is None for m in own] == [m is None for m in ours], name
         packed = trainer.strategy.packed is not None
         assert packed == ("packed" in name), name
     vectorized = runs["vectorized, packed"][1].strategy.vectorized
-    assert vectorized.batched_lifecycle == (not isinstance(callbacks()[0], SCAFFOLD))
+    assert vectorized.batched_lifecycle == (not isinstance(callbacks()[0], (SCAFFOLD, Local)))
 
 
 def test_client_hooks_decide_the_batched_lifecycle():
