@@ -64,12 +64,14 @@ class ProgressCheckpoint(Callback):
     beside it, then renamed: a run killed while saving keeps the previous one), so that a
     run stopped anywhere resumes from its last save (``--ckpt_path path``) with at most
     ``every`` − 1 rounds to train again. List it after the callbacks whose round end it
-    must hold (``Unlearning``); nothing is saved at the round that stops the run."""
+    must hold (``Unlearning``); nothing is saved at the round that stops the run. Each save
+    prints one line: the round, and the last value of each metric of ``show`` logged so
+    far (the run's progress, where a long benchmark's output is read)."""
 
-    def __init__(self, path: str, every: int) -> None:
+    def __init__(self, path: str, every: int, show: list[str] = ()) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1 (rounds between saves), got {every}.")
-        self.path, self.every = Path(path), every
+        self.path, self.every, self.show = Path(path), every, list(show)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if (trainer.current_epoch + 1) % self.every or trainer.should_stop:
@@ -77,6 +79,10 @@ class ProgressCheckpoint(Callback):
         saving = self.path.with_name(self.path.name + ".saving")
         trainer.save_checkpoint(saving, weights_only=False)  # the whole fit
         os.replace(saving, self.path)
+        metrics = trainer.callback_metrics
+        shown = [f"{m} {float(metrics[m]):.4f}" for m in self.show if m in metrics]
+        print(f"round {trainer.current_epoch + 1}: saved {self.path.name}", *shown,
+              sep="; ", flush=True)  # fmt: skip
 
 
 def callback_of(cli, name: str):

@@ -111,8 +111,9 @@ def progress_path(key: str) -> Path:
 
 def saving_progress(path: Path) -> dict:
     """The recipe callback that saves a run to ``path`` every PROGRESS_EVERY rounds."""
+    show = ["unlearning/remaining_train_acc", "unlearning/branch"]
     return {"class_path": "recipe_runs.ProgressCheckpoint",
-            "init_args": {"path": str(path), "every": PROGRESS_EVERY}}  # fmt: skip
+            "init_args": {"path": str(path), "every": PROGRESS_EVERY, "show": show}}  # fmt: skip
 
 
 def protocol(method: str, seed: int, target: float, sigma: float = 0.05, requests=None):

@@ -76,7 +76,7 @@ def test_a_forgetting_request_executes(method):
     assert len(logged(rows, "unlearning/forgotten_acc")) >= 1
 
 
-def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path):
+def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path, capsys):
     """benchmarks/recipe_runs.ProgressCheckpoint, as benchmarks/unlearning.py uses it: a
     SIFU run with a request at round 2, saved every 2 rounds, stops after 5 (its last save
     after round 4, before the stop, not at it); resumed from that save to round 6, it ends
@@ -91,7 +91,7 @@ def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path):
             if save:
                 config["trainer"]["callbacks"].append({
                     "class_path": "recipe_runs.ProgressCheckpoint",
-                    "init_args": {"path": str(saved), "every": 2},
+                    "init_args": {"path": str(saved), "every": 2, "show": ["unlearning/branch"]},
                 })  # fmt: skip
 
         return edited
@@ -99,6 +99,11 @@ def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path):
     recipe = ROOT / "recipes" / "robustness" / "digits_sifu.yaml"
     full, _ = recipe_runs.run_recipe(recipe, edit(6, False))
     recipe_runs.run_recipe(recipe, edit(5, True))
+    printed = [line for line in capsys.readouterr().out.splitlines() if "saved" in line]
+    assert printed == [  # SIFU's request at round 2 forks branch 1
+        "round 2: saved progress.ckpt; unlearning/branch 0.0000",
+        "round 4: saved progress.ckpt; unlearning/branch 1.0000",
+    ]
     checkpoint = torch.load(saved, weights_only=True)
     assert checkpoint["epoch"] == 3 and not list(tmp_path.glob("*.saving"))
     resumed, rows = recipe_runs.run_recipe(recipe, edit(6, False), args=["--ckpt_path", str(saved)])
