@@ -185,3 +185,21 @@ def test_a_vectorized_run_with_the_federation_on_the_device():
     packed = cli.trainer.strategy.packed
     assert packed is not None and packed.device == next(cli.model.parameters()).device
     assert torch.isfinite(torch.tensor(float(cli.trainer.callback_metrics["test_acc"])))
+
+
+def test_the_dp_clip_probe_finds_the_round_the_target_is_reached_and_applies_its_clip():
+    """benchmarks/dp_clip_probe.py on the digits recipe: at C = 1 DP's training reaches 0.5
+    at the recipe's 50-round minimum; at C = 0.001 the clipped updates barely move the
+    model, so the same target is not reached in 60 rounds (None, not a capped 61)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import dp_clip_probe
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    dp_clip_probe.protocol.use_dataset("digits", ACCELERATOR)
+    wide = dp_clip_probe.first_phase(1.0, 0, 60, target=0.5)
+    narrow = dp_clip_probe.first_phase(0.001, 0, 60, target=0.5)
+    assert wide["reached"] == 50 and wide["checks"][-1][0] == 50 <= len(wide["checks"])
+    assert wide["checks"][-1][1] >= 0.5
+    assert narrow["reached"] is None and len(narrow["checks"]) == 60
+    assert max(a for _, a in narrow["checks"]) < 0.5
