@@ -39,9 +39,11 @@ def sample_weights(clients, weighting="samples"):
     )
 
 
-def reference(sampler, server_step, loss_extra=None, weighting="samples", lr_at=None, clip=None):
+def reference(
+    sampler, server_step, loss_extra=None, weighting="samples", lr_at=None, clip=None, shift=0.0
+):
     """Hand-written FedAvg-style loop: θ ← server_step(θ, Σ ω_i (θ_i − θ), r), local SGD at
-    learning rate ``lr_at(r)`` with optional gradient-norm clipping."""
+    learning rate ``lr_at(r)`` with optional gradient-norm clipping, from θ + ``shift``."""
     clients = tiny_clients()
     net = tiny_module(LR).network
     p = sample_weights(clients, weighting)
@@ -52,7 +54,7 @@ def reference(sampler, server_step, loss_extra=None, weighting="samples", lr_at=
         for c, w in zip(part.clients, part.weights):
             with torch.no_grad():
                 for q, t in zip(net.parameters(), theta):
-                    q.copy_(t)
+                    q.copy_(t + shift)
             extra = None if loss_extra is None else loss_extra(theta)
             lr = LR if lr_at is None else lr_at(r)
             local_sgd(
@@ -174,23 +176,7 @@ def test_fedprox_reads_its_anchor_after_every_callbacks_client_start(shift_first
             mu / 2 * sum(((q - a) ** 2).sum() for q, a in zip(net.parameters(), anchor))
         )
 
-    clients = tiny_clients()
-    net = tiny_module(LR).network
-    p = sample_weights(clients)
-    theta = params_of(net)
-    for r in range(ROUNDS):
-        part = sampler.sample(r, SEED, p)
-        delta = [torch.zeros_like(t) for t in theta]
-        for c, w in zip(part.clients, part.weights):
-            with torch.no_grad():
-                for q, t in zip(net.parameters(), theta):
-                    q.copy_(t + 0.05)
-            local_sgd(
-                net, clients[c]["train"], STEPS, LR, BATCH, SEED, r, c, loss_extra=prox(theta)
-            )
-            for d, q, t in zip(delta, net.parameters(), theta):
-                d += w * (q.detach() - t)
-        theta = [a + b for a, b in zip(theta, delta)]
+    theta = reference(sampler, lambda t, d, r: [a + b for a, b in zip(t, d)], prox, shift=0.05)
     assert max_abs_diff(ours, theta) <= 1e-5  # float32 round-off; anchored at θ^t: 0.19
 
 
