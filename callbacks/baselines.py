@@ -32,6 +32,11 @@ class Local(Aggregator):
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, trainer.strategy.federated_tensors)
 
+    def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
+        """θ_i − θ_i^start, the client's own update (what SCAFFOLD's control variate and
+        the samplers read), rather than the strategy's θ_i − θ^0."""
+        return self.models.own_update(state.store, client, update, state.global_tensors)
+
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         self.models.save(state.store, client, trainer.strategy.federated_tensors)
 

@@ -228,6 +228,11 @@ class GossipAveraging(Aggregator):
             optimizer.register_step_pre_hook(scale)
             optimizer.register_step_post_hook(restore)
 
+    def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
+        """θ_t^{k−½} − θ_t^{k−1}, the client's own update (what SCAFFOLD's control variate
+        reads), rather than the strategy's difference with the average model."""
+        return self.models.own_update(state.store, client, update, state.global_tensors)
+
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         row = self.nodes.index(client)
         model = trainer.strategy.federated_tensors.tensors

@@ -231,34 +231,38 @@ def test_other_server_optimizers_follow_their_equations(name):
     assert max_abs_diff(ours, reference(sampler, step)) <= 1e-6
 
 
-def _scaffold_by_hand(clients, rounds, steps, participants, control_weight):
+def _scaffold_by_hand(clients, rounds, steps, participants, control_weight, local=False):
     """Karimireddy et al. Alg. 1 with option II and η_g = 1, from tiny_module's weights:
     ``participants(r)`` gives round r's (client, aggregation weight) pairs and
-    ``control_weight(i)`` line 17's weight of client i's control change."""
+    ``control_weight(i)`` line 17's weight of client i's control change. Returns x; with
+    ``local``, no aggregation: each client starts from its own last model (x the first
+    time), and the clients' models are returned, {client: y_i}."""
     net = tiny_module(LR).network
     x = params_of(net)
     c = [torch.zeros_like(t) for t in x]
     c_i = {i: [torch.zeros_like(t) for t in x] for i in range(len(clients))}
+    own = {}
     for r in range(rounds):
         dy = [torch.zeros_like(t) for t in x]
         dc = [torch.zeros_like(t) for t in x]
         for i, w in participants(r):
+            start = own.get(i, x) if local else x
             with torch.no_grad():
-                for q, t in zip(net.parameters(), x):
+                for q, t in zip(net.parameters(), start):
                     q.copy_(t)
             correction = [cc - ci for cc, ci in zip(c, c_i[i])]  # y ← y − η(g − c_i + c)
             k = local_sgd(net, clients[i]["train"], steps, LR, BATCH, SEED, r, i,
                           grad_extra=correction)  # fmt: skip
-            y = params_of(net)
-            new_ci = [ci - cc + (xx - yy) / (k * LR) for ci, cc, xx, yy in zip(c_i[i], c, x, y)]
+            y = own[i] = params_of(net)
+            new_ci = [ci - cc + (s - yy) / (k * LR) for ci, cc, s, yy in zip(c_i[i], c, start, y)]
             for a, yy, xx in zip(dy, y, x):
                 a += w * (yy - xx)
             for b, nc, oc in zip(dc, new_ci, c_i[i]):
                 b += control_weight(i) * (nc - oc)
             c_i[i] = new_ci
-        x = [xx + d for xx, d in zip(x, dy)]
+        x = x if local else [xx + d for xx, d in zip(x, dy)]
         c = [cc + d for cc, d in zip(c, dc)]
-    return x
+    return own if local else x
 
 
 @pytest.mark.parametrize(
@@ -290,6 +294,73 @@ def test_scaffold_equals_karimireddy_algorithm_1_option_2(weighting, control_wei
 
     x = _scaffold_by_hand(clients, ROUNDS, steps, participants, control_weight)
     assert max_abs_diff(ours, x) <= 1e-6
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_scaffold_beside_local_takes_each_clients_update_from_its_own_start(vectorize):
+    """Under Local each client starts from its own last model, so c_i⁺ = c_i − c +
+    (y_i^start − y_i)/(Kη) takes that start, not the global model, which never moves: the
+    update the other callbacks see is the client's own (Local's ``transform_update``).
+    Clients drawn again in later rounds tell the two apart."""
+    sampler = UniformSampler(3)
+    strategy = FederatedStrategy(sampler=sampler, local_steps=STEPS, seed=SEED, vectorize=vectorize)
+    trainer = make_trainer(strategy, ROUNDS, [Local(), SCAFFOLD()])
+    trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
+    clients = tiny_clients()
+    p = sample_weights(clients)
+
+    def participants(r):
+        part = sampler.sample(r, SEED, p)
+        return zip(part.clients, part.weights)
+
+    own = _scaffold_by_hand(clients, ROUNDS, STEPS, participants, lambda i: 1 / 10, local=True)
+    for c, theta in own.items():
+        stored = trainer.strategy.client_store.get(c, LOCAL_KEY)
+        flat = torch.cat([t.flatten() for t in theta])
+        assert (stored[: len(flat)] - flat).abs().max() <= 1e-5, c
+
+
+def test_scaffold_beside_gossip_takes_each_clients_update_from_its_mixed_start():
+    """GossipAveraging over a ring (weights 1/3 to itself and each neighbour): client t
+    starts from its own mix of the last round's models, not the strategy's global model
+    (their sample-weighted mean), and SCAFFOLD's c_i⁺ takes its update from that start."""
+    from lightning_fl.callbacks import GossipAveraging
+
+    n = 10
+    ring = [[1 / 3 if (s - t) % n in (0, 1, n - 1) else 0.0 for t in range(n)] for s in range(n)]
+    strategy = FederatedStrategy(local_steps=STEPS, seed=SEED)
+    gossip = GossipAveraging(mixing_matrix=ring, step_scale="none")
+    module = tiny_module(LR)
+    make_trainer(strategy, 3, [gossip, SCAFFOLD()]).fit(module, datamodule=tiny_datamodule(BATCH))
+    clients = tiny_clients()
+    net = tiny_module(LR).network
+    starts = [params_of(net)] * n
+    c = [torch.zeros_like(t) for t in starts[0]]
+    c_i = {i: [torch.zeros_like(t) for t in c] for i in range(n)}
+    for r in range(3):
+        ends, dc = [], [torch.zeros_like(t) for t in c]
+        for i in range(n):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), starts[i]):
+                    q.copy_(t)
+            correction = [cc - ci for cc, ci in zip(c, c_i[i])]
+            k = local_sgd(net, clients[i]["train"], STEPS, LR, BATCH, SEED, r, i,
+                          grad_extra=correction)  # fmt: skip
+            y = params_of(net)
+            new_ci = [
+                ci - cc + (s - yy) / (k * LR) for ci, cc, s, yy in zip(c_i[i], c, starts[i], y)
+            ]
+            for b, nc, oc in zip(dc, new_ci, c_i[i]):
+                b += (nc - oc) / n
+            c_i[i] = new_ci
+            ends.append(y)
+        starts = [[sum(ring[s][t] * ends[s][j] for s in range(n)) for j in range(len(c))]
+                  for t in range(n)]  # fmt: skip
+        c = [cc + d for cc, d in zip(c, dc)]
+    sizes = torch.tensor([float(len(cl["train"][1])) for cl in clients])
+    share = sizes / sizes.sum()
+    average = [sum(float(share[t]) * starts[t][j] for t in range(n)) for j in range(len(c))]
+    assert max_abs_diff(params_of(module), average) <= 1e-5
 
 
 def test_scaffold_controls_live_in_the_client_store():

@@ -134,6 +134,20 @@ class PersonalModels:
         model.load_(unflatten(flat, model.tensors))
         return True
 
+    @torch.no_grad()
+    def own_update(
+        self, store: ClientStore, client: int, update: TensorList, global_tensors: TensorList
+    ) -> TensorList:
+        """The update of a client that started from its copy rather than θ^t: the
+        strategy's θ_i − θ^t plus θ^t − θ_i^start, i.e. θ_i − θ_i^start (``update`` itself
+        for a client without a copy yet, which started from θ^t). Call it before the
+        client's new model is saved."""
+        flat = store.get(client, self.key)
+        if flat is None:
+            return update
+        drift = flatten(global_tensors) - flat.to(global_tensors[0])
+        return torch._foreach_add(update, unflatten(drift, update))
+
 
 def grads_at(
     module: pl.LightningModule, params: list[nn.Parameter], values: TensorList, batch: Any

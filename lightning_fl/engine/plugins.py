@@ -45,7 +45,10 @@ class RoundState:
     may load another (AsynchronousFL the stale θ^ρ the client was sent, ClusteredFL its
     cluster's, Local and GossipAveraging the client's own). A callback that needs the
     client's starting model (FedProx's and Ditto's anchors) reads the module in its own
-    ``on_client_start``, which runs after the aggregator's.
+    ``on_client_start``, which runs after the aggregator's. Such an aggregator's
+    ``transform_update`` turns the strategy's θ_i − θ^t into the client's own update
+    θ_i − θ_i^start, which is what every later ``transform_update`` and ``on_client_end``
+    receives (SCAFFOLD's control variate reads it).
     """
 
     round_idx: int
