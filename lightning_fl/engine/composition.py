@@ -54,6 +54,11 @@ NON_FEDAVG = (
     "Local",
     "ClusteredFL",
 )
+#: Aggregators that never read the round's update sum Σ_i ω_i Δ_i, where the strategy and
+#: other callbacks put what they add to a round (a free-rider's update, the server's WERM
+#: step): gossip mixes the clients' trained models, local training never aggregates, and
+#: clustered FL averages each cluster's own client updates.
+WITHOUT_UPDATE_SUM = ("GossipAveraging", "Local", "ClusteredFL")
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,13 @@ REFUSALS: tuple[Refusal, ...] = (
         (*PARTIAL_SAMPLERS, "Unlearning"),
         "the attack and its detector follow the paper's full participation of a fixed federation",
         "use the default FullParticipation sampler, without Unlearning",
+    ),
+    Refusal(
+        "FreeRiders",
+        WITHOUT_UPDATE_SUM,
+        "the free-riders' updates and the fair clients' rescaled weights go into the round's "
+        "update sum, which this aggregator never reads: the attack would silently do nothing",
+        "aggregate with FedAvg or a server optimizer (the thesis's FedAvg and FedProx)",
     ),
     Refusal(
         "Unlearning",
@@ -160,10 +172,10 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "ServerReference",
-        ("GossipAveraging", "Local"),
-        "the server's steps and the clients' (1 − w) weights act on the round's update sum, "
-        "which neither reads: gossip mixes the clients' trained models, and local training "
-        "never aggregates",
+        WITHOUT_UPDATE_SUM,
+        "the server's steps go into the round's update sum, which this aggregator never "
+        "reads: gossip mixes the clients' trained models, local training never aggregates, "
+        "and clustered FL averages each cluster's client updates",
         "aggregate with FedAvg or a server optimizer, or drop ServerReference",
     ),
     Refusal(
