@@ -114,6 +114,14 @@ REFUSALS: tuple[Refusal, ...] = (
         "aggregate with FedAvg or a server optimizer (the thesis's FedAvg and FedProx)",
     ),
     Refusal(
+        "FreeRiders",
+        ("AsynchronousFL",),
+        "the free-riders add their update to every aggregation, while each fair client "
+        "returns only now and then, so their share is no longer the declared one (the "
+        "thesis's attack is on synchronous rounds)",
+        "use synchronous rounds: FedAvg or a server optimizer",
+    ),
+    Refusal(
         "Unlearning",
         NON_FEDAVG,
         "SIFU's sensitivity bound (thesis eq. 5.8, Thm 5.1) is for FedAvg's server step "
