@@ -122,6 +122,13 @@ REFUSALS: tuple[Refusal, ...] = (
         "use synchronous rounds: FedAvg or a server optimizer",
     ),
     Refusal(
+        "FreeRiders",
+        ("SAFARI",),
+        "SAFARI's server rounds have no clients, yet the free-riders would add their update "
+        "to them and rescale the server's SGD step by the fair clients' share",
+        "attack FedAvg or a server optimizer, or run SAFARI without FreeRiders",
+    ),
+    Refusal(
         "Unlearning",
         NON_FEDAVG,
         "SIFU's sensitivity bound (thesis eq. 5.8, Thm 5.1) is for FedAvg's server step "
