@@ -207,6 +207,18 @@ class Journal:
         entry = self.done[key]
         return entry["rounds"], entry["forgotten"], entry.get("restarts")
 
+    def seeds(self, target: float, sigma: float | None, requests=None) -> set[int]:
+        """The seeds of the finished runs at ``target`` and ``sigma`` (None: any σ) with
+        ``requests``, under the current phase cap and recipe."""
+        found = set()
+        for key in self.done:
+            _, seed, t, s, r, cap, settings = json.loads(key)
+            if (t, r, cap, settings) == (target, requests, MAX_ROUNDS, recipe_hash()) and (
+                sigma is None or s == sigma
+            ):
+                found.add(seed)
+        return found
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -236,11 +248,13 @@ def main() -> None:
     setting = ("digits (100 one-digit clients, logistic regression)" if args.dataset == "digits"
                else "Fashion-MNIST (100 one-class clients, the SIFU authors' CNN)")  # fmt: skip
     sigma = sigma_main = 0.05 if args.dataset == "digits" else 0.1  # Tab. D.1
+    # the table lists every seed the journal finished a run of, not only those run now
+    seeds = sorted(set(args.seeds) | journal.seeds(args.target, sigma))
     plateau = "; digits plateaus near 0.95 in this one-class split" if suffix == "" else ""
     lines = [f"# Sequential unlearning on {setting}", "",
              f"`python benchmarks/unlearning.py --dataset {args.dataset}`: target training "
              f"accuracy {args.target} on the remaining clients (App. D.4's stopping accuracy"
-             f"{plateau}), σ = {sigma}, ε = 10, δ = 0.01, seeds {args.seeds} "
+             f"{plateau}), σ = {sigma}, ε = 10, δ = 0.01, seeds {seeds} "
              "(the thesis uses 10). Requests: class 0, then 1, then 2 (10 clients each). "
              f"Rounds = retraining rounds to reach the target again (capped at {MAX_ROUNDS}: "
              f"a mean that includes a capped phase is marked ≥); forgotten acc = "
@@ -252,16 +266,15 @@ def main() -> None:
     for seed in args.seeds:  # seed by seed, so that a stopped sweep has whole seeds
         for method in args.methods:
             journal.protocol(method, seed, args.target, sigma, run=not args.table_only)
-    for method in args.methods:
-        runs = [journal.protocol(method, seed, args.target, sigma, run=False)
-                for seed in args.seeds]  # fmt: skip
+    for method in METHODS:  # every method's row, whichever ran now
+        runs = [journal.protocol(method, seed, args.target, sigma, run=False) for seed in seeds]
         runs = [r for r in runs if r is not None]
         name = method.upper().replace("_", "-")
         if not runs:
             lines.append(f"| {name} | not run yet | | | |")
             continue
-        if len(runs) < len(args.seeds):
-            name += f" ({len(runs)} of {len(args.seeds)} seeds)"
+        if len(runs) < len(seeds):
+            name += f" ({len(runs)} of {len(seeds)} seeds)"
         rounds = [statistics.mean(r[0][k] for r in runs) for k in range(4)]
         capped = [any(r[0][k] >= MAX_ROUNDS for r in runs) for k in range(4)]
         cells = [("≥" if c else "") + f"{x:.0f}" for x, c in zip(rounds, capped)]
@@ -279,25 +292,27 @@ def main() -> None:
         plot = RESULTS / f"unlearning{suffix}.png"
         _plot(figure, plot, MAX_ROUNDS)
         lines += ["", f"![retraining rounds and forgotten-class accuracy per request]({plot.name})"]
-    if args.no_sweep:
-        _write(RESULTS / f"unlearning{suffix}.md", lines)
-        return
-    lines += ["", "## σ sweep (Fig. D.2): SIFU, one request (class 0), first seed", "",
+    digit_0 = [[c for c in range(0, 100, 10)]]
+    swept = journal.seeds(args.target, None, digit_0)
+    running = not (args.table_only or args.no_sweep)
+    # the sweep runs on the first seed given; the table shows the seed it has run on
+    keep = running or args.seeds[0] in swept or not swept
+    sweep_seed = args.seeds[0] if keep else min(swept)
+    lines += ["", f"## σ sweep (Fig. D.2): SIFU, one request (class 0), seed {sweep_seed}", "",
               "| σ | Ψ* | restarts from θ^T, T of the rounds before the request | "
               "retraining rounds | forgotten acc |", "|---|---|---|---|---|"]  # fmt: skip
     from lightning_fl.systems.unlearning import sensitivity_threshold
 
-    digit_0 = [[c for c in range(0, 100, 10)]]
     sweep = SWEEPS[args.dataset]
     unknown = sorted(set(args.sigmas or ()) - set(sweep))
     if unknown:
         parser.error(f"--sigmas {unknown} are not in the sweep {list(sweep)}: pick from it")
-    chosen = () if args.table_only else args.sigmas or sweep
+    chosen = args.sigmas or sweep if running else ()
     for sigma in chosen:  # in the given order, so that a stopped sweep keeps its spread
-        journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0)
+        journal.protocol("sifu", sweep_seed, args.target, sigma, digit_0)
     finished: list[tuple[float, int, float]] = []
     for sigma in sweep:
-        run = journal.protocol("sifu", args.seeds[0], args.target, sigma, digit_0, run=False)
+        run = journal.protocol("sifu", sweep_seed, args.target, sigma, digit_0, run=False)
         threshold = sensitivity_threshold(10, 0.01, sigma)
         if run is None:
             lines.append(f"| {sigma:g} | {threshold:.4g} | | not run yet | |")
@@ -309,7 +324,7 @@ def main() -> None:
                      f"{forgotten[0]:.3f} |")  # fmt: skip
         finished.append((sigma, rounds[1], forgotten[0]))
     if finished:
-        scratch = journal.protocol("scratch", args.seeds[0], args.target, sigma_main, run=False)
+        scratch = journal.protocol("scratch", sweep_seed, args.target, sigma_main, run=False)
         plot = RESULTS / f"unlearning{suffix}_sigma.png"
         _plot_sweep(finished, None if scratch is None else scratch[0][1], plot, MAX_ROUNDS)
         lines += ["", f"![retraining rounds and forgotten-class accuracy against σ]({plot.name})"]

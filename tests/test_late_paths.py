@@ -11,6 +11,7 @@ test mode (``make test-gpu``), where a tensor left on the host fails them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -203,3 +204,31 @@ def test_the_dp_clip_probe_finds_the_round_the_target_is_reached_and_applies_its
     assert wide["checks"][-1][1] >= 0.5
     assert narrow["reached"] is None and len(narrow["checks"]) == 60
     assert max(a for _, a in narrow["checks"]) < 0.5
+
+
+def test_the_unlearning_table_lists_every_seed_the_journal_finished(tmp_path):
+    """benchmarks/unlearning.py's Journal.seeds: the seeds of finished runs at a target and
+    σ (any σ with None) with given requests, under the current cap and recipe settings, so
+    that a run of one seed and one method rewrites the table with all of them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import unlearning
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    unlearning.use_dataset("fashion_mnist")
+    settings, cap, one = unlearning.recipe_hash(), unlearning.MAX_ROUNDS, [[0, 10]]
+    keys = [
+        ["sifu", 0, 0.9, 0.1, None, cap, settings],
+        ["scratch", 3, 0.9, 0.1, None, cap, settings],
+        ["dp", 5, 0.9, 0.05, None, cap, settings],  # another σ
+        ["last", 6, 0.8, 0.1, None, cap, settings],  # another target
+        ["sifu", 7, 0.9, 0.1, None, cap + 1, settings],  # another cap
+        ["sifu", 8, 0.9, 0.1, None, cap, "0123456789"],  # another recipe
+        ["sifu", 9, 0.9, 0.002, one, cap, settings],  # a sweep run
+    ]
+    path = tmp_path / "journal.jsonl"
+    path.write_text("".join(json.dumps({"key": json.dumps(k)}) + "\n" for k in keys))
+    journal = unlearning.Journal(path)
+    assert journal.seeds(0.9, 0.1) == {0, 3}
+    assert journal.seeds(0.9, 0.05) == {5}
+    assert journal.seeds(0.9, None, one) == {9} and journal.seeds(0.9, 0.1, one) == set()
