@@ -344,3 +344,63 @@ def test_a_process_group_of_one_runs_no_collective():
         assert not Ranks(1, 0).distributed and Ranks(2, 0).distributed
     finally:
         dist.destroy_process_group()
+
+
+def _aggregators():
+    from lightning_fl import AsyncSchedule, ClientTimes, FedBuffSchedule
+    from lightning_fl.callbacks import (
+        SAFARI,
+        AsynchronousFL,
+        ClusteredFL,
+        FedAdam,
+        FedAvg,
+        GossipAveraging,
+        Local,
+        Pooled,
+    )
+
+    return {
+        "FedAvg": lambda: FedAvg(server_lr=0.7),
+        "FedAdam": lambda: FedAdam(server_lr=0.05),
+        "AsynchronousFL": lambda: AsynchronousFL(AsyncSchedule(ClientTimes(80.0))),
+        "FedBuff": lambda: AsynchronousFL(FedBuffSchedule(2, ClientTimes(50.0))),
+        "ClusteredFL": lambda: ClusteredFL(eps1=10.0, eps2=0.0, warmup_rounds=1),
+        "Local": Local,
+        "GossipAveraging": lambda: GossipAveraging(graph="erdos_renyi", edge_probability=0.6),
+        "SAFARI": lambda: SAFARI(q=1.0),
+        "Pooled": Pooled,
+    }
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+@pytest.mark.parametrize("aggregator", list(_aggregators()))
+def test_every_callback_receives_the_clients_own_update(aggregator, vectorize):
+    """Part of the plugin contract (RoundState's docstring): whatever model the aggregator
+    starts a client from (θ^t, the stale θ^ρ, its cluster's, its own), the update the
+    other callbacks' ``transform_update`` and ``on_client_end`` receive is θ_i − θ_i^start,
+    the client's trained model minus the one its steps started from (SCAFFOLD's control
+    variates read it). Rounds enough for stale clients, own models, cluster splits."""
+    from lightning_fl import FederatedStrategy
+    from lightning_fl.engine.plugins import FederatedCallback
+    from lightning_fl.engine.tensors import flatten
+    from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+    class OwnUpdate(FederatedCallback):
+        supports_vectorized_clients = True
+
+        def __init__(self) -> None:
+            self.starts, self.gaps = {}, []
+
+        def on_client_start(self, trainer, pl_module, client, state) -> None:
+            self.starts[client] = flatten(trainer.strategy.federated_tensors.tensors).clone()
+
+        def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+            end = flatten(trainer.strategy.federated_tensors.tensors)
+            own = end - self.starts.pop(client)
+            self.gaps.append(float((flatten(update) - own).abs().max()))
+
+    spy = OwnUpdate()
+    strategy = FederatedStrategy(local_steps=2, seed=1, vectorize=vectorize)
+    trainer = make_trainer(strategy, 5, [_aggregators()[aggregator](), spy])
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule(num_clients=6))
+    assert len(spy.gaps) >= 5 and max(spy.gaps) <= 1e-6, (aggregator, max(spy.gaps))
