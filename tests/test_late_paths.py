@@ -79,9 +79,10 @@ def test_a_forgetting_request_executes(method):
 
 def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path, capsys):
     """benchmarks/recipe_runs.ProgressCheckpoint, as benchmarks/unlearning.py uses it: a
-    SIFU run with a request at round 2, saved every 2 rounds, stops after 5 (its last save
-    after round 4, before the stop, not at it); resumed from that save to round 6, it ends
-    where the run that never stopped does, to the bit, with the same request done."""
+    SIFU run with a request at the third round, saved every 3 rounds, stops after 5 (its one save
+    after round 3); resumed from that save to round 6, it ends where the run that never
+    stopped does, to the bit, with the same request done. Every round is a valid period;
+    zero is refused."""
     saved = tmp_path / "progress.ckpt"
 
     def edit(rounds: int, save: bool):
@@ -92,7 +93,7 @@ def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path, c
             if save:
                 config["trainer"]["callbacks"].append({
                     "class_path": "recipe_runs.ProgressCheckpoint",
-                    "init_args": {"path": str(saved), "every": 2, "show": ["unlearning/branch"]},
+                    "init_args": {"path": str(saved), "every": 3, "show": ["unlearning/branch"]},
                 })  # fmt: skip
 
         return edited
@@ -101,18 +102,18 @@ def test_a_run_saved_in_progress_resumes_to_the_uninterrupted_result(tmp_path, c
     full, _ = recipe_runs.run_recipe(recipe, edit(6, False))
     recipe_runs.run_recipe(recipe, edit(5, True))
     printed = [line for line in capsys.readouterr().out.splitlines() if "saved" in line]
-    assert printed == [  # SIFU's request at round 2 forks branch 1
-        "round 2: saved progress.ckpt; unlearning/branch 0.0000",
-        "round 4: saved progress.ckpt; unlearning/branch 1.0000",
-    ]
+    assert printed == ["round 3: saved progress.ckpt; unlearning/branch 1.0000"]  # forked
     checkpoint = torch.load(saved, weights_only=True)
-    assert checkpoint["epoch"] == 3 and not list(tmp_path.glob("*.saving"))
+    assert checkpoint["epoch"] == 2 and not list(tmp_path.glob("*.saving"))
     resumed, rows = recipe_runs.run_recipe(recipe, edit(6, False), args=["--ckpt_path", str(saved)])
-    assert min(int(r["epoch"]) for r in rows if r.get("epoch")) == 4  # from round 5 on
+    assert min(int(r["epoch"]) for r in rows if r.get("epoch")) == 3  # from round 4 on
     ours = [p.detach() for p in resumed.model.parameters()]
     assert all(torch.equal(a, p.detach()) for a, p in zip(ours, full.model.parameters()))
     requests = callback_of(resumed, "Unlearning").done_requests
     assert requests == callback_of(full, "Unlearning").done_requests and len(requests) == 1
+    assert recipe_runs.ProgressCheckpoint(str(saved), 1).every == 1
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        recipe_runs.ProgressCheckpoint(str(saved), 0)
 
 
 def test_free_riders_make_their_updates_on_the_models_device():
@@ -232,3 +233,25 @@ def test_the_unlearning_table_lists_every_seed_the_journal_finished(tmp_path):
     assert journal.seeds(0.9, 0.1) == {0, 3}
     assert journal.seeds(0.9, 0.05) == {5}
     assert journal.seeds(0.9, None, one) == {9} and journal.seeds(0.9, 0.1, one) == set()
+
+
+def test_the_phase_checkpoint_saves_the_whole_fit_at_the_end_of_the_first_phase(tmp_path):
+    """benchmarks/recipe_runs.PhaseCheckpoint, which makes the training the unlearning
+    methods share: it stops the fit when the first phase reaches its target (here 0.3,
+    reached at the recipe's 50-round minimum) and saves it with the callbacks' state (the
+    Unlearning history the methods resume from), not only the weights."""
+    saved = tmp_path / "shared.ckpt"
+
+    def edit(config: dict) -> None:
+        config["trainer"].update(accelerator=ACCELERATOR, max_epochs=200)
+        args = init_args(config, "Unlearning")
+        args["on_target"]["init_args"]["target"] = 0.3
+        config["trainer"]["callbacks"].append(
+            {"class_path": "recipe_runs.PhaseCheckpoint", "init_args": {"path": str(saved)}}
+        )
+
+    cli, _ = recipe_runs.run_recipe(ROOT / "recipes" / "robustness" / "digits_sifu.yaml", edit)
+    assert callback_of(cli, "Unlearning").phase_rounds == [50] and cli.trainer.current_epoch == 50
+    checkpoint = torch.load(saved, weights_only=True)
+    (state,) = [s for k, s in checkpoint["callbacks"].items() if "Unlearning" in k]
+    assert checkpoint["epoch"] == 49 and state["phase_rounds"] == [50]
