@@ -349,7 +349,13 @@ def time_limit(tests: list[str], seconds: dict[str, float], whole_run: float) ->
 
 def changed_lines(module: Path, since: str) -> set[int]:
     """The lines of ``module`` as it is now that were added or changed since the git
-    revision ``since`` (``git diff -U0``: its hunks' new line ranges)."""
+    revision ``since`` (``git diff -U0``: its hunks' new line ranges); every line of a
+    module git does not track yet (all of it is new)."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "--error-unmatch", module.name], cwd=module.parent, capture_output=True
+    )  # fmt: skip
+    if tracked.returncode != 0:
+        return set(range(1, len(module.read_text().splitlines()) + 1))
     diff = subprocess.run(
         ["git", "diff", "--no-color", "-U0", since, "--", module.name],
         cwd=module.parent, capture_output=True, text=True,

@@ -263,3 +263,6 @@ def test_since_a_revision_only_the_changed_lines_are_mutated(tmp_path):
     assert (summary["mutants"], summary["caught"]) == (2, 2)  # // → /, 2 → 3: line 9 only
     with pytest.raises(SystemExit, match="give a revision"):
         main([str(module), str(tests), "--since", "no-such-revision"])
+    fresh = tmp_path / "fresh.py"  # not tracked yet: all of it is new
+    fresh.write_text(TWO)
+    assert changed_lines(fresh, "HEAD") == set(range(1, len(TWO.splitlines()) + 1))
