@@ -81,8 +81,10 @@ class FedProx(FederatedCallback):
             return
         anchors = state.global_params
         if self._rows_anchor is not None:
-            index = torch.tensor(rows, device=params[0].device)
-            anchors = [t.index_select(0, index) for t in self._rows_anchor]
+            anchors = self._rows_anchor
+            if len(rows) < len(anchors[0]):  # some rows have finished: pick the others
+                index = torch.tensor(rows, device=params[0].device)
+                anchors = [t.index_select(0, index) for t in anchors]
         for p, g, anchor in zip(params, grads, anchors):
             if g is not None:
                 g.add_(p - anchor, alpha=self.mu)

@@ -57,6 +57,15 @@ def run_late(recipe: str, rounds: int, edit: Callable[[dict], None] | None = Non
     return cli, rows
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py, imported as the scripts import each other (by bare name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 def logged(rows: list[dict], name: str) -> list[float]:
     return [float(r[name]) for r in rows if r.get(name)]
 
@@ -193,11 +202,7 @@ def test_the_dp_clip_probe_finds_the_round_the_target_is_reached_and_applies_its
     """benchmarks/dp_clip_probe.py on the digits recipe: at C = 1 DP's training reaches 0.5
     at the recipe's 50-round minimum; at C = 0.001 the clipped updates barely move the
     model, so the same target is not reached in 60 rounds (None, not a capped 61)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import dp_clip_probe
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    dp_clip_probe = benchmark_module("dp_clip_probe")
     dp_clip_probe.protocol.use_dataset("digits", ACCELERATOR)
     wide = dp_clip_probe.first_phase(1.0, 0, 60, target=0.5)
     narrow = dp_clip_probe.first_phase(0.001, 0, 60, target=0.5)
@@ -211,11 +216,7 @@ def test_the_unlearning_table_lists_every_seed_the_journal_finished(tmp_path):
     """benchmarks/unlearning.py's Journal.seeds: the seeds of finished runs at a target and
     σ (any σ with None) with given requests, under the current cap and recipe settings, so
     that a run of one seed and one method rewrites the table with all of them."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import unlearning
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    unlearning = benchmark_module("unlearning")
     unlearning.use_dataset("fashion_mnist")
     settings, cap, one = unlearning.recipe_hash(), unlearning.MAX_ROUNDS, [[0, 10]]
     keys = [

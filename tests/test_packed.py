@@ -16,6 +16,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from lightning_fl import MLP, Classifier, FederatedStrategy, MDSampler, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAvg, FedProx, Local
+from lightning_fl.callbacks.baselines import STORE_KEY as LOCAL_KEY
 from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine import packed as packed_module
 from lightning_fl.engine.packed import pack_federation
@@ -213,13 +214,13 @@ def test_packed_and_unpacked_vectorized_paths_equal_the_sequential_path(callback
         ),
     }
     local = isinstance(callbacks()[0], Local)  # each client's own model, in its store
-    own = [reference.strategy.client_store.get(c, "local_model") for c in range(10)]
+    own = [reference.strategy.client_store.get(c, LOCAL_KEY) for c in range(10)]
     assert not local or sum(m is not None for m in own) >= 6
     for name, (params, trainer) in runs.items():
         assert max_abs_diff(sequential, params) <= 1e-5, name
         if local:
             store = trainer.strategy.client_store
-            ours = [store.get(c, "local_model") for c in range(10)]
+            ours = [store.get(c, LOCAL_KEY) for c in range(10)]
             assert max_abs_diff([m for m in own if m is not None],
                                 [m for m in ours if m is not None]) <= 1e-5, name  # fmt: skip
             assert [m is None for m in own] == [m is None for m in ours], name
