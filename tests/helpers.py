@@ -85,23 +85,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def torchrun(module: str, *args: str, timeout: int, env: dict[str, str] | None = None):
     """``python -m torch.distributed.run --nproc_per_node 2 -m module args`` from the
     repository root, on a free port, one thread a rank: the completed process (its output
-    captured), asserted to have succeeded. A launch whose rank aborted in C++ ("terminate
-    called without an active exception", a teardown race seen on oversubscribed 2-core
-    machines with this session's code and the previous one's) is launched once more; any
-    other failure, or that one twice, fails."""
+    captured), asserted to have succeeded."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    for _attempt in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", str(port), "-m", module, *args],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
-        aborted = "terminate called without an active exception" in result.stderr
-        if result.returncode == 0 or not aborted:
-            break
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), "-m", module, *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -17,13 +17,16 @@ the same fit on one process:
   each client's value, read before Lightning syncs the epoch's sums over ranks; and a
   test where rank 1's clients have no test data: it logs the other rank's values.
 
-Each rank saves them to ``<root>/rank<r>.pt``.
+Each rank saves them to ``<root>/rank<r>.pt``, and writes to ``<root>/rank<r>.exit``
+whether its process group was still alive after the strategy's exit handler (registered
+after this script's, so run before it).
 
     python -m torch.distributed.run --nproc_per_node 2 -m tests.strategy_two_processes ROOT
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -210,6 +213,13 @@ class OptimizerSteps(pl.Callback):
 
 if __name__ == "__main__":
     root, rank = sys.argv[1], int(os.environ["RANK"])
+
+    def record_process_group_at_exit() -> None:
+        alive = torch.distributed.is_initialized()
+        with open(os.path.join(root, f"rank{rank}.exit"), "w") as file:
+            file.write("alive" if alive else "destroyed")
+
+    atexit.register(record_process_group_at_exit)
     broadcasts = [0]
     original = _TrainingEpochLoop._broadcast_sigterm_tensor
 

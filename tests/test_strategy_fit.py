@@ -387,10 +387,23 @@ def test_prediction_runs_on_a_plain_loader_as_lightning_does():
 @pytest.fixture(scope="module")
 def two_process_fits(tmp_path_factory) -> list[dict]:
     """tests/strategy_two_processes.py's fits on 2 processes, in one torchrun launch:
-    what each rank saved."""
+    what each rank saved, and under "at_exit" its process group's state at exit."""
     root = tmp_path_factory.mktemp("two_process_fits")
     torchrun("tests.strategy_two_processes", str(root), timeout=600)
-    return [torch.load(root / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for r, saved in enumerate(ranks):
+        saved["at_exit"] = (root / f"rank{r}.exit").read_text()
+    return ranks
+
+
+def test_every_rank_destroys_its_process_group_before_the_interpreter_exits(
+    two_process_fits,
+):
+    """A Gloo group left to the interpreter's finalization aborts a finished run now and
+    then (SIGABRT, "terminate called without an active exception"), which torchrun
+    reports as a failure: the strategy destroys it in an exit handler, once however many
+    fits ran (this launch ran eight)."""
+    assert [rank["at_exit"] for rank in two_process_fits] == ["destroyed", "destroyed"]
 
 
 def test_two_processes_start_from_rank_0s_model_pad_idly_and_equal_one_process(

@@ -16,6 +16,7 @@ where each step lives):
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.strategies import DDPStrategy
@@ -326,9 +327,16 @@ class FederatedStrategy(DDPStrategy):
             super()._configure_launcher()
 
     def setup_distributed(self) -> None:
+        """Lightning's process group (one of this torchrun attempt's own after a restart),
+        destroyed when the interpreter exits, for every backend: Lightning registers that
+        for NCCL only, and a Gloo group left to the interpreter's finalization aborts the
+        process now and then ("terminate called without an active exception", exit -6)
+        after the run has finished, which torchrun reports as a failed run
+        (pytorch/pytorch#190489)."""
         if self._single_process and not dist.is_initialized():
             self.set_world_ranks()
-        elif (store := _restarted_worker_store(self.world_size, self._timeout)) is not None:
+            return
+        if (store := _restarted_worker_store(self.world_size, self._timeout)) is not None:
             self.set_world_ranks()  # Lightning's set-up, with a store of this attempt's own
             self._process_group_backend = self._get_process_group_backend()
             _init_dist_connection(
@@ -337,6 +345,8 @@ class FederatedStrategy(DDPStrategy):
             )  # fmt: skip
         else:
             super().setup_distributed()
+        atexit.unregister(_destroy_dist_connection)  # once, however many fits
+        atexit.register(_destroy_dist_connection)
 
     def setup_environment(self) -> None:
         """Lightning's (the process group), then, in silo mode, the datamodule learns which
