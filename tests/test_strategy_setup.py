@@ -188,3 +188,44 @@ def test_a_fit_applies_its_threads_and_skips_validation_without_data():
     finally:
         torch.set_num_threads(before)
     assert trainer.limit_val_batches == 0
+
+
+def test_set_up_of_a_restarted_worker_and_the_exit_handler_on_several_processes(
+    monkeypatch,
+):
+    """On several processes, a restarted torchrun worker's group meets in the store of its
+    attempt (Lightning's rendezvous would read the failed attempt's addresses), a first
+    attempt's through Lightning's own set-up; either way, and on every fit, one exit handler
+    destroys the group (Lightning registers it for NCCL only). One process sets up no
+    group and registers nothing."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+
+    calls, handlers = [], []
+    monkeypatch.setattr(DDPStrategy, "setup_distributed", lambda self: calls.append("lightning"))
+
+    def init(environment, backend, **kw) -> None:
+        calls.append((backend, kw["store"]))
+
+    monkeypatch.setattr(strategy_module, "_init_dist_connection", init)
+    monkeypatch.setattr(strategy_module.atexit, "register", handlers.append)
+    monkeypatch.setattr(strategy_module.atexit, "unregister",
+                        lambda f: handlers.remove(f) if f in handlers else None)  # fmt: skip
+
+    def set_up(processes: int, store) -> FederatedStrategy:
+        monkeypatch.setattr(strategy_module, "_restarted_worker_store", lambda *a: store)
+        devices = [torch.device("cpu")] * processes
+        strategy = FederatedStrategy(
+            cluster_environment=LightningEnvironment(), parallel_devices=devices
+        )
+        strategy.setup_distributed()
+        return strategy
+
+    set_up(1, "attempt store")
+    assert calls == [] and handlers == []
+    set_up(2, None)
+    assert calls == ["lightning"]
+    restarted = set_up(2, "attempt store")
+    assert calls == ["lightning", ("gloo", "attempt store")]
+    assert restarted.world_size == 2
+    assert handlers == [strategy_module._destroy_dist_connection]
