@@ -208,6 +208,49 @@ def test_faiss_gpu_is_used_only_with_its_gpu_resources_and_a_gpu(monkeypatch):
         assert faiss_gpu_available() is expected
 
 
+def test_with_faiss_gpu_the_index_moves_to_gpu_0_and_keeps_its_resources(monkeypatch):
+    """Where faiss-gpu sees a GPU, the built index is handed to ``index_cpu_to_gpu`` on GPU
+    0 with a ``StandardGpuResources``, which the store keeps alive as long as the index,
+    and searches go to the moved index (the faiss-gpu calls stood in for here: without a
+    GPU, the moved index answers with the CPU index)."""
+    import faiss
+
+    from lightning_fl.systems import datastore as datastore_module
+
+    moved = []
+
+    class Resources:
+        pass
+
+    class OnGpu:  # stands for the GPU index: the CPU index's answers, counted
+        def __init__(self, index) -> None:
+            self.index, self.calls = index, []
+
+        def add(self, keys) -> None:
+            self.calls.append("add")
+            self.index.add(keys)
+
+        def search(self, queries, k):
+            self.calls.append("search")
+            return self.index.search(queries, k)
+
+    def to_gpu(resources, device, index):
+        moved.append((resources, device, index))
+        return OnGpu(index)
+
+    monkeypatch.setattr(datastore_module, "faiss_gpu_available", lambda: True)
+    monkeypatch.setattr(faiss, "StandardGpuResources", Resources, raising=False)
+    monkeypatch.setattr(faiss, "index_cpu_to_gpu", to_gpu, raising=False)
+    store = Datastore("faiss").build(torch.tensor([[0.0], [10.0], [8.5]]), torch.tensor([0, 1, 2]))
+    distances, labels = store.search(torch.tensor([[9.0]]), 2)
+    assert labels.tolist() == [[2, 1]] and distances[0].tolist() == pytest.approx([0.5, 1.0])
+    [(resources, device, index)] = moved
+    assert isinstance(resources, Resources) and device == 0
+    assert isinstance(index, faiss.IndexFlatL2) and store._index.index is index
+    assert store._index.calls == ["add", "search"]
+    assert store._keep_alive[1] is resources
+
+
 def test_a_capacity_of_one_keeps_the_last_key_and_zero_is_refused():
     store = Datastore("torch", capacity=1, update_rule="fifo")
     store.build(torch.tensor([[0.0], [1.0], [2.0]]), torch.tensor([5, 6, 7]))

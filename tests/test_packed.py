@@ -68,6 +68,29 @@ def test_derive_seed_generator_and_the_global_seed_by_hand():
         assert torch.equal(torch.rand(5), reference), device
 
 
+def test_the_global_seed_seeds_the_accelerators_generators_unless_a_cpu_run_never_uses_them(
+    monkeypatch,
+):
+    """``torch.manual_seed`` (every device's generator) for a run on an accelerator, or on
+    the CPU once CUDA is initialized; the CPU generator alone on a CPU run that never
+    initialized CUDA (a GPU run whose CUDA generator was left unseeded would not be
+    reproducible: this pins the choice on a machine without a GPU)."""
+    from lightning_fl.engine import seeding
+
+    everywhere = []
+    monkeypatch.setattr(seeding.torch, "manual_seed", everywhere.append)
+    for device, initialized, expected in (
+        ("cuda", False, [7]),
+        ("cuda", True, [7]),
+        ("cpu", True, [7]),
+        ("cpu", False, []),
+    ):
+        everywhere.clear()
+        monkeypatch.setattr(seeding.torch.cuda, "is_initialized", lambda i=initialized: i)
+        seeding.seed_global_rng(7, torch.device(device))
+        assert everywhere == expected, (device, initialized)
+
+
 class _FullBatchDataModule(InMemoryFederatedDataModule):
     """Client 2 trains full-batch (its whole set in one batch), the others with batch 4."""
 
@@ -160,6 +183,17 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
     assert strategy.packed is None
     monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size)
     assert pack_federation(dm, counts, torch.device("cpu"))[0] is not None
+
+
+def test_the_memory_budget_reads_the_gpus_free_memory_not_its_total(monkeypatch):
+    """On a CUDA device the budget is ``torch.cuda.mem_get_info``'s free bytes (its first
+    value; the second is the total), asked of that device; checked here without a GPU."""
+    asked = []
+    monkeypatch.setattr(packed_module.torch.cuda, "mem_get_info",
+                        lambda device: asked.append(device) or (3 << 30, 80 << 30))  # fmt: skip
+    device = torch.device("cuda", 1)
+    assert packed_module._free_memory(device) == 3 << 30
+    assert asked == [device]
 
 
 def test_the_strategy_refuses_a_bad_data_on_device():
