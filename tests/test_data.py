@@ -333,3 +333,79 @@ def test_a_watermark_may_cover_every_pixel_but_no_more():
     assert bool((watermarked(features, 4, 64, 2.0) == 2.0).all())
     with pytest.raises(ValueError, match="watermark of 65 pixels on samples of 64"):
         watermarked(features, 4, 65, 2.0)
+
+
+#: labels in no order, with ties and classes of unequal sizes (7, 13, 5, 20 samples)
+UNEVEN = np.random.default_rng(11).permutation(np.repeat(np.arange(4), [7, 13, 5, 20]))
+
+
+def test_dirichlet_split_by_hand_with_floor_cuts_and_retries_on_one_stream():
+    """Hsu et al.'s split as FedLab cuts it: for each class in increasing order, a
+    permutation of its samples, then q ~ Dir(α·1_N); client c takes the samples between
+    floor(n·Σ_{j<c} q_j) and floor(n·Σ_{j≤c} q_j). With ``min_size`` a draw that leaves a
+    client short is drawn again from the same generator (seed 2 needs four retries here)."""
+    from lightning_fl.datamodules.partition import dirichlet_partition
+
+    def by_hand(alpha, seed, clients, min_size=0):
+        rng = np.random.default_rng(seed)
+        tries = 0
+        while True:
+            tries += 1
+            parts = [[] for _ in range(clients)]
+            for k in (0, 1, 2, 3):
+                members = rng.permutation([i for i, y in enumerate(UNEVEN) if y == k])
+                q = rng.dirichlet([alpha] * clients)
+                start, total = 0, 0.0
+                for c in range(clients):
+                    total += q[c]
+                    stop = len(members) if c == clients - 1 else int(total * len(members))
+                    parts[c] += list(members[start:stop])
+                    start = stop
+            if min(len(p) for p in parts) >= min_size:
+                return [sorted(p) for p in parts], tries
+
+    for alpha, seed, clients, min_size in ((0.7, 5, 3, 0), (0.3, 2, 4, 6), (5.0, 0, 5, 0)):
+        expected, tries = by_hand(alpha, seed, clients, min_size)
+        got = dirichlet_partition(UNEVEN, clients, alpha, seed, min_size=min_size)
+        assert [p.tolist() for p in got] == expected, (alpha, seed)
+        assert (tries > 1) == bool(min_size)  # the retries are exercised
+
+
+def test_shards_by_hand_from_the_stably_sorted_labels():
+    """McMahan et al.'s shards: the samples sorted by label, ties kept in index order, cut
+    into N·s shards of (almost) equal size, and a permutation of the shards dealt s to
+    each client in turn."""
+    from lightning_fl.datamodules.partition import shard_partition
+
+    clients, per_client, seed = 3, 2, 4
+    order = sorted(range(len(UNEVEN)), key=lambda i: (UNEVEN[i], i))
+    sizes = [len(order) // 6 + (s < len(order) % 6) for s in range(6)]  # 8, 8, 8, 7, 7, 7
+    bounds = np.cumsum([0, *sizes])
+    shards = [order[bounds[s] : bounds[s + 1]] for s in range(6)]
+    dealt = np.random.default_rng(seed).permutation(6)
+    expected = [sorted(shards[dealt[2 * c]] + shards[dealt[2 * c + 1]]) for c in range(clients)]
+    got = shard_partition(UNEVEN, clients, per_client, seed)
+    assert [p.tolist() for p in got] == expected
+
+
+def test_fedems_grouped_split_by_hand_shuffles_the_labels_into_groups():
+    """FedEM's ``split_dataset_by_labels``: the labels shuffled and dealt into G groups of
+    (almost) equal size; for each group, its samples shuffled, w ~ Dir(α·1_N) and counts ~
+    Multinomial(group size, w) cut them over the clients in order."""
+    from lightning_fl.datamodules.partition import grouped_dirichlet_partition
+
+    clients, alpha, groups, seed = 3, 0.4, 2, 3
+    rng = np.random.default_rng(seed)
+    shuffled = rng.permutation(4)
+    expected = [[] for _ in range(clients)]
+    for group in (shuffled[:2], shuffled[2:]):
+        members = rng.permutation([i for i, y in enumerate(UNEVEN) if y in group])
+        w = rng.dirichlet([alpha] * clients)
+        counts = rng.multinomial(len(members), w)
+        start = 0
+        for c in range(clients):
+            expected[c] += list(members[start : start + counts[c]])
+            start += counts[c]
+    got = grouped_dirichlet_partition(UNEVEN, clients, alpha, groups, seed)
+    assert [p.tolist() for p in got] == [sorted(p) for p in expected]
+    assert sorted(shuffled[:2]) != [0, 1]  # the seed shuffles the labels: groups differ
