@@ -302,3 +302,39 @@ def test_cifar_hyperparameters_default_root_and_bounds(tmp_path):
     path.write_bytes(pickle.dumps([1, 2], protocol=2))
     with pytest.raises(ValueError, match="batch: expected a dict, got list"):
         load_pickle_batch(str(path))
+
+
+def test_pachinko_by_hand_with_labels_running_out():
+    """Reddi et al.'s Pachinko allocation (App. C.1) written out on 3 coarse labels of
+    2, 1 and 3 fine labels with 1 to 4 samples each, 3 clients of 5 samples (15 of 16),
+    so that fine and coarse labels run out: per client, coarse proportions ~ Dir(α),
+    fine ones ~ Dir(β) per coarse label; per sample, a coarse label among those with a
+    sample left (renormalized; any such label when the client's own have none), a fine
+    label among its own with a sample left, and that label's pool's last sample (the
+    pools shuffled once, in fine-label order)."""
+    fine = np.array([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4, 5, 5, 5, 0])
+    coarse = np.array([{0: 0, 1: 0, 2: 1, 3: 2, 4: 2, 5: 2}[f] for f in fine])
+    alpha, beta, seed, clients, size = 0.3, 0.8, 7, 3, 5
+    rng = np.random.default_rng(seed)
+    fine_of = {0: [0, 1], 1: [2], 2: [3, 4, 5]}
+    pools = {f: list(rng.permutation([i for i in range(16) if fine[i] == f])) for f in range(6)}
+    expected = []
+    for _ in range(clients):
+        p_coarse = rng.dirichlet([alpha] * 3)
+        p_fine = {c: rng.dirichlet([beta] * len(fine_of[c])) for c in (0, 1, 2)}
+        taken = []
+        for _ in range(size):
+            left = [any(pools[f] for f in fine_of[c]) for c in (0, 1, 2)]
+            weights = [p_coarse[c] if left[c] else 0.0 for c in (0, 1, 2)]
+            if sum(weights) == 0:
+                weights = [1.0 if left[c] else 0.0 for c in (0, 1, 2)]
+            c = rng.choice(3, p=np.array(weights) / sum(weights))
+            weights = [p_fine[c][j] if pools[f] else 0.0 for j, f in enumerate(fine_of[c])]
+            if sum(weights) == 0:
+                weights = [1.0 if pools[f] else 0.0 for f in fine_of[c]]
+            j = rng.choice(len(fine_of[c]), p=np.array(weights) / sum(weights))
+            taken.append(int(pools[fine_of[c][j]].pop()))
+        expected.append(sorted(taken))
+    got = pachinko_partition(coarse, fine, clients, size, alpha=alpha, beta=beta, seed=seed)
+    assert [p.tolist() for p in got] == expected
+    assert sum(len(pool) for pool in pools.values()) == 1  # labels did run out
