@@ -319,3 +319,29 @@ def test_generated_leaf_writes_its_data_once_and_reads_it_back(tmp_path):
     assert [
         sum(synthetic.sample_counts(s)[k] for s in ("train", "test")) for k in range(3)
     ] == sizes
+
+
+def test_all_data_splits_each_user_with_its_own_seed_by_hand(tmp_path):
+    """``all_data/``: user i (in file order) keeps the samples of its own shuffle, numpy's
+    default_rng(seed + i) permutation cut at round(n·(1 − test_fraction)), for training,
+    and the rest for testing, each in file order; users of equal size get different
+    splits."""
+    n, seed, users = 12, 4, ("a", "b", "c")
+    entries = {
+        name: {
+            "x": [[(100 * u + j) / 1000] * 784 for j in range(n)],
+            "y": [j % 62 for j in range(n)],
+        }
+        for u, name in enumerate(users)
+    }
+    write_leaf_json(tmp_path / "all_data" / "all_data_0.json", entries)
+    dm = LeafDataModule(str(tmp_path), "femnist", test_fraction=0.25, seed=seed)
+    tests = []
+    for u in range(len(users)):
+        shuffled = np.random.default_rng(seed + u).permutation(n)
+        expected = sorted(int(j) for j in shuffled[round(0.75 * n) :])
+        x, _ = dm.client_dataset(u, "test")[:]
+        got = [round(float(v) * 1000) - 100 * u for v in x[:, 0, 0, 0]]
+        assert got == expected, u
+        tests.append(expected)
+    assert tests[0] != tests[1] != tests[2]
