@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_fl import FederatedStrategy, MDSampler, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi
 from lightning_fl.callbacks.baselines import STORE_KEY as LOCAL_KEY
 from lightning_fl.callbacks.baselines import Local
 from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.seeding import derive_seed
 from tests.helpers import (
+    client_batches,
     local_sgd,
     make_trainer,
     max_abs_diff,
@@ -400,6 +403,50 @@ def test_keep_optimizer_state_restores_momentum():
     assert saved and "momentum_buffer" in saved[0]
     assert fresh.client_store.get(0, "optimizer_0") is None
     assert max_abs_diff(kept_params, fresh_params) > 1e-6
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["fresh", "kept"])
+def test_momentum_by_hand_reset_for_every_client_or_kept_per_client(keep):
+    """SGD with momentum 0.9 (torch's rule: b ← g at a buffer's first step, then
+    b ← 0.9 b + g; θ ← θ − η b), 3 rounds of 3 steps over the three unequal clients:
+    every client starts each round without a buffer, or, with keep_optimizer_state, from
+    the buffer its own previous round left (never another client's)."""
+    rounds, steps, momentum = 3, 3, 0.9
+    module = tiny_module(LR)
+    module.hparams.momentum = momentum
+    strategy = FederatedStrategy(local_steps=steps, seed=SEED, keep_optimizer_state=keep)
+    make_trainer(strategy, rounds, [FedAvg()]).fit(module, datamodule=tiny_datamodule(BATCH))
+
+    clients = tiny_clients()
+    net = tiny_module(LR).network
+    weights = sample_weights(clients)
+    theta = params_of(net)
+    buffers: dict[int, list[torch.Tensor]] = {}
+    for r in range(rounds):
+        delta = [torch.zeros_like(t) for t in theta]
+        for c in range(len(clients)):
+            with torch.no_grad():
+                for q, t in zip(net.parameters(), theta):
+                    q.copy_(t)
+            buffer = buffers.get(c) if keep else None
+            torch.manual_seed(derive_seed(SEED, "client", r, c))
+            batches = client_batches(clients[c]["train"], BATCH, SEED, r, c)
+            for _, (x, y) in zip(range(steps), batches):
+                net.zero_grad()
+                F.cross_entropy(net(x), y).backward()
+                grads = [q.grad.detach() for q in net.parameters()]
+                if buffer is None:
+                    buffer = [g.clone() for g in grads]
+                else:
+                    buffer = [momentum * b + g for b, g in zip(buffer, grads)]
+                with torch.no_grad():
+                    for q, b in zip(net.parameters(), buffer):
+                        q -= LR * b
+            buffers[c] = buffer
+            for d, q, t in zip(delta, net.parameters(), theta):
+                d += weights[c] * (q.detach() - t)
+        theta = [t + d for t, d in zip(theta, delta)]
+    assert max_abs_diff(params_of(module), theta) <= 1e-6
 
 
 def test_fedprox_with_mu_zero_is_fedavg_and_a_negative_mu_is_refused():
