@@ -156,14 +156,16 @@ def test_three_rounds_of_algorithm_15_with_two_em_steps_by_hand():
     """Three rounds, K = 2 split batches, d = 2: after the first round π is no longer
     uniform and t > 1, so the E-step's start from the client's π_t, the running average's
     (t ω_t + μ̃)/(t + 1) and OMD's prior π_t all show (a single round with t = 1 and
-    uniform π hides them)."""
+    uniform π hides them). The clients hold 7 and 5 samples a round, so their two split
+    batches differ in size (4 and 3, 3 and 2): each EM step's π̃ is the mean over its own
+    batch."""
     rng_data = np.random.default_rng(11)
     means = np.array([[-1.0, 0.0], [1.5, 1.0], [0.0, 2.5]])
     alg = FemOmdGMM(means, num_clients=2, lr=0.8, em_steps=2, seed=5)
     omega, pi = [list(map(float, mu)) for mu in means], [[1 / 3] * 3, [1 / 3] * 3]
     replay = np.random.default_rng(5)
     for t in (1, 2, 3):
-        samples = [rng_data.normal(loc=[0.5 * c, 1.0], size=(6, 2)) for c in range(2)]
+        samples = [rng_data.normal(loc=[0.5 * c, 1.0], size=(7 - 2 * c, 2)) for c in range(2)]
         local_pi = [list(p) for p in pi]
         shared = [list(mu) for mu in omega]
         for k in range(2):
@@ -189,10 +191,11 @@ def test_three_rounds_of_algorithm_15_with_two_em_steps_by_hand():
         new_pi = []
         for c in range(2):
             p = np.array(local_pi[c])
-            comp = replay.choice(3, size=6, p=p / p.sum())
-            z = np.array(omega)[comp] + replay.standard_normal((6, 2))
+            n = len(samples[c])
+            comp = replay.choice(3, size=n, p=p / p.sum())
+            z = np.array(omega)[comp] + replay.standard_normal((n, 2))
             grad = [-sum(_gauss(v, omega[j]) / sum(pi[c][i] * _gauss(v, omega[i])
-                                                 for i in range(3)) for v in z) / 6
+                                                 for i in range(3)) for v in z) / n
                     for j in range(3)]  # fmt: skip
             unnormalized = [pi[c][j] * math.exp(-0.8 * grad[j]) for j in range(3)]
             new_pi.append([u / sum(unnormalized) for u in unnormalized])
