@@ -409,3 +409,26 @@ def test_fedems_grouped_split_by_hand_shuffles_the_labels_into_groups():
     got = grouped_dirichlet_partition(UNEVEN, clients, alpha, groups, seed)
     assert [p.tolist() for p in got] == [sorted(p) for p in expected]
     assert sorted(shuffled[:2]) != [0, 1]  # the seed shuffles the labels: groups differ
+
+
+def test_held_out_clients_pooled_data_and_evaluation_batches_by_hand():
+    """``hold_out(f)`` makes the last round(f·n) clients unseen (6 clients at f = 0.45:
+    round(2.7) = 3, not int's 2); the pooled data is the seen clients' only, in client
+    order; training loaders cut ``batch_size`` batches, evaluation loaders
+    ``eval_batch_size`` ones."""
+    from lightning_fl.datamodules import InMemoryFederatedDataModule
+
+    clients = [
+        {
+            "train": (torch.full((5, 2), float(c)), torch.full((5,), c, dtype=torch.long)),
+            "val": (torch.zeros(5, 2), torch.zeros(5, dtype=torch.long)),
+        }
+        for c in range(6)
+    ]
+    dm = InMemoryFederatedDataModule(clients, batch_size=2, eval_batch_size=4)
+    dm.hold_out(0.45)
+    assert dm.unseen_clients == [3, 4, 5] and dm.seen_clients() == [0, 1, 2]
+    assert [int(y) for _, y in dm.pooled_dataset("train")] == [0] * 5 + [1] * 5 + [2] * 5
+    train = dm.client_dataloader(dm.client_dataset(1, "train"), "train", torch.Generator())
+    val = dm.client_dataloader(dm.client_dataset(1, "val"), "val")
+    assert [len(b[1]) for b in train] == [2, 2, 1] and [len(b[1]) for b in val] == [4, 1]
