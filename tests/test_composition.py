@@ -280,9 +280,11 @@ def test_resume_refuses_another_federation_unless_told(tmp_path):
 
     clients = tiny_clients(12)
     x, y = clients[3]["train"]
-    clients[3]["train"] = (x[:-1], y[:-1])  # one sample fewer at client 3
+    x4, y4 = clients[4]["train"]
+    clients[3]["train"] = (x[:-1], y[:-1])  # one sample moved from client 3 to client 4:
+    clients[4]["train"] = (torch.cat([x4, x[-1:]]), torch.cat([y4, y[-1:]]))  # same total
     trainer = make_trainer(FederatedStrategy(local_steps=1), 2, [Local()])
-    with pytest.raises(FederationMismatchError, match=r"train_counts \(clients \[3\]\)"):
+    with pytest.raises(FederationMismatchError, match=r"train_counts \(clients \[3, 4\]\)"):
         trainer.fit(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, batch_size=4),
                     ckpt_path=path)  # fmt: skip
     strategy = FederatedStrategy(local_steps=1, allow_new_federation=True)

@@ -366,3 +366,27 @@ def test_a_plan_moves_the_datamodule_to_its_round_and_warns_of_empty_clients():
         plan = planner.plan(4)
     assert dm.rounds == [4] and 6 not in plan.schedule.clients
     assert len(plan.schedule.clients) == 9
+
+
+def test_a_resumed_rank_loads_only_the_clients_it_owns_and_that_still_exist():
+    """A checkpoint holds every rank's clients (gathered to one file): rank 1 of 3 takes
+    back clients 1 and 4 (c mod 3 = 1) of a federation of 7, not the other ranks'
+    clients, nor client 7 of the checkpoint's larger federation (kept under
+    ``allow_new_federation``); the bad-round count and the sampler's state come back."""
+    from lightning_fl.engine.federated_state import load_federated_state_dict
+
+    fit = _fit(world_size=3, rank=1, allow_new_federation=True)
+    identity = {"datamodule": "X", "num_clients": 7, "train_counts": [5] * 7,
+                "partition_seed": None}  # fmt: skip
+    fit.federation = SimpleNamespace(num_clients=7, identity=lambda: identity)
+    restored = []
+    fit.plugins.sampler.load_state_dict = restored.append
+    engine = SimpleNamespace(consecutive_bad_rounds=0)
+    state = {"seed": 5, "federation": {**identity, "num_clients": 8, "train_counts": [5] * 8},
+             "client_store": {c: {"own": torch.tensor(float(c))} for c in range(8)},
+             "sampler": {"drawn": 3}, "consecutive_bad_rounds": 2}  # fmt: skip
+    with pytest.warns(UserWarning, match="another federation"):
+        load_federated_state_dict(fit, engine, state)
+    assert fit.store.clients() == [1, 4]
+    assert [float(fit.store.get(c, "own")) for c in (1, 4)] == [1.0, 4.0]
+    assert engine.consecutive_bad_rounds == 2 and restored == [{"drawn": 3}]
