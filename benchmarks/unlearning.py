@@ -262,7 +262,7 @@ def main() -> None:
              "(lower is better, SCRATCH is the reference).", "",
              "| method | initial rounds | rounds after W1 / W2 / W3 | total retraining | "
              "forgotten acc after W1 / W2 / W3 |", "|---|---|---|---|---|"]  # fmt: skip
-    figure: dict[str, tuple[list[float], list[float]]] = {}
+    figure: dict[str, tuple[list[float], list[float], list[bool]]] = {}
     for seed in args.seeds:  # seed by seed, so that a stopped sweep has whole seeds
         for method in args.methods:
             journal.protocol(method, seed, args.target, sigma, run=not args.table_only)
@@ -280,7 +280,7 @@ def main() -> None:
         cells = [("≥" if c else "") + f"{x:.0f}" for x, c in zip(rounds, capped)]
         forgotten = [statistics.mean(r[1][k] for r in runs) for k in range(3)]
         total = ("≥" if any(capped[1:]) else "") + f"{sum(rounds[1:]):.0f}"
-        figure[name] = (rounds[1:], forgotten)
+        figure[name] = (rounds[1:], forgotten, capped[1:])
         lines.append(
             f"| {name} | {cells[0]} | "
             + " / ".join(cells[1:])
@@ -331,9 +331,13 @@ def main() -> None:
     _write(RESULTS / f"unlearning{suffix}.md", lines)
 
 
-def _plot(figure: dict[str, tuple[list[float], list[float]]], path: Path, cap: int) -> None:
+def _plot(
+    figure: dict[str, tuple[list[float], list[float], list[bool]]], path: Path, cap: int
+) -> None:
     """Fig. 5.2's two readings per request W1..W3: the retraining rounds to reach the
-    target again, and the accuracy on the forgotten clients' training data then."""
+    target again, and the accuracy on the forgotten clients' training data then. A phase
+    that ran to the cap (LAST's, in the thesis) is hatched and puts the rounds on a log
+    scale, so that 10⁴ rounds and FINE-TUNING's 50 stay readable side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -341,17 +345,27 @@ def _plot(figure: dict[str, tuple[list[float], list[float]]], path: Path, cap: i
 
     fig, (rounds_ax, forgotten_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
     width = 0.8 / len(figure)
-    for k, (name, (rounds, forgotten)) in enumerate(figure.items()):
+    for k, (name, (rounds, forgotten, capped)) in enumerate(figure.items()):
         where = [r + (k - (len(figure) - 1) / 2) * width for r in range(3)]
-        rounds_ax.bar(where, rounds, width, label=name)
-        forgotten_ax.bar(where, forgotten, width, label=name)
-    for ax, label in ((rounds_ax, f"retraining rounds (cap {cap})"),
+        bars = rounds_ax.bar(where, rounds, width, label=name)
+        color = bars.patches[0].get_facecolor()
+        forgotten_bars = forgotten_ax.bar(where, forgotten, width, color=color)
+        for rounds_bar, forgotten_bar, at_cap in zip(bars, forgotten_bars, capped):
+            if at_cap:
+                rounds_bar.set_hatch("//")
+                forgotten_bar.set_hatch("//")
+    any_capped = any(any(capped) for _, _, capped in figure.values())
+    rounds_label = f"retraining rounds (cap {cap}" + ("; hatched: at the cap)" if any_capped
+                                                      else ")")  # fmt: skip
+    if any_capped:
+        rounds_ax.set_yscale("log")
+    for ax, label in ((rounds_ax, rounds_label),
                       (forgotten_ax, "accuracy on the forgotten clients")):  # fmt: skip
         ax.set_xticks(range(3), ["W1", "W2", "W3"])
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
     forgotten_ax.set_ylim(0, 1)
-    forgotten_ax.legend(fontsize=8)
+    forgotten_ax.legend(*rounds_ax.get_legend_handles_labels(), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
