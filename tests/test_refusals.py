@@ -166,3 +166,71 @@ def test_the_refusal_table_has_one_row_per_rule():
         "ReferenceDataModule(reference='server') | use a ReferenceDataModule with "
         "reference='server' |"
     )
+
+
+#: The refused pairs written out by hand, not derived from composition.py's constants, so
+#: that an entry dropped from PARTIAL_SAMPLERS, NON_FEDAVG or WITHOUT_UPDATE_SUM, or a row
+#: lost, fails here in milliseconds (the matrix test in test_composition trains them).
+PARTIAL = ["UniformSampler", "MDSampler", "ClusteredSampler", "AvailableClients",
+           "ExcludedClients"]  # fmt: skip
+REFUSED_BY_HAND = {
+    "silos": ["Pooled", "StreamingDataModule"],
+    "GossipAveraging": [*PARTIAL, "Unlearning", "FreeRiders", "ServerReference"],
+    "ClusteredFL": [
+        *PARTIAL,
+        "Unlearning",
+        "FreeRiders",
+        "ServerReference",
+        "2 processes",
+        "FedEM",
+        "Ditto",
+        "APFL",
+        "FedRep",
+        "PFedMe",
+        "FineTune",
+    ],  # fmt: skip
+    "AsynchronousFL": [*PARTIAL, "Unlearning", "FreeRiders"],
+    "FreeRiders": [*PARTIAL, "Unlearning", "Local", "SAFARI"],
+    "Unlearning": [
+        "FedAvgM",
+        "FedAdam",
+        "FedYogi",
+        "FedAdagrad",
+        "SCAFFOLD",
+        "SAFARI",
+        "Pooled",
+        "Local",
+        "FixedClustersSampler",
+    ],  # fmt: skip
+    "FedRep": ["SCAFFOLD", "FedEM", "Ditto", "APFL", "PFedMe", "FineTune"],
+    "FedEM": ["Ditto", "APFL", "PFedMe", "FineTune"],
+    "Ditto": ["APFL", "PFedMe", "FineTune"],
+    "APFL": ["PFedMe", "FineTune"],
+    "PFedMe": ["FineTune", "DPSGD"],
+    "FreeRiderDetector": ["2 processes"],
+    "SAFARI": ["StreamingDataModule", "ReferenceDataModule"],
+    "ServerReference": ["Local", "StreamingDataModule"],
+}
+#: Plugins refused with nothing above, beside which every plugin of the table composes.
+COMPOSE_WITH_ALL = ["FedAvg", "FedProx", "FullParticipation", "SampleSizeClusteredSampler",
+                    "KNNPer", "vectorize"]  # fmt: skip
+
+
+def test_the_refused_pairs_are_exactly_those_written_by_hand(monkeypatch):
+    """Every unordered pair of the plugins named above, run through :func:`check`: refused
+    exactly when the hand-written table lists it, in either order."""
+    refused = {frozenset((a, b)) for a, others in REFUSED_BY_HAND.items() for b in others}
+    plugins = sorted({name for pair in refused for name in pair} | set(COMPOSE_WITH_ALL))
+    for i, first in enumerate(plugins):
+        for second in plugins[i + 1 :]:
+            names = {first: first, second: second}
+            monkeypatch.setattr(composition, "plugin_names", lambda *args, names=names: names)
+            try:
+                check(_trainer(), FullParticipation())
+                was_refused = False
+            except CompositionError as error:
+                was_refused = True
+                assert {first, second} <= set(
+                    str(error).split(": ")[0].split(" cannot be combined with ")
+                )
+            assert was_refused == (frozenset((first, second)) in refused), (first, second)
