@@ -275,19 +275,8 @@ def main() -> None:
             continue
         if len(runs) < len(seeds):
             name += f" ({len(runs)} of {len(seeds)} seeds)"
-        rounds = [statistics.mean(r[0][k] for r in runs) for k in range(4)]
-        capped = [any(r[0][k] >= MAX_ROUNDS for r in runs) for k in range(4)]
-        cells = [("≥" if c else "") + f"{x:.0f}" for x, c in zip(rounds, capped)]
-        forgotten = [statistics.mean(r[1][k] for r in runs) for k in range(3)]
-        total = ("≥" if any(capped[1:]) else "") + f"{sum(rounds[1:]):.0f}"
-        figure[name] = (rounds[1:], forgotten, capped[1:])
-        lines.append(
-            f"| {name} | {cells[0]} | "
-            + " / ".join(cells[1:])
-            + f" | {total} | "
-            + " / ".join(f"{x:.3f}" for x in forgotten)
-            + " |"
-        )
+        row, figure[name] = method_row(name, [r[:2] for r in runs], MAX_ROUNDS)
+        lines.append(row)
     if figure:
         plot = RESULTS / f"unlearning{suffix}.png"
         _plot(figure, plot, MAX_ROUNDS)
@@ -329,6 +318,22 @@ def main() -> None:
         _plot_sweep(finished, None if scratch is None else scratch[0][1], plot, MAX_ROUNDS)
         lines += ["", f"![retraining rounds and forgotten-class accuracy against σ]({plot.name})"]
     _write(RESULTS / f"unlearning{suffix}.md", lines)
+
+
+def method_row(
+    name: str, runs: list[tuple[list[int], list[float]]], cap: int
+) -> tuple[str, tuple[list[float], list[float], list[bool]]]:
+    """A method's table row and figure entry from its seeds' runs, each (rounds of the four
+    phases, accuracy on the forgotten clients after W1..W3): per-phase means over seeds,
+    a phase marked ≥ (and hatched) when any seed ran it to ``cap``."""
+    rounds = [statistics.mean(r[0][k] for r in runs) for k in range(4)]
+    capped = [any(r[0][k] >= cap for r in runs) for k in range(4)]
+    cells = [("≥" if c else "") + f"{x:.0f}" for x, c in zip(rounds, capped)]
+    forgotten = [statistics.mean(r[1][k] for r in runs) for k in range(3)]
+    total = ("≥" if any(capped[1:]) else "") + f"{sum(rounds[1:]):.0f}"
+    row = (f"| {name} | {cells[0]} | " + " / ".join(cells[1:]) + f" | {total} | "
+           + " / ".join(f"{x:.3f}" for x in forgotten) + " |")  # fmt: skip
+    return row, (rounds[1:], forgotten, capped[1:])
 
 
 def _plot(

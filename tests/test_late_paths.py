@@ -236,6 +236,45 @@ def test_the_unlearning_table_lists_every_seed_the_journal_finished(tmp_path):
     assert journal.seeds(0.9, None, one) == {9} and journal.seeds(0.9, 0.1, one) == set()
 
 
+def test_an_unlearning_row_by_hand_with_capped_phases():
+    """benchmarks/unlearning.method_row: per-phase means over seeds, ≥ on a phase any seed
+    ran to the cap, on the total only when a retraining phase (not the first) is capped."""
+    unlearning = benchmark_module("unlearning")
+    runs = [([870, 10_000, 48, 50], [0.1, 0.5, 0.3]), ([900, 9_000, 10_000, 54], [0.2, 0.4, 0.5])]
+    row, entry = unlearning.method_row("LAST", runs, 10_000)
+    assert row == "| LAST | 885 | ≥9500 / ≥5024 / 52 | ≥14576 | 0.150 / 0.450 / 0.400 |"
+    assert entry[0] == [9500, 5024, 52] and entry[2] == [True, True, False]
+    assert entry[1] == pytest.approx([0.15, 0.45, 0.4], abs=1e-12)
+    row, entry = unlearning.method_row("DP", [([10_000, 52, 59, 51], [0.08, 0.44, 0.22])], 10_000)
+    assert row == "| DP | ≥10000 | 52 / 59 / 51 | 162 | 0.080 / 0.440 / 0.220 |"
+    assert entry[2] == [False, False, False]
+
+
+def test_the_unlearning_figure_hatches_capped_phases_on_a_log_scale(tmp_path, monkeypatch):
+    """benchmarks/unlearning.py's Fig. 5.2: a method whose phase ran to the cap (LAST's, in
+    the thesis) is hatched in both panels, only in that phase, and the rounds go on a log
+    scale; without a capped phase the scale stays linear and nothing is hatched."""
+    import matplotlib.pyplot as plt
+
+    unlearning = benchmark_module("unlearning")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    last = ([10_000, 10_000, 51], [0.1, 0.5, 0.3], [True, True, False])
+    figure = {"SCRATCH": ([572, 618, 322], [0.0, 0.0, 0.0], [False] * 3), "LAST": last}
+    unlearning._plot(figure, tmp_path / "capped.png", 10_000)
+    del figure["LAST"]
+    unlearning._plot(figure, tmp_path / "uncapped.png", 10_000)
+    (capped, uncapped) = figures
+    for fig, scale, hatched in ((capped, "log", [None] * 3 + ["//", "//", None]),
+                                (uncapped, "linear", [None] * 3)):  # fmt: skip
+        rounds_ax, forgotten_ax = fig.axes
+        assert rounds_ax.get_yscale() == scale and forgotten_ax.get_yscale() == "linear"
+        for ax in fig.axes:
+            assert [bar.get_hatch() for bar in ax.patches] == hatched
+    assert "hatched: at the cap" in capped.axes[0].get_ylabel()
+    assert (tmp_path / "capped.png").stat().st_size > 0
+
+
 def test_the_phase_checkpoint_saves_the_whole_fit_at_the_end_of_the_first_phase(tmp_path):
     """benchmarks/recipe_runs.PhaseCheckpoint, which makes the training the unlearning
     methods share: it stops the fit when the first phase reaches its target (here 0.3,
