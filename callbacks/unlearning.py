@@ -157,7 +157,8 @@ class Unlearning(FederatedCallback):
       (Thm 5.2);
     - ``"dp"``: the current model, which DP training kept private: every update is clipped
       to norm ``clip`` and the global model gets N(0, ((2C/M)·sqrt(2 ln(1.25/δ))/ε)² I)
-      after every aggregation (the authors' DP baseline);
+      after every aggregation, M the federation's clients with training data, removed
+      ones included (the authors' DP baseline computes it once);
     - ``"fedaccum"``: a shadow model that every round re-aggregates the received local
       models without the clients of each future removal set (the authors' code; needs
       ``requests`` known in advance and one process).
@@ -319,10 +320,13 @@ class Unlearning(FederatedCallback):
         # host: a CPU generator draws the same noise whatever the device; moved to like
         return (std * torch.randn(like.numel(), generator=g, dtype=torch.float64)).to(like)
 
+    def _with_data(self) -> list[int]:
+        """The federation's clients with training data, removed ones included."""
+        return [c for c, n in enumerate(self._trainer.strategy.training_counts) if n > 0]
+
     def _remaining(self) -> list[int]:
-        counts = self._trainer.strategy.training_counts
         removed = set(self.removed)
-        return [c for c, n in enumerate(counts) if n > 0 and c not in removed]
+        return [c for c in self._with_data() if c not in removed]
 
     # ---- set-up ------------------------------------------------------------------------
     def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
@@ -401,7 +405,7 @@ class Unlearning(FederatedCallback):
                 self.on_target.observe(self._measure(trainer, pl_module, log=False)[0])
         self._start = flatten(state.global_tensors).clone()
         self._deltas = {}
-        std = self.forgetting.round_noise_std(len(self._remaining()))
+        std = self.forgetting.round_noise_std(len(self._with_data()))
         if std is not None and trainer.global_rank == 0:
             noise = self._noise(std, state.round_idx, self._start)
             add_flat_(state.update_sum, noise / self._server_lr)  # θ^{n+1} gets N(0, std²) once

@@ -603,8 +603,9 @@ def test_the_check_period_is_restored_only_when_both_sides_have_a_target():
 
 def test_the_remaining_clients_are_those_with_training_data_one_sample_included():
     """Client 0 has no training data and client 1 one sample: a request for clients 2 and
-    3 leaves client 1 and is served; the DP baseline sizes its noise on the remaining
-    clients with data (3, then 1); a request that would leave only client 0 is refused."""
+    3 leaves client 1 and is served; the DP baseline sizes its noise on the federation's
+    clients with data, before and after the request (3: the authors' server computes it
+    once from its M); a request that would leave only client 0 is refused."""
     clients = tiny_clients(4)
     clients[0]["train"] = tuple(t[:0] for t in clients[0]["train"])
     clients[1]["train"] = tuple(t[:1] for t in clients[1]["train"])
@@ -618,7 +619,7 @@ def test_the_remaining_clients_are_those_with_training_data_one_sample_included(
         return unlearning, sizes
 
     served, sizes = fit({2: [2, 3]})
-    assert served.removed == [2, 3] and sizes == [3, 3, 1, 1]
+    assert served.removed == [2, 3] and sizes == [3, 3, 3, 3]
     with pytest.raises(ValueError, match="The request would remove every client"):
         fit({2: [1, 2, 3]})
 
@@ -766,8 +767,9 @@ def test_the_dp_baseline_over_three_rounds_with_a_server_rate_and_a_removal_by_h
     """The DP baseline with FedAvg's η_g = 0.5, three clients of 11, 18 and 25 samples,
     client 1 forgotten at round 2: every update is clipped to C (some are, some are not),
     the size-weighted step is scaled by η_g but the noise is not (θ^{n+1} gets N(0, s²)
-    once, s = (2C/M)·sqrt(2 ln(1.25/δ))/ε), M drops from 3 to 2 at the request, and each
-    round's noise is its own draw (seed, round, requests done)."""
+    once, s = (2C/M)·sqrt(2 ln(1.25/δ))/ε), M stays 3 after the request (the federation's
+    clients, as the authors' server computes s once), and each round's noise is its own
+    draw (seed, round, requests done)."""
     from lightning_fl.engine.seeding import generator
     from tests.helpers import local_sgd, tiny_clients
 
@@ -796,7 +798,7 @@ def test_the_dp_baseline_over_three_rounds_with_a_server_rate_and_a_removal_by_h
             clipped.append(norm > clip)
             scale = min(1.0, clip / norm)
             step = [s + float(share) * scale * d for s, d in zip(step, delta_c)]
-        std = (2 * clip / len(kept)) * (2 * np.log(1.25 / delta)) ** 0.5 / epsilon
+        std = (2 * clip / 3) * (2 * np.log(1.25 / delta)) ** 0.5 / epsilon
         draw = torch.randn(
             sum(t.numel() for t in theta),
             generator=generator(7, "unlearning", r, 0 if r < 2 else 1),

@@ -55,9 +55,9 @@ class ForgettingMethod:
     def prepare(self, model: torch.Tensor, removal_sets: Sequence[tuple[int, ...]]) -> None:
         """At the first fit's start, with θ_0^0 and the known removal sets F_r."""
 
-    def round_noise_std(self, remaining: int) -> float | None:
-        """The std of the noise added to the global model after this round's aggregation,
-        or None for no noise."""
+    def round_noise_std(self, num_clients: int) -> float | None:
+        """The std of the noise added to the global model after this round's aggregation
+        in a federation of ``num_clients`` clients, or None for no noise."""
         return None
 
     def transform_update(self, update: TensorList) -> TensorList:
@@ -134,8 +134,11 @@ class Last(ForgettingMethod):
 class DPBaseline(ForgettingMethod):
     """DP: training itself is kept private, so a request keeps the current model. Every
     client update is clipped to norm C and, after every aggregation, the global model gets
-    N(0, s² I) with s = (2C/M)·sqrt(2 ln(1.25/δ))/ε over M remaining clients (the
-    Gaussian mechanism at sensitivity 2C/M; the authors' DP baseline)."""
+    N(0, s² I) with s = (2C/M)·sqrt(2 ln(1.25/δ))/ε (the Gaussian mechanism at sensitivity
+    2C/M; the authors' DP baseline). M is the federation's number of clients, fixed for the
+    whole run: the authors' server computes s once, at its set-up, from its M clients
+    (``FL/server.py``: ``sigma_DP = get_std(2 * model_clip / M, epsilon, M)``), and keeps it
+    after every request."""
 
     name = "dp"
 
@@ -145,8 +148,8 @@ class DPBaseline(ForgettingMethod):
     def restart(self, request: ForgettingRequest) -> Restart:
         return request.current, None
 
-    def round_noise_std(self, remaining: int) -> float:
-        m = max(remaining, 1)
+    def round_noise_std(self, num_clients: int) -> float:
+        m = max(num_clients, 1)
         return (2 * self.clip / m) * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
 
     @torch.no_grad()
