@@ -189,6 +189,38 @@ def test_fine_tuning_keeps_the_model_and_last_perturbs_it_by_the_overall_sensiti
     assert float(jump.std()) == pytest.approx(std, rel=0.35)
 
 
+def test_last_perturbs_each_request_by_the_largest_sensitivity_of_the_branch_it_ends():
+    """LAST over two requests (rounds 3 and 6, clients of unequal size, 4 of 8 sampled): at
+    each request the model jumps by exactly N(0, σ_L² I)'s draw, σ_L from the largest Ψ of
+    the branch the request ends (the authors' ``metric[r - 1]``: branch 0, then branch 1,
+    not the whole history nor the new branch), drawn from the request's own stream."""
+    from lightning.pytorch import Callback
+
+    from lightning_fl.engine.seeding import generator
+    from lightning_fl.systems.unlearning import noise_for_sensitivity
+
+    seen = {}
+
+    class Watch(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen[("end", trainer.current_epoch)] = flatten(params_of(pl_module)).double()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 0:
+                seen[("start", trainer.current_epoch)] = flatten(params_of(pl_module)).double()
+
+    last = Unlearning("last", requests={3: [2], 6: [5, 1]}, seed=11)
+    _fit([FedAvg(), last, Watch()], 8)
+    psi = [max(float(row.max()) for row in branch) for branch in last.history.psi]
+    assert len(psi) == 3 and psi[0] != psi[1]
+    for k, round_idx in enumerate((3, 6)):
+        jump = seen[("start", round_idx)] - seen[("end", round_idx - 1)]
+        std = noise_for_sensitivity(psi[k], 10.0, 0.01)
+        draw = torch.randn(jump.numel(), generator=generator(11, "unlearning", round_idx, k),
+                           dtype=torch.float64)  # fmt: skip
+        assert float((jump - std * draw).abs().max()) < 1e-5 * max(1.0, std)
+
+
 def test_dp_baseline_clips_every_update():
     dp = Unlearning("dp", clip=1e-3, requests={2: [1]})
     module, _ = _fit([FedAvg(), dp], 3)
