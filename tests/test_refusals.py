@@ -188,7 +188,7 @@ REFUSED_BY_HAND = {
         "FedRep",
         "PFedMe",
         "FineTune",
-    ],  # fmt: skip
+    ],
     "AsynchronousFL": [*PARTIAL, "Unlearning", "FreeRiders"],
     "FreeRiders": [*PARTIAL, "Unlearning", "Local", "SAFARI"],
     "Unlearning": [
@@ -201,7 +201,7 @@ REFUSED_BY_HAND = {
         "Pooled",
         "Local",
         "FixedClustersSampler",
-    ],  # fmt: skip
+    ],
     "FedRep": ["SCAFFOLD", "FedEM", "Ditto", "APFL", "PFedMe", "FineTune"],
     "FedEM": ["Ditto", "APFL", "PFedMe", "FineTune"],
     "Ditto": ["APFL", "PFedMe", "FineTune"],
