@@ -271,7 +271,7 @@ def main() -> None:
         runs = [r for r in runs if r is not None]
         name = method.upper().replace("_", "-")
         if not runs:
-            lines.append(f"| {name} | not run yet | | | |")
+            lines.append(f"| {name} | {unfinished_cell(method, seeds, args.target, sigma)} | | | |")
             continue
         if len(runs) < len(seeds):
             name += f" ({len(runs)} of {len(seeds)} seeds)"
@@ -304,7 +304,8 @@ def main() -> None:
         run = journal.protocol("sifu", sweep_seed, args.target, sigma, digit_0, run=False)
         threshold = sensitivity_threshold(10, 0.01, sigma)
         if run is None:
-            lines.append(f"| {sigma:g} | {threshold:.4g} | | not run yet | |")
+            cell = unfinished_cell("sifu", [sweep_seed], args.target, sigma, digit_0)
+            lines.append(f"| {sigma:g} | {threshold:.4g} | | {cell} | |")
             continue
         rounds, forgotten, restarts = run
         restart = "" if restarts is None else f"{restarts[0][1]} of {rounds[0]}"
@@ -318,6 +319,20 @@ def main() -> None:
         _plot_sweep(finished, None if scratch is None else scratch[0][1], plot, MAX_ROUNDS)
         lines += ["", f"![retraining rounds and forgotten-class accuracy against σ]({plot.name})"]
     _write(RESULTS / f"unlearning{suffix}.md", lines)
+
+
+def unfinished_cell(
+    method: str, seeds: list[int], target: float, sigma: float, requests=None
+) -> str:
+    """The cell of a run no seed has finished: the seeds saved mid-run under SHARED (the
+    next invocation resumes them), else "not run yet"."""
+    saved = [
+        seed for seed in seeds
+        if progress_path(run_key(method, seed, target, sigma, requests)).exists()
+    ]  # fmt: skip
+    if not saved:
+        return "not run yet"
+    return f"unfinished: seed{'s' * (len(saved) > 1)} {', '.join(map(str, saved))} saved mid-run"
 
 
 def method_row(

@@ -295,3 +295,23 @@ def test_the_phase_checkpoint_saves_the_whole_fit_at_the_end_of_the_first_phase(
     checkpoint = torch.load(saved, weights_only=True)
     (state,) = [s for k, s in checkpoint["callbacks"].items() if "Unlearning" in k]
     assert checkpoint["epoch"] == 49 and state["phase_rounds"] == [50]
+
+
+def test_an_unfinished_unlearning_run_is_named_by_its_saved_seeds(tmp_path, monkeypatch):
+    """benchmarks/unlearning.unfinished_cell: a method or σ no seed has finished lists the
+    seeds saved mid-run for exactly its key (method, seed, target, σ, requests), so that
+    LAST's 10⁴-round phases read as unfinished, not as never run."""
+    unlearning = benchmark_module("unlearning")
+    unlearning.use_dataset("fashion_mnist")
+    monkeypatch.setattr(unlearning, "SHARED", tmp_path)
+    one = [[0, 10]]
+    for key in (("last", 0, 0.9, 0.1, None), ("last", 3, 0.9, 0.1, None),
+                ("sifu", 0, 0.9, 0.2, one), ("dp", 1, 0.8, 0.1, None)):  # fmt: skip
+        unlearning.progress_path(unlearning.run_key(*key)).touch()
+    cell = unlearning.unfinished_cell
+    assert cell("last", [0, 1, 2, 3], 0.9, 0.1) == "unfinished: seeds 0, 3 saved mid-run"
+    assert cell("last", [1, 3], 0.9, 0.1) == "unfinished: seed 3 saved mid-run"
+    assert cell("sifu", [0], 0.9, 0.2, one) == "unfinished: seed 0 saved mid-run"
+    assert cell("sifu", [0], 0.9, 0.2) == "not run yet"  # the main protocol, not the sweep
+    assert cell("dp", [0, 1, 2, 3], 0.9, 0.1) == "not run yet"  # saved at another target
+    assert cell("scratch", [0, 1, 2, 3], 0.9, 0.1) == "not run yet"
