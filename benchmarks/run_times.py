@@ -120,7 +120,8 @@ def readme_block(data: dict) -> str:
             "| what | time |", "|---|---|"]  # fmt: skip
     for name, entry in data["runs"].items():
         what = "`make install` on a fresh clone" if name == "setup" else f"`{name}`"
-        rows.append(f"| {what} | {say(entry)} |")
+        when = f" ({entry['date']})" if "date" in entry else ""  # measured alone, later
+        rows.append(f"| {what} | {say(entry)}{when} |")
     return "\n".join([*rows, "", END])
 
 
@@ -155,9 +156,12 @@ def main() -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": {}}
     if not args.write:
         names = args.only or ["quickstart.yaml", *PER_ROUND, *whole_runs()]
-        data.update(machine=machine(), date=time.strftime("%Y-%m-%d"))
+        today = time.strftime("%Y-%m-%d")
+        data.update(machine=machine(), **({} if args.only else {"date": today}))
         for name in dict.fromkeys(names):
             data["runs"][name] = measure(name)
+            if data.get("date") != today:  # --only: the table's date stays the others'
+                data["runs"][name]["date"] = today
             print(f"{name}: {say(data['runs'][name])}", flush=True)
         if args.setup:
             data["runs"]["setup"] = measure_setup()

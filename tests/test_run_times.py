@@ -61,3 +61,34 @@ def test_the_phrasing_of_a_time():
     assert run_times.say({"seconds": 17.8, "per": "run"}) == "17.8 s for the whole run"
     assert run_times.say({"seconds": 0.52, "per": "round"}) == "0.52 s a round"
     assert run_times.say({"seconds": 281, "per": "setup"}) == "about 5 min to set up"
+
+
+def test_a_recipe_measured_alone_carries_its_own_date(tmp_path, monkeypatch):
+    """`run_times.py --only X` re-measures X and stamps X with today's date: the table's
+    date stays that of the others, which were not measured again; a full run dates the
+    whole table and no entry."""
+    results = tmp_path / "run_times.json"
+    runs = {"a.yaml": {"seconds": 1.0, "per": "run"}, "b.yaml": {"seconds": 2.0, "per": "run"}}
+    results.write_text(json.dumps({"machine": "m", "date": "2026-01-01", "runs": runs}))
+    written = []
+    monkeypatch.setattr(run_times, "RESULTS", results)
+    monkeypatch.setattr(run_times, "write", written.append)
+    monkeypatch.setattr(run_times, "measure", lambda name: {"seconds": 3.0, "per": "round"})
+    monkeypatch.setattr(run_times.time, "strftime", lambda fmt: "2026-02-02")
+    monkeypatch.setattr(run_times, "whole_runs", lambda: ["a.yaml"])
+    monkeypatch.setattr(run_times, "PER_ROUND", {"b.yaml": (1, 2)})
+    monkeypatch.setattr("sys.argv", ["run_times.py", "--only", "b.yaml"])
+    run_times.main()
+    alone = written[-1]
+    assert alone["date"] == "2026-01-01" and alone["runs"]["a.yaml"] == {
+        "seconds": 1.0,
+        "per": "run",
+    }
+    assert alone["runs"]["b.yaml"] == {"seconds": 3.0, "per": "round", "date": "2026-02-02"}
+    assert "| `b.yaml` | 3 s a round (2026-02-02) |" in run_times.readme_block(alone)
+    assert "| `a.yaml` | 1 s for the whole run |" in run_times.readme_block(alone)
+    monkeypatch.setattr("sys.argv", ["run_times.py"])
+    run_times.main()
+    whole = json.loads(results.read_text())
+    assert whole["date"] == "2026-02-02"
+    assert all("date" not in entry for entry in whole["runs"].values())
