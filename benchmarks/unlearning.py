@@ -268,15 +268,21 @@ def main() -> None:
             journal.protocol(method, seed, args.target, sigma, run=not args.table_only)
     for method in METHODS:  # every method's row, whichever ran now
         runs = [journal.protocol(method, seed, args.target, sigma, run=False) for seed in seeds]
-        runs = [r for r in runs if r is not None]
+        finished = [r for r in runs if r is not None]
         name = method.upper().replace("_", "-")
-        if not runs:
-            lines.append(f"| {name} | {unfinished_cell(method, seeds, args.target, sigma)} | | | |")
-            continue
-        if len(runs) < len(seeds):
-            name += f" ({len(runs)} of {len(seeds)} seeds)"
-        row, figure[name] = method_row(name, [r[:2] for r in runs], MAX_ROUNDS)
-        lines.append(row)
+        paths = [progress_path(run_key(method, seed, args.target, sigma, None)) for seed in seeds]
+        saved = [
+            (seed, path) for seed, run, path in zip(seeds, runs, paths)
+            if run is None and path.exists()
+        ]  # fmt: skip
+        if not finished and not saved:
+            lines.append(f"| {name} | not run yet | | | |")
+        if finished:
+            if len(finished) < len(seeds):
+                name += f" ({len(finished)} of {len(seeds)} seeds)"
+            row, figure[name] = method_row(name, [r[:2] for r in finished], MAX_ROUNDS)
+            lines.append(row)
+        lines += [saved_row(method, seed, path, MAX_ROUNDS) for seed, path in saved]
     if figure:
         plot = RESULTS / f"unlearning{suffix}.png"
         _plot(figure, plot, MAX_ROUNDS)
@@ -333,6 +339,23 @@ def unfinished_cell(
     if not saved:
         return "not run yet"
     return f"unfinished: seed{'s' * (len(saved) > 1)} {', '.join(map(str, saved))} saved mid-run"
+
+
+def saved_row(method: str, seed: int, path: Path, cap: int) -> str:
+    """The table row of a run saved mid-run at ``path`` (its progress checkpoint, read with
+    ``weights_only``): the phases it has finished, from the Unlearning callback's record,
+    and the round the current phase has reached (— for the phases after it); a phase at
+    ``cap`` is marked ≥."""
+    save = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    state = save["callbacks"]["Unlearning"]
+    rounds, forgotten = state["phase_rounds"], state["phase_forgotten_acc"]
+    cells = [("≥" if r >= cap else "") + str(r) for r in rounds]
+    cells.append(f"at round {save['epoch'] + 1 - state['phase_start']}")
+    cells += ["—"] * (4 - len(cells))
+    accuracies = [f"{a:.3f}" for a in forgotten[1:]] + ["—"] * (4 - len(forgotten))
+    name = f"{method.upper().replace('_', '-')}, seed {seed} (unfinished, saved mid-run)"
+    return (f"| {name} | {cells[0]} | " + " / ".join(cells[1:4]) + " | | "
+            + " / ".join(accuracies[:3]) + " |")  # fmt: skip
 
 
 def method_row(

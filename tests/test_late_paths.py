@@ -315,3 +315,22 @@ def test_an_unfinished_unlearning_run_is_named_by_its_saved_seeds(tmp_path, monk
     assert cell("sifu", [0], 0.9, 0.2) == "not run yet"  # the main protocol, not the sweep
     assert cell("dp", [0, 1, 2, 3], 0.9, 0.1) == "not run yet"  # saved at another target
     assert cell("scratch", [0, 1, 2, 3], 0.9, 0.1) == "not run yet"
+
+
+def test_a_run_saved_mid_run_shows_its_finished_phases(tmp_path):
+    """benchmarks/unlearning.saved_row: a run saved mid-run (LAST's 10⁴-round phases) shows
+    the phases its Unlearning record has finished, ≥ at the cap, the forgotten clients'
+    accuracy after each request finished, and the round its current phase has reached
+    (the save's rounds since the phase started), read from the save with weights_only."""
+    unlearning = benchmark_module("unlearning")
+    record = {"phase_rounds": [870, 10_000, 9_998], "phase_start": 20_868,
+              "phase_forgotten_acc": [float("nan"), 0.0, 0.0625]}  # fmt: skip
+    torch.save({"epoch": 20_999, "callbacks": {"Unlearning": record}}, tmp_path / "a.ckpt")
+    row = unlearning.saved_row("last", 0, tmp_path / "a.ckpt", 10_000)
+    assert row == ("| LAST, seed 0 (unfinished, saved mid-run) | 870 | ≥10000 / 9998 / at round "
+                   "132 | | 0.000 / 0.062 / — |")  # fmt: skip
+    first = {"phase_rounds": [], "phase_start": 0, "phase_forgotten_acc": []}
+    torch.save({"epoch": 399, "callbacks": {"Unlearning": first}}, tmp_path / "b.ckpt")
+    row = unlearning.saved_row("fine_tuning", 3, tmp_path / "b.ckpt", 10_000)
+    name = "FINE-TUNING, seed 3 (unfinished, saved mid-run)"
+    assert row == f"| {name} | at round 400 | — / — / — | | — / — / — |"
