@@ -270,11 +270,8 @@ def main() -> None:
         runs = [journal.protocol(method, seed, args.target, sigma, run=False) for seed in seeds]
         finished = [r for r in runs if r is not None]
         name = method.upper().replace("_", "-")
-        paths = [progress_path(run_key(method, seed, args.target, sigma, None)) for seed in seeds]
-        saved = [
-            (seed, path) for seed, run, path in zip(seeds, runs, paths)
-            if run is None and path.exists()
-        ]  # fmt: skip
+        unfinished = [seed for seed, run in zip(seeds, runs) if run is None]
+        saved = saved_mid_run(method, unfinished, args.target, sigma)
         if not finished and not saved:
             lines.append(f"| {name} | not run yet | | | |")
         if finished:
@@ -327,15 +324,23 @@ def main() -> None:
     _write(RESULTS / f"unlearning{suffix}.md", lines)
 
 
+def saved_mid_run(
+    method: str, seeds: list[int], target: float, sigma: float, requests=None
+) -> list[tuple[int, Path]]:
+    """The seeds whose run is saved mid-run under SHARED (the next invocation resumes
+    them), each with its save."""
+    paths = [
+        (seed, progress_path(run_key(method, seed, target, sigma, requests))) for seed in seeds
+    ]
+    return [(seed, path) for seed, path in paths if path.exists()]
+
+
 def unfinished_cell(
     method: str, seeds: list[int], target: float, sigma: float, requests=None
 ) -> str:
-    """The cell of a run no seed has finished: the seeds saved mid-run under SHARED (the
-    next invocation resumes them), else "not run yet"."""
-    saved = [
-        seed for seed in seeds
-        if progress_path(run_key(method, seed, target, sigma, requests)).exists()
-    ]  # fmt: skip
+    """The cell of a run no seed has finished: the seeds saved mid-run, else "not run
+    yet"."""
+    saved = [seed for seed, _ in saved_mid_run(method, seeds, target, sigma, requests)]
     if not saved:
         return "not run yet"
     return f"unfinished: seed{'s' * (len(saved) > 1)} {', '.join(map(str, saved))} saved mid-run"
