@@ -423,7 +423,9 @@ def _plot_sweep(
     finished: list[tuple[float, int, float]], scratch: int | None, path: Path, cap: int
 ) -> None:
     """Fig. D.2's two readings against σ (log scale): SIFU's retraining rounds after the
-    request, beside SCRATCH's on the same seed, and the accuracy on the forgotten clients."""
+    request, beside SCRATCH's on the same seed, and the accuracy on the forgotten clients.
+    A σ whose retraining ran to the cap (LAST's behaviour, at large σ) is drawn as an open
+    marker in both panels and puts the rounds on a log scale, as in :func:`_plot`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -435,7 +437,15 @@ def _plot_sweep(
     if scratch is not None:
         rounds_ax.axhline(scratch, color="gray", linestyle="--", label="SCRATCH (same seed)")
     forgotten_ax.plot(sigmas, forgotten, "o-", label="SIFU")
-    for ax, label in ((rounds_ax, f"retraining rounds (cap {cap})"),
+    at_cap = [k for k, r in enumerate(rounds) if r >= cap]
+    rounds_label = f"retraining rounds (cap {cap})"
+    if at_cap:
+        for ax, values in ((rounds_ax, rounds), (forgotten_ax, forgotten)):
+            ax.plot([sigmas[k] for k in at_cap], [values[k] for k in at_cap], "o",
+                    markerfacecolor="white", color="C0", label="at the cap")  # fmt: skip
+        rounds_ax.set_yscale("log")
+        rounds_label = f"retraining rounds (cap {cap}; open: at the cap)"
+    for ax, label in ((rounds_ax, rounds_label),
                       (forgotten_ax, "accuracy on the forgotten clients")):  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("σ")

@@ -275,6 +275,31 @@ def test_the_unlearning_figure_hatches_capped_phases_on_a_log_scale(tmp_path, mo
     assert (tmp_path / "capped.png").stat().st_size > 0
 
 
+def test_the_sigma_sweep_figure_opens_the_markers_of_capped_sigmas(tmp_path, monkeypatch):
+    """benchmarks/unlearning.py's Fig. D.2: a σ whose retraining ran to the cap (SIFU as
+    LAST, at large σ) gets an open marker at its own σ in both panels, and only it; the
+    rounds then go on a log scale, and stay linear without a capped σ."""
+    import matplotlib.pyplot as plt
+
+    unlearning = benchmark_module("unlearning")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    finished = [(0.01, 574, 0.0), (0.1, 184, 0.0), (0.5, 10_000, 0.25), (1.0, 10_001, 0.5)]
+    unlearning._plot_sweep(finished, 574, tmp_path / "capped.png", 10_000)
+    unlearning._plot_sweep(finished[:2], 574, tmp_path / "uncapped.png", 10_000)
+    (capped, uncapped) = figures
+    rounds_ax, forgotten_ax = capped.axes
+    assert rounds_ax.get_yscale() == "log" and forgotten_ax.get_yscale() == "linear"
+    for ax, values in ((rounds_ax, [10_000, 10_001]), (forgotten_ax, [0.25, 0.5])):
+        opened = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+        assert [list(line.get_xdata()) for line in opened] == [[0.5, 1.0]]
+        assert [list(line.get_ydata()) for line in opened] == [values]
+    assert "open: at the cap" in rounds_ax.get_ylabel()
+    assert uncapped.axes[0].get_yscale() == "linear"
+    assert not [line for line in uncapped.axes[0].get_lines()
+                if line.get_markerfacecolor() == "white"]  # fmt: skip
+
+
 def test_the_phase_checkpoint_saves_the_whole_fit_at_the_end_of_the_first_phase(tmp_path):
     """benchmarks/recipe_runs.PhaseCheckpoint, which makes the training the unlearning
     methods share: it stops the fit when the first phase reaches its target (here 0.3,
