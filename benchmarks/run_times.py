@@ -157,7 +157,9 @@ def main() -> None:
     if not args.write:
         names = args.only or ["quickstart.yaml", *PER_ROUND, *whole_runs()]
         today = time.strftime("%Y-%m-%d")
-        data.update(machine=machine(), **({} if args.only else {"date": today}))
+        data["machine"] = machine()
+        if not args.only:  # a full run dates the table; --only keeps the others' date
+            data["date"] = today
         for name in dict.fromkeys(names):
             data["runs"][name] = measure(name)
             if data.get("date") != today:  # --only: the table's date stays the others'

@@ -269,7 +269,7 @@ def main() -> None:
     for method in METHODS:  # every method's row, whichever ran now
         runs = [journal.protocol(method, seed, args.target, sigma, run=False) for seed in seeds]
         finished = [r for r in runs if r is not None]
-        name = method.upper().replace("_", "-")
+        name = method_name(method)
         unfinished = [seed for seed, run in zip(seeds, runs) if run is None]
         saved = saved_mid_run(method, unfinished, args.target, sigma)
         if not finished and not saved:
@@ -324,6 +324,11 @@ def main() -> None:
     _write(RESULTS / f"unlearning{suffix}.md", lines)
 
 
+def method_name(method: str) -> str:
+    """A method as the thesis names it in tables (fine_tuning: FINE-TUNING)."""
+    return method.upper().replace("_", "-")
+
+
 def saved_mid_run(
     method: str, seeds: list[int], target: float, sigma: float, requests=None
 ) -> list[tuple[int, Path]]:
@@ -358,7 +363,7 @@ def saved_row(method: str, seed: int, path: Path, cap: int) -> str:
     cells.append(f"at round {save['epoch'] + 1 - state['phase_start']}")
     cells += ["—"] * (4 - len(cells))
     accuracies = [f"{a:.3f}" for a in forgotten[1:]] + ["—"] * (4 - len(forgotten))
-    name = f"{method.upper().replace('_', '-')}, seed {seed} (unfinished, saved mid-run)"
+    name = f"{method_name(method)}, seed {seed} (unfinished, saved mid-run)"
     return (f"| {name} | {cells[0]} | " + " / ".join(cells[1:4]) + " | | "
             + " / ".join(accuracies[:3]) + " |")  # fmt: skip
 
