@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import yaml
 from recipe_runs import callback_of, run_recipe
+from run_times import machine
 
 from lightning_fl.systems.forgetting import SHARED_TRAINING
 
@@ -60,6 +61,10 @@ CAPS = {"digits": 400, "fashion_mnist": 10_000}
 MAX_ROUNDS = CAPS["digits"]
 RECIPE, ACCELERATOR = RECIPES["digits"], "cpu"
 SHARED = ROOT / "outputs" / "unlearning"
+#: the methods whose model before the first request is plain FedAvg's: SHARED_TRAINING's,
+#: and FEDACCUM's, which trains its own first phase (its shadows are recorded from round
+#: one) along the same trajectory; their rounds to the target agree on one machine
+PLAIN_FIRST_PHASE = SHARED_TRAINING | {"fedaccum"}
 #: rounds between the saves of a run in progress (under SHARED), from which a stopped run
 #: resumes: a Fashion-MNIST phase may take 10^4 rounds, hours on a CPU
 PROGRESS_EVERY = 200
@@ -199,7 +204,8 @@ class Journal:
             return None
         if key not in self.done:
             rounds, forgotten, restarts = protocol(method, seed, target, sigma, requests)
-            entry = {"key": key, "rounds": rounds, "forgotten": forgotten, "restarts": restarts}
+            entry = {"key": key, "rounds": rounds, "forgotten": forgotten, "restarts": restarts,
+                     "machine": machine_name()}  # fmt: skip
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(entry) + "\n")
             self.done[key] = entry
@@ -263,6 +269,7 @@ def main() -> None:
              "| method | initial rounds | rounds after W1 / W2 / W3 | total retraining | "
              "forgotten acc after W1 / W2 / W3 |", "|---|---|---|---|---|"]  # fmt: skip
     figure: dict[str, tuple[list[float], list[float], list[bool]]] = {}
+    first_rounds: dict[int, dict[str, int]] = {seed: {} for seed in seeds}
     for seed in args.seeds:  # seed by seed, so that a stopped sweep has whole seeds
         for method in args.methods:
             journal.protocol(method, seed, args.target, sigma, run=not args.table_only)
@@ -280,6 +287,19 @@ def main() -> None:
             row, figure[name] = method_row(name, [r[:2] for r in finished], MAX_ROUNDS)
             lines.append(row)
         lines += [saved_row(method, seed, path, MAX_ROUNDS) for seed, path in saved]
+        for seed, run in zip(seeds, runs):
+            if run is not None:
+                first_rounds[seed][method] = run[0][0]
+        for seed, path in saved:
+            if (rounds := saved_first_phase(path)) is not None:
+                first_rounds[seed][method] = rounds
+    if mismatches := first_phase_mismatches(first_rounds):
+        lines += ["", "Rounds before the first request where the methods of one seed differ: "
+                  + "; ".join(mismatches) + ". The same computation, run on different "
+                  "machines (journal lines name theirs under `machine`, since 2026-12-01): "
+                  "float round-off moves the round the target is first met, so these "
+                  "methods' requests start from different models. On one machine reruns "
+                  "agree to the round."]  # fmt: skip
     if figure:
         plot = RESULTS / f"unlearning{suffix}.png"
         _plot(figure, plot, MAX_ROUNDS)
@@ -349,6 +369,40 @@ def unfinished_cell(
     if not saved:
         return "not run yet"
     return f"unfinished: seed{'s' * (len(saved) > 1)} {', '.join(map(str, saved))} saved mid-run"
+
+
+def machine_name() -> str:
+    """The machine a run's numbers come from, journaled with them: float round-off differs
+    between CPUs (and GPUs), and moves the round a phase first meets the target."""
+    if ACCELERATOR != "cpu" and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return machine()
+
+
+def first_phase_mismatches(first_rounds: dict[int, dict[str, int]]) -> list[str]:
+    """The seeds whose methods of PLAIN_FIRST_PHASE took different rounds to the target
+    before the first request (``first_rounds``: seed -> method -> rounds), each as
+    ``seed 0: 859 (FINE-TUNING, FEDACCUM), 870 (SCRATCH)``: the same computation, so a
+    difference means the runs came from different machines, and their requests started
+    from different models."""
+    lines = []
+    for seed, by_method in sorted(first_rounds.items()):
+        groups: dict[int, list[str]] = {}
+        for method, rounds in by_method.items():
+            if method in PLAIN_FIRST_PHASE:
+                groups.setdefault(rounds, []).append(method_name(method))
+        if len(groups) > 1:
+            parts = [f"{r} ({', '.join(names)})" for r, names in sorted(groups.items())]
+            lines.append(f"seed {seed}: " + ", ".join(parts))
+    return lines
+
+
+def saved_first_phase(path: Path) -> int | None:
+    """The rounds before the first request of the run saved at ``path`` (None while it is
+    still in that phase)."""
+    save = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    rounds = save["callbacks"]["Unlearning"]["phase_rounds"]
+    return rounds[0] if rounds else None
 
 
 def saved_row(method: str, seed: int, path: Path, cap: int) -> str:

@@ -359,3 +359,51 @@ def test_a_run_saved_mid_run_shows_its_finished_phases(tmp_path):
     row = unlearning.saved_row("fine_tuning", 3, tmp_path / "b.ckpt", 10_000)
     name = "FINE-TUNING, seed 3 (unfinished, saved mid-run)"
     assert row == f"| {name} | at round 400 | — / — / — | | — / — / — |"
+
+
+def test_the_unlearning_table_flags_a_seed_whose_methods_left_the_first_phase_apart(tmp_path):
+    """benchmarks/unlearning.first_phase_mismatches: for each seed, the methods whose first
+    phase is plain FedAvg (all but DP) grouped by their rounds to the target, listed only
+    where the groups differ (runs from different machines), rounds ascending; DP's own
+    noisy first phase never counts. saved_first_phase reads a save's first phase (None
+    while the save is still in it)."""
+    unlearning = benchmark_module("unlearning")
+    first_rounds = {
+        3: {"scratch": 804, "sifu": 804, "fedaccum": 804, "dp": 1558},  # agree: no line
+        0: {"scratch": 870, "sifu": 859, "fine_tuning": 859, "fedaccum": 859, "last": 870},
+        1: {"fine_tuning": 824, "last": 860, "scratch": 824, "sifu": 823, "dp": 1448},
+        2: {"dp": 1663, "sifu": 932},  # DP differs from SIFU by design: no line
+    }
+    assert unlearning.first_phase_mismatches(first_rounds) == [
+        "seed 0: 859 (SIFU, FINE-TUNING, FEDACCUM), 870 (SCRATCH, LAST)",
+        "seed 1: 823 (SIFU), 824 (FINE-TUNING, SCRATCH), 860 (LAST)",
+    ]
+    assert unlearning.first_phase_mismatches({0: {"sifu": 859}, 1: {}}) == []
+    record = {"phase_rounds": [860, 10_000], "phase_start": 10_860, "phase_forgotten_acc": []}
+    torch.save({"epoch": 11_000, "callbacks": {"Unlearning": record}}, tmp_path / "a.ckpt")
+    assert unlearning.saved_first_phase(tmp_path / "a.ckpt") == 860
+    record["phase_rounds"] = []
+    torch.save({"epoch": 400, "callbacks": {"Unlearning": record}}, tmp_path / "b.ckpt")
+    assert unlearning.saved_first_phase(tmp_path / "b.ckpt") is None
+
+
+def test_a_journaled_unlearning_run_names_its_machine(tmp_path, monkeypatch):
+    """benchmarks/unlearning.Journal: a finished run's line carries the machine it ran on
+    (benchmarks/run_times.machine on a CPU), beside its rounds, and a journal read back
+    returns the run without running it again."""
+    unlearning = benchmark_module("unlearning")
+    unlearning.use_dataset("fashion_mnist")
+    result = ([812, 51, 50, 50], [0.04, 0.48, 0.37], [[0, 812], [1, 51], [2, 50]])
+    calls = []
+    monkeypatch.setattr(unlearning, "protocol", lambda *a: calls.append(a) or result)
+    path = tmp_path / "journal.jsonl"
+    assert unlearning.Journal(path).protocol("fedaccum", 2, 0.9, 0.1) == result
+    (entry,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert entry["machine"] == benchmark_module("run_times").machine()
+    assert entry["rounds"] == result[0] and json.loads(entry["key"])[:4] == [
+        "fedaccum",
+        2,
+        0.9,
+        0.1,
+    ]
+    assert unlearning.Journal(path).protocol("fedaccum", 2, 0.9, 0.1) == result and len(calls) == 1
