@@ -397,10 +397,22 @@ def first_phase_mismatches(first_rounds: dict[int, dict[str, int]]) -> list[str]
     return lines
 
 
+def read_save(path: Path) -> dict:
+    """The save of a run in progress at ``path``, read with ``weights_only``: once per
+    version of the file (its modification time), as the table reads each save twice (its
+    row and its first phase) and a save takes seconds to read."""
+    return _read_save(path, path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_save(path: Path, version: int) -> dict:
+    return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+
+
 def saved_first_phase(path: Path) -> int | None:
     """The rounds before the first request of the run saved at ``path`` (None while it is
     still in that phase)."""
-    save = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    save = read_save(path)
     rounds = save["callbacks"]["Unlearning"]["phase_rounds"]
     return rounds[0] if rounds else None
 
@@ -410,7 +422,7 @@ def saved_row(method: str, seed: int, path: Path, cap: int) -> str:
     ``weights_only``): the phases it has finished, from the Unlearning callback's record,
     and the round the current phase has reached (— for the phases after it); a phase at
     ``cap`` is marked ≥."""
-    save = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    save = read_save(path)
     state = save["callbacks"]["Unlearning"]
     rounds, forgotten = state["phase_rounds"], state["phase_forgotten_acc"]
     cells = [("≥" if r >= cap else "") + str(r) for r in rounds]
