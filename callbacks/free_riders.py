@@ -90,7 +90,7 @@ class FreeRiders(FederatedCallback):
                 f"{type(strategy.sampler).__name__}."
             )
         counts = strategy.training_counts
-        fair = [n for n in counts if n > 0]
+        fair = [int(n) for n in counts if n > 0]
         self._fair_total = sum(fair)
         self._declared = (
             round(self._fair_total / len(fair)) if self.declared is None else self.declared

@@ -198,7 +198,7 @@ class GossipAveraging(Aggregator):
         if self.step_scale != "samples":
             return 1.0
         counts = state.sample_counts
-        return len(self.nodes) * counts[client] / sum(counts)
+        return len(self.nodes) * int(counts[client]) / int(counts.sum())
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         if self.step_scale == "samples":
@@ -245,7 +245,7 @@ class GossipAveraging(Aggregator):
         for row, client in enumerate(self.nodes):  # row t: Σ_s W_st θ_s
             if trainer.strategy.owner(client) == trainer.global_rank:
                 state.store.set(client, STORE_KEY, mixed[row].clone())
-        counts = [state.sample_counts[c] for c in self.nodes]
+        counts = state.sample_counts[self.nodes]
         counts = torch.tensor(counts, dtype=torch.float64, device=half.device)
         average = (counts / counts.sum()) @ mixed.to(half)
         torch._foreach_copy_(

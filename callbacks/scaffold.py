@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch.optim import Optimizer
 
@@ -133,7 +134,7 @@ class SCAFFOLD(FederatedCallback):
         if self.control_weighting == "target":
             scale = 1.0  # the p_i were applied per client
         else:
-            scale = 1.0 / sum(1 for n in state.sample_counts if n > 0)
+            scale = 1.0 / int(np.count_nonzero(state.sample_counts))
         torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=scale)
         self._correction = self._stacked_correction = None
 

@@ -15,9 +15,19 @@ the clients' sample counts and the loaders the strategy expands into rounds
   rules over any datamodule, and P1's logistic streams;
 - :mod:`.privacy` and :mod:`.reference`: clients with reference data (WERM, membership
   inference: Purchase100, Texas100, their CPU variants);
+- :mod:`.arrays`: federations as arrays with per-client offsets, in memory or
+  memory-mapped on disk (10⁵–10⁶ clients); :mod:`.population`: generated LEAF-shaped
+  populations and LEAF's JSON converted into that format;
 - :mod:`.download`: checked downloads (SHA-256 or MD5).
 """
 
+from lightning_fl.datamodules.arrays import (
+    ArrayFederatedDataModule,
+    ClientArrays,
+    FederationFormatError,
+    open_federation,
+    save_federation,
+)
 from lightning_fl.datamodules.base import (
     FederatedDataModule,
     FederatedLoader,
@@ -47,6 +57,12 @@ from lightning_fl.datamodules.partition import (
     shard_partition,
     split_fractions,
 )
+from lightning_fl.datamodules.population import (
+    convert_leaf,
+    generate_population,
+    population_counts,
+    write_leaf_population,
+)
 from lightning_fl.datamodules.privacy import (
     DigitsReferenceDataModule,
     Purchase100DataModule,
@@ -62,6 +78,15 @@ from lightning_fl.datamodules.streaming import LogisticStreamsDataModule, Stream
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
 
 __all__ = [
+    "ArrayFederatedDataModule",
+    "ClientArrays",
+    "FederationFormatError",
+    "open_federation",
+    "save_federation",
+    "convert_leaf",
+    "generate_population",
+    "population_counts",
+    "write_leaf_population",
     "LogisticStreamsDataModule",
     "StreamingDataModule",
     "EmnistDataModule",

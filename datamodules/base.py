@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
@@ -187,6 +188,13 @@ class FederatedDataModule(pl.LightningDataModule):
 
     def server_dataset(self) -> Dataset | None:
         """The server's own training data (SAFARI's auxiliary set), if it has any."""
+        return None
+
+    def split_arrays(self, split: Split) -> tuple[list[torch.Tensor], np.ndarray] | None:
+        """Every client's data of ``split`` as columns (tensors) with the clients' rows one
+        after another and N + 1 offsets, when the datamodule holds it so: packing the
+        training data and evaluating clients vectorized then need no per-client Python.
+        None otherwise (the per-client datasets are the only access)."""
         return None
 
     def set_round(self, round_idx: int) -> None:

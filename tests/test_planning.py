@@ -80,7 +80,7 @@ def test_a_round_of_one_rank_by_hand():
     assert plan.schedule == plan.steps == ClientSchedule(clients, batches)
     assert plan.chunks is None and plan.moved is None
     assert state.local_steps == dict(zip(clients, batches))
-    assert state.round_idx == 2 and state.sample_counts == SIZES and state.num_clients == 10
+    assert state.round_idx == 2 and list(state.sample_counts) == SIZES and state.num_clients == 10
     dm = fit.datamodule
     for client, loader in zip(clients, plan.loaders):
         own = dm.client_dataloader(

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_fl.engine.cohort import cohort_standard_errors
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.evaluation import (
     ClientMetricCapture,
@@ -27,6 +28,7 @@ from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback
 from lightning_fl.engine.round_engine import RoundEngine
 from lightning_fl.engine.schedule import ClientSchedule
+from lightning_fl.engine.segment_evaluation import SegmentEvaluation
 
 #: {metric: {client: (mean, num_samples)}}
 PerClient = dict[str, dict[int, tuple[float, float]]]
@@ -45,11 +47,24 @@ class ClientEvaluation:
         self.open_client: int | None = None
         self.global_tensors: list | None = None
         self.sizes: dict[int, int] = {}
+        self.segments: SegmentEvaluation | None = None
+        self.population: int | None = None
+        self.unseen: frozenset[int] = frozenset()
         #: the last epoch's gathered per-client values: (stage, per_client, unseen)
         self.last_report: tuple[str, PerClient, set[int]] | None = None
 
-    def begin(self, schedule: ClientSchedule, sizes: dict[int, int] | None = None) -> None:
-        """Start an epoch over ``schedule`` (``sizes``: each client's sample count)."""
+    def begin(
+        self,
+        schedule: ClientSchedule,
+        sizes: dict[int, int] | None = None,
+        segments: SegmentEvaluation | None = None,
+        population: int | None = None,
+    ) -> None:
+        """Start an epoch over ``schedule`` (``sizes``: each client's sample count); with
+        ``segments``, the epoch's steps are groups of clients evaluated together; with
+        ``population``, the clients are a cohort drawn from that many."""
+        self.segments, self.population = segments, population
+        self.unseen = frozenset(self.fit.datamodule.unseen_clients)
         personalizes = any(
             type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
             and not cb.evaluation_observer
@@ -62,6 +77,10 @@ class ClientEvaluation:
     def step(self, step: Any, args: tuple, kwargs: dict) -> Any:
         """Run the module's evaluation ``step``, switching clients at their first batch;
         a rank without clients to evaluate has one idle batch, which runs nothing."""
+        if self.segments is not None:
+            batch = kwargs["batch"] if "batch" in kwargs else args[0]
+            self.segments.run(batch)
+            return None
         if self.schedule.total == 0:
             return None
         batch_idx = kwargs["batch_idx"] if "batch_idx" in kwargs else args[1]
@@ -84,7 +103,7 @@ class ClientEvaluation:
         if client is None:
             return
         module = self.fit.module
-        unseen = client in set(self.fit.datamodule.unseen_clients)
+        unseen = client in self.unseen
         sums = module.pop_evaluation_sums() if hasattr(module, "pop_evaluation_sums") else None
         self.capture.close_client(
             module.trainer._results, client, exclude=unseen, module_sums=sums,
@@ -101,9 +120,13 @@ class ClientEvaluation:
         self.end_client()
         if trainer.sanity_checking:
             return
+        if self.segments is not None:
+            for name, values in self.segments.per_client(stage, self.schedule.clients).items():
+                self.capture.per_client[name].update(values)
+                self.capture.summed_names.add(name)
         per_client, summed = self._gather(trainer)
-        unseen = set(trainer.datamodule.unseen_clients)
-        _log_summaries(pl_module, per_client, summed, unseen)
+        unseen = set(self.unseen)
+        _log_summaries(pl_module, per_client, summed, unseen, self._populations(unseen))
         self.last_report = (stage, per_client, unseen)
         if per_client and trainer.is_global_zero:
             # no trainer.log_dir here: it is a collective, and only rank 0 writes
@@ -112,6 +135,15 @@ class ClientEvaluation:
         for logger in trainer.loggers if trainer.is_global_zero else []:
             if isinstance(logger, WandbLogger):
                 _log_histograms(logger, trainer, per_client)
+
+    def _populations(self, unseen: set[int]) -> dict[str, int] | None:
+        """The clients a cohort stands for, seen and unseen: those with data in the split
+        (``population``), shared in the unseen clients' proportion."""
+        if self.population is None:
+            return None
+        total = self.fit.datamodule.num_clients
+        unseen_share = round(self.population * len(unseen) / total) if total else 0
+        return {"seen": self.population - unseen_share, "unseen": max(unseen_share, 1)}
 
     def _gather(self, trainer: pl.Trainer) -> tuple[PerClient, set[str]]:
         """Every rank's per-client values and the names of the summed metrics."""
@@ -130,8 +162,15 @@ class ClientEvaluation:
 
 
 def _log_summaries(
-    pl_module: pl.LightningModule, per_client: PerClient, summed: set[str], unseen: set[int]
+    pl_module: pl.LightningModule,
+    per_client: PerClient,
+    summed: set[str],
+    unseen: set[int],
+    populations: dict[str, int] | None = None,
 ) -> None:
+    """Every metric's summary over the seen and the unseen clients; with ``populations``
+    (a cohort's: the number of clients it stands for, ``"seen"`` and ``"unseen"``), also
+    the cohort estimates' standard errors."""
     for name, values in per_client.items():
         groups = {
             name: {c: v for c, v in values.items() if c not in unseen},
@@ -141,6 +180,11 @@ def _log_summaries(
             if not group:
                 continue
             summary = summarize(group, name)
+            if populations is not None:
+                population = populations["seen" if prefix == name else "unseen"]
+                summary |= cohort_standard_errors(
+                    [v for v, _ in group.values()], [n for _, n in group.values()], population
+                )
             for key, value in summary.items():
                 # the same on every rank: syncing only averages equal values
                 pl_module.log(f"{prefix}/{key}", value, sync_dist=True)

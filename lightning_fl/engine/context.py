@@ -19,11 +19,13 @@ One owner per value:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,10 @@ class FederatedConfig:
     max_vectorized_clients: int | None
     local_steps_per_training_step: int | None
     allow_new_federation: bool
+    #: validation during a fit evaluates a seeded cohort of this many clients (None: all)
+    eval_clients: int | None = None
+    #: evaluate clients vectorized over arrays: True, False or "auto"
+    vectorize_evaluation: bool | str = "auto"
     #: silo mode: client c lives on rank c % world_size for the whole run, and each rank
     #: opens only its own clients' data
     silos: bool = False
@@ -97,11 +103,16 @@ class Federation:
         #: in silo mode, every client's training batches per pass over its data
         self.batches_per_pass: tuple[int, ...] | None = None
         self._validation_counts: list[int] | None = None
+        self._split_counts: dict[str, np.ndarray] = {}
+        self._with_data: dict[str, np.ndarray] = {}
         if datamodule.silo is None:
             counts = client_training_counts(datamodule, require_data)
         else:
             counts = self._gather_silos(ranks or Ranks(1, 0), require_data)
-        self.training_counts: tuple[int, ...] = tuple(counts)
+        #: every client's training sample count (unseen clients: 0), an int64 array read
+        #: once; read-only, host-side bookkeeping
+        self.training_counts: np.ndarray = np.asarray(counts, dtype=np.int64)
+        self.training_counts.flags.writeable = False
 
     @property
     def num_clients(self) -> int:
@@ -109,9 +120,27 @@ class Federation:
 
     def has_validation_data(self) -> bool:
         """Whether any client has a validation split."""
-        if self._validation_counts is None:
-            self._validation_counts = self.datamodule.sample_counts("val")
-        return any(self._validation_counts)
+        return bool(self.split_counts("val").any())
+
+    def split_counts(self, split: str) -> np.ndarray:
+        """Every client's sample count in ``split`` (an int64 array, read once): the
+        training counts for ``"train"`` (unseen clients at 0), the datamodule's for the
+        held-out splits."""
+        if split == "train":
+            return self.training_counts
+        if split == "val" and self._validation_counts is not None:
+            return np.asarray(self._validation_counts, dtype=np.int64)
+        if split not in self._split_counts:
+            self._split_counts[split] = np.asarray(
+                self.datamodule.sample_counts(split), dtype=np.int64
+            )
+        return self._split_counts[split]
+
+    def clients_with_data(self, split: str) -> np.ndarray:
+        """The ids of the clients with samples in ``split``, ascending (read once)."""
+        if split not in self._with_data:
+            self._with_data[split] = np.flatnonzero(self.split_counts(split))
+        return self._with_data[split]
 
     def _gather_silos(self, ranks: Ranks, require_data: bool) -> list[int]:
         """Every silo's counts (one collective), as the lists of all clients."""
@@ -127,7 +156,8 @@ class Federation:
         every = {k: {c: n for part in parts for c, n in part[k].items()} for k in local}
         n = dm.num_clients
         counts = _seen_training_counts(
-            [every["train"].get(c, 0) for c in range(n)], dm, require_data,
+            np.array([every["train"].get(c, 0) for c in range(n)], dtype=np.int64), dm,
+            require_data,
             "Every silo's clients have an empty training set: there is nothing to train on. "
             "Check each silo's data folder.",
         )  # fmt: skip
@@ -138,33 +168,47 @@ class Federation:
     def identity(self) -> dict[str, Any]:
         """What identifies the federation a checkpoint belongs to: the datamodule's class,
         its number of clients, every client's training sample count, and its partition
-        seed (the datamodule's ``seed`` hyper-parameter, where it has one)."""
+        seed (the datamodule's ``seed`` hyper-parameter, where it has one). Above
+        :data:`LISTED_COUNTS` clients the counts are kept as their SHA-256 digest, so that
+        a checkpoint grows with the participants, not with the population."""
         hparams = getattr(self.datamodule, "hparams", {}) or {}
+        counts = self.training_counts
+        listed = len(counts) <= LISTED_COUNTS
         return {
             "datamodule": type(self.datamodule).__name__,
             "num_clients": self.num_clients,
-            "train_counts": list(self.training_counts),
+            "train_counts": counts.tolist() if listed else counts_digest(counts),
             "partition_seed": hparams.get("seed"),
         }
 
 
-def client_training_counts(dm: FederatedDataModule, require_data: bool = True) -> list[int]:
+#: Up to this many clients a checkpoint lists every training count (and a resume on other
+#: counts names the clients that changed); above, it keeps their digest.
+LISTED_COUNTS = 100_000
+
+
+def counts_digest(counts: np.ndarray) -> str:
+    """``sha256:<hex>`` of the counts as little-endian int64."""
+    data = np.ascontiguousarray(counts, dtype="<i8").tobytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def client_training_counts(dm: FederatedDataModule, require_data: bool = True) -> np.ndarray:
     """Training samples per client; unseen (held-out) clients count 0."""
     return _seen_training_counts(
-        dm.sample_counts("train"), dm, require_data,
+        np.array(dm.sample_counts("train"), dtype=np.int64), dm, require_data,
         "Every client has an empty training set: there is nothing to train on. Check the "
         "datamodule's split fractions and data path.",
     )  # fmt: skip
 
 
 def _seen_training_counts(
-    counts: list[int], dm: FederatedDataModule, require_data: bool, empty: str
-) -> list[int]:
+    counts: np.ndarray, dm: FederatedDataModule, require_data: bool, empty: str
+) -> np.ndarray:
     """``counts`` with the unseen clients at 0; with ``require_data``, the error ``empty``
     when no client is left with training data."""
-    for c in dm.unseen_clients:
-        counts[c] = 0
-    if require_data and sum(counts) == 0:
+    counts[np.asarray(dm.unseen_clients, dtype=np.int64)] = 0
+    if require_data and not counts.any():
         raise ValueError(empty)
     return counts
 

@@ -202,6 +202,9 @@ def pack_federation(
     the reason it stays with the datamodule's loaders."""
     if type(datamodule).set_round is not FederatedDataModule.set_round:
         return None, "its clients' data changes every round (a stream)"
+    arrays = datamodule.split_arrays("train")
+    if arrays is not None:
+        return _pack_arrays(datamodule, *arrays, counts, device)
     datasets = {c: datamodule.client_dataset(c, "train") for c, n in enumerate(counts) if n > 0}
     others = sorted({type(d).__name__ for d in datasets.values() if type(d) is not TensorDataset})
     if others:
@@ -231,6 +234,34 @@ def pack_federation(
         for column, view in zip(parts, views)
     ]
     return PackedFederation(columns, offsets, sizes, batch_sizes), ""
+
+
+def _pack_arrays(
+    datamodule: FederatedDataModule,
+    columns: Sequence[Tensor],
+    offsets: np.ndarray,
+    counts: Sequence[int],
+    device: torch.device,
+) -> tuple[PackedFederation | None, str]:
+    """A federation that is already arrays with offsets (``split_arrays``): its columns
+    as they are (no copy on the CPU), moved once to an accelerator; no per-client Python."""
+    nbytes = sum(c.numel() * c.element_size() for c in columns)
+    free = _free_memory(device)
+    if columns[0].device != device and nbytes > MEMORY_SHARE * free:
+        return None, TooLarge(
+            f"it takes {nbytes / 2**20:.1f} MiB, more than {MEMORY_SHARE:.0%} of the "
+            f"{free / 2**20:.1f} MiB free on {device}"
+        )
+    sizes = np.asarray(counts, dtype=np.int64).copy()  # unseen clients count 0
+    if type(datamodule).training_batch_size is FederatedDataModule.training_batch_size:
+        batch_sizes = np.full(len(sizes), datamodule.batch_size, dtype=np.int64)
+    else:  # a per-dataset batch size (full-batch GD): asked of each client with data
+        batch_sizes = np.ones(len(sizes), dtype=np.int64)
+        for c in np.flatnonzero(sizes).tolist():
+            batch_sizes[c] = datamodule.training_batch_size(datamodule.client_dataset(c, "train"))
+    columns = [c.to(device) for c in columns]
+    starts = np.asarray(offsets[:-1], dtype=np.int64)
+    return PackedFederation(columns, starts, sizes, batch_sizes), ""
 
 
 def _as_view(parts: list[Tensor]) -> Tensor | None:

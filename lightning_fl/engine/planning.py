@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
@@ -74,6 +75,8 @@ class RoundPlanner:
         self._warned_empty = False
         self._warned_skipped = False
         self._balanced: bool | None = None
+        self._target_weights: torch.Tensor | None = None
+        self._unseen: np.ndarray | None = None
 
     @property
     def datamodule(self) -> FederatedDataModule:
@@ -83,9 +86,9 @@ class RoundPlanner:
         """The participants of ``round_idx`` and this rank's loaders and steps."""
         fit, config, dm = self.fit, self.fit.config, self.datamodule
         dm.set_round(round_idx)
-        counts = list(fit.federation.training_counts)
+        counts = np.asarray(fit.federation.training_counts)
         self._warn_clients_without_data(counts)
-        p = fit.plugins.aggregator.target_weights(counts)
+        p = self.target_weights()
         participation = self._participants(round_idx, p)
         clients = participation.clients
         # Only this rank's participants need loaders, unless local_epochs makes every
@@ -177,12 +180,24 @@ class RoundPlanner:
             self._balanced = not (fixed or streams)
         return self._balanced
 
-    def _warn_clients_without_data(self, counts: list[int]) -> None:
+    def target_weights(self) -> torch.Tensor:
+        """The aggregator's target weights p_i of the fit's training counts, computed at
+        the first round and kept: the counts are fixed for a fit (a stream's
+        ``set_round`` changes the data a client holds now, not its count)."""
+        if self._target_weights is None:
+            counts = self.fit.federation.training_counts
+            self._target_weights = self.fit.plugins.aggregator.target_weights(counts)
+        return self._target_weights
+
+    def _warn_clients_without_data(self, counts: np.ndarray) -> None:
         """Once per fit: the clients that have no training data at all."""
         if self._warned_empty:
             return
-        unseen = set(self.datamodule.unseen_clients)
-        empty = [c for c, n in enumerate(counts) if n == 0 and c not in unseen]
+        if self._unseen is None:  # fixed for a fit
+            self._unseen = np.asarray(self.datamodule.unseen_clients, dtype=np.int64)
+        empty_mask = np.asarray(counts) == 0
+        empty_mask[self._unseen] = False
+        empty = np.flatnonzero(empty_mask).tolist()
         if empty:
             self._warned_empty = True
             warnings.warn(
@@ -322,7 +337,7 @@ class RoundPlanner:
         self,
         round_idx: int,
         participation: Participation,
-        counts: list[int],
+        counts: np.ndarray,
         p: torch.Tensor,
         schedule: ClientSchedule,
     ) -> RoundState:

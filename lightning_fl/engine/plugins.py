@@ -17,11 +17,13 @@ import these names from ``lightning_fl.callbacks`` (or ``lightning_fl``), as bef
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from lightning_fl.checks import require_rate
@@ -58,7 +60,8 @@ class RoundState:
     model: FederatedTensors
     store: ClientStore
     num_clients: int
-    sample_counts: list[int]
+    #: every client's training sample count (the federation's read-only int64 array)
+    sample_counts: np.ndarray
     target_weights: torch.Tensor
     #: Other per-round sums that must be added over all ranks with the updates (one
     #: all-reduce per round), registered by callbacks in ``on_round_start``.
@@ -298,9 +301,10 @@ class Aggregator(FederatedCallback):
             return Participation((POOLED_CLIENT,), (1.0,))
         return sampler.sample(round_idx, seed, p)
 
-    def target_weights(self, sample_counts: list[int]) -> torch.Tensor:
-        # host: p is bookkeeping of Python sample counts, read by the samplers on the host
-        counts = torch.tensor(sample_counts, dtype=torch.float64)
+    def target_weights(self, sample_counts: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """p_i of every client from the training counts n_i (one tensor operation)."""
+        # host: p is bookkeeping of the sample counts, read by the samplers on the host
+        counts = torch.from_numpy(np.array(sample_counts, dtype=np.float64))
         if self.weighting == "uniform":
             counts = (counts > 0).double()
         return counts / counts.sum()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_fl.datamodules.base import FederatedDataModule, Split
@@ -17,6 +18,12 @@ from lightning_fl.engine.context import FitContext, Ranks
 from lightning_fl.engine.packed import PackedFederation
 from lightning_fl.engine.planning import RoundPlan
 from lightning_fl.engine.schedule import ClientSchedule, PackedLocalSteps, cycle_batches
+from lightning_fl.engine.segment_evaluation import (
+    SegmentBatch,
+    SegmentEvaluation,
+    SegmentEvaluationFactory,
+    segment_batches,
+)
 
 
 class TrainRounds:
@@ -95,10 +102,17 @@ def _raise(err: Exception) -> Iterator[Any]:
 
 
 class EvalRounds:
-    """Held-out batches of every client this rank owns that has data for ``split``: the
-    seen clients first, then the unseen (held-out) ones, which the strategy reports apart
-    and which personalization callbacks adapt to before their batches. ``evaluation``
-    begins its epoch over them when Lightning asks for them.
+    """Held-out batches of every client this rank owns that has data for ``split`` (or of
+    ``cohort``'s, a seeded cohort of clients: :mod:`.cohort`): the seen clients first,
+    then the unseen (held-out) ones, which the strategy reports apart and which
+    personalization callbacks adapt to before their batches. ``evaluation`` begins its
+    epoch over them when Lightning asks for them.
+
+    With ``segments`` (a :class:`~.segment_evaluation.SegmentEvaluation` factory, given
+    when the module and callbacks allow it) and a datamodule that holds the split as
+    arrays, the batches are :class:`~.segment_evaluation.SegmentBatch` groups of many
+    clients each (one Lightning step per group), if the first one agrees with a plain
+    call; otherwise one client's batch per step.
 
     On several processes a rank whose clients have no such data gives one idle batch
     ``()``, which evaluates nobody: Lightning refuses a rank with no batches while others
@@ -114,30 +128,100 @@ class EvalRounds:
         split: Split,
         ranks: Ranks,
         evaluation: ClientEvaluation,
+        cohort: np.ndarray | None = None,
+        segments: SegmentEvaluationFactory | None = None,
+        population: int | None = None,
     ) -> None:
         self.evaluation = evaluation
-        clients, loaders = [], []
+        #: with a cohort, the number of clients it was drawn from (its standard errors')
+        self.population = population
+        candidates = _candidates(datamodule, ranks, cohort)
+        arrays = datamodule.split_arrays(split)
+        self.loaders: list = []
+        self.segments: SegmentEvaluation | None = None
+        self.batches: list[SegmentBatch] = []
+        if arrays is None:
+            if segments is not None and segments.strict:
+                raise ValueError(
+                    f"vectorize_evaluation=True, but {type(datamodule).__name__} does not "
+                    f"hold its {split!r} split as arrays (split_arrays): use an "
+                    "ArrayFederatedDataModule, or vectorize_evaluation='auto'."
+                )
+            clients, sizes = self._datasets(datamodule, split, candidates)
+        else:
+            columns, offsets = arrays
+            counts = offsets[candidates + 1] - offsets[candidates]
+            kept = candidates[counts > 0]
+            clients, sizes = kept.tolist(), counts[counts > 0]
+            if segments is not None and len(kept):
+                batches = segment_batches(offsets[kept], sizes, datamodule.eval_batch_size)
+                evaluator = segments(columns, len(kept))
+                if evaluator.agrees(batches[0]):
+                    self.segments, self.batches = evaluator, batches
+                elif segments.strict:
+                    raise ValueError(
+                        "vectorize_evaluation=True, but the module's loss_and_metrics does "
+                        "not run under torch.func.vmap, or gives other values there than "
+                        "in a plain call: set vectorize_evaluation='auto' or False."
+                    )
+            if self.segments is None:
+                self.loaders = [
+                    datamodule.client_dataloader(datamodule.client_dataset(c, split), split)
+                    for c in clients
+                ]
+            sizes = sizes.tolist()
         #: each client's number of samples in ``split``
-        self.sizes: dict[int, int] = {}
-        for c in [*datamodule.seen_clients(), *datamodule.unseen_clients]:
-            if ranks.owner(c) != ranks.rank:
-                continue
+        self.sizes: dict[int, int] = dict(zip(clients, sizes))
+        if self.segments is not None:
+            # one "client" per step for the progress bar's count; the boundaries are the
+            # segment sums' (ClientEvaluation reads them at the epoch's end)
+            self.schedule = ClientSchedule(tuple(clients), (0,) * len(clients))
+            self.total = len(self.batches)
+        else:
+            self.schedule = ClientSchedule(tuple(clients), tuple(len(lo) for lo in self.loaders))
+            self.total = self.schedule.total
+        #: whether this rank gives one idle batch (see the class docstring)
+        self.idle = ranks.distributed and self.total == 0
+
+    def _datasets(
+        self, datamodule: FederatedDataModule, split: Split, candidates: np.ndarray
+    ) -> tuple[list[int], list[int]]:
+        clients, sizes = [], []
+        for c in candidates.tolist():
             dataset = datamodule.client_dataset(c, split)
             if dataset is not None and len(dataset) > 0:
                 clients.append(c)
-                loaders.append(datamodule.client_dataloader(dataset, split))
-                self.sizes[c] = len(dataset)
-        self.loaders = loaders
-        self.schedule = ClientSchedule(tuple(clients), tuple(len(lo) for lo in loaders))
-        #: whether this rank gives one idle batch (see the class docstring)
-        self.idle = ranks.distributed and self.schedule.total == 0
+                sizes.append(len(dataset))
+                self.loaders.append(datamodule.client_dataloader(dataset, split))
+        return clients, sizes
 
     def __len__(self) -> int:
-        return 1 if self.idle else self.schedule.total
+        return 1 if self.idle else self.total
 
     def __iter__(self) -> Iterator[Any]:
-        self.evaluation.begin(self.schedule, self.sizes)
+        self.evaluation.begin(self.schedule, self.sizes, self.segments, self.population)
         if self.idle:
             yield ()
+        if self.segments is not None:
+            yield from self.batches
+            return
         for loader in self.loaders:
             yield from loader
+
+
+def _candidates(
+    datamodule: FederatedDataModule, ranks: Ranks, cohort: np.ndarray | None
+) -> np.ndarray:
+    """The clients to evaluate on this rank, seen first (ascending), then unseen (in the
+    datamodule's order): every client, or the cohort's."""
+    # host: client ids
+    unseen = np.asarray(datamodule.unseen_clients, dtype=np.int64)
+    is_unseen = np.zeros(datamodule.num_clients, dtype=bool)
+    is_unseen[unseen] = True
+    if cohort is None:
+        seen = np.flatnonzero(~is_unseen)
+    else:
+        seen = cohort[~is_unseen[cohort]]
+        unseen = unseen[np.isin(unseen, cohort)]
+    ordered = np.concatenate([seen, unseen]).astype(np.int64)
+    return ordered[ordered % ranks.world_size == ranks.rank]

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
@@ -34,9 +35,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
-from lightning_fl.engine import silo_checkpoints
+from lightning_fl.engine import segment_evaluation, silo_checkpoints
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.cohort import draw_cohort
 from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Plugins, Ranks
 from lightning_fl.engine.divergence import DivergenceMonitor
 from lightning_fl.engine.driver import RoundDriver
@@ -145,6 +147,19 @@ class FederatedStrategy(DDPStrategy):
             which path a fit takes and why. The batches are the same either way. True:
             pack for every fit, sequential CPU runs included, and warn when the data
             cannot be packed; False: never.
+        eval_clients: validation during a fit evaluates a cohort of this many clients,
+            drawn uniformly without replacement from the clients with validation data, a
+            function of (seed, round) (:mod:`lightning_fl.engine.cohort`); the metrics
+            are the cohort's, with their standard errors (``val_acc/se``,
+            ``val_acc/uniform_se``). None (default): every client.
+            ``trainer.validate`` and ``trainer.test`` always evaluate every client.
+        vectorize_evaluation: evaluate many clients in one step, vectorized over clients,
+            when the datamodule holds the split as arrays (``split_arrays``), the module
+            is a :class:`~lightning_fl.FederatedTask` with the library's evaluation step,
+            and no callback acts at the clients' evaluation boundaries
+            (:mod:`lightning_fl.engine.segment_evaluation`). ``"auto"`` (default): when
+            all that holds and the first batch agrees with a plain call; True: refuse,
+            naming the reason, when it does not; False: client by client.
     """
 
     strategy_name = "federated"
@@ -176,6 +191,8 @@ class FederatedStrategy(DDPStrategy):
         silos: bool = False,
         enable_plots: bool = True,
         data_on_device: bool | Literal["auto"] = "auto",
+        eval_clients: int | None = None,
+        vectorize_evaluation: bool | Literal["auto"] = "auto",
     ) -> None:
         if not isinstance(timeout, timedelta):
             timeout = timedelta(seconds=float(timeout))
@@ -200,9 +217,14 @@ class FederatedStrategy(DDPStrategy):
                 "compile=False."
             )
         _check_fused_steps(local_steps_per_training_step, vectorize)
-        if data_on_device not in (True, False, "auto"):
+        for name, value in (("data_on_device", data_on_device),
+                            ("vectorize_evaluation", vectorize_evaluation)):  # fmt: skip
+            if value not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {value!r}.")
+        if eval_clients is not None and (isinstance(eval_clients, bool) or eval_clients < 1):
             raise ValueError(
-                f"data_on_device must be True, False or 'auto', got {data_on_device!r}."
+                f"eval_clients must be a number of clients >= 1, or None for every client; "
+                f"got {eval_clients!r}."
             )
         #: the user's sampler; the fit's, as the callbacks wrap it, is ``fit.plugins.sampler``
         self.sampler = sampler or FullParticipation()
@@ -218,6 +240,8 @@ class FederatedStrategy(DDPStrategy):
             max_vectorized_clients=max_vectorized_clients,
             local_steps_per_training_step=local_steps_per_training_step,
             allow_new_federation=allow_new_federation,
+            eval_clients=eval_clients,
+            vectorize_evaluation=vectorize_evaluation,
             silos=silos,
         )
         self.num_threads = num_threads
@@ -272,10 +296,13 @@ class FederatedStrategy(DDPStrategy):
         return self.evaluation.capture
 
     @property
-    def training_counts(self) -> list[int]:
+    def training_counts(self) -> np.ndarray:
         """Training samples per client in this fit (unseen clients count 0), as the
-        fit's :class:`~lightning_fl.engine.context.Federation` read them at set-up."""
-        return list(self.fit.federation.training_counts) if self.fit is not None else []
+        fit's :class:`~lightning_fl.engine.context.Federation` read them at set-up: a
+        read-only int64 array."""
+        if self.fit is None:
+            return np.zeros(0, dtype=np.int64)
+        return self.fit.federation.training_counts
 
     @property
     def federated_tensors(self) -> FederatedTensors:
@@ -430,9 +457,12 @@ class FederatedStrategy(DDPStrategy):
         federation, packed = self._federation(trainer.datamodule, fitting)
         if fitting:
             self._skip_validation_without_data(trainer, federation)
+            if self.config.eval_clients is not None:
+                # a new cohort at every validation: Lightning asks for the loaders again
+                trainer.reload_dataloaders_every_n_epochs = 1
             packed = self._pack_federation(trainer, federation.training_counts)
             if not aggregator.pools_clients:
-                sampler.check(sum(1 for n in federation.training_counts if n > 0))
+                sampler.check(int(np.count_nonzero(federation.training_counts)))
             self._direct_hooks = direct_hooks(trainer, self.precision_plugin)
             self._check_sigterm_once_per_round(trainer)
         self.fit = FitContext(
@@ -562,7 +592,35 @@ class FederatedStrategy(DDPStrategy):
             return dataloader
         if dataloader.split == "train":
             return TrainRounds(self.fit, self.engine.begin_round)
-        return EvalRounds(dataloader.datamodule, dataloader.split, self.fit.ranks, self.evaluation)
+        trainer = self.lightning_module.trainer
+        cohort = population = None
+        if self.config.eval_clients is not None and trainer.state.fn == TrainerFn.FITTING:
+            eligible = self.fit.federation.clients_with_data(dataloader.split)
+            population = len(eligible)
+            cohort = draw_cohort(
+                eligible, self.config.eval_clients, self.config.seed, trainer.current_epoch
+            )
+        return EvalRounds(
+            dataloader.datamodule, dataloader.split, self.fit.ranks, self.evaluation, cohort,
+            self._segment_evaluation(trainer), population,
+        )  # fmt: skip
+
+    def _segment_evaluation(self, trainer: pl.Trainer) -> Any:
+        """The factory of vectorized evaluation epochs, or None (``vectorize_evaluation``;
+        with True, a refusal names why it cannot be)."""
+        if self.config.vectorize_evaluation is False:
+            return None
+        module = self.lightning_module
+        reason = segment_evaluation.refusal(module, self.fit.plugins.callbacks)
+        if reason is not None and self.config.vectorize_evaluation is True:
+            raise ValueError(
+                f"vectorize_evaluation=True cannot evaluate clients vectorized: {reason}. "
+                "Set vectorize_evaluation='auto' (client by client where it cannot)."
+            )
+        if reason is not None:
+            return None
+        strict = self.config.vectorize_evaluation is True
+        return segment_evaluation.SegmentEvaluationFactory(module, strict)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Locate the batch in the round; at a client's (or chunk's) first batch, start it."""

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vmap
@@ -459,7 +460,7 @@ class VectorizedClients:
         fit = self.fit
         dm = fit.datamodule
         dm.set_round(0)  # a stream's caches hold data from the first round on
-        with_data = [c for c, n in enumerate(fit.federation.training_counts) if n > 0]
+        with_data = np.flatnonzero(fit.federation.training_counts).tolist()
         empty = set(dm.clients_without_data_now(with_data))
         first = next((c for c in with_data if c not in empty), None)
         if first is not None and not fit.plugins.aggregator.pools_clients:
