@@ -241,7 +241,10 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
     empty.enter_silo(0, 1)
     with pytest.raises(ValueError, match="Every silo's clients have an empty training set"):
         Federation(empty, ranks=Ranks(1, 0))
-    assert Federation(empty, require_data=False, ranks=Ranks(1, 0)).training_counts.tolist() == [0] * 10
+    assert (
+        Federation(empty, require_data=False, ranks=Ranks(1, 0)).training_counts.tolist()
+        == [0] * 10
+    )
     assert Federation(empty, require_data=False).training_counts.tolist() == [0] * 10  # 1 process
     clients = tiny_clients()
     clients[3]["train"] = (clients[3]["train"][0][:0], clients[3]["train"][1][:0])

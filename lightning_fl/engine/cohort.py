@@ -26,7 +26,7 @@ def draw_cohort(eligible: np.ndarray, size: int, seed: int, round_idx: int) -> n
     round). NumPy's ``Generator.choice`` without replacement costs O(size) here.
 
     >>> draw_cohort(np.arange(10), 3, seed=0, round_idx=0).tolist()
-    [3, 4, 8]
+    [0, 2, 3]
     >>> draw_cohort(np.array([2, 5]), 3, seed=0, round_idx=0).tolist()
     [2, 5]
     """
@@ -52,7 +52,7 @@ def cohort_standard_errors(
 
     >>> se = cohort_standard_errors([1.0, 0.0, 0.5], [1, 1, 2], population=6)
     >>> round(se["uniform_se"], 6), round(se["se"], 6)
-    (0.204124, 0.204124)
+    (0.204124, 0.153093)
     """
     y = np.asarray(means, dtype=np.float64)
     n = np.asarray(counts, dtype=np.float64)

@@ -1,0 +1,446 @@
+"""Large populations (issue 66): array federations in memory and on disk, the LEAF
+converter and generator, cohort evaluation, evaluation vectorized over clients, and a
+round's Python work independent of the population."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import Counter
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+
+from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import SCAFFOLD, FedAvg
+from lightning_fl.datamodules import (
+    ArrayFederatedDataModule,
+    ClientArrays,
+    FederationFormatError,
+    InMemoryFederatedDataModule,
+    convert_leaf,
+    generate_population,
+    open_federation,
+    population_counts,
+    save_federation,
+    write_leaf_population,
+)
+from lightning_fl.datamodules import population as population_module
+from lightning_fl.datamodules.arrays import client_names
+from lightning_fl.datamodules.population import iter_leaf_users, population_samples
+from lightning_fl.engine.cohort import cohort_standard_errors, draw_cohort
+from lightning_fl.engine.context import LISTED_COUNTS, Federation, counts_digest
+from lightning_fl.engine.federated_state import FederationMismatchError, check_federation
+from lightning_fl.engine.segment_evaluation import segment_batches
+from lightning_fl.systems.samplers import MDSampler
+from tests.helpers import IN, OUT, local_sgd, make_trainer, params_of, tiny_clients, tiny_module
+
+SPLITS = ("train", "val", "test")
+
+
+def _arrays_of(clients: list[dict]) -> dict[str, ClientArrays]:
+    return {split: ClientArrays.from_clients([c[split] for c in clients]) for split in SPLITS}
+
+
+def _array_datamodule(num_clients: int = 10, **kw) -> ArrayFederatedDataModule:
+    return ArrayFederatedDataModule(splits=_arrays_of(tiny_clients(num_clients)), **kw)
+
+
+# ---------------------------------------------------------------- the data
+
+
+def test_array_clients_are_the_given_clients_and_counts_come_from_the_offsets():
+    clients = tiny_clients(10)
+    dm = ArrayFederatedDataModule(splits=_arrays_of(clients), unseen_fraction=0.2)
+    assert dm.num_clients == 10
+    assert dm.sample_counts("train") == [len(c["train"][0]) for c in clients]
+    assert dm.split_counts("val").tolist() == [3] * 10
+    for c in (0, 3, 9):
+        for split in SPLITS:
+            x, y = dm.client_dataset(c, split).tensors
+            assert torch.equal(x, clients[c][split][0]) and torch.equal(y, clients[c][split][1])
+    assert dm.unseen_clients == [8, 9]
+    assert Federation(dm).training_counts.tolist() == [*dm.sample_counts("train")[:8], 0, 0]
+    with pytest.raises(IndexError, match="clients 0 to 9"):
+        dm.client_dataset(10, "train")
+
+
+def test_a_federation_folder_round_trips_memory_mapped(tmp_path):
+    clients = tiny_clients(7)
+    names = [f"writer_{c}" for c in range(7)]
+    save_federation(tmp_path / "fed", _arrays_of(clients), client_names=names)
+    opened = open_federation(tmp_path / "fed")
+    assert isinstance(opened["train"].columns[0], np.memmap)
+    dm = ArrayFederatedDataModule(str(tmp_path / "fed"), batch_size=4)
+    for c in range(7):
+        x, y = dm.client_dataset(c, "test").tensors
+        assert torch.equal(x, clients[c]["test"][0]) and torch.equal(y, clients[c]["test"][1])
+    assert client_names(tmp_path / "fed") == names
+    header = json.loads((tmp_path / "fed" / "federation.json").read_text())
+    assert header["splits"]["train"]["columns"][0] == {"name": "x", "dtype": "float32",
+                                                       "shape": [IN]}  # fmt: skip
+
+
+def _saved(tmp_path) -> object:
+    folder = tmp_path / "fed"
+    save_federation(folder, _arrays_of(tiny_clients(5)))
+    return folder
+
+
+def test_a_truncated_column_is_refused_naming_the_file(tmp_path):
+    folder = _saved(tmp_path)
+    path = folder / "train.x.npy"
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(FederationFormatError, match=r"train\.x\.npy: unreadable or truncated"):
+        open_federation(folder)
+
+
+def test_offsets_past_the_end_name_the_client(tmp_path):
+    folder = _saved(tmp_path)
+    offsets = np.load(folder / "train.offsets.npy")
+    offsets[-1] += 3  # client 4 claims three rows the file does not have
+    np.save(folder / "train.offsets.npy", offsets)
+    with pytest.raises(FederationFormatError, match=r"client 4 runs past its end"):
+        open_federation(folder)
+
+
+def test_decreasing_offsets_name_the_client(tmp_path):
+    folder = _saved(tmp_path)
+    offsets = np.load(folder / "train.offsets.npy")
+    offsets[2], offsets[3] = offsets[3], offsets[2]
+    np.save(folder / "train.offsets.npy", offsets)
+    with pytest.raises(FederationFormatError, match=r"client 2's offsets decrease"):
+        open_federation(folder)
+
+
+def test_an_index_that_disagrees_with_the_data_is_refused(tmp_path):
+    folder = _saved(tmp_path)
+    header = json.loads((folder / "federation.json").read_text())
+    header["splits"]["test"]["rows"] += 1
+    (folder / "federation.json").write_text(json.dumps(header))
+    with pytest.raises(FederationFormatError, match=r"test\.x\.npy: 15 rows, but"):
+        open_federation(folder)
+    header["splits"]["test"]["rows"] -= 1
+    header["splits"]["test"]["columns"][1]["dtype"] = "float64"
+    (folder / "federation.json").write_text(json.dumps(header))
+    with pytest.raises(FederationFormatError, match=r"test\.y\.npy: int64 rows"):
+        open_federation(folder)
+
+
+def test_pickled_objects_and_missing_folders_are_refused(tmp_path):
+    folder = _saved(tmp_path)
+    np.save(folder / "val.y.npy", np.array([object()] * 15), allow_pickle=True)
+    with pytest.raises(FederationFormatError, match=r"val\.y\.npy: unreadable"):
+        open_federation(folder)
+    with pytest.raises(FileNotFoundError, match="no federation here.*convert-leaf"):
+        open_federation(tmp_path / "nowhere")
+
+
+def test_population_counts_have_leafs_mean_and_spread():
+    """1 + NB(r, q) with LEAF's Table 1 moments: Sent140 2.42 ± 4.71, Reddit 34.07 ±
+    62.95 (a mistake in r or q moves the mean or the spread by far more than 1%)."""
+    for shape, mean, std in (("sent140", 2.42, 4.71), ("reddit", 34.07, 62.95)):
+        counts = population_counts(400_000, shape, seed=3)
+        assert counts.min() >= 1
+        assert abs(counts.mean() - mean) < 0.01 * mean
+        assert abs(counts.std() - std) < 0.03 * std
+    assert np.array_equal(population_counts(50, seed=1), population_counts(50, seed=1))
+
+
+def test_a_generated_population_splits_each_clients_last_samples_for_test(tmp_path):
+    generate_population(tmp_path / "pop", 300, features=3, test_fraction=0.25, seed=2)
+    dm = ArrayFederatedDataModule(str(tmp_path / "pop"))
+    counts = population_counts(300, seed=2)
+    x, y = population_samples(counts, 3, 2, 1.0, 2)
+    test = np.where(counts >= 2, np.maximum(1, np.floor(0.25 * counts)), 0).astype(int)
+    assert dm.split_counts("test").tolist() == test.tolist()
+    assert (dm.split_counts("train") + dm.split_counts("test")).tolist() == counts.tolist()
+    start = int(counts[:7].sum())  # client 7: its first samples train, its last test
+    n, k = int(counts[7]), int(test[7])
+    assert torch.equal(
+        dm.client_dataset(7, "train").tensors[0], torch.from_numpy(x[start : start + n - k])
+    )
+    assert torch.equal(
+        dm.client_dataset(7, "test").tensors[1], torch.from_numpy(y[start + n - k : start + n])
+    )
+
+
+def test_leaf_json_converts_streaming_into_the_same_arrays(tmp_path, monkeypatch):
+    """Pieces of 7 characters: every value crosses a piece boundary somewhere."""
+    monkeypatch.setattr(population_module._JsonStream, "CHUNK", 7)
+    write_leaf_population(tmp_path / "leaf", 40, shape="reddit", features=3, users_per_file=15)
+    convert_leaf([tmp_path / "leaf"], tmp_path / "fed")
+    dm = ArrayFederatedDataModule(str(tmp_path / "fed"))
+    counts = population_counts(40, "reddit")
+    x, y = population_samples(counts, 3, 2, 1.0, 0)
+    assert dm.sample_counts() == counts.tolist()
+    assert np.allclose(dm.arrays["train"].columns[0], x, atol=1e-6)
+    assert np.array_equal(dm.arrays["train"].columns[1], y)
+    assert client_names(tmp_path / "fed")[:2] == ["f_0000000", "f_0000001"]
+
+
+def test_malformed_leaf_json_names_the_file_and_the_user(tmp_path):
+    path = tmp_path / "a.json"
+    users = '{"u1": {"x": [[1.0]], "y": [0]}, "u2": {"x": [[1.0]], "y": [1]}}'
+    path.write_text('{"users": ["u1", "u2"], "num_samples": [1, 2], "user_data": ' + users + "}")
+    with pytest.raises(FederationFormatError, match=r"a\.json: user 'u2' has num_samples 2"):
+        list(iter_leaf_users(path))
+    path.write_text('{"users": ["u1"], "num_samples": [1], "user_data": {"u1": {"x": [[1.0')
+    with pytest.raises(FederationFormatError, match=r"a\.json: invalid or truncated JSON"):
+        convert_leaf([path], tmp_path / "out")
+    path.write_text('{"users": ["u1", "u2"], "num_samples": [1, 1], "user_data": '
+                    '{"u1": {"x": [[1.0]], "y": [0]}}}')  # fmt: skip
+    with pytest.raises(FederationFormatError, match=r"lists 2 users but 'user_data' holds 1"):
+        list(iter_leaf_users(path))
+
+
+# ---------------------------------------------------------------- training
+
+
+def _hand_written_fedavg(clients, rounds, sampler, steps, lr, batch_size, seed):
+    """FedAvg written out: each round's participants train K SGD steps from θ^t on their
+    own batches, θ^{t+1} = θ^t + Σ ω_i (θ_i − θ^t)."""
+    net = tiny_module(lr).network
+    counts = torch.tensor([len(c["train"][0]) for c in clients], dtype=torch.float64)
+    p = counts / counts.sum()
+    for t in range(rounds):
+        part = sampler.sample(t, seed, p)
+        start = [w.detach().clone() for w in net.parameters()]
+        total = [torch.zeros_like(w) for w in start]
+        for client, weight in zip(part.clients, part.weights):
+            with torch.no_grad():
+                for w, s in zip(net.parameters(), start):
+                    w.copy_(s)
+            local_sgd(net, clients[client]["train"], steps, lr, batch_size, seed, t, client)
+            for acc, w, s in zip(total, net.parameters(), start):
+                acc += weight * (w.detach() - s)
+        with torch.no_grad():
+            for w, s, acc in zip(net.parameters(), start, total):
+                w.copy_(s + acc)
+    return [w.detach().clone() for w in net.parameters()]
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_fedavg_on_array_clients_equals_the_hand_written_loop(vectorize):
+    """10 clients of 4–40 samples, 4 a round, 3 rounds, K = 3 steps of 4 (short last
+    batches, reshuffles), sequential and vectorized (the packed view of the arrays)."""
+    clients = tiny_clients(10)
+    expected = _hand_written_fedavg(clients, 3, UniformSampler(4), 3, 0.1, 4, seed=5)
+    model = tiny_module(0.1)
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=3, seed=5,
+                                 vectorize=vectorize)  # fmt: skip
+    trainer = make_trainer(strategy, 3, [FedAvg()])
+    trainer.fit(model, datamodule=_array_datamodule(batch_size=4))
+    if vectorize:
+        assert trainer.strategy.packed is not None
+    for got, want in zip(params_of(model.network), expected):
+        assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
+
+
+def test_scaffold_keeps_state_only_for_clients_that_took_part():
+    model = tiny_module(0.1)
+    strategy = FederatedStrategy(sampler=MDSampler(3), local_steps=2, seed=1)
+    trainer = make_trainer(strategy, 3, [SCAFFOLD()])
+    trainer.fit(model, datamodule=_array_datamodule(batch_size=4))
+    p = torch.tensor(_array_datamodule().sample_counts(), dtype=torch.float64)
+    drawn = {c for t in range(3) for c in MDSampler(3).sample(t, 1, p / p.sum()).clients}
+    assert set(trainer.strategy.client_store.clients()) == drawn and len(drawn) < 10
+
+
+def _federation_of(counts: np.ndarray) -> Federation:
+    splits = {"train": ClientArrays([np.zeros(int(counts.sum()))], np.r_[0, counts.cumsum()])}
+    return Federation(ArrayFederatedDataModule(splits=splits))
+
+
+def test_large_federations_keep_a_digest_of_their_counts_and_a_resume_checks_it():
+    counts = np.arange(LISTED_COUNTS + 1) % 5 + 1
+    identity = _federation_of(counts).identity()
+    assert identity["train_counts"] == counts_digest(counts)
+    assert identity["num_clients"] == LISTED_COUNTS + 1
+    small = _federation_of(counts[:10]).identity()
+    assert small["train_counts"] == counts[:10].tolist()
+    moved = counts.copy()
+    moved[77] += 1  # one client, one sample: another federation
+    config = SimpleNamespace(allow_new_federation=False)
+    check_federation(SimpleNamespace(federation=_federation_of(counts), config=config), identity)
+    fit = SimpleNamespace(federation=_federation_of(moved), config=config)
+    with pytest.raises(FederationMismatchError, match="train_counts .their digests differ"):
+        check_federation(fit, identity)
+    listed = dict(identity, train_counts=counts.tolist())  # a checkpoint that listed them
+    check_federation(SimpleNamespace(federation=_federation_of(counts), config=config), listed)
+    with pytest.raises(FederationMismatchError, match="digests differ"):
+        check_federation(fit, listed)
+
+
+class _CallCounter(pl.Callback):
+    """Python function calls during round 1 (``sys.setprofile`` "call" events)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+
+    def _count(self, frame, event, arg) -> None:
+        if event == "call":
+            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            sys.setprofile(self._count)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        sys.setprofile(None)
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:
+            sys.setprofile(self._count)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        sys.setprofile(None)
+
+
+def _population(num_clients: int) -> ArrayFederatedDataModule:
+    rng = np.random.default_rng(0)
+
+    def split(n):
+        x = rng.standard_normal((num_clients * n, IN), dtype=np.float32)
+        return ClientArrays([x, rng.integers(0, OUT, num_clients * n)],
+                            np.arange(num_clients + 1) * n)  # fmt: skip
+
+    return ArrayFederatedDataModule(splits={"train": split(6), "val": split(2)}, batch_size=3)
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_a_round_and_a_cohort_make_as_many_python_calls_for_100000_clients_as_for_1000(
+    vectorize,
+):
+    """Planning, sampling, weights, training 20 clients and a 50-client validation cohort:
+    O(participants) Python whatever the population (within 5%)."""
+
+    def calls(num_clients: int) -> Counter:
+        counter = _CallCounter()
+        strategy = FederatedStrategy(sampler=UniformSampler(20), local_steps=2, seed=0,
+                                     vectorize=vectorize, eval_clients=50)  # fmt: skip
+        trainer = make_trainer(strategy, 2, [FedAvg(), counter], limit_val_batches=None)
+        trainer.fit(tiny_module(), datamodule=_population(num_clients))
+        return counter.calls
+
+    few, many = calls(1000), calls(100_000)
+    grown = {k: many[k] - few[k] for k in many if many[k] > few[k]}
+    assert sum(many.values()) <= 1.05 * sum(few.values()), sorted(grown.items())[:10]
+    assert sum(few.values()) > 1000  # the profiler did count the round
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def test_segment_batches_cut_every_client_as_its_loader_does():
+    starts, sizes = np.array([0, 7, 9, 9]), np.array([7, 2, 0, 5])
+    batches = segment_batches(starts, sizes, 3, max_rows=6)
+    got = sorted((int(p), int(s), b.length) for b in batches for p, s in zip(b.positions, b.starts))
+    assert got == [(0, 0, 3), (0, 3, 3), (0, 6, 1), (1, 7, 2), (3, 9, 3), (3, 12, 2)]
+    assert [b.length for b in batches] == [3, 3, 2, 1]  # longest first, ≤ 6 rows a step
+
+
+def _evaluated(vectorize_evaluation, stage="validate", **strategy):
+    dm = _array_datamodule(12, batch_size=4, eval_batch_size=2, unseen_fraction=0.25)
+    model = tiny_module(0.1)
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=3,
+                                 vectorize_evaluation=vectorize_evaluation, **strategy)  # fmt: skip
+    trainer = make_trainer(strategy, 2, [FedAvg()], limit_val_batches=None)
+    trainer.fit(model, datamodule=dm)
+    metrics = getattr(trainer, stage)(model, datamodule=dm, verbose=False)[0]
+    return trainer.strategy.evaluation.last_report[1], metrics
+
+
+@pytest.mark.parametrize("stage", ["validate", "test"])
+def test_vectorized_evaluation_equals_client_by_client(stage):
+    """12 clients (3 unseen), 3 or 6–7 held-out samples in batches of 2: every client's
+    loss and accuracy, and the summaries, equal the sequential path's."""
+    plain, plain_metrics = _evaluated(False, stage)
+    fast, fast_metrics = _evaluated(True, stage)
+    assert (
+        plain.keys() == fast.keys()
+        and len(plain["val_loss" if stage == "validate" else "test_loss"]) == 12
+    )
+    for name in plain:
+        assert plain[name].keys() == fast[name].keys()
+        for client, (value, count) in plain[name].items():
+            assert fast[name][client][1] == count
+            assert math.isclose(fast[name][client][0], value, rel_tol=1e-6, abs_tol=1e-7)
+    assert plain_metrics.keys() == fast_metrics.keys()
+    for key, value in plain_metrics.items():
+        assert math.isclose(fast_metrics[key], value, rel_tol=1e-6, abs_tol=1e-7), key
+
+
+def test_vectorized_evaluation_true_refuses_a_datamodule_without_arrays():
+    strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)
+    trainer = make_trainer(strategy, 1, [FedAvg()], limit_val_batches=None)
+    dm = InMemoryFederatedDataModule(tiny_clients(4))
+    with pytest.raises(ValueError, match="does not hold its 'val' split as arrays"):
+        trainer.fit(tiny_module(), datamodule=dm)
+
+
+def test_cohorts_are_seeded_without_replacement_among_eligible_clients():
+    eligible = np.array([1, 4, 5, 8, 11, 12, 20])
+    first = draw_cohort(eligible, 4, seed=7, round_idx=3)
+    assert np.array_equal(first, draw_cohort(eligible, 4, seed=7, round_idx=3))
+    assert len(set(first.tolist())) == 4 and set(first.tolist()) <= set(eligible.tolist())
+    assert not np.array_equal(first, draw_cohort(eligible, 4, seed=7, round_idx=4))
+    rounds = [draw_cohort(eligible, 3, seed=0, round_idx=t) for t in range(700)]
+    frequency = Counter(c for cohort in rounds for c in cohort.tolist())
+    assert all(abs(n / 700 - 3 / 7) < 0.06 for n in frequency.values())  # uniform: 3/7 each
+
+
+def test_cohort_standard_errors_by_hand():
+    """Cochran's eqs. 2.12 and 6.9 on 4 clients of a population of 10."""
+    y, n = [0.9, 0.5, 0.7, 0.2], [2, 6, 1, 3]
+    f = 1 - 4 / 10
+    mean = sum(y) / 4
+    s2 = sum((v - mean) ** 2 for v in y) / 3
+    ratio = sum(a * b for a, b in zip(y, n)) / sum(n)
+    nbar = sum(n) / 4
+    spread = sum((b / nbar) ** 2 * (a - ratio) ** 2 for a, b in zip(y, n))
+    se = cohort_standard_errors(y, n, 10)
+    assert math.isclose(se["uniform_se"], math.sqrt(f * s2 / 4))
+    assert math.isclose(se["se"], math.sqrt(f * spread / (4 * 3)))
+    assert cohort_standard_errors(y, n, 4) == {"se": 0.0, "uniform_se": 0.0}
+    assert all(math.isnan(v) for v in cohort_standard_errors([1.0], [3], 10).values())
+
+
+def test_a_validation_cohort_reports_its_clients_and_their_standard_error():
+    """eval_clients=5 of 12 clients (9 seen): the logged means are those of the round's
+    cohort, as a full pass over the same clients gives them, with their errors."""
+    dm = _array_datamodule(12, batch_size=4, eval_batch_size=2, unseen_fraction=0.25)
+    model = tiny_module(0.1)
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=3,
+                                 eval_clients=5)  # fmt: skip
+    trainer = make_trainer(strategy, 2, [FedAvg()], limit_val_batches=None)
+    trainer.fit(model, datamodule=dm)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}  # round 1's cohort
+    _, per_client, unseen = trainer.strategy.evaluation.last_report
+    cohort = draw_cohort(np.arange(12), 5, seed=3, round_idx=1)
+    assert sorted(per_client["val_acc"]) == cohort.tolist()
+    trainer.validate(model, datamodule=dm, verbose=False)  # every client
+    everyone = trainer.strategy.evaluation.last_report[1]["val_acc"]
+    assert len(everyone) == 12
+    seen = [c for c in cohort.tolist() if c not in unseen]
+    values = [everyone[c][0] for c in seen]
+    counts = [everyone[c][1] for c in seen]
+    weighted = sum(v * n for v, n in zip(values, counts)) / sum(counts)
+    se = cohort_standard_errors(values, counts, population=12 - 3)
+    assert logged["val_acc"] == pytest.approx(weighted, abs=1e-6)
+    assert logged["val_acc/se"] == pytest.approx(se["se"], abs=1e-6)
+    assert logged["val_acc/uniform_se"] == pytest.approx(se["uniform_se"], abs=1e-6)
+
+
+def test_the_examples_in_the_docstrings_run():
+    import doctest
+
+    from lightning_fl.engine import cohort, segment_evaluation
+
+    for module in (cohort, segment_evaluation):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted >= 1, module.__name__
