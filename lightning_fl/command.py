@@ -18,13 +18,15 @@ import os
 import sys
 
 SUBCOMMANDS = ("fit", "validate", "test")
+#: subcommands of their own, outside LightningCLI
+TOOLS = ("data",)
 #: the top-level keys of a subcommand: LightningCLI's and lightning_fl.cli's own
 KEYS = (
     "config", "print_config", "seed_everything", "trainer", "model", "data", "optimizer",
     "lr_scheduler", "ckpt_path", "weights_only", "test_after_fit", "float32_matmul_precision",
     "help",
 )  # fmt: skip
-USAGE = f"""usage: lightning-fl [-h] {{{",".join(SUBCOMMANDS)}}} ...
+USAGE = f"""usage: lightning-fl [-h] {{{",".join(SUBCOMMANDS + TOOLS)}}} ...
 
 Federated learning with PyTorch Lightning: LightningCLI with federated recipes.
 
@@ -32,6 +34,7 @@ subcommands:
   fit        train rounds (and test the final model; --test_after_fit false skips it)
   validate   evaluate a model on every client's validation data
   test       evaluate a model on every client's test data
+  data       large federations on disk: generate, generate-leaf, convert-leaf, info
 
 `lightning-fl fit --help` lists every option; recipes are in recipes/, e.g.
   lightning-fl fit --config recipes/quickstart.yaml"""
@@ -42,7 +45,7 @@ def early_error(argv: list[str]) -> str | None:
     if not argv or argv[0].startswith("-"):
         return None
     if argv[0] not in SUBCOMMANDS:
-        choices = ", ".join(repr(c) for c in SUBCOMMANDS)
+        choices = ", ".join(repr(c) for c in SUBCOMMANDS + TOOLS)
         return f"invalid choice: {argv[0]!r} (choose from {choices})"
     for index, argument in enumerate(argv[1:], start=1):
         if not argument.startswith("--"):
@@ -96,6 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv in (["-h"], ["--help"]):
         print(USAGE)
         sys.exit(0 if argv else 2)
+    if argv[0] == "data":
+        from lightning_fl.data_command import main as data
+
+        data(argv[1:])
+        return
     problem = early_error(argv)
     if problem is not None:
         print("lightning-fl: the run did not start.", file=sys.stderr)

@@ -88,9 +88,11 @@ def plot_client_distributions(
     import numpy as np
 
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 1.3 * len(runs)), 4))
     labels = list(runs)
     data = [np.array(list(runs[name].values())) for name in labels]
+    if sum(len(v) for v in data) > MANY_CLIENTS:
+        return _client_histograms(plt, labels, data, path, metric)
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 1.3 * len(runs)), 4))
     ax.boxplot(data, showfliers=False)
     for i, values in enumerate(data, start=1):
         jitter = np.random.default_rng(i).uniform(-0.12, 0.12, len(values))
@@ -102,6 +104,27 @@ def plot_client_distributions(
     handles, names = ax.get_legend_handles_labels()
     ax.legend(handles[:2], names[:2], fontsize="small", loc="best")
     ax.set_title(f"{metric} of every client ({sum(len(v) for v in data)} clients)")
+    return _save(plt, fig, path, 120)
+
+
+#: Above this many clients, per-client figures are histograms, not a mark per client.
+MANY_CLIENTS = 1000
+
+
+def _client_histograms(plt, labels: list[str], data: list, path: str, metric: str) -> str:
+    """Per-client ``metric`` of many clients: one step histogram per run, its 10th
+    percentile marked."""
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (label, values) in enumerate(zip(labels, data)):
+        color = f"C{i}"
+        ax.hist(values, bins=50, histtype="step", color=color, label=f"{label} ({len(values):,})")
+        ax.axvline(np.quantile(values, 0.1), color=color, linestyle="dashed")
+    ax.set_xlabel(f"per-client {metric} (dashed: 10th percentile)")
+    ax.set_ylabel("clients")
+    ax.legend(fontsize="small", loc="best")
+    ax.set_title(f"{metric} of every client ({sum(len(v) for v in data):,} clients)")
     return _save(plt, fig, path, 120)
 
 
@@ -135,10 +158,18 @@ def plot_participation(participation_csv: str, path: str) -> str:
     counts = np.bincount(clients)
     plt = _pyplot()
     fig, (bars, raster) = plt.subplots(1, 2, figsize=(11, 3.8))
-    bars.bar(np.arange(len(counts)), counts, width=0.9)
-    bars.set_xlabel("client")
-    bars.set_ylabel("rounds taken part in")
-    bars.set_title("participation of every client")
+    if len(counts) <= MANY_CLIENTS:
+        bars.bar(np.arange(len(counts)), counts, width=0.9)
+        bars.set_xlabel("client")
+        bars.set_ylabel("rounds taken part in")
+        bars.set_title("participation of every client")
+    else:  # a histogram over the clients, not a bar a client
+        taken = counts[counts > 0]
+        bars.hist(taken, bins=np.arange(1, taken.max() + 2) - 0.5)
+        bars.set_xlabel("rounds taken part in")
+        bars.set_ylabel("clients")
+        never = len(counts) - len(taken)
+        bars.set_title(f"{len(taken):,} clients took part; {never:,} of the first ids never")
     size = max(2.0, min(30.0, 3000.0 / max(len(rows), 1)))
     dots = raster.scatter(rounds, clients, c=weights, s=size, marker="s", cmap="viridis")
     fig.colorbar(dots, ax=raster, label="aggregation weight")

@@ -484,7 +484,7 @@ def test_a_python_script_has_the_command_lines_quiet_console(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["predict"], "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')"),
+        (["predict"], "invalid choice: 'predict' (choose from 'fit', 'validate', 'test', 'data')"),
         (["fit", "--config", "nothere.yaml"], "--config nothere.yaml: no such file"),
         (["fit", "--traner.max_epochs", "3"], "unrecognized option --traner.max_epochs: "
          "options are spelled in full (`lightning-fl fit --help` lists them)"),

@@ -31,7 +31,7 @@ def test_an_early_error_stops_the_run_with_code_2_and_names_the_problem(capsys):
     assert (code, out) == (2, "")
     assert err == (
         "lightning-fl: the run did not start.\n"
-        "error: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test')\n"
+        "error: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', 'data')\n"
     )
 
 

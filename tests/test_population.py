@@ -444,3 +444,49 @@ def test_the_examples_in_the_docstrings_run():
     for module in (cohort, segment_evaluation):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted >= 1, module.__name__
+
+
+def test_the_data_command_generates_converts_and_checks(tmp_path, capsys):
+    from lightning_fl.command import main
+
+    main(["data", "generate-leaf", "--shape", "reddit", "--clients", "30", "--features", "3",
+          "--out", str(tmp_path / "json")])  # fmt: skip
+    main(["data", "convert-leaf", str(tmp_path / "json"), "--out", str(tmp_path / "fed")])
+    out = capsys.readouterr().out
+    counts = population_counts(30, "reddit")
+    assert f"train: 30 clients, {int(counts.sum()):,} samples" in out
+    assert ArrayFederatedDataModule(str(tmp_path / "fed")).sample_counts() == counts.tolist()
+    (tmp_path / "fed" / "train.y.npy").write_bytes(b"\x93NUMPY broken")
+    with pytest.raises(SystemExit) as stopped:
+        main(["data", "info", str(tmp_path / "fed")])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.splitlines() == [
+        "lightning-fl data: info did not complete.",
+        err.splitlines()[1],
+    ] and err.splitlines()[1].startswith(f"error: {tmp_path / 'fed' / 'train.y.npy'}: unreadable")
+
+
+def test_per_client_figures_of_many_clients_are_histograms(tmp_path, monkeypatch):
+    from lightning_fl import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda plt, fig, path, dpi: figures.append(fig) or path)
+    rng = np.random.default_rng(0)
+    many = {c: float(v) for c, v in enumerate(rng.random(plots.MANY_CLIENTS + 1))}
+    plots.plot_client_distributions({"seen": many}, str(tmp_path / "c.png"), "acc")
+    (ax,) = figures[-1].axes
+    assert not ax.collections  # no dot a client
+    assert ax.get_lines()[0].get_xdata()[0] == pytest.approx(np.quantile(list(many.values()), 0.1))
+    assert "1,001 clients" in ax.get_title()
+    few = {c: v for c, v in list(many.items())[:50]}
+    plots.plot_client_distributions({"seen": few}, str(tmp_path / "d.png"), "acc")
+    assert len(figures[-1].axes[0].collections[0].get_offsets()) == 50  # a dot a client
+    rows = [(t, c, 0.5) for t in range(3) for c in (5, 2_000_000 + t)]
+    path = tmp_path / "participation.csv"
+    path.write_text("round,client,weight\n" + "".join(f"{t},{c},{w}\n" for t, c, w in rows))
+    plots.plot_participation(str(path), str(tmp_path / "p.png"))
+    bars = figures[-1].axes[0]
+    heights = sorted(p.get_height() for p in bars.patches if p.get_height() > 0)
+    assert heights == [1, 3]  # 3 clients took part once, client 5 three times
+    assert "4 clients took part" in bars.get_title()

@@ -143,6 +143,7 @@ class SegmentEvaluation:
         its client's sums."""
         device = self.module.device
         values = self._values(self._stacked(batch, device))
+        # host: the positions are host bookkeeping, moved once to the device
         positions = torch.from_numpy(batch.positions).to(device)
         if self.counts is None:
             self.counts = torch.zeros(self.num_positions, dtype=torch.float64, device=device)
