@@ -58,6 +58,7 @@ from lightning_fl.datamodules.partition import (
     split_fractions,
 )
 from lightning_fl.datamodules.population import (
+    GeneratedPopulationDataModule,
     convert_leaf,
     generate_population,
     population_counts,
@@ -83,6 +84,7 @@ __all__ = [
     "FederationFormatError",
     "open_federation",
     "save_federation",
+    "GeneratedPopulationDataModule",
     "convert_leaf",
     "generate_population",
     "population_counts",

@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 
 from lightning_fl.datamodules.arrays import (
+    ArrayFederatedDataModule,
     ClientArrays,
     FederationFormatError,
     save_federation,
@@ -62,28 +63,93 @@ def generate_population(
     test_fraction: float = 0.2,
     noise: float = 1.0,
     seed: int = 0,
+    val_fraction: float = 0.0,
 ) -> Path:
-    """Write a generated population of ``num_clients`` to ``folder`` in the on-disk format
-    (train and test splits; a client's last ⌊test_fraction · n⌋ samples, at least one when
-    it has two or more, are its test set). Vectorized: about a second per million
-    samples."""
-    if not 0 <= test_fraction < 1:
-        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}.")
+    """Write a generated population of ``num_clients`` to ``folder`` in the on-disk format.
+    A client's rows are [train | val | test]: its last ⌊test_fraction · n⌋ samples (at
+    least one when it has two or more) are its test set, the ⌊val_fraction · n⌋ before
+    them (at least one when ``val_fraction`` > 0 and two are left) its validation set.
+    Vectorized: about a second per million samples."""
+    for name, value in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
+        if not 0 <= value < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {value}.")
     counts = population_counts(num_clients, shape, seed)
     x, y = population_samples(counts, features, classes, noise, seed)
-    test = np.where(counts >= 2, np.maximum(1, np.floor(test_fraction * counts)), 0)
-    test = test.astype(np.int64) if test_fraction > 0 else np.zeros_like(counts)
-    train = counts - test
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    is_test = np.zeros(len(y), dtype=bool)
-    # the last test[c] rows of every client: rows with position-from-end < test[c]
-    position = np.arange(len(y)) - np.repeat(starts, counts)
-    is_test[position >= np.repeat(train, counts)] = True
-    splits = {
-        "train": ClientArrays([x[~is_test], y[~is_test]], _offsets(train)),
-        "test": ClientArrays([x[is_test], y[is_test]], _offsets(test)),
-    }
+    test = _held_out(counts, test_fraction)
+    val = _held_out(counts - test, val_fraction, of=counts)
+    train = counts - test - val
+    position = np.arange(len(y)) - np.repeat(np.cumsum(counts) - counts, counts)
+    ends = {"train": train, "val": train + val, "test": counts}
+    splits, begin = {}, np.zeros_like(counts)
+    for split, end in ends.items():
+        rows = (position >= np.repeat(begin, counts)) & (position < np.repeat(end, counts))
+        if split == "train" or (end - begin).any():
+            splits[split] = ClientArrays([x[rows], y[rows]], _offsets(end - begin))
+        begin = end
     return save_federation(folder, splits)
+
+
+def _held_out(available: np.ndarray, fraction: float, of: np.ndarray | None = None) -> np.ndarray:
+    """⌊fraction · n⌋ of each client's n samples (``of``, default ``available``), at least
+    one where at least two are ``available``; none for a fraction of 0."""
+    if fraction == 0:
+        return np.zeros_like(available)
+    size = of if of is not None else available
+    wanted = np.maximum(1, np.floor(fraction * size)).astype(np.int64)
+    return np.where(available >= 2, np.minimum(wanted, available - 1), 0)
+
+
+class GeneratedPopulationDataModule(ArrayFederatedDataModule):
+    """A generated LEAF-shaped population (:func:`generate_population`), written once under
+    ``root`` (``prepare_data``, or the first use) and read memory-mapped.
+
+    Args:
+        root: the folder of generated populations; this one is
+            ``<root>/<shape>_<clients>_f<features>_c<classes>_s<seed>``.
+        num_clients: N (Sent140: 660,120; Reddit: 1,660,820).
+        shape: ``"sent140"`` or ``"reddit"``: the per-client sample counts of LEAF's
+            Table 1.
+        features, classes: the samples' size and number of classes.
+        test_fraction, val_fraction: each client's held-out shares.
+        seed: the population's (counts and samples).
+    """
+
+    def __init__(
+        self,
+        root: str = "data/populations",
+        num_clients: int = SHAPES["sent140"][0],
+        shape: Shape = "sent140",
+        features: int = 4,
+        classes: int = 2,
+        test_fraction: float = 0.2,
+        val_fraction: float = 0.0,
+        seed: int = 0,
+        unseen_fraction: float = 0.0,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+    ) -> None:
+        name = f"{shape}_{num_clients}_f{features}_c{classes}_s{seed}"
+        if val_fraction:
+            name += f"_v{val_fraction:g}"
+        if test_fraction != 0.2:
+            name += f"_t{test_fraction:g}"
+        self.folder = Path(root) / name
+        self._population = dict(num_clients=num_clients, shape=shape, features=features,
+                                classes=classes, test_fraction=test_fraction,
+                                val_fraction=val_fraction, seed=seed)  # fmt: skip
+        population_counts(1, shape)  # the shape is checked here, before any data is read
+        super().__init__(str(self.folder), None, unseen_fraction, batch_size, eval_batch_size)
+
+    def prepare_data(self) -> None:
+        """Generate the population unless its folder already holds it."""
+        if not (self.folder / "federation.json").is_file():
+            generate_population(self.folder, **self._population)
+
+    @property
+    def arrays(self) -> dict[str, ClientArrays]:
+        if self._splits is None:
+            self.prepare_data()
+        return super().arrays
 
 
 def population_samples(

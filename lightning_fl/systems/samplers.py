@@ -309,11 +309,12 @@ class AvailableClients(ClientSampler):
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         p = _check_target_weights(p)
         n = len(p)
-        if self.estimator.rounds == 0:  # t′ rounds seen before training (0 by default)
+        if self.estimate and self.estimator.rounds == 0:  # t′ rounds seen before training
             for past in range(self.history):
                 self.estimator.observe(self.availability.available(past, seed, n) & (p > 0))
         available = self.availability.available(self.history + round_idx, seed, n) & (p > 0)
-        self.estimator.observe(available)
+        if self.estimate:  # the oracle runs read the model's π and λ: no estimator state
+            self.estimator.observe(available)
         pi, lam = self._activity(n)
         q = p / pi
         self.excluded = ()
