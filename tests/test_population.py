@@ -490,3 +490,45 @@ def test_per_client_figures_of_many_clients_are_histograms(tmp_path, monkeypatch
     heights = sorted(p.get_height() for p in bars.patches if p.get_height() > 0)
     assert heights == [1, 3]  # 3 clients took part once, client 5 three times
     assert "4 clients took part" in bars.get_title()
+
+
+def test_draws_in_o_of_the_drawn_equal_torchs_draws():
+    """randperm_prefix and multinomial_draws replay torch.randperm and torch.multinomial
+    (with replacement) bit for bit: every n from 1 to 40 and 10⁵, several seeds (a
+    63-bit one too), prefixes up to the whole permutation, weights with zeros."""
+    from lightning_fl.engine.seeding import cumulative_weights, multinomial_draws, randperm_prefix
+
+    for n in [*range(1, 41), 100_000]:
+        for seed in (0, 17, 2**62 + 5):
+            generator = torch.Generator().manual_seed(seed)
+            for count in {1, min(n, 7), n if n <= 40 else 300}:
+                full = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+                assert randperm_prefix(n, count, seed) == full[:count].tolist(), (n, seed)
+            p = torch.rand(n, dtype=torch.float64, generator=generator)
+            p[::3] = 0
+            if float(p.sum()) == 0:
+                continue
+            p /= p.sum()
+            expected = torch.multinomial(p, 25, True, generator=torch.Generator().manual_seed(seed))
+            got = multinomial_draws(cumulative_weights(p), 25, seed)
+            assert got.tolist() == expected.tolist(), (n, seed)
+
+
+def test_uniform_and_md_samplers_draw_what_torch_draws_over_rounds():
+    """The samplers' participants over 30 rounds of 20,000 clients (some without data)
+    equal those of torch's own O(n) calls with the round's generator."""
+    from lightning_fl.engine.seeding import generator
+
+    counts = torch.arange(20_000, dtype=torch.float64) % 7
+    p = counts / counts.sum()
+    eligible = torch.nonzero(p > 0).flatten()
+    uniform, md = UniformSampler(50), MDSampler(50)
+    for t in range(30):
+        gen = generator(4, "sampler", t)
+        chosen = eligible[torch.randperm(len(eligible), generator=gen)[:50]].tolist()
+        assert uniform.sample(t, 4, p).clients == tuple(sorted(chosen))
+        gen = generator(4, "sampler", t)
+        draws = torch.multinomial(p, 50, replacement=True, generator=gen).tolist()
+        part = md.sample(t, 4, p)
+        assert part.clients == tuple(sorted(set(draws)))
+        assert part.weights == tuple(Counter(draws)[c] / 50 for c in part.clients)

@@ -86,3 +86,86 @@ def seed_global_rng(seed: int, device: torch.device) -> None:
         torch.random.default_generator.manual_seed(seed)
     else:
         torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------- draws in O(drawn)
+# A round of a population of 10⁶ clients must not cost a pass over the population to draw
+# 100 of them. torch's CPU generator is a 32-bit Mersenne Twister seeded with the low 32
+# bits of its seed, and its randperm and multinomial (with replacement) are short loops
+# over that stream; the functions below replay those loops for the drawn entries only,
+# with NumPy's MT19937 giving the same stream. The first use checks them against torch on
+# small cases, and falls back to torch's own (O(n)) calls if a torch release draws
+# otherwise.
+
+
+def _stream(seed: int) -> np.random.MT19937:
+    """NumPy's MT19937 in the state of ``torch.Generator().manual_seed(seed)``."""
+    bits = np.random.MT19937(0)
+    bits._legacy_seeding(int(seed) & 0xFFFFFFFF)
+    return bits
+
+
+def randperm_prefix(n: int, count: int, seed: int) -> list[int]:
+    """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]`` in
+    O(count): torch's Fisher–Yates (for n below 2³²/20) swaps position i with i + (a
+    32-bit draw mod (n − i)), so the first ``count`` positions are final after ``count``
+    steps; the swapped-away values are kept in a dict."""
+    if not _replays_torch():
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    count = min(count, n)
+    steps = np.arange(count, dtype=np.uint64)
+    partners = (_stream(seed).random_raw(count) % (np.uint64(n) - steps) + steps).tolist()
+    moved: dict[int, int] = {}
+    out = []
+    for i, j in enumerate(partners):
+        here, there = moved.get(i, i), moved.get(j, j)
+        moved[j] = here
+        out.append(there)
+    return out
+
+
+def multinomial_draws(cumulative: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """``torch.multinomial(p, count, replacement=True, generator=
+    torch.Generator().manual_seed(seed))`` in O(count · log n), given ``cumulative`` =
+    :func:`cumulative_weights` of the float64 ``p``: each draw is a 53-bit uniform from two
+    32-bit words (the first the high one) and the first index whose cumulative weight
+    reaches it."""
+    if not _replays_torch():
+        p = torch.from_numpy(np.diff(cumulative, prepend=0.0))
+        generator = torch.Generator().manual_seed(seed)
+        return torch.multinomial(p, count, replacement=True, generator=generator).numpy()
+    words = _stream(seed).random_raw(2 * count).reshape(count, 2)
+    bits = ((words[:, 0] << np.uint64(32)) | words[:, 1]) & np.uint64((1 << 53) - 1)
+    return np.searchsorted(cumulative, bits.astype(np.float64) * 2.0**-53, side="left")
+
+
+def cumulative_weights(p: torch.Tensor) -> np.ndarray:
+    """torch's multinomial's cumulative distribution of the float64 ``p``: the running sum
+    in order, divided by the total, the last entry set to 1."""
+    # host: a sampler's bookkeeping of the target weights
+    cumulative = np.cumsum(p.detach().cpu().double().numpy())
+    cumulative /= cumulative[-1]
+    cumulative[-1] = 1.0
+    return cumulative
+
+
+_REPLAYS: list[bool] = []
+
+
+def _replays_torch() -> bool:
+    """Whether the replays above give this torch's draws (checked once, on small cases)."""
+    if not _REPLAYS:
+        _REPLAYS.append(True)
+        cases = [(n, seed) for n in (1, 2, 7, 1000) for seed in (0, 3, 2**40 + 11)]
+        p = torch.rand(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        p[::4] = 0
+        p /= p.sum()
+        agrees = all(
+            randperm_prefix(n, 10, s)
+            == torch.randperm(n, generator=torch.Generator().manual_seed(s))[:10].tolist()
+            and multinomial_draws(cumulative_weights(p), 20, s).tolist()
+            == torch.multinomial(p, 20, True, generator=torch.Generator().manual_seed(s)).tolist()
+            for n, s in cases
+        )
+        _REPLAYS[0] = agrees
+    return _REPLAYS[0]

@@ -19,7 +19,12 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.seeding import (
+    cumulative_weights,
+    generator,
+    multinomial_draws,
+    randperm_prefix,
+)
 from lightning_fl.systems.ca_fed import AvailabilityEstimator, LossFilter, truncate
 
 
@@ -47,7 +52,7 @@ class ClientSampler:
 
         Clients with p_i = 0 (for instance clients without training data) are never drawn.
         """
-        p = _check_target_weights(p)
+        p = self._checked(p)
         weights = self._draw(p, generator(seed, "sampler", round_idx))
         clients = tuple(sorted(weights))
         omega = [weights[c] for c in clients]
@@ -58,6 +63,23 @@ class ClientSampler:
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         raise NotImplementedError
+
+    def _checked(self, p: torch.Tensor) -> torch.Tensor:
+        """``p`` checked (:func:`_check_target_weights`) once for the tensor a fit passes
+        every round, not at every round: the population's weights are fixed for a fit."""
+        if p is not getattr(self, "_target_in", None):
+            self._target_in, self._target = p, _check_target_weights(p)
+            self._derived: dict[str, Any] = {}
+        return self._target
+
+    def _derived_from(self, p: torch.Tensor, name: str, compute: Any) -> Any:
+        """``compute(p)``, kept while the fit passes the same checked ``p``: what a draw
+        needs of the whole population (the eligible clients, the cumulative weights) is
+        computed once, so that a round costs what its draws cost."""
+        cache = self._derived if p is getattr(self, "_target", None) else {}
+        if name not in cache:
+            cache[name] = compute(p)
+        return cache[name]
 
     def check(self, num_eligible: int) -> None:
         """Raise a clear error when this sampler cannot work with ``num_eligible`` clients."""
@@ -116,10 +138,11 @@ class UniformSampler(_FixedSizeSampler):
     """
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
-        eligible = torch.nonzero(p > 0).flatten()
+        eligible = self._derived_from(p, "eligible", lambda w: torch.nonzero(w > 0).flatten())
         n, m = len(eligible), self.clients_per_round
         self.check(n)
-        chosen = eligible[torch.randperm(n, generator=gen)[:m]].tolist()
+        # torch.randperm(n, generator=gen)[:m], drawn in O(m) (seeding.randperm_prefix)
+        chosen = eligible[randperm_prefix(n, m, gen.initial_seed())].tolist()
         return {i: n / m * float(p[i]) for i in chosen}
 
 
@@ -135,7 +158,9 @@ class MDSampler(_FixedSizeSampler):
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         m = self.clients_per_round
-        draws = torch.multinomial(p, m, replacement=True, generator=gen).tolist()
+        # torch.multinomial(p, m, replacement=True, generator=gen), drawn in O(m log n)
+        cumulative = self._derived_from(p, "cumulative", cumulative_weights)
+        draws = multinomial_draws(cumulative, m, gen.initial_seed()).tolist()
         return {i: count / m for i, count in Counter(draws).items()}
 
 
@@ -307,7 +332,7 @@ class AvailableClients(ClientSampler):
         return pi, lam
 
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
-        p = _check_target_weights(p)
+        p = self._checked(p)
         n = len(p)
         if self.estimate and self.estimator.rounds == 0:  # t′ rounds seen before training
             for past in range(self.history):
