@@ -496,8 +496,10 @@ def test_draws_in_o_of_the_drawn_equal_torchs_draws():
     """randperm_prefix and multinomial_draws replay torch.randperm and torch.multinomial
     (with replacement) bit for bit: every n from 1 to 40 and 10⁵, several seeds (a
     63-bit one too), prefixes up to the whole permutation, weights with zeros."""
+    from lightning_fl.engine import seeding
     from lightning_fl.engine.seeding import cumulative_weights, multinomial_draws, randperm_prefix
 
+    assert seeding._replays_torch()  # the replay is in use here, not torch's fallback
     for n in [*range(1, 41), 100_000]:
         for seed in (0, 17, 2**62 + 5):
             generator = torch.Generator().manual_seed(seed)
