@@ -135,7 +135,7 @@ def cohort_cost(dm, rounds: int, vectorize_evaluation: bool, workdir: str) -> fl
 
 
 def full_pass(dm, vectorize_evaluation: bool, workdir: str) -> float:
-    fit = trainer(1, [FedAvg()], workdir, sampler=UniformSampler(PER_ROUND),
+    fit = trainer(1, [FedAvg()], workdir, validate=True, sampler=UniformSampler(PER_ROUND),
                   vectorize_evaluation=vectorize_evaluation)  # fmt: skip
     module = model()
     fit.fit(module, datamodule=dm)
@@ -156,8 +156,20 @@ def open_on_disk(folder: str, workdir: str) -> dict:
     fit.fit(model(), datamodule=dm)
     setup = time.perf_counter() - start - sum(timer.rounds)
     data = sum(p.stat().st_size for p in Path(folder).glob("*.npy"))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     return {"setup_s": setup, "round_s": timer.rounds[0], "data_bytes": data, "peak_rss": peak}
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes: VmHWM (ru_maxrss would count the
+    parent's memory at the fork that started it, as Linux keeps it across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:

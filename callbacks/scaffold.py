@@ -134,9 +134,16 @@ class SCAFFOLD(FederatedCallback):
         if self.control_weighting == "target":
             scale = 1.0  # the p_i were applied per client
         else:
-            scale = 1.0 / int(np.count_nonzero(state.sample_counts))
+            scale = 1.0 / self._clients_with_data(state.sample_counts)
         torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=scale)
         self._correction = self._stacked_correction = None
+
+    def _clients_with_data(self, counts: np.ndarray) -> int:
+        """N of c = (1/N) Σ c_i: the clients with training data, counted once per fit's
+        counts (a pass over the population, not one a round)."""
+        if getattr(self, "_counted", (None,))[0] is not counts:
+            self._counted = (counts, int(np.count_nonzero(counts)))
+        return self._counted[1]
 
     def state_dict(self) -> dict[str, Any]:
         return {"server_control": self.server_control}

@@ -77,6 +77,7 @@ class RoundPlanner:
         self._balanced: bool | None = None
         self._target_weights: torch.Tensor | None = None
         self._unseen: np.ndarray | None = None
+        self._checked_counts: np.ndarray | None = None
 
     @property
     def datamodule(self) -> FederatedDataModule:
@@ -86,7 +87,7 @@ class RoundPlanner:
         """The participants of ``round_idx`` and this rank's loaders and steps."""
         fit, config, dm = self.fit, self.fit.config, self.datamodule
         dm.set_round(round_idx)
-        counts = np.asarray(fit.federation.training_counts)
+        counts = fit.federation.training_counts
         self._warn_clients_without_data(counts)
         p = self.target_weights()
         participation = self._participants(round_idx, p)
@@ -191,8 +192,9 @@ class RoundPlanner:
 
     def _warn_clients_without_data(self, counts: np.ndarray) -> None:
         """Once per fit: the clients that have no training data at all."""
-        if self._warned_empty:
-            return
+        if self._warned_empty or counts is self._checked_counts:
+            return  # warned, or these counts (the fit's: the same array every round) had none
+        self._checked_counts = counts
         if self._unseen is None:  # fixed for a fit
             self._unseen = np.asarray(self.datamodule.unseen_clients, dtype=np.int64)
         empty_mask = np.asarray(counts) == 0

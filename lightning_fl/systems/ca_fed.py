@@ -34,12 +34,13 @@ class AvailabilityEstimator:
             self.active = torch.zeros(n, dtype=torch.float64)
             self.stays = torch.zeros(2, n, dtype=torch.float64)
             self.leaves = torch.zeros(2, n, dtype=torch.float64)
-        self.active += available.double()
-        if self.last is not None:
-            same = available == self.last
-            state = self.last.long()
-            self.stays[state, torch.arange(len(state))] += same.double()
-            self.leaves[state, torch.arange(len(state))] += (~same).double()
+        self.active += available
+        if self.last is not None:  # one masked add per count (no index over the clients)
+            was_on, now_on = self.last, available
+            self.stays[0] += ~was_on & ~now_on
+            self.stays[1] += was_on & now_on
+            self.leaves[0] += ~was_on & now_on
+            self.leaves[1] += was_on & ~now_on
         self.last = available.clone()
         self.rounds += 1
 

@@ -322,11 +322,15 @@ class AvailableClients(ClientSampler):
         self.rates: torch.Tensor | None = None
         self.excluded: tuple[int, ...] = ()
 
-    def _activity(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(π, λ) per client: the model's, or the estimates."""
+    def _activity(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(π, λ) per client: the model's, or the estimates; λ only for CA-Fed, the one
+        selector that reads it (None for the others: a pass over the population less)."""
         if self.estimate:
-            return self.estimator.availability(), self.estimator.correlation()
+            lam = self.estimator.correlation() if self.selector == "ca_fed" else None
+            return self.estimator.availability(), lam
         pi = self.availability.stationary(n)
+        if self.selector != "ca_fed":
+            return pi, None
         lam_of = getattr(self.availability, "correlation", None)
         lam = lam_of(n) if lam_of is not None else torch.zeros(n, dtype=torch.float64)
         return pi, lam
