@@ -534,3 +534,40 @@ def test_uniform_and_md_samplers_draw_what_torch_draws_over_rounds():
         part = md.sample(t, 4, p)
         assert part.clients == tuple(sorted(set(draws)))
         assert part.weights == tuple(Counter(draws)[c] / 50 for c in part.clients)
+
+
+def test_a_large_population_resumes_bit_identical_with_a_checkpoint_of_its_participants(
+    tmp_path,
+):
+    """120,000 clients (above LISTED_COUNTS: the counts are a digest), MD sampling of 5,
+    SCAFFOLD and kept optimizer states, cohort validation: 4 rounds straight equal 2 rounds,
+    a checkpoint, and 2 resumed rounds; the checkpoint holds only the participants'."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(rounds, module, callbacks=(), **kw):
+        strategy = FederatedStrategy(sampler=MDSampler(5), local_steps=2, seed=9,
+                                     keep_optimizer_state=True, eval_clients=40)  # fmt: skip
+        trainer = make_trainer(strategy, rounds, [SCAFFOLD(), *callbacks],
+                               limit_val_batches=None, **kw)  # fmt: skip
+        trainer.fit(module, datamodule=_population(120_000))
+        return trainer
+
+    full = tiny_module(0.1)
+    fit(4, full)
+    first = tiny_module(0.1)
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    fit(2, first, [saver], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "epoch=1.ckpt", weights_only=True)
+    state = saved["callbacks"]["_RoundDriver"]
+    assert isinstance(state["federation"]["train_counts"], str)  # the digest, not 120,000 ints
+    assert 0 < len(state["client_store"]) <= 10  # 2 rounds of 5 draws
+    resumed = tiny_module(0.1, seed=77)
+    trainer = make_trainer(
+        FederatedStrategy(sampler=MDSampler(5), local_steps=2, seed=9,
+                          keep_optimizer_state=True, eval_clients=40),
+        4, [SCAFFOLD()], limit_val_batches=None,
+    )  # fmt: skip
+    trainer.fit(resumed, datamodule=_population(120_000), ckpt_path=str(tmp_path / "epoch=1.ckpt"),
+                weights_only=True)  # fmt: skip
+    for a, b in zip(params_of(full), params_of(resumed)):
+        assert torch.equal(a, b)
