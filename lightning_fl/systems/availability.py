@@ -113,15 +113,26 @@ class MarkovAvailability:
                 chains, generator=generator(seed, "availability", 0), dtype=torch.float64
             )
             self._round, self._state = 0, draw < pi
+        stay, rise = self._thresholds(pi, lam)
         while self._round < round_idx:
             self._round += 1
             draw = torch.rand(
                 chains, generator=generator(seed, "availability", self._round), dtype=torch.float64
             )
-            p_active = torch.where(self._state, lam + (1 - lam) * pi, (1 - lam) * pi)
-            self._state = draw < p_active
+            # active next with probability λ + (1−λ)π when active now, (1−λ)π when not
+            self._state = torch.where(self._state, draw < stay, draw < rise)
         state = self._state
         return state if self.clusters is None else state[self.clusters]
+
+    def _thresholds(
+        self, pi: torch.Tensor, lam: torch.Tensor
+    ) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """(λ + (1−λ)π, (1−λ)π): per chain, or two numbers when every chain shares π and
+        λ (a step then makes no pass over the population to compute them)."""
+        if len(self.pi) == 1 and len(self.lam) == 1:
+            p, lam_ = float(self.pi[0]), float(self.lam[0])
+            return lam_ + (1 - lam_) * p, (1 - lam_) * p
+        return lam + (1 - lam) * pi, (1 - lam) * pi
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self._round, "seed": self._seed, "state": self._state}

@@ -44,10 +44,11 @@ class AvailabilityEstimator:
         self.last = available.clone()
         self.rounds += 1
 
-    def availability(self) -> torch.Tensor:
-        """π̂."""
+    def availability(self, clients: torch.Tensor | None = None) -> torch.Tensor:
+        """π̂ (of ``clients`` only, when given)."""
         n, m = self.prior
-        return (self.active + n) / (self.rounds + n + m)
+        active = self.active if clients is None else self.active[clients]
+        return (active + n) / (self.rounds + n + m)
 
     def correlation(self) -> torch.Tensor:
         """λ̂ = P̂(1→1) + P̂(0→0) − 1."""

@@ -338,12 +338,15 @@ class AvailableClients(ClientSampler):
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         p = self._checked(p)
         n = len(p)
+        positive = self._derived_from(p, "positive", lambda w: w > 0)
         if self.estimate and self.estimator.rounds == 0:  # t′ rounds seen before training
             for past in range(self.history):
-                self.estimator.observe(self.availability.available(past, seed, n) & (p > 0))
-        available = self.availability.available(self.history + round_idx, seed, n) & (p > 0)
+                self.estimator.observe(self.availability.available(past, seed, n) & positive)
+        available = self.availability.available(self.history + round_idx, seed, n) & positive
         if self.estimate:  # the oracle runs read the model's π and λ: no estimator state
             self.estimator.observe(available)
+        if self.selector in ("unbiased", "adafed"):
+            return self._every_available(p, available, n)
         pi, lam = self._activity(n)
         q = p / pi
         self.excluded = ()
@@ -367,6 +370,20 @@ class AvailableClients(ClientSampler):
             q = q / total if total > 0 else q
         clients = torch.nonzero(available).flatten().tolist()
         return Participation(tuple(clients), tuple(float(q[c]) for c in clients))
+
+    def _every_available(self, p: torch.Tensor, available: torch.Tensor, n: int) -> Participation:
+        """Unbiased and AdaFed: every available client k, q_k = α_k/π_k (normalized over
+        A_t for AdaFed), computed for the available clients only."""
+        clients = torch.nonzero(available).flatten()
+        if self.estimate:
+            pi = self.estimator.availability(clients)
+        else:
+            pi = self.availability.stationary(n)[clients]
+        q = p[clients] / pi
+        if self.normalize_weights:
+            total = float(q.sum())
+            q = q / total if total > 0 else q
+        return Participation(tuple(clients.tolist()), tuple(q.tolist()))
 
     def _f3ast(self, p, pi, available):
         if self.rates is None:
