@@ -69,8 +69,16 @@ def configurations(num_clients: int) -> dict:
     return {
         "FedAvg, uniform": (UniformSampler(PER_ROUND), [FedAvg()]),
         "FedAvg, MD": (MDSampler(PER_ROUND), [FedAvg()]),
-        "Markov availability, CA-Fed's estimators": (
-            AvailableClients(markov, selector="unbiased", estimate=True),
+        "Markov availability, CA-Fed's Unbiased": (
+            AvailableClients(markov, selector="unbiased"),
+            [FedAvg()],
+        ),
+        "… with CA-Fed's estimated π̂": (
+            AvailableClients(
+                MarkovAvailability(pi=PER_ROUND / num_clients, lam=0.5),
+                selector="unbiased",
+                estimate=True,
+            ),
             [FedAvg()],
         ),
         "SCAFFOLD, uniform": (UniformSampler(PER_ROUND), [SCAFFOLD()]),

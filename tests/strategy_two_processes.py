@@ -15,7 +15,9 @@ the same fit on one process:
   on its rank from its own share of the metric's state, and the value pooled over the
   seen clients of every rank; and of a plain LightningModule that logs its loss synced:
   each client's value, read before Lightning syncs the epoch's sums over ranks; and a
-  test where rank 1's clients have no test data: it logs the other rank's values.
+  test where rank 1's clients have no test data: it logs the other rank's values;
+- an array federation with a validation cohort and a full validation vectorized over
+  clients: the model, the cohort's logged values and every client's values.
 
 Each rank saves them to ``<root>/rank<r>.pt``, and writes to ``<root>/rank<r>.exit``
 whether its process group was still alive after the strategy's exit handler (registered
@@ -160,6 +162,29 @@ def idle_rank_test(**trainer_options) -> dict[str, float]:
     return {name: float(trainer.callback_metrics[name]) for name in ("test_loss", "test_acc")}
 
 
+def population_fit(**trainer_options) -> dict:
+    """An array federation of 9 clients (some unseen), 4 a round, a validation cohort of 5
+    each round, then a full validation vectorized over clients: the model, the cohort's
+    logged values and every client's validation values."""
+    from lightning_fl.datamodules import ArrayFederatedDataModule, ClientArrays
+
+    clients = tiny_clients(9)
+    splits = {split: ClientArrays.from_clients([c[split] for c in clients])
+              for split in ("train", "val")}  # fmt: skip
+    data = ArrayFederatedDataModule(splits=splits, unseen_fraction=0.2, batch_size=4,
+                                    eval_batch_size=2)  # fmt: skip
+    trained = tiny_module()
+    strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=2,
+                                 eval_clients=5, vectorize_evaluation=True)  # fmt: skip
+    trainer = make_trainer(strategy, 3, [FedAvg()], limit_val_batches=None, **trainer_options)
+    trainer.fit(trained, datamodule=data)
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
+    trainer.validate(trained, datamodule=data, verbose=False)
+    per_client = trainer.strategy.evaluation.last_report[1]
+    return {"params": params_of(trained), "cohort": logged,
+            "clients": {k: dict(v) for k, v in per_client.items()}}  # fmt: skip
+
+
 def unlearning_fit(method: str, **trainer_options) -> dict:
     """``method`` on 8 clients, 4 a round, 6 rounds, with clients 0 and 1 asking to be
     forgotten at round 4 (SIFU at σ = 0.01 restarts from round 1, a point that the
@@ -244,6 +269,7 @@ if __name__ == "__main__":
     results["torchmetrics"] = torchmetrics_test(devices=2)
     results["plain"] = plain_test(devices=2)
     results["idle_rank"] = idle_rank_test(devices=2)
+    results["population"] = population_fit(devices=2)
     try:
         unlearning_fit("fedaccum", devices=2)
         results["fedaccum"] = "ran"

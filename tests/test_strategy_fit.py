@@ -495,3 +495,24 @@ def test_a_rank_without_test_data_logs_the_other_ranks_values(two_process_fits):
     one = script.idle_rank_test()
     for rank in two_process_fits:
         assert rank["idle_rank"] == pytest.approx(one, abs=1e-6)
+
+
+def test_cohorts_and_vectorized_evaluation_on_two_processes_equal_one_process(
+    two_process_fits,
+):
+    """An array federation: each rank evaluates its own clients of the round's cohort, and
+    of the full pass, vectorized over them; what every rank logs (the cohort's means and
+    standard errors) and every client's value equal one process's."""
+    from tests import strategy_two_processes as script
+
+    one = script.population_fit()
+    assert len(one["clients"]["val_acc"]) == 9 and "val_acc/se" in one["cohort"]
+    for rank in two_process_fits:
+        got = rank["population"]
+        assert max_abs_diff(one["params"], got["params"]) <= 1e-5
+        assert got["cohort"] == pytest.approx(one["cohort"], abs=1e-6)
+        for name, values in one["clients"].items():
+            assert got["clients"][name].keys() == values.keys()
+            for client, (value, count) in values.items():
+                assert got["clients"][name][client][0] == pytest.approx(value, abs=1e-6)
+                assert got["clients"][name][client][1] == count

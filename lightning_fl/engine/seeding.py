@@ -110,6 +110,7 @@ def randperm_prefix(n: int, count: int, seed: int) -> list[int]:
     O(count): torch's Fisher–Yates (for n below 2³²/20) swaps position i with i + (a
     32-bit draw mod (n − i)), so the first ``count`` positions are final after ``count``
     steps; the swapped-away values are kept in a dict."""
+    # host: a draw of client ids from a CPU generator, as the samplers make it
     if not _replays_torch():
         return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].tolist()
     count = min(count, n)
@@ -130,6 +131,7 @@ def multinomial_draws(cumulative: np.ndarray, count: int, seed: int) -> np.ndarr
     :func:`cumulative_weights` of the float64 ``p``: each draw is a 53-bit uniform from two
     32-bit words (the first the high one) and the first index whose cumulative weight
     reaches it."""
+    # host: a draw of client ids from a CPU generator, as the samplers make it
     if not _replays_torch():
         p = torch.from_numpy(np.diff(cumulative, prepend=0.0))
         generator = torch.Generator().manual_seed(seed)
@@ -154,6 +156,7 @@ _REPLAYS: list[bool] = []
 
 def _replays_torch() -> bool:
     """Whether the replays above give this torch's draws (checked once, on small cases)."""
+    # host: CPU draws compared with CPU draws
     if not _REPLAYS:
         _REPLAYS.append(True)
         cases = [(n, seed) for n in (1, 2, 7, 1000) for seed in (0, 3, 2**40 + 11)]
