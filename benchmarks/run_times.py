@@ -49,7 +49,9 @@ def whole_runs() -> list[str]:
     digits personalization ones and the small paper variants."""
     recipes = ROOT / "recipes"
     names = [p.name for p in sorted(recipes.glob("*.yaml"))]
-    for pattern in ("combined/*.yaml", "personalization/digits_*.yaml", "paper/*_small.yaml"):
+    patterns = ("combined/*.yaml", "personalization/digits_*.yaml", "paper/*_small.yaml",
+                "population/*.yaml")  # fmt: skip
+    for pattern in patterns:
         names += [p.relative_to(recipes).as_posix() for p in sorted(recipes.glob(pattern))]
     return [n for n in names if "2proc" not in n]
 

@@ -10,6 +10,7 @@ decile, seen and unseen clients apart), logged, and written to ``client_metrics.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -182,9 +183,10 @@ def _log_summaries(
             summary = summarize(group, name)
             if populations is not None:
                 population = populations["seen" if prefix == name else "unseen"]
-                summary |= cohort_standard_errors(
+                errors = cohort_standard_errors(
                     [v for v, _ in group.values()], [n for _, n in group.values()], population
-                )
+                )  # undefined (NaN) for a group of one client: not logged
+                summary |= {k: v for k, v in errors.items() if not math.isnan(v)}
             for key, value in summary.items():
                 # the same on every rank: syncing only averages equal values
                 pl_module.log(f"{prefix}/{key}", value, sync_dist=True)
