@@ -28,3 +28,6 @@ timeout 360 python -m pytest -q -p no:cacheprovider --accelerator gpu -n 8 --dis
 echo "pytest exit status $?" >> "$OUT/test_gpu.log"
 tail -5 "$OUT/test_gpu.log"
 OUT=$OUT timeout 150 bash benchmarks/gpu_federation.sh || echo "benchmarks stopped: $?"
+# issue 66's population table on the GPU (rounds and cohorts at 10^3 and 10^6 clients)
+timeout 120 python benchmarks/population.py --rounds 6 --quick \
+    --out "$OUT/population_gpu.md" > "$OUT/population_gpu.log" 2>&1 || echo "population stopped: $?"
