@@ -375,12 +375,18 @@ def test_vectorized_evaluation_equals_client_by_client(stage):
         assert math.isclose(fast_metrics[key], value, rel_tol=1e-6, abs_tol=1e-7), key
 
 
-def test_vectorized_evaluation_true_refuses_a_datamodule_without_arrays():
+def test_vectorized_evaluation_true_is_refused_at_set_up_naming_the_reason():
     strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)
     trainer = make_trainer(strategy, 1, [FedAvg()], limit_val_batches=None)
     dm = InMemoryFederatedDataModule(tiny_clients(4))
-    with pytest.raises(ValueError, match="does not hold its 'val' split as arrays"):
+    with pytest.raises(ValueError, match="does not hold its clients as arrays"):
         trainer.fit(tiny_module(), datamodule=dm)
+    from lightning_fl.callbacks import Ditto
+
+    strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)
+    trainer = make_trainer(strategy, 1, [Ditto(lam=0.5)], limit_val_batches=None)
+    with pytest.raises(ValueError, match="Ditto acts at each client's evaluation"):
+        trainer.fit(tiny_module(), datamodule=_array_datamodule())
 
 
 def test_cohorts_are_seeded_without_replacement_among_eligible_clients():

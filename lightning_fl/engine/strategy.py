@@ -484,6 +484,14 @@ class FederatedStrategy(DDPStrategy):
         self.evaluation = ClientEvaluation(self.fit, self.engine)
         driver = next(cb for cb in trainer.callbacks if isinstance(cb, RoundDriver))
         driver.attach(self.fit, self.engine, self.vectorized, self.evaluation)
+        if self.config.vectorize_evaluation is True:  # refused at set-up, not at a late epoch
+            self._segment_evaluation(trainer)
+            if trainer.datamodule.split_arrays("train") is None:
+                raise ValueError(
+                    f"vectorize_evaluation=True, but {type(trainer.datamodule).__name__} does "
+                    "not hold its clients as arrays (split_arrays): use an "
+                    "ArrayFederatedDataModule, or vectorize_evaluation='auto'."
+                )
         if fitting and self.config.vectorize:
             self.vectorized.setup()
         if trainer.datamodule.num_clients < self.world_size:
