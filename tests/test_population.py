@@ -577,3 +577,38 @@ def test_a_large_population_resumes_bit_identical_with_a_checkpoint_of_its_parti
                 weights_only=True)  # fmt: skip
     for a, b in zip(params_of(full), params_of(resumed)):
         assert torch.equal(a, b)
+
+
+#: plugins of the composition matrix run on the same federation held as arrays
+ON_ARRAYS = ("FedAvg", "SCAFFOLD", "UniformSampler", "FedEM", "KNNPer", "Ditto", "DPSGD",
+             "MembershipInference", "Unlearning", "FreeRiders", "vectorize", "resume")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ON_ARRAYS)
+def test_plugins_on_an_array_federation_equal_the_in_memory_one(name, monkeypatch):
+    """The composition matrix's tiny federation, as arrays: every plugin trains the same
+    model (exactly) and tests to the same metrics (1e-6: the test pass may run vectorized
+    over clients)."""
+    from tests import composition
+
+    composition.quiet()
+    plain = composition.run((name,))
+    clients, _ = composition._clients()
+    build = composition.build
+
+    def on_arrays(names):
+        setup = build(names)
+        if setup.datamodule is composition.tiny_federation:
+            setup.datamodule = lambda: ArrayFederatedDataModule(splits=_arrays_of(clients),
+                                                                batch_size=4)  # fmt: skip
+        return setup
+
+    monkeypatch.setattr(composition, "build", on_arrays)
+    arrays = composition.run((name,))
+    assert plain.status == arrays.status == "ok", (plain.message, arrays.message)
+    for a, b in zip(plain.params, arrays.params):
+        assert torch.equal(a, b)
+    assert arrays.weights == plain.weights
+    assert arrays.metrics.keys() == plain.metrics.keys()
+    for key, value in plain.metrics.items():
+        assert arrays.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
