@@ -266,25 +266,9 @@ def iter_leaf_users(path: str | os.PathLike) -> Iterator[tuple[str, list, list]]
                     f"{path}: {len(users)} users but {len(counts)} num_samples entries."
                 )
             declared = dict(zip(users, counts))
-            reader.expect("{")
-            while reader.peek() != "}":
-                if found:
-                    reader.expect(",")
-                user = reader.value()
-                reader.expect(":")
-                entry = reader.value()
-                if user not in declared:
-                    raise FederationFormatError(f"{path}: user {user!r} is not in 'users'.")
-                if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
-                    raise FederationFormatError(f"{path}: user {user!r} has no x and y.")
-                if not len(entry["x"]) == len(entry["y"]) == declared[user]:
-                    raise FederationFormatError(
-                        f"{path}: user {user!r} has num_samples {declared[user]} but "
-                        f"{len(entry['x'])} x and {len(entry['y'])} y."
-                    )
+            for user, xs, ys in _user_entries(reader, path, declared):
                 found += 1
-                yield user, entry["x"], entry["y"]
-            reader.expect("}")
+                yield user, xs, ys
         if reader.peek() == "}":
             break
         reader.expect(",")
@@ -294,6 +278,33 @@ def iter_leaf_users(path: str | os.PathLike) -> Iterator[tuple[str, list, list]]
         raise FederationFormatError(
             f"{path}: 'users' lists {len(declared)} users but 'user_data' holds {found}."
         )
+
+
+def _user_entries(
+    reader: _JsonStream, path: Path, declared: dict[str, int]
+) -> Iterator[tuple[str, list, list]]:
+    """The entries of ``user_data`` (``{user: {"x", "y"}, ...}``), one at a time, each
+    checked against its declared number of samples."""
+    reader.expect("{")
+    first = True
+    while reader.peek() != "}":
+        if not first:
+            reader.expect(",")
+        first = False
+        user = reader.value()
+        reader.expect(":")
+        entry = reader.value()
+        if user not in declared:
+            raise FederationFormatError(f"{path}: user {user!r} is not in 'users'.")
+        if not isinstance(entry, dict) or "x" not in entry or "y" not in entry:
+            raise FederationFormatError(f"{path}: user {user!r} has no x and y.")
+        if not len(entry["x"]) == len(entry["y"]) == declared[user]:
+            raise FederationFormatError(
+                f"{path}: user {user!r} has num_samples {declared[user]} but "
+                f"{len(entry['x'])} x and {len(entry['y'])} y."
+            )
+        yield user, entry["x"], entry["y"]
+    reader.expect("}")
 
 
 class _JsonStream:

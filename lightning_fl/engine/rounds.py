@@ -135,11 +135,11 @@ class EvalRounds:
         self.evaluation = evaluation
         #: with a cohort, the number of clients it was drawn from (its standard errors')
         self.population = population
-        candidates = _candidates(datamodule, ranks, cohort)
-        arrays = datamodule.split_arrays(split)
         self.loaders: list = []
         self.segments: SegmentEvaluation | None = None
         self.batches: list[SegmentBatch] = []
+        candidates = _candidates(datamodule, ranks, cohort)
+        arrays = datamodule.split_arrays(split)
         if arrays is None:
             if segments is not None and segments.strict:
                 raise ValueError(
@@ -149,32 +149,11 @@ class EvalRounds:
                 )
             clients, sizes = self._datasets(datamodule, split, candidates)
         else:
-            columns, offsets = arrays
-            counts = offsets[candidates + 1] - offsets[candidates]
-            kept = candidates[counts > 0]
-            clients, sizes = kept.tolist(), counts[counts > 0]
-            if segments is not None and len(kept):
-                batches = segment_batches(offsets[kept], sizes, datamodule.eval_batch_size)
-                evaluator = segments(columns, len(kept))
-                if evaluator.agrees(batches[0]):
-                    self.segments, self.batches = evaluator, batches
-                elif segments.strict:
-                    raise ValueError(
-                        "vectorize_evaluation=True, but the module's loss_and_metrics does "
-                        "not run under torch.func.vmap, or gives other values there than "
-                        "in a plain call: set vectorize_evaluation='auto' or False."
-                    )
-            if self.segments is None:
-                self.loaders = [
-                    datamodule.client_dataloader(datamodule.client_dataset(c, split), split)
-                    for c in clients
-                ]
-            sizes = sizes.tolist()
+            clients, sizes = self._arrays(datamodule, split, candidates, arrays, segments)
         #: each client's number of samples in ``split``
         self.sizes: dict[int, int] = dict(zip(clients, sizes))
         if self.segments is not None:
-            # one "client" per step for the progress bar's count; the boundaries are the
-            # segment sums' (ClientEvaluation reads them at the epoch's end)
+            # the boundaries are the segment sums' (ClientEvaluation reads them at the end)
             self.schedule = ClientSchedule(tuple(clients), (0,) * len(clients))
             self.total = len(self.batches)
         else:
@@ -186,6 +165,7 @@ class EvalRounds:
     def _datasets(
         self, datamodule: FederatedDataModule, split: Split, candidates: np.ndarray
     ) -> tuple[list[int], list[int]]:
+        """The candidates with data, by building each one's dataset and loader."""
         clients, sizes = [], []
         for c in candidates.tolist():
             dataset = datamodule.client_dataset(c, split)
@@ -194,6 +174,38 @@ class EvalRounds:
                 sizes.append(len(dataset))
                 self.loaders.append(datamodule.client_dataloader(dataset, split))
         return clients, sizes
+
+    def _arrays(
+        self,
+        datamodule: FederatedDataModule,
+        split: Split,
+        candidates: np.ndarray,
+        arrays: tuple[list[torch.Tensor], np.ndarray],
+        segments: SegmentEvaluationFactory | None,
+    ) -> tuple[list[int], list[int]]:
+        """The candidates with data, from the offsets; their segment batches when they can
+        be evaluated vectorized, else their loaders."""
+        columns, offsets = arrays
+        counts = offsets[candidates + 1] - offsets[candidates]
+        kept, sizes = candidates[counts > 0], counts[counts > 0]
+        clients = kept.tolist()
+        if segments is not None and clients:
+            batches = segment_batches(offsets[kept], sizes, datamodule.eval_batch_size)
+            evaluator = segments(columns, len(clients))
+            if evaluator.agrees(batches[0]):
+                self.segments, self.batches = evaluator, batches
+            elif segments.strict:
+                raise ValueError(
+                    "vectorize_evaluation=True, but the module's loss_and_metrics does not "
+                    "run under torch.func.vmap, or gives other values there than in a "
+                    "plain call: set vectorize_evaluation='auto' or False."
+                )
+        if self.segments is None:
+            self.loaders = [
+                datamodule.client_dataloader(datamodule.client_dataset(c, split), split)
+                for c in clients
+            ]
+        return clients, sizes.tolist()
 
     def __len__(self) -> int:
         return 1 if self.idle else self.total

@@ -95,6 +95,23 @@ def refusal(module: object, callbacks: Iterable[object]) -> str | None:
     return None
 
 
+def factory(
+    wanted: bool | str, module: torch.nn.Module, callbacks: Iterable[object]
+) -> SegmentEvaluationFactory | None:
+    """What ``vectorize_evaluation=wanted`` gives ``module`` with ``callbacks``: a factory
+    (strict for True), or None (False, or "auto" where :func:`refusal` finds a reason);
+    True with a reason is refused, naming it."""
+    if wanted is False:
+        return None
+    reason = refusal(module, callbacks)
+    if reason is not None and wanted is True:
+        raise ValueError(
+            f"vectorize_evaluation=True cannot evaluate clients vectorized: {reason}. "
+            "Set vectorize_evaluation='auto' (client by client where it cannot)."
+        )
+    return None if reason is not None else SegmentEvaluationFactory(module, wanted is True)
+
+
 @dataclass(frozen=True)
 class SegmentEvaluationFactory:
     """Makes each epoch's :class:`SegmentEvaluation` of ``module``; ``strict``: a split

@@ -217,15 +217,7 @@ class FederatedStrategy(DDPStrategy):
                 "compile=False."
             )
         _check_fused_steps(local_steps_per_training_step, vectorize)
-        for name, value in (("data_on_device", data_on_device),
-                            ("vectorize_evaluation", vectorize_evaluation)):  # fmt: skip
-            if value not in (True, False, "auto"):
-                raise ValueError(f"{name} must be True, False or 'auto', got {value!r}.")
-        if eval_clients is not None and (isinstance(eval_clients, bool) or eval_clients < 1):
-            raise ValueError(
-                f"eval_clients must be a number of clients >= 1, or None for every client; "
-                f"got {eval_clients!r}."
-            )
+        _check_evaluation(data_on_device, vectorize_evaluation, eval_clients)
         #: the user's sampler; the fit's, as the callbacks wrap it, is ``fit.plugins.sampler``
         self.sampler = sampler or FullParticipation()
         #: the federated settings the engine reads, frozen
@@ -614,21 +606,10 @@ class FederatedStrategy(DDPStrategy):
         )  # fmt: skip
 
     def _segment_evaluation(self, trainer: pl.Trainer) -> Any:
-        """The factory of vectorized evaluation epochs, or None (``vectorize_evaluation``;
-        with True, a refusal names why it cannot be)."""
-        if self.config.vectorize_evaluation is False:
-            return None
-        module = self.lightning_module
-        reason = segment_evaluation.refusal(module, self.fit.plugins.callbacks)
-        if reason is not None and self.config.vectorize_evaluation is True:
-            raise ValueError(
-                f"vectorize_evaluation=True cannot evaluate clients vectorized: {reason}. "
-                "Set vectorize_evaluation='auto' (client by client where it cannot)."
-            )
-        if reason is not None:
-            return None
-        strict = self.config.vectorize_evaluation is True
-        return segment_evaluation.SegmentEvaluationFactory(module, strict)
+        """The factory of vectorized evaluation epochs, or None."""
+        return segment_evaluation.factory(
+            self.config.vectorize_evaluation, self.lightning_module, self.fit.plugins.callbacks
+        )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Locate the batch in the round; at a client's (or chunk's) first batch, start it."""
@@ -764,6 +745,18 @@ def _check_arguments(
     if max_vectorized_clients is not None and max_vectorized_clients < 1:
         raise ValueError(
             f"max_vectorized_clients must be >= 1 or None, got {max_vectorized_clients}."
+        )
+
+
+def _check_evaluation(data_on_device: Any, vectorize_evaluation: Any, eval_clients: Any) -> None:
+    for name, value in (("data_on_device", data_on_device),
+                        ("vectorize_evaluation", vectorize_evaluation)):  # fmt: skip
+        if value not in (True, False, "auto"):
+            raise ValueError(f"{name} must be True, False or 'auto', got {value!r}.")
+    if eval_clients is not None and (isinstance(eval_clients, bool) or eval_clients < 1):
+        raise ValueError(
+            f"eval_clients must be a number of clients >= 1, or None for every client; "
+            f"got {eval_clients!r}."
         )
 
 
