@@ -49,6 +49,7 @@ from lightning_fl.datamodules.leaf import (
     read_leaf_file,
     write_leaf_json,
 )
+from lightning_fl.datamodules.leaf_convert import LeafEncoding, convert_leaf
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
     grouped_dirichlet_partition,
@@ -59,7 +60,6 @@ from lightning_fl.datamodules.partition import (
 )
 from lightning_fl.datamodules.population import (
     GeneratedPopulationDataModule,
-    convert_leaf,
     generate_population,
     population_counts,
     write_leaf_population,
@@ -86,6 +86,7 @@ __all__ = [
     "save_federation",
     "GeneratedPopulationDataModule",
     "convert_leaf",
+    "LeafEncoding",
     "generate_population",
     "population_counts",
     "write_leaf_population",

@@ -3,6 +3,8 @@
     lightning-fl data generate --shape sent140 --clients 660120 --out data/sent140_like
     lightning-fl data generate-leaf --shape reddit --clients 5000 --out data/reddit_json
     lightning-fl data convert-leaf data/reddit_json --out data/reddit_like
+    lightning-fl data convert-leaf data/femnist/train --test data/femnist/test \
+        --dataset femnist --out data/femnist_fed
     lightning-fl data info data/sent140_like
 
 ``generate`` writes a generated LEAF-shaped population straight into the on-disk format;
@@ -17,6 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+#: LEAF datasets the converter encodes (datamodules/leaf_convert.py, imported late: torch)
+DATASETS = ("synthetic", "femnist", "shakespeare", "sent140")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,9 +38,12 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--out", required=True, help="the folder to write")
     convert = commands.add_parser("convert-leaf", help="LEAF JSON into the on-disk format")
-    convert.add_argument("sources", nargs="+", help="LEAF .json files or folders of them")
+    convert.add_argument("train", nargs="+", help="training .json files or folders of them")
+    convert.add_argument("--test", nargs="+", help="test .json files or folders of them")
+    convert.add_argument("--dataset", default="synthetic", choices=DATASETS,
+                         help="how x and y are encoded (LeafDataModule's encoding)")  # fmt: skip
+    convert.add_argument("--max-words", type=int, default=25, help="Sent140's sequence length")
     convert.add_argument("--out", required=True, help="the federation folder to write")
-    convert.add_argument("--split", default="train", choices=("train", "val", "test"))
     info = commands.add_parser("info", help="check a federation folder and print its shape")
     info.add_argument("folder")
     return root
@@ -43,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
-    from lightning_fl.datamodules import arrays, population
+    from lightning_fl.datamodules import arrays, leaf_convert, population
 
     start = time.perf_counter()
     try:
@@ -59,7 +67,9 @@ def main(argv: list[str]) -> None:
                   f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
             return
         elif args.command == "convert-leaf":
-            folder = population.convert_leaf(args.sources, args.out, args.split)
+            folder = leaf_convert.convert_leaf(
+                args.train, args.out, args.test, args.dataset, args.max_words
+            )
         else:
             folder = args.folder
         splits = arrays.open_federation(folder)

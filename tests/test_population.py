@@ -24,14 +24,15 @@ from lightning_fl.datamodules import (
     InMemoryFederatedDataModule,
     convert_leaf,
     generate_population,
+    leaf_convert,
     open_federation,
     population_counts,
     save_federation,
     write_leaf_population,
 )
-from lightning_fl.datamodules import population as population_module
 from lightning_fl.datamodules.arrays import client_names
-from lightning_fl.datamodules.population import iter_leaf_users, population_samples
+from lightning_fl.datamodules.leaf_convert import iter_leaf_users
+from lightning_fl.datamodules.population import population_samples
 from lightning_fl.engine.cohort import cohort_standard_errors, draw_cohort
 from lightning_fl.engine.context import LISTED_COUNTS, Federation, counts_digest
 from lightning_fl.engine.federated_state import FederationMismatchError, check_federation
@@ -171,7 +172,7 @@ def test_a_generated_population_splits_each_clients_last_samples_for_test(tmp_pa
 
 def test_leaf_json_converts_streaming_into_the_same_arrays(tmp_path, monkeypatch):
     """Pieces of 7 characters: every value crosses a piece boundary somewhere."""
-    monkeypatch.setattr(population_module._JsonStream, "CHUNK", 7)
+    monkeypatch.setattr(leaf_convert._JsonStream, "CHUNK", 7)
     write_leaf_population(tmp_path / "leaf", 40, shape="reddit", features=3, users_per_file=15)
     convert_leaf([tmp_path / "leaf"], tmp_path / "fed")
     dm = ArrayFederatedDataModule(str(tmp_path / "fed"))
@@ -612,3 +613,68 @@ def test_plugins_on_an_array_federation_equal_the_in_memory_one(name, monkeypatc
     assert arrays.metrics.keys() == plain.metrics.keys()
     for key, value in plain.metrics.items():
         assert arrays.metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
+
+def _sent140_leaf(root) -> None:
+    """A tiny Sent140 in LEAF's layout: x = [id, date, query, user, tweet], y in {0, 1}."""
+    from lightning_fl.datamodules import write_leaf_json
+
+    tweets = ["I love this!", "so sad today...", "love love, the best", "not good; sad",
+              "what a day", "best day ever!", "sad sad sad", "hello world"]  # fmt: skip
+    users = {}
+    for k in range(4):
+        rows = [tweets[(k + j) % len(tweets)] for j in range(2 + k)]
+        users[f"user{k}"] = {"x": [["1", "Mon", "NO_QUERY", f"user{k}", t] for t in rows],
+                             "y": [int("sad" not in t) for t in rows]}  # fmt: skip
+    train = {u: {"x": e["x"][:-1], "y": e["y"][:-1]} for u, e in users.items()}
+    test = {u: {"x": e["x"][-1:], "y": e["y"][-1:]} for u, e in users.items() if u != "user2"}
+    test["user3"]["x"][0][4] = "an unseen word"
+    write_leaf_json(root / "train" / "sent140_train.json", train)
+    write_leaf_json(root / "test" / "sent140_test.json", test)
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "femnist", "shakespeare", "sent140"])
+def test_converted_leaf_equals_what_leafdatamodule_reads(dataset, tmp_path):
+    """LEAF's train/ and test/ files converted (train users the clients, test users matched
+    by name; Sent140's vocabulary from the training tweets) give every client the tensors
+    LeafDataModule gives it."""
+    from lightning_fl.datamodules import LeafDataModule
+    from lightning_fl.datamodules.leaf import write_synthetic_leaf
+
+    if dataset == "sent140":
+        _sent140_leaf(tmp_path / "leaf")
+    else:
+        write_synthetic_leaf(tmp_path / "leaf", dataset, num_users=5, samples=12, seed=1)
+    convert_leaf([tmp_path / "leaf" / "train"], tmp_path / "fed",
+                 test=[tmp_path / "leaf" / "test"], dataset=dataset)  # fmt: skip
+    converted = ArrayFederatedDataModule(str(tmp_path / "fed"))
+    reference = LeafDataModule(str(tmp_path / "leaf"), dataset)
+    assert converted.num_clients == reference.num_clients
+    assert client_names(tmp_path / "fed") == reference.users
+    for c in range(reference.num_clients):
+        for split in ("train", "test"):
+            want = reference.client_dataset(c, split)
+            got = converted.client_dataset(c, split)
+            if want is None:
+                assert len(got) == 0
+                continue
+            for a, b in zip(got.tensors, want.tensors):
+                assert a.dtype == b.dtype and torch.equal(a, b), (dataset, c, split)
+    if dataset == "sent140":
+        words = (tmp_path / "fed" / "vocabulary.txt").read_text().splitlines()
+        assert {w: i + 1 for i, w in enumerate(words)} == reference.vocabulary
+
+
+def test_a_test_user_without_training_data_is_refused(tmp_path):
+    from lightning_fl.datamodules import write_leaf_json
+
+    write_leaf_json(tmp_path / "train.json", {"a": {"x": [[1.0]], "y": [0]}})
+    write_leaf_json(tmp_path / "test.json", {"b": {"x": [[1.0]], "y": [0]}})
+    with pytest.raises(FederationFormatError, match="test user 'b' has no training data"):
+        convert_leaf([tmp_path / "train.json"], tmp_path / "fed", test=[tmp_path / "test.json"])
+
+
+def test_the_command_line_knows_the_converters_datasets():
+    from lightning_fl import data_command
+
+    assert data_command.DATASETS == leaf_convert.DATASETS
