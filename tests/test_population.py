@@ -678,3 +678,29 @@ def test_the_command_line_knows_the_converters_datasets():
     from lightning_fl import data_command
 
     assert data_command.DATASETS == leaf_convert.DATASETS
+
+
+def test_client_metrics_in_bulk_are_the_csv_writers_rows(tmp_path):
+    """The bulk writer's bytes equal csv.writer's rows of the same values (quoting a
+    metric name with a comma and a quote, 8 significant digits, clients in order)."""
+    import csv
+
+    from lightning_fl.engine.evaluation import write_client_metrics_csv
+
+    rng = np.random.default_rng(0)
+    per_client = {
+        name: {int(c): (float(v), float(n)) for c, v, n in
+               zip(rng.permutation(300), rng.standard_normal(300) * 1e3, rng.integers(1, 9, 300))}
+        for name in ("test_loss", 'odd,"name"')
+    }  # fmt: skip
+    bulk = tmp_path / "bulk.csv"
+    write_client_metrics_csv(str(bulk), "test", 3, per_client)
+    write_client_metrics_csv(str(bulk), "val", 4, per_client)
+    with open(tmp_path / "rows.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["stage", "round", "metric", "client", "value", "num_samples"])
+        for stage, round_idx in (("test", 3), ("val", 4)):
+            for name, values in per_client.items():
+                for client, (value, count) in sorted(values.items()):
+                    writer.writerow([stage, round_idx, name, client, f"{value:.8g}", int(count)])
+    assert bulk.read_bytes() == (tmp_path / "rows.csv").read_bytes()
