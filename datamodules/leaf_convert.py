@@ -119,17 +119,18 @@ def convert_leaf(
     names, parts = _read_users(files, encoding)
     if not names:
         raise FederationFormatError(f"{files[0]}: no users. Nothing to convert.")
-    splits = {"train": _arrays(names, parts)}
+    splits = {"train": ClientArrays.from_clients(parts)}
     if test:
         by_name = dict(zip(*_read_users(_json_files(test), encoding)))
-        strangers = [u for u in by_name if u not in set(names)]
+        known = set(names)
+        strangers = [u for u in by_name if u not in known]
         if strangers:
             raise FederationFormatError(
                 f"test user {strangers[0]!r} has no training data: give the training files "
                 "of the same LEAF split (train/ and test/ of one preprocess.sh run)."
             )
         empty = _empty_like(parts[0])
-        splits["test"] = _arrays(names, [by_name.get(u, empty) for u in names])
+        splits["test"] = ClientArrays.from_clients([by_name.get(u, empty) for u in names])
     folder = save_federation(folder, splits, client_names=names)
     if vocabulary is not None:
         (folder / "vocabulary.txt").write_text("".join(f"{w}\n" for w in vocabulary))
@@ -164,12 +165,6 @@ def _read_users(
             names.append(user)
             parts.append((x, y))
     return names, parts
-
-
-def _arrays(names: list[str], parts: list[tuple[np.ndarray, np.ndarray]]) -> ClientArrays:
-    sizes = np.array([len(y) for _, y in parts], dtype=np.int64)
-    columns = [np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])]
-    return ClientArrays(columns, np.concatenate([[0], np.cumsum(sizes)]))
 
 
 def _empty_like(part: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,6 @@ every user has its own mixture of class templates, x = template[y] + noise.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -39,8 +38,7 @@ Shape = Literal["sent140", "reddit"]
 def population_counts(num_clients: int, shape: Shape = "sent140", seed: int = 0) -> np.ndarray:
     """Samples per client: 1 + NegativeBinomial(r, q) with LEAF's mean μ and standard
     deviation σ of ``shape`` (r = (μ−1)²/(σ² − μ + 1), q = r/(r + μ − 1))."""
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}.")
+    _check_shape(shape)
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}.")
     _, mean, std = SHAPES[shape]
@@ -133,7 +131,7 @@ class GeneratedPopulationDataModule(ArrayFederatedDataModule):
         self._population = dict(num_clients=num_clients, shape=shape, features=features,
                                 classes=classes, test_fraction=test_fraction,
                                 val_fraction=val_fraction, seed=seed)  # fmt: skip
-        population_counts(1, shape)  # the shape is checked here, before any data is read
+        _check_shape(shape)  # before any data is read
         super().__init__(str(self.folder), None, unseen_fraction, batch_size, eval_batch_size)
 
     def prepare_data(self) -> None:
@@ -201,6 +199,11 @@ def write_leaf_population(
     return paths
 
 
+def _check_shape(shape: str) -> None:
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}.")
+
+
 def _offsets(sizes: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
@@ -210,5 +213,5 @@ def shape_summary(counts: np.ndarray) -> str:
     return (
         f"{len(counts):,} clients, {int(counts.sum()):,} samples, "
         f"{counts.mean():.2f} ± {counts.std():.2f} per client"
-        f" (max {int(counts.max())}, {math.fsum(counts == 1) / len(counts):.0%} with one)"
+        f" (max {int(counts.max())}, {np.mean(counts == 1):.0%} with one)"
     )

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -195,3 +196,30 @@ def weights_over_rounds(sampler, p: torch.Tensor, rounds: int, seed: int = 0) ->
         part = sampler.sample(t, seed, p)
         omega[t, list(part.clients)] = torch.tensor(part.weights, dtype=torch.float64)
     return omega
+
+
+class CallCounter(pl.Callback):
+    """Python function calls (``sys.setprofile`` "call" events) during round 1's training
+    epoch and its validation epoch, by (file, function)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter = Counter()
+
+    def _count(self, frame, event, arg) -> None:
+        if event == "call":
+            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+
+    def _start(self, trainer) -> None:
+        if trainer.current_epoch == 1:
+            sys.setprofile(self._count)
+
+    def _stop(self, *_) -> None:
+        sys.setprofile(None)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._start(trainer)
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        self._start(trainer)
+
+    on_train_epoch_end = on_validation_epoch_end = _stop

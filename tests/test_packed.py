@@ -5,7 +5,6 @@ vectorized round does not grow with its number of clients."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import lightning.pytorch as pl
@@ -24,6 +23,7 @@ from lightning_fl.engine.schedule import cycle_batches
 from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
 from lightning_fl.engine.vectorized_checks import needs_client_hooks
 from tests.helpers import (
+    CallCounter,
     make_trainer,
     max_abs_diff,
     params_of,
@@ -308,31 +308,13 @@ def test_a_non_finite_update_is_dropped_in_a_batched_chunk_as_sequentially():
     assert float(seq_trainer.callback_metrics["fl/dropped_updates"]) == 1.0
 
 
-class _CallCounter(pl.Callback):
-    """Python function calls (``sys.setprofile`` "call" events) during round 1."""
-
-    def __init__(self) -> None:
-        self.calls: Counter = Counter()
-
-    def _count(self, frame, event, arg) -> None:
-        if event == "call":
-            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == 1:
-            sys.setprofile(self._count)
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        sys.setprofile(None)
-
-
 def _round_calls(num_clients: int) -> Counter:
     g = torch.Generator().manual_seed(0)
     clients = [
         {"train": (torch.randn(10, 4, generator=g), torch.randint(0, 3, (10,), generator=g))}
         for _ in range(num_clients)
     ]
-    counter = _CallCounter()
+    counter = CallCounter()
     strategy = FederatedStrategy(
         sampler=UniformSampler(num_clients), local_steps=5, seed=0, vectorize=True
     )

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections import Counter
 from types import SimpleNamespace
 
-import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -38,7 +36,16 @@ from lightning_fl.engine.context import LISTED_COUNTS, Federation, counts_digest
 from lightning_fl.engine.federated_state import FederationMismatchError, check_federation
 from lightning_fl.engine.segment_evaluation import segment_batches
 from lightning_fl.systems.samplers import MDSampler
-from tests.helpers import IN, OUT, local_sgd, make_trainer, params_of, tiny_clients, tiny_module
+from tests.helpers import (
+    IN,
+    OUT,
+    CallCounter,
+    local_sgd,
+    make_trainer,
+    params_of,
+    tiny_clients,
+    tiny_module,
+)
 
 SPLITS = ("train", "val", "test")
 
@@ -277,31 +284,6 @@ def test_large_federations_keep_a_digest_of_their_counts_and_a_resume_checks_it(
         check_federation(fit, listed)
 
 
-class _CallCounter(pl.Callback):
-    """Python function calls during round 1 (``sys.setprofile`` "call" events)."""
-
-    def __init__(self) -> None:
-        self.calls: Counter = Counter()
-
-    def _count(self, frame, event, arg) -> None:
-        if event == "call":
-            self.calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == 1:
-            sys.setprofile(self._count)
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        sys.setprofile(None)
-
-    def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        if trainer.current_epoch == 1:
-            sys.setprofile(self._count)
-
-    def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        sys.setprofile(None)
-
-
 def _population(num_clients: int) -> ArrayFederatedDataModule:
     rng = np.random.default_rng(0)
 
@@ -321,7 +303,7 @@ def test_a_round_and_a_cohort_make_as_many_python_calls_for_100000_clients_as_fo
     O(participants) Python whatever the population (within 5%)."""
 
     def calls(num_clients: int) -> Counter:
-        counter = _CallCounter()
+        counter = CallCounter()
         strategy = FederatedStrategy(sampler=UniformSampler(20), local_steps=2, seed=0,
                                      vectorize=vectorize, eval_clients=50)  # fmt: skip
         trainer = make_trainer(strategy, 2, [FedAvg(), counter], limit_val_batches=None)
@@ -551,13 +533,13 @@ def test_a_large_population_resumes_bit_identical_with_a_checkpoint_of_its_parti
     a checkpoint, and 2 resumed rounds; the checkpoint holds only the participants'."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def fit(rounds, module, callbacks=(), **kw):
+    def fit(rounds, module, callbacks=(), ckpt_path=None, **kw):
         strategy = FederatedStrategy(sampler=MDSampler(5), local_steps=2, seed=9,
                                      keep_optimizer_state=True, eval_clients=40)  # fmt: skip
         trainer = make_trainer(strategy, rounds, [SCAFFOLD(), *callbacks],
                                limit_val_batches=None, **kw)  # fmt: skip
-        trainer.fit(module, datamodule=_population(120_000))
-        return trainer
+        trainer.fit(module, datamodule=_population(120_000), ckpt_path=ckpt_path,
+                    weights_only=True)  # fmt: skip
 
     full = tiny_module(0.1)
     fit(4, full)
@@ -568,14 +550,8 @@ def test_a_large_population_resumes_bit_identical_with_a_checkpoint_of_its_parti
     state = saved["callbacks"]["_RoundDriver"]
     assert isinstance(state["federation"]["train_counts"], str)  # the digest, not 120,000 ints
     assert 0 < len(state["client_store"]) <= 10  # 2 rounds of 5 draws
-    resumed = tiny_module(0.1, seed=77)
-    trainer = make_trainer(
-        FederatedStrategy(sampler=MDSampler(5), local_steps=2, seed=9,
-                          keep_optimizer_state=True, eval_clients=40),
-        4, [SCAFFOLD()], limit_val_batches=None,
-    )  # fmt: skip
-    trainer.fit(resumed, datamodule=_population(120_000), ckpt_path=str(tmp_path / "epoch=1.ckpt"),
-                weights_only=True)  # fmt: skip
+    resumed = tiny_module(0.1, seed=77)  # a fresh run: everything comes from the checkpoint
+    fit(4, resumed, ckpt_path=str(tmp_path / "epoch=1.ckpt"))
     for a, b in zip(params_of(full), params_of(resumed)):
         assert torch.equal(a, b)
 

@@ -65,7 +65,7 @@ class ClientEvaluation:
         ``segments``, the epoch's steps are groups of clients evaluated together; with
         ``population``, the clients are a cohort drawn from that many."""
         self.segments, self.population = segments, population
-        self.unseen = frozenset(self.fit.datamodule.unseen_clients)
+        self.unseen = self.fit.federation.unseen_set
         personalizes = any(
             type(cb).on_client_evaluation_start is not FederatedCallback.on_client_evaluation_start
             and not cb.evaluation_observer

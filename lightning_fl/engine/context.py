@@ -19,6 +19,7 @@ One owner per value:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -117,6 +118,23 @@ class Federation:
     @property
     def num_clients(self) -> int:
         return self.datamodule.num_clients
+
+    @functools.cached_property
+    def unseen(self) -> np.ndarray:
+        """The held-out (unseen) clients, in the datamodule's order, read once."""
+        return np.asarray(self.datamodule.unseen_clients, dtype=np.int64)
+
+    @functools.cached_property
+    def unseen_mask(self) -> np.ndarray:
+        """Whether each client is held out (a bool array over the clients)."""
+        mask = np.zeros(self.num_clients, dtype=bool)
+        mask[self.unseen] = True
+        return mask
+
+    @functools.cached_property
+    def unseen_set(self) -> frozenset[int]:
+        """The held-out clients, for membership tests per client."""
+        return frozenset(self.unseen.tolist())
 
     def has_validation_data(self) -> bool:
         """Whether any client has a validation split."""

@@ -14,7 +14,7 @@ import torch
 
 from lightning_fl.datamodules.base import FederatedDataModule, Split
 from lightning_fl.engine.client_evaluation import ClientEvaluation
-from lightning_fl.engine.context import FitContext, Ranks
+from lightning_fl.engine.context import Federation, FitContext, Ranks
 from lightning_fl.engine.packed import PackedFederation
 from lightning_fl.engine.planning import RoundPlan
 from lightning_fl.engine.schedule import ClientSchedule, PackedLocalSteps, cycle_batches
@@ -124,7 +124,7 @@ class EvalRounds:
 
     def __init__(
         self,
-        datamodule: FederatedDataModule,
+        federation: Federation,
         split: Split,
         ranks: Ranks,
         evaluation: ClientEvaluation,
@@ -138,7 +138,8 @@ class EvalRounds:
         self.loaders: list = []
         self.segments: SegmentEvaluation | None = None
         self.batches: list[SegmentBatch] = []
-        candidates = _candidates(datamodule, ranks, cohort)
+        datamodule = federation.datamodule
+        candidates = _candidates(federation, ranks, cohort)
         arrays = datamodule.split_arrays(split)
         if arrays is None:
             if segments is not None and segments.strict:
@@ -221,15 +222,11 @@ class EvalRounds:
             yield from loader
 
 
-def _candidates(
-    datamodule: FederatedDataModule, ranks: Ranks, cohort: np.ndarray | None
-) -> np.ndarray:
+def _candidates(federation: Federation, ranks: Ranks, cohort: np.ndarray | None) -> np.ndarray:
     """The clients to evaluate on this rank, seen first (ascending), then unseen (in the
     datamodule's order): every client, or the cohort's."""
     # host: client ids
-    unseen = np.asarray(datamodule.unseen_clients, dtype=np.int64)
-    is_unseen = np.zeros(datamodule.num_clients, dtype=bool)
-    is_unseen[unseen] = True
+    unseen, is_unseen = federation.unseen, federation.unseen_mask
     if cohort is None:
         seen = np.flatnonzero(~is_unseen)
     else:

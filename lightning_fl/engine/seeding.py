@@ -6,6 +6,7 @@ index, so a resumed run and every rank make the same choice.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Sequence
 
@@ -107,38 +108,25 @@ def _stream(seed: int) -> np.random.MT19937:
 
 def randperm_prefix(n: int, count: int, seed: int) -> list[int]:
     """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count]`` in
-    O(count): torch's Fisher–Yates (for n below 2³²/20) swaps position i with i + (a
-    32-bit draw mod (n − i)), so the first ``count`` positions are final after ``count``
-    steps; the swapped-away values are kept in a dict."""
+    O(count) (:func:`_replayed_randperm`, or torch's own call if this torch draws
+    otherwise)."""
     # host: a draw of client ids from a CPU generator, as the samplers make it
-    if not _replays_torch():
-        return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].tolist()
-    count = min(count, n)
-    steps = np.arange(count, dtype=np.uint64)
-    partners = (_stream(seed).random_raw(count) % (np.uint64(n) - steps) + steps).tolist()
-    moved: dict[int, int] = {}
-    out = []
-    for i, j in enumerate(partners):
-        here, there = moved.get(i, i), moved.get(j, j)
-        moved[j] = here
-        out.append(there)
-    return out
+    if _replays_torch():
+        return _replayed_randperm(n, count, seed)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:count].tolist()
 
 
 def multinomial_draws(cumulative: np.ndarray, count: int, seed: int) -> np.ndarray:
     """``torch.multinomial(p, count, replacement=True, generator=
     torch.Generator().manual_seed(seed))`` in O(count · log n), given ``cumulative`` =
-    :func:`cumulative_weights` of the float64 ``p``: each draw is a 53-bit uniform from two
-    32-bit words (the first the high one) and the first index whose cumulative weight
-    reaches it."""
+    :func:`cumulative_weights` of the float64 ``p`` (:func:`_replayed_multinomial`, or
+    torch's own call if this torch draws otherwise)."""
     # host: a draw of client ids from a CPU generator, as the samplers make it
-    if not _replays_torch():
-        p = torch.from_numpy(np.diff(cumulative, prepend=0.0))
-        generator = torch.Generator().manual_seed(seed)
-        return torch.multinomial(p, count, replacement=True, generator=generator).numpy()
-    words = _stream(seed).random_raw(2 * count).reshape(count, 2)
-    bits = ((words[:, 0] << np.uint64(32)) | words[:, 1]) & np.uint64((1 << 53) - 1)
-    return np.searchsorted(cumulative, bits.astype(np.float64) * 2.0**-53, side="left")
+    if _replays_torch():
+        return _replayed_multinomial(cumulative, count, seed)
+    p = torch.from_numpy(np.diff(cumulative, prepend=0.0))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.multinomial(p, count, replacement=True, generator=generator).numpy()
 
 
 def cumulative_weights(p: torch.Tensor) -> np.ndarray:
@@ -151,24 +139,43 @@ def cumulative_weights(p: torch.Tensor) -> np.ndarray:
     return cumulative
 
 
-_REPLAYS: list[bool] = []
+def _replayed_randperm(n: int, count: int, seed: int) -> list[int]:
+    """torch's Fisher–Yates (for n below 2³²/20) swaps position i with i + (a 32-bit draw
+    mod (n − i)), so the first ``count`` positions are final after ``count`` steps; the
+    swapped-away values are kept in a dict."""
+    count = min(count, n)
+    steps = np.arange(count, dtype=np.uint64)
+    partners = (_stream(seed).random_raw(count) % (np.uint64(n) - steps) + steps).tolist()
+    moved: dict[int, int] = {}
+    out = []
+    for i, j in enumerate(partners):
+        here, there = moved.get(i, i), moved.get(j, j)
+        moved[j] = here
+        out.append(there)
+    return out
 
 
+def _replayed_multinomial(cumulative: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """Each draw is a 53-bit uniform from two 32-bit words (the first the high one) and
+    the first index whose cumulative weight reaches it, as torch's CPU kernel draws."""
+    words = _stream(seed).random_raw(2 * count).reshape(count, 2)
+    bits = ((words[:, 0] << np.uint64(32)) | words[:, 1]) & np.uint64((1 << 53) - 1)
+    return np.searchsorted(cumulative, bits.astype(np.float64) * 2.0**-53, side="left")
+
+
+@functools.cache
 def _replays_torch() -> bool:
-    """Whether the replays above give this torch's draws (checked once, on small cases)."""
+    """Whether the replays give this torch's draws (checked once, on small cases)."""
     # host: CPU draws compared with CPU draws
-    if not _REPLAYS:
-        _REPLAYS.append(True)
-        cases = [(n, seed) for n in (1, 2, 7, 1000) for seed in (0, 3, 2**40 + 11)]
-        p = torch.rand(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        p[::4] = 0
-        p /= p.sum()
-        agrees = all(
-            randperm_prefix(n, 10, s)
-            == torch.randperm(n, generator=torch.Generator().manual_seed(s))[:10].tolist()
-            and multinomial_draws(cumulative_weights(p), 20, s).tolist()
-            == torch.multinomial(p, 20, True, generator=torch.Generator().manual_seed(s)).tolist()
-            for n, s in cases
-        )
-        _REPLAYS[0] = agrees
-    return _REPLAYS[0]
+    p = torch.rand(50, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    p[::4] = 0
+    p /= p.sum()
+    cumulative = cumulative_weights(p)
+    for n, seed in [(n, s) for n in (1, 2, 7, 1000) for s in (0, 3, 2**40 + 11)]:
+        permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        draws = torch.multinomial(p, 20, True, generator=torch.Generator().manual_seed(seed))
+        if _replayed_randperm(n, 10, seed) != permutation[:10].tolist():
+            return False
+        if _replayed_multinomial(cumulative, 20, seed).tolist() != draws.tolist():
+            return False
+    return True

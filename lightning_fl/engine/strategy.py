@@ -601,7 +601,7 @@ class FederatedStrategy(DDPStrategy):
                 eligible, self.config.eval_clients, self.config.seed, trainer.current_epoch
             )
         return EvalRounds(
-            dataloader.datamodule, dataloader.split, self.fit.ranks, self.evaluation, cohort,
+            self.fit.federation, dataloader.split, self.fit.ranks, self.evaluation, cohort,
             self._segment_evaluation(trainer), population,
         )  # fmt: skip
 
