@@ -14,7 +14,9 @@ round hooks and capability flags); exactly one is the :class:`Aggregator` that w
   :mod:`.safari` (server-assisted FedAvg), :mod:`.objective` (the federated objective
   measured on the training data);
 - privacy and robustness: :mod:`.privacy` (DP-SGD, membership inference, WERM's server
-  reference), :mod:`.unlearning` (SIFU and its baselines; the methods are
+  reference), :mod:`.user_dp` (DP-FedAvg with adaptive clipping), :mod:`.robust`
+  (median, trimmed mean, Krum, centered clipping), :mod:`.attacks` (sign flipping, scaled
+  and Gaussian updates), :mod:`.unlearning` (SIFU and its baselines; the methods are
   :mod:`lightning_fl.systems.forgetting`), :mod:`.free_riders` (attacks and their detector);
 - :mod:`.catalog`: the README's table of the main plugins, generated from them.
 
@@ -24,6 +26,7 @@ connect it to a round. ``FederatedPlots`` (the run's figures) is :mod:`lightning
 
 from lightning_fl.callbacks.aggregation import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi
 from lightning_fl.callbacks.asynchronous import AsynchronousFL
+from lightning_fl.callbacks.attacks import GaussianUpdates, ScaledUpdates, SignFlipping
 from lightning_fl.callbacks.baselines import Local, Pooled
 from lightning_fl.callbacks.clustered import ClusteredFL
 from lightning_fl.callbacks.fedem import FedEM
@@ -34,10 +37,12 @@ from lightning_fl.callbacks.knn_per import KNNPer
 from lightning_fl.callbacks.objective import FederatedObjective
 from lightning_fl.callbacks.personalized import APFL, Ditto, FedRep, FineTune, PFedMe
 from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerReference
+from lightning_fl.callbacks.robust import CenteredClipping, CoordinateMedian, Krum, TrimmedMean
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
 from lightning_fl.callbacks.streams import CacheDiscrepancy, IterateAverage, StreamFedAvg
 from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
+from lightning_fl.callbacks.user_dp import DPFedAvg
 from lightning_fl.engine.plugins import Aggregator, FederatedCallback, RoundState
 from lightning_fl.plots import FederatedPlots
 
@@ -45,6 +50,14 @@ __all__ = [
     "Aggregator",
     "APFL",
     "CacheDiscrepancy",
+    "CenteredClipping",
+    "CoordinateMedian",
+    "DPFedAvg",
+    "GaussianUpdates",
+    "Krum",
+    "ScaledUpdates",
+    "SignFlipping",
+    "TrimmedMean",
     "AsynchronousFL",
     "ClusteredFL",
     "Ditto",

@@ -14,7 +14,9 @@ MAIN_PLUGINS = (
     "FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "FedProx", "SCAFFOLD", "DPSGD",
     "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "KNNPer", "FedEM", "ClusteredFL",
     "GossipAveraging", "AsynchronousFL", "SAFARI", "Unlearning", "FreeRiders",
-    "MembershipInference", "FederatedObjective", "Local", "Pooled",
+    "MembershipInference", "DPFedAvg", "CoordinateMedian", "TrimmedMean", "Krum",
+    "CenteredClipping", "SignFlipping", "ScaledUpdates", "GaussianUpdates",
+    "FederatedObjective", "Local", "Pooled",
 )  # fmt: skip
 
 

@@ -63,6 +63,7 @@ _EXPORTS = {
     "MobileNetV2": "lightning_fl.models",
     "NonFiniteUpdateError": "lightning_fl.engine.strategy",
     "Participation": "lightning_fl.systems.samplers",
+    "PoissonSampler": "lightning_fl.systems.samplers",
     "SampleSizeClusteredSampler": "lightning_fl.systems.samplers",
     "SifuFashionCNN": "lightning_fl.models",
     "SiloTopology": "lightning_fl.systems.topology",

@@ -20,8 +20,8 @@ from lightning_fl.datamodules import InMemoryFederatedDataModule
 from lightning_fl.engine import planning
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.context import Plugins, Ranks
-from lightning_fl.engine.planning import PADDING, SAMPLER_UPDATES, RoundPlan, RoundPlanner
-from lightning_fl.engine.plugins import POOLED_CLIENT, SERVER_CLIENT
+from lightning_fl.engine.planning import PADDING, RoundPlan, RoundPlanner
+from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT
 from lightning_fl.engine.schedule import ClientSchedule
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import FederatedTensors
@@ -95,7 +95,7 @@ def test_a_round_of_one_rank_by_hand():
     )
     for global_t, zero, live in zip(state.global_tensors, state.update_sum, fit.tensors.tensors):
         assert torch.equal(global_t, live) and global_t is not live and not zero.any()
-    assert SAMPLER_UPDATES not in state.extra_sums
+    assert CLIENT_UPDATES not in state.extra_sums
 
 
 def test_two_ranks_split_the_round_and_pad_to_the_same_length():
@@ -315,7 +315,7 @@ def test_a_sampler_that_needs_updates_gets_a_row_per_participant():
     fit = _fit(sampler=Observing())
     plan = RoundPlanner(fit).plan(0)
     size = sum(t.numel() for t in fit.tensors.tensors) + 1
-    (rows,) = plan.state.extra_sums[SAMPLER_UPDATES]
+    (rows,) = plan.state.extra_sums[CLIENT_UPDATES]
     assert rows.shape == (10, size) and not rows.any()
 
 

@@ -33,11 +33,16 @@ class CompositionError(ValueError):
 #: Samplers that leave clients out of a round (every sampler but FullParticipation).
 PARTIAL_SAMPLERS = (
     "UniformSampler",
+    "PoissonSampler",
     "MDSampler",
     "ClusteredSampler",
     "AvailableClients",
     "ExcludedClients",
 )
+#: Aggregators that step by a robust statistic of the round's updates, not their sum.
+ROBUST = ("CoordinateMedian", "TrimmedMean", "Krum", "CenteredClipping")
+#: Samplers whose rounds have a random number of distinct clients.
+RANDOM_SIZE_SAMPLERS = ("MDSampler", "PoissonSampler", "ClusteredSampler", "AvailableClients")
 #: Callbacks that decide which model a client is evaluated with (its personalized model).
 PERSONAL_MODELS = ("FedEM", "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "ClusteredFL")
 #: Aggregators whose server step is not FedAvg's θ + η_g Σ ω_i Δ_i.
@@ -53,6 +58,8 @@ NON_FEDAVG = (
     "Pooled",
     "Local",
     "ClusteredFL",
+    "DPFedAvg",
+    *ROBUST,
 )
 #: Aggregators that never read the round's update sum Σ_i ω_i Δ_i, where the strategy and
 #: other callbacks put what they add to a round (a free-rider's update, the server's WERM
@@ -72,6 +79,37 @@ class Refusal:
 
 
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "DPFedAvg",
+        ("MDSampler", "ClusteredSampler", "AvailableClients", "ExcludedClients"),
+        "DP-FedAvg's noise and ε need one known inclusion probability q per client and "
+        "round (McMahan et al. 2018, Alg. 1), which this sampler does not have",
+        "use UniformSampler, PoissonSampler or FullParticipation",
+    ),
+    Refusal(
+        "DPFedAvg",
+        ("FreeRiders", "ServerReference"),
+        "it adds updates to the round's sum that are neither clipped nor counted by the "
+        "sensitivity bound, and rescales the clients' weights",
+        "drop it, or aggregate with FedAvg",
+    ),
+    Refusal(
+        "Krum",
+        RANDOM_SIZE_SAMPLERS,
+        "this sampler's rounds have a random number of distinct clients, which may fall to "
+        "2f + 2 or fewer, where Krum is undefined (Blanchard et al. 2017, Prop. 1)",
+        "use FullParticipation or UniformSampler with clients_per_round > 2f + 2",
+    ),
+    *(
+        Refusal(
+            robust,
+            ("FreeRiders", "ServerReference"),
+            "it adds to the round's update sum, which a robust aggregator does not read "
+            "(it reads each client's update)",
+            "aggregate with FedAvg or a server optimizer",
+        )
+        for robust in ROBUST
+    ),
     Refusal(
         "silos",
         ("Pooled", "StreamingDataModule"),

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine.client_store import move_client_states
 from lightning_fl.engine.context import FitContext
-from lightning_fl.engine.plugins import POOLED_CLIENT, SERVER_CLIENT, RoundState
+from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT, RoundState
 from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import zeros_like
@@ -29,7 +29,6 @@ from lightning_fl.systems.samplers import Participation
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
 #: The round sum that carries the participants' updates to a sampler that needs them.
-SAMPLER_UPDATES = "sampler_updates"
 
 
 @dataclass
@@ -361,12 +360,10 @@ class RoundPlanner:
             target_weights=p,
             local_steps=local_steps,
         )
-        if fit.plugins.sampler.needs_updates:  # rows of every rank, summed by the all-reduce
-            # one row per participant: its flattened update, then a 1 once it is accepted
-            # (a zero update is sent, a dropped one is not)
+        if fit.plugins.sampler.needs_updates or fit.plugins.aggregator.needs_client_updates:
             size = sum(t.numel() for t in global_tensors) + 1
             rows = torch.zeros(len(participation.clients), size, device=fit.device)
-            state.extra_sums[SAMPLER_UPDATES] = [rows]
+            state.extra_sums[CLIENT_UPDATES] = [rows]
         return state
 
 

@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from lightning_fl.engine.tensors import FederatedTensors
 
 
+#: The round's ``extra_sums`` entry of one row per participant: its flattened update, then
+#: a 1 once it is accepted (a zero update is sent, a dropped one is not). Kept when the
+#: sampler (``needs_updates``) or the aggregator (``needs_client_updates``) reads them; each
+#: rank fills its own clients' rows and the round's all-reduce gathers them by summing.
+CLIENT_UPDATES = "client_updates"
+
+
 @dataclass
 class RoundState:
     """What the hooks of one round see.
@@ -101,6 +108,18 @@ class RoundState:
         """:meth:`weight_of` of each of ``clients``."""
         weights = self.participation.weights
         return [weights[row] for row in self.rows_of(clients)]
+
+    def received_updates(self) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+        """The accepted participants of every rank (in participation order), their updates
+        as the rows of a (k × d) tensor (flattened as :func:`~lightning_fl.engine.tensors.
+        flatten` does) and their weights ω_i; after the round's all-reduce, when the
+        aggregator has ``needs_client_updates``."""
+        rows = self.extra_sums[CLIENT_UPDATES][0]
+        sent = torch.nonzero(rows[:, -1]).flatten()
+        clients = tuple(self.participation.clients[i] for i in sent.tolist())
+        weights = torch.tensor(self.participation.weights, dtype=torch.float64,
+                               device=rows.device)[sent]  # fmt: skip
+        return clients, rows[sent, :-1], weights
 
     def _first_rows(self) -> dict[int, int]:
         if self._rows is None:
@@ -284,8 +303,12 @@ class Aggregator(FederatedCallback):
     #: True for the centralized baseline: the strategy trains one client holding all data.
     pools_clients: bool = False
     #: True if a round without participants is still aggregated (an asynchronous server
-    #: whose clock moves); otherwise such a round is skipped (no server step).
+    #: whose clock moves, DP noise that is added whoever took part); otherwise such a
+    #: round is skipped (no server step).
     aggregates_empty_rounds: bool = False
+    #: True if :meth:`aggregate` reads every accepted update, not only their weighted sum
+    #: (robust aggregation): :meth:`RoundState.received_updates` then holds them.
+    needs_client_updates: bool = False
 
     def __init__(self, weighting: Weighting = "samples") -> None:
         if weighting not in ("samples", "uniform"):
@@ -308,6 +331,13 @@ class Aggregator(FederatedCallback):
         if self.weighting == "uniform":
             counts = (counts > 0).double()
         return counts / counts.sum()
+
+    def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
+        """What the server does with ``client``'s update as it arrives, after every
+        callback's :meth:`~FederatedCallback.transform_update` (what the client sent, an
+        attack's included) and before it is weighted into the sum: the server-side
+        clipping of user-level DP. Default: the update as sent."""
+        return update
 
     def aggregate(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState

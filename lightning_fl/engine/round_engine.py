@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_fl.engine.context import FitContext
-from lightning_fl.engine.planning import SAMPLER_UPDATES, RoundPlan, RoundPlanner
-from lightning_fl.engine.plugins import Aggregator, FederatedCallback, RoundState
+from lightning_fl.engine.planning import RoundPlan, RoundPlanner
+from lightning_fl.engine.plugins import CLIENT_UPDATES, Aggregator, FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, seed_global_rng
 from lightning_fl.engine.tensors import TensorList, all_finite, flatten, unflatten
 
@@ -85,6 +85,7 @@ class RoundEngine:
         # (against its cluster's model, its stale model), which the others then change
         for cb in self.ordered_callbacks("transform_update"):
             update = cb.transform_update(trainer, module, client, update, state)
+        update = fit.plugins.aggregator.receive_update(client, update, state)
         if not all_finite(update):
             state.dropped.append(client)
             warnings.warn(
@@ -95,8 +96,8 @@ class RoundEngine:
             return
         torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
         state.accepted.append(client)
-        if SAMPLER_UPDATES in state.extra_sums:
-            rows, row = state.extra_sums[SAMPLER_UPDATES][0], state.row_of(client)
+        if CLIENT_UPDATES in state.extra_sums:
+            rows, row = state.extra_sums[CLIENT_UPDATES][0], state.row_of(client)
             rows[row, :-1], rows[row, -1] = flatten(update), 1.0  # the update, and 'sent'
         if fit.config.keep_optimizer_state:
             if optimizer_states is None:
@@ -133,17 +134,17 @@ class RoundEngine:
             clients = [c for r, c in enumerate(clients) if r not in bad]
             stacked = [rows[keep] for rows in stacked]
         omega = torch.tensor(state.weights_of(clients), device=stacked[0].device)
-        sampler_rows = state.extra_sums.get(SAMPLER_UPDATES)
+        update_rows = state.extra_sums.get(CLIENT_UPDATES)
         flat_updates = []
         for total, rows, start in zip(state.update_sum, stacked, state.global_tensors):
             updates = rows - start
             total.add_(torch.tensordot(omega.to(updates.dtype), updates, dims=1))
-            if sampler_rows is not None:
+            if update_rows is not None:
                 flat_updates.append(updates.flatten(1))
-        if sampler_rows is not None and clients:
-            positions = torch.tensor(state.rows_of(clients), device=sampler_rows[0].device)
-            sent = torch.ones(len(clients), 1, device=sampler_rows[0].device)
-            sampler_rows[0][positions] = torch.cat([*flat_updates, sent], 1)
+        if update_rows is not None and clients:
+            positions = torch.tensor(state.rows_of(clients), device=update_rows[0].device)
+            sent = torch.ones(len(clients), 1, device=update_rows[0].device)
+            update_rows[0][positions] = torch.cat([*flat_updates, sent], 1)
         state.accepted.extend(clients)
 
     def end_round(self) -> RoundState:
@@ -161,11 +162,9 @@ class RoundEngine:
             )
         fit.plugins.aggregator.aggregate(fit.trainer, fit.module, state)
         fit.tensors.load_(state.global_tensors)
-        if SAMPLER_UPDATES in state.extra_sums:
-            rows = state.extra_sums[SAMPLER_UPDATES][0]
-            sent = torch.nonzero(rows[:, -1]).flatten().tolist()  # accepted on some rank
-            clients = tuple(state.participation.clients[i] for i in sent)
-            fit.plugins.sampler.observe(clients, rows[sent, :-1], state.num_clients)
+        if fit.plugins.sampler.needs_updates:
+            clients, updates, _ = state.received_updates()  # accepted on some rank
+            fit.plugins.sampler.observe(clients, updates, state.num_clients)
         self.call("on_round_end", state)
         return state
 

@@ -112,19 +112,23 @@ def check_callback(callback: Any) -> None:
 
 
 #: The per-client hooks a batched chunk start and finish would skip.
-CLIENT_HOOKS = ("on_client_start", "transform_update", "on_client_end")
+CLIENT_HOOKS = ("on_client_start", "transform_update", "on_client_end", "receive_update")
 
 
 def needs_client_hooks(callback: Any) -> bool:
     """Whether vectorized clients must run ``callback``'s client hooks one client at a
     time (its ``vectorized_client_hooks``, or, when None, whether it overrides one)."""
-    from lightning_fl.engine.plugins import FederatedCallback
+    from lightning_fl.engine.plugins import Aggregator, FederatedCallback
 
     declared = callback.vectorized_client_hooks
     if declared is not None:
         return declared
     kind = type(callback)
-    return any(getattr(kind, hook) is not getattr(FederatedCallback, hook) for hook in CLIENT_HOOKS)
+    return any(
+        getattr(kind, hook, None) is not getattr(FederatedCallback, hook, None)
+        and getattr(kind, hook, None) is not getattr(Aggregator, hook, None)
+        for hook in CLIENT_HOOKS
+    )
 
 
 def check_compilable(module: nn.Module, callbacks: Sequence[Any]) -> None:

@@ -164,6 +164,33 @@ class MDSampler(_FixedSizeSampler):
         return {i: count / m for i, count in Counter(draws).items()}
 
 
+class PoissonSampler(ClientSampler):
+    """Each client with p_i > 0 takes part independently with probability q; ω_i = p_i/q.
+
+    E[ω_i] = q·p_i/q = p_i (Fraboni thesis Def. 2.1). A round may have no participants,
+    and its size is random (about qn). The sampling of DP-FedAvg (McMahan et al. 2018,
+    Alg. 1: "sample users with probability q"), for which privacy accounting is tightest.
+    One uniform draw per client a round, a tensor operation over the population.
+
+    >>> import torch
+    >>> draw = PoissonSampler(0.5).sample(0, seed=0, p=torch.full((4,), 0.25))
+    >>> all(w == 0.5 for w in draw.weights)
+    True
+    """
+
+    def __init__(self, rate: float, renormalize: bool = False) -> None:
+        super().__init__(renormalize)
+        if not 0 < rate <= 1:
+            raise ValueError(f"rate must be in (0, 1], got {rate}.")
+        self.rate = float(rate)
+
+    def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
+        # host: the draw is bookkeeping of the sampler, on a CPU generator
+        chosen = torch.nonzero((torch.rand(len(p), generator=gen, dtype=torch.float64)
+                                < self.rate) & (p > 0)).flatten().tolist()  # fmt: skip
+        return {i: float(p[i]) / self.rate for i in chosen}
+
+
 class SamplerWrapper(ClientSampler):
     """A sampler that changes who may be drawn and asks ``sampler`` for the draw; its
     checks, narrow inputs (``needs_updates`` and :meth:`observe`, ``needs_losses`` and

@@ -1,0 +1,359 @@
+"""User-level differential privacy: DP-FedAvg (McMahan et al., ICLR 2018, Alg. 1) with
+fixed or adaptive clipping (Andrew et al., NeurIPS 2021, Alg. 1) and its accounting.
+
+The mathematics is :mod:`lightning_fl.systems.user_dp`; this plugin places it in the
+round:
+
+1. **weights** (:meth:`DPFedAvg.target_weights`): the bounded weights w_k = min(n_k/ŵ, 1)
+   (``weighting="samples"``) or w_k = 1 (``"uniform"``) become the target weights
+   p_k = w_k/W, so that the sampler's unbiased ω_k (uniform without replacement:
+   (n/m)p_k; Poisson: p_k/q; full participation: p_k) are w_k/(qW), the paper's
+   fixed-denominator estimator f̃_f;
+2. **clipping**: each update Δ_k scaled to norm at most C: by the server as the update
+   arrives (``noise="central"``, :meth:`DPFedAvg.receive_update`, after any attack), or
+   by the client before it sends it (``noise="local"``);
+3. **noise**: N(0, σ²) on the estimate, σ = zC/(qW) (f̃_f) or 2zC/(qW_min) (f̃_c): drawn
+   by the server from (seed, round) (central), or split over the round's K participants,
+   each adding its share N(0, σ²/K)/ω_k to what it sends, so that the weighted sum carries
+   the same N(0, σ²) (local; every client's share is seeded by (seed, round, client));
+4. **adaptive clipping** (``target_quantile`` set): the noised fraction of unclipped
+   updates b̃ = (Σ b_k + N(0, σ_b²))/(qn) moves C geometrically toward the γ-quantile of
+   the norms, and the updates' noise uses z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2);
+5. **accounting**: ε of the rounds so far, by dp-accounting (RDP or PLD) for the
+   sampling actually used, logged as ``dp/epsilon`` every round; a run whose planned
+   rounds exceed ``epsilon_budget`` is refused before it trains, unless
+   ``allow_over_budget``.
+
+What the server sees: with central noise, each clipped update (a trusted server, the
+paper's model); with local noise, each update with its share of the noise, which on its
+own is a weak guarantee (σ/√K): use it under secure aggregation, where only the sum is
+seen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from lightning_fl.checks import require_rate
+from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
+from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, zeros_like
+from lightning_fl.systems.samplers import (
+    ClientSampler,
+    FullParticipation,
+    Participation,
+    PoissonSampler,
+    UniformSampler,
+)
+from lightning_fl.systems.user_dp import (
+    Accountant,
+    Estimator,
+    Sampling,
+    bounded_weights,
+    epsilon,
+    next_clip_norm,
+    noise_std,
+    update_noise_multiplier,
+)
+
+#: The round's sum of unclipped updates (adaptive clipping), added over the ranks.
+UNCLIPPED = "dp_unclipped"
+
+
+def sampling_of(sampler: ClientSampler, eligible: int) -> Sampling:
+    """The accountant's view of ``sampler`` over ``eligible`` clients; a sampler whose
+    inclusion probabilities are not one known q is refused."""
+    if getattr(sampler, "renormalize", False):
+        raise ValueError(
+            f"DPFedAvg needs the unbiased weights of {type(sampler).__name__}: "
+            "renormalize=True divides by the sampled weights. Set renormalize=False."
+        )
+    if type(sampler) is FullParticipation:
+        return Sampling.full()
+    if type(sampler) is UniformSampler:
+        return Sampling.fixed(sampler.clients_per_round, eligible)
+    if type(sampler) is PoissonSampler:
+        return Sampling.poisson(sampler.rate)
+    raise ValueError(
+        f"DPFedAvg cannot account for {type(sampler).__name__}: its noise and ε need one "
+        "known inclusion probability q per round. Use UniformSampler, PoissonSampler or "
+        "FullParticipation."
+    )
+
+
+class DPFedAvg(Aggregator):
+    """DP-FedAvg (McMahan et al., ICLR 2018, Alg. 1): user-level differential privacy by
+    clipping each client's update to norm C and adding Gaussian noise to the weighted
+    average, with adaptive clipping (Andrew et al., NeurIPS 2021, Alg. 1) and ε tracked
+    by dp-accounting.
+
+    Args:
+        noise_multiplier: z, the noise's std in units of the sensitivity.
+        clip_norm: C (the initial C^0 with adaptive clipping).
+        noise: ``"central"`` (the server clips and adds the noise) or ``"local"`` (each
+            client clips and adds its share).
+        estimator: ``"fixed"`` (f̃_f, denominator qW) or ``"clipped"`` (f̃_c, denominator
+            max(qW_min, Σ_{k∈C} w_k); central noise only).
+        min_weight: W_min of the clipped estimator.
+        example_cap: ŵ of w_k = min(n_k/ŵ, 1); None: the largest n_k.
+        weighting: ``"samples"`` (w_k from the sample counts) or ``"uniform"`` (w_k = 1).
+        target_quantile: γ of adaptive clipping; None keeps C fixed.
+        clip_lr: η_C of adaptive clipping.
+        count_std: σ_b, the noise on the count of unclipped updates; None: qn/20 (Andrew
+            et al. §5, with qn the expected participants).
+        server_lr: η_s.
+        server_momentum: β of Δ̄ = βΔ̄ + (1 − β)Δ̃ (Andrew et al. Alg. 1; 0: none).
+        delta: δ of the reported ε.
+        epsilon_budget: the largest ε the planned rounds may spend; None: no limit.
+        allow_over_budget: train even when the planned rounds exceed the budget.
+        accountant: ``"rdp"`` or ``"pld"`` (Poisson and full participation only).
+        seed: the noise's seed, mixed with the round (and the client for local noise).
+    """
+
+    keeps_client_state = False  # server-side state only
+    supports_vectorized_clients = True
+    aggregates_empty_rounds = True  # a Poisson round without participants is still noised
+
+    def __init__(
+        self,
+        noise_multiplier: float = 1.0,
+        clip_norm: float = 1.0,
+        noise: Literal["central", "local"] = "central",
+        estimator: Estimator = "fixed",
+        min_weight: float | None = None,
+        example_cap: float | None = None,
+        weighting: Weighting = "samples",
+        target_quantile: float | None = None,
+        clip_lr: float = 0.2,
+        count_std: float | None = None,
+        server_lr: float = 1.0,
+        server_momentum: float = 0.0,
+        delta: float = 1e-5,
+        epsilon_budget: float | None = None,
+        allow_over_budget: bool = False,
+        accountant: Accountant = "rdp",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(weighting)
+        self.noise_multiplier = require_rate("noise_multiplier", noise_multiplier, 1.0, True)
+        self.initial_clip_norm = require_rate("clip_norm", clip_norm, 1.0)
+        if noise not in ("central", "local"):
+            raise ValueError(f"noise must be 'central' or 'local', got {noise!r}.")
+        if estimator not in ("fixed", "clipped"):
+            raise ValueError(f"estimator must be 'fixed' or 'clipped', got {estimator!r}.")
+        if estimator == "clipped" and (min_weight is None or not min_weight > 0):
+            raise ValueError("estimator='clipped' needs min_weight > 0 (W_min), e.g. 1.0.")
+        if estimator == "clipped" and noise == "local":
+            raise ValueError(
+                "estimator='clipped' divides by the round's weight, known only to the server: "
+                "use noise='central', or estimator='fixed' with local noise."
+            )
+        if target_quantile is not None and not 0 <= target_quantile <= 1:
+            raise ValueError(f"target_quantile must be in [0, 1], got {target_quantile}.")
+        if not 0 <= server_momentum < 1:
+            raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum}.")
+        if not 0 < delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta}.")
+        if accountant not in ("rdp", "pld"):
+            raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}.")
+        if count_std is not None:
+            require_rate("count_std", count_std, 1.0)
+        if example_cap is not None:
+            require_rate("example_cap", example_cap, 100.0)
+        self.noise, self.estimator, self.min_weight = noise, estimator, min_weight
+        self.example_cap, self.target_quantile = example_cap, target_quantile
+        self.clip_lr = require_rate("clip_lr", clip_lr, 0.2, allow_zero=True)
+        self.count_std, self.server_lr = count_std, require_rate("server_lr", server_lr, 1.0)
+        self.server_momentum, self.delta = server_momentum, delta
+        self.epsilon_budget, self.allow_over_budget = epsilon_budget, allow_over_budget
+        self.accountant, self.seed = accountant, seed
+        self.clip_norm = self.initial_clip_norm
+        self.momentum: TensorList | None = None
+        self._total_weight = 0.0
+        self._eligible = 0
+        self._planned_rounds: int | None = None
+        self.sampling: Sampling | None = None
+        #: What the last round logged: ε, C, σ and the noised unclipped fraction.
+        self.last: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ weights and q
+    def target_weights(self, sample_counts) -> torch.Tensor:
+        """p_k = w_k/W with the bounded weights w_k (McMahan et al. 2018, Alg. 1)."""
+        counts = np.asarray(sample_counts)
+        if self.weighting == "uniform":
+            w = (counts > 0).astype(np.float64)
+        else:
+            w = bounded_weights(counts, self.example_cap)
+        self._total_weight, self._eligible = float(w.sum()), int(np.count_nonzero(w))
+        # host: p is bookkeeping of the sample counts, read by the samplers on the host
+        return torch.from_numpy(w / w.sum())
+
+    def participation(
+        self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
+    ) -> Participation:
+        if self.sampling is None:
+            self.sampling = sampling_of(sampler, self._eligible)
+            self._check_budget()
+        return super().participation(round_idx, seed, p, sampler)
+
+    @property
+    def expected_participants(self) -> float:
+        """qn: the clients a round draws on average."""
+        return self.sampling.rate * self._eligible
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target_quantile is not None
+
+    @property
+    def accounted_noise_multiplier(self) -> float:
+        """z, the whole mechanism's (with adaptive clipping, updates and count together)."""
+        return self.noise_multiplier
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The updates' noise multiplier: z, or z_Δ with adaptive clipping."""
+        if not self.adaptive or self.noise_multiplier == 0:
+            return self.noise_multiplier
+        return update_noise_multiplier(self.noise_multiplier, self._count_std())
+
+    def _count_std(self) -> float:
+        return self.expected_participants / 20 if self.count_std is None else self.count_std
+
+    def epsilon(self, rounds: int) -> float:
+        """ε after ``rounds`` rounds at ``delta``."""
+        return epsilon(
+            self.accounted_noise_multiplier, self.sampling, rounds, self.delta, self.accountant
+        )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
+        self.sampling = None  # read again from this fit's sampler at its first round
+
+    def _check_budget(self) -> None:
+        if self.adaptive and self.noise_multiplier > 0:
+            self.update_noise_multiplier  # noqa: B018  (refuses σ_b ≤ z/2 before training)
+        if self.epsilon_budget is None or self.allow_over_budget:
+            return
+        if self._planned_rounds is None:
+            raise ValueError(
+                "DPFedAvg(epsilon_budget=...) needs a planned number of rounds: set "
+                "Trainer(max_epochs=...), or allow_over_budget=True."
+            )
+        planned = self.epsilon(self._planned_rounds)
+        if planned > self.epsilon_budget:
+            raise ValueError(
+                f"DPFedAvg: {self._planned_rounds} rounds at z={self.noise_multiplier:g} and "
+                f"q={self.sampling.rate:.4g} spend ε={planned:.4g} at δ={self.delta:g}, over "
+                f"the budget ε={self.epsilon_budget:g}. Train fewer rounds, raise "
+                "noise_multiplier, or set allow_over_budget=True."
+            )
+
+    # ------------------------------------------------------------------ clients
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        if self.adaptive:
+            like = state.global_tensors[0]
+            state.extra_sums[UNCLIPPED] = [torch.zeros(1, dtype=like.dtype, device=like.device)]
+
+    def _clipped(self, update: TensorList, state: RoundState) -> TensorList:
+        """Δ·min(1, C/‖Δ‖), counting Δ as unclipped when ‖Δ‖ ≤ C."""
+        norm = float(torch.linalg.vector_norm(flatten(update).double()))
+        if self.adaptive and norm <= self.clip_norm:
+            state.extra_sums[UNCLIPPED][0] += 1
+        if norm <= self.clip_norm:
+            return update
+        return torch._foreach_mul(update, self.clip_norm / norm)
+
+    def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
+        """Local noise: the client clips its update and adds its share of the noise,
+        N(0, σ²/K)/ω_k, so that the weighted sum carries N(0, σ²)."""
+        if self.noise == "central":
+            return update
+        update = self._clipped(update, state)
+        share = self._noise_std(state) / math.sqrt(len(state.participation.clients))
+        noise = self._gaussian(update, share / state.weight_of(client),
+                               "dp_fedavg_local", state.round_idx, client)  # fmt: skip
+        update = [u.clone() for u in update]
+        add_flat_(update, noise)
+        return update
+
+    def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
+        """Central noise: the server clips each update as it arrives (after any attack)."""
+        return self._clipped(update, state) if self.noise == "central" else update
+
+    # ------------------------------------------------------------------ server
+    def _noise_std(self, state: RoundState) -> float:
+        return noise_std(
+            self.update_noise_multiplier, self.clip_norm, self.sampling.rate,
+            self._total_weight, self.estimator, self.min_weight,
+        )  # fmt: skip
+
+    def _gaussian(self, like: TensorList, std: float, purpose: str, *keys: int) -> torch.Tensor:
+        size = sum(t.numel() for t in like)
+        # host: a CPU generator draws the same noise on every rank and device
+        draw = torch.randn(size, generator=generator(self.seed, purpose, *keys),
+                           dtype=torch.float64)  # fmt: skip
+        return std * draw
+
+    @torch.no_grad()
+    def aggregate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        estimate = [u.double() for u in state.update_sum]
+        if self.estimator == "clipped":
+            sampled = sum(state.participation.weights)  # Σ_{k∈C} w_k / (qW)
+            torch._foreach_div_(estimate, max(self.min_weight / self._total_weight, sampled))
+        sigma = self._noise_std(state)
+        if self.noise == "central" and sigma > 0:
+            add_flat_(estimate, self._gaussian(estimate, sigma, "dp_fedavg", state.round_idx))
+        if self.server_momentum > 0:
+            if self.momentum is None:
+                self.momentum = zeros_like(estimate)
+            torch._foreach_mul_(self.momentum, self.server_momentum)
+            torch._foreach_add_(self.momentum, estimate, alpha=1 - self.server_momentum)
+            estimate = self.momentum
+        for theta, step in zip(state.global_tensors, estimate):
+            theta.add_((self.server_lr * step).to(theta.dtype))
+        self.last = {"clip_norm": self.clip_norm, "noise_std": sigma,
+                     "epsilon": self.epsilon(state.round_idx + 1)}  # fmt: skip
+        if self.adaptive:
+            self._adapt_clip_norm(state)
+
+    def _adapt_clip_norm(self, state: RoundState) -> None:
+        unclipped = float(state.extra_sums[UNCLIPPED][0])
+        count_noise = (
+            self._count_std()
+            * float(
+                torch.randn(
+                    1,
+                    generator=generator(self.seed, "dp_count", state.round_idx),
+                    dtype=torch.float64,
+                )  # fmt: skip
+            )
+            if self.noise_multiplier > 0
+            else 0.0
+        )
+        fraction = (unclipped + count_noise) / self.expected_participants
+        self.last["unclipped_fraction"] = fraction
+        self.clip_norm = next_clip_norm(self.clip_norm, fraction, self.target_quantile,
+                                        self.clip_lr)  # fmt: skip
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        synced = trainer.world_size > 1  # equal on every rank
+        for name, value in self.last.items():
+            pl_module.log(f"dp/{name}", float(value), on_epoch=True, sync_dist=synced)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clip_norm": self.clip_norm, "momentum": self.momentum}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.clip_norm = float(state_dict.get("clip_norm", self.initial_clip_norm))
+        self.momentum = state_dict.get("momentum")
+
+
+__all__ = ["DPFedAvg", "sampling_of"]
