@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,7 +141,6 @@ def _epsilon(
     noise_multiplier: float, sampling: Sampling, rounds: int, delta: float, accountant: str
 ) -> float:
     import dp_accounting as dpa
-    from dp_accounting import pld, rdp
 
     gaussian = dpa.GaussianDpEvent(noise_multiplier)
     relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -154,6 +154,18 @@ def _epsilon(
     else:
         one_round = gaussian
     event = dpa.SelfComposedDpEvent(one_round, rounds)
+    absl = logging.getLogger("absl")  # quiet: RDP orders that do not converge are skipped
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        return _spend(event, relation, sampling, delta, accountant)
+    finally:
+        absl.setLevel(level)
+
+
+def _spend(event, relation, sampling: Sampling, delta: float, accountant: str) -> float:
+    from dp_accounting import pld, rdp
+
     if accountant == "rdp":
         engine = rdp.RdpAccountant(neighboring_relation=relation)
     elif sampling.kind == "fixed":
