@@ -66,6 +66,11 @@ class ByzantineClients(FederatedCallback):
     def corrupt(self, update: TensorList, client: int, state: RoundState) -> TensorList:
         raise NotImplementedError
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        """Logs ``attack/updates``, the corrupted updates of the round (summed over ranks)."""
+        pl_module.log("attack/updates", float(len(self.attacked)), on_epoch=True,
+                      sync_dist=trainer.world_size > 1, reduce_fx="sum")  # fmt: skip
+
 
 class SignFlipping(ByzantineClients):
     """Each attacker sends −s·Δ_i, its honest update reversed and scaled by s."""
