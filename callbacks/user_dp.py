@@ -326,18 +326,12 @@ class DPFedAvg(Aggregator):
 
     def _adapt_clip_norm(self, state: RoundState) -> None:
         unclipped = float(state.extra_sums[UNCLIPPED][0])
-        count_noise = (
-            self._count_std()
-            * float(
-                torch.randn(
-                    1,
-                    generator=generator(self.seed, "dp_count", state.round_idx),
-                    dtype=torch.float64,
-                )  # fmt: skip
-            )
-            if self.noise_multiplier > 0
-            else 0.0
-        )
+        count_noise = 0.0
+        if self.noise_multiplier > 0:
+            gen = generator(self.seed, "dp_count", state.round_idx)
+            # host: a scalar of the server's bookkeeping, the same draw on every rank
+            count_noise = self._count_std() * float(torch.randn(1, generator=gen,
+                                                                dtype=torch.float64))  # fmt: skip
         fraction = (unclipped + count_noise) / self.expected_participants
         self.last["unclipped_fraction"] = fraction
         self.clip_norm = next_clip_norm(self.clip_norm, fraction, self.target_quantile,

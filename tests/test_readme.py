@@ -34,7 +34,7 @@ def _run(code: str, tmp_path: Path, monkeypatch) -> dict:
 
 
 def test_readme_has_the_snippets():
-    assert len(SNIPPETS) == 4
+    assert len(SNIPPETS) == 5
 
 
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
