@@ -98,8 +98,12 @@ def main() -> None:
             print(dataset, line, flush=True)
             lines.append(line)
         clean = table["FedAvg"][0]
-        failures = [f"{name} under {column} ({cell:.3f})" for name, cells in table.items()
-                    for column, cell in zip(columns, cells) if cell < clean - FAILURE_GAP]
+        failures = [
+            f"{name} under {column} ({cell:.3f})"
+            for name, cells in table.items()
+            for column, cell in zip(columns, cells)
+            if cell < clean - FAILURE_GAP
+        ]
         lines += ["", f"Fails (more than {FAILURE_GAP} below FedAvg without attackers, "
                   f"{clean:.3f}): " + ("; ".join(failures) or "none") + ".", ""]  # fmt: skip
     RESULTS.write_text("\n".join(lines))
