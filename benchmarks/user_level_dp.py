@@ -20,8 +20,9 @@ accountant for fixed-size sampling of 20 of 100 (replace-one); DP-SGD's is sampl
 (one training sample of a client), Opacus's RDP, the largest over clients: the two are not
 the same guarantee. WERM has no ε. The attack columns are the membership-inference triad of
 MembershipInference (Song & Mittal's and Yeom et al.'s threshold attacks, best of five):
-the balanced accuracy of telling a client's training (or reference) samples from its test
-samples, 0.5 for no leakage. Writes benchmarks/results/user_level_dp.md.
+the balanced accuracy of telling a client's training samples from its test samples, and
+the largest ROC AUC of the five attacks' scores on its training (or reference) samples
+against its test samples; 0.5 for no leakage. Writes benchmarks/results/user_level_dp.md.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def run(dataset: str, kind: str, arguments: dict, rounds: int) -> dict:
         callbacks.append(dp)
     elif kind == "dp_sgd":
         callbacks.append(DPSGD(max_grad_norm=1.0, delta=DELTA, **arguments))
-    metrics, seconds = fit_and_test(
+    metrics, _ = fit_and_test(
         module(dataset, LR, werm=arguments.get("w") if werm else None),
         federation(dataset, CLIENTS, werm=werm), callbacks, rounds,
         sampler=UniformSampler(PER_ROUND), local_epochs=EPOCHS,
@@ -74,8 +75,9 @@ def run(dataset: str, kind: str, arguments: dict, rounds: int) -> dict:
     elif kind == "dp_sgd":
         epsilon = metrics["dp/epsilon"]
     return {"acc": metrics["test_acc"], "mia_train": metrics["mia/train/best"],
-            "mia_reference": metrics.get("mia/reference/best", math.nan),
-            "epsilon": epsilon, "seconds": seconds,
+            "auc_train": metrics["mia/train/auc"],
+            "auc_reference": metrics.get("mia/reference/auc", math.nan),
+            "epsilon": epsilon,
             "clip": dp.clip_norm if dp is not None else math.nan}  # fmt: skip
 
 
@@ -91,21 +93,23 @@ def main() -> None:
         f"{CLIENTS} clients (iid), {PER_ROUND} a round without replacement, {EPOCHS} local "
         f"epochs (batch 8, lr {LR}), MLP 32 hidden units, {args.rounds} rounds; ε at δ = 1e-5. "
         "User-level ε (DP-FedAvg: a client's whole data) and sample-level ε (DP-SGD: one "
-        "sample of a client) are different guarantees. MIA: the best threshold attack's "
-        "balanced accuracy (0.5 = no leakage) on members = a client's training (reference) "
-        "samples against its test samples. Final C: the clip norm after the last round.",
+        "sample of a client) are different guarantees. MIA (the membership-inference triad, "
+        "members = a client's training or reference samples, non-members = its test "
+        "samples, averaged over clients): the best threshold attack's balanced accuracy "
+        "(train), and the largest ROC AUC of the five attacks' scores (0.5 = no leakage). "
+        "Final C: the clip norm after the last round.",
         "",
     ]
     for dataset in args.datasets:
-        lines += [f"## {dataset}", "", "| method | ε | test acc | MIA train | MIA reference | "
-                  "final C | run |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {dataset}", "", "| method | ε | test acc | MIA acc train | MIA AUC train "
+                  "| MIA AUC reference | final C |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for name, kind, arguments in methods():
             r = run(dataset, kind, arguments, args.rounds)
             eps = "∞" if r["epsilon"] == math.inf else (
                 "—" if math.isnan(r["epsilon"]) else f"{r['epsilon']:.2f}")  # fmt: skip
             clip = "—" if math.isnan(r["clip"]) else f"{r['clip']:.3f}"
             line = (f"| {name} | {eps} | {r['acc']:.3f} | {r['mia_train']:.3f} | "
-                    f"{r['mia_reference']:.3f} | {clip} | {r['seconds']:.0f} s |")  # fmt: skip
+                    f"{r['auc_train']:.3f} | {r['auc_reference']:.3f} | {clip} |")  # fmt: skip
             print(dataset, line, flush=True)
             lines.append(line)
         lines.append("")

@@ -47,7 +47,8 @@ class MembershipInference(FederatedCallback):
       non-members = its held-out test data; with the reference data at the server
       (``ReferenceDataModule(reference="server")``), the server's reference data against
       the pooled test data, with the global model;
-    - ``.../best``: the strongest attack.
+    - ``.../best``: the strongest attack's accuracy; ``.../auc``: the largest of the
+      attacks' ROC AUCs (threshold-free, :func:`~lightning_fl.systems.membership.roc_auc`).
 
     Attacks (:mod:`lightning_fl.systems.membership`): Song & Mittal's correctness, confidence,
     entropy and modified-entropy attacks with per-class thresholds, and Yeom et al.'s loss
@@ -90,7 +91,9 @@ class MembershipInference(FederatedCallback):
             if len(member[1]) < 2:
                 continue
             result = membership_inference(*member, *nonmember, seed=self.seed, attacks=self.attacks)
-            self.results[(model, target, client)] = dict(result.accuracy, best=result.best)
+            self.results[(model, target, client)] = dict(
+                result.accuracy, best=result.best, auc=result.best_auc
+            )
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         if self._active(trainer):
@@ -125,7 +128,9 @@ class MembershipInference(FederatedCallback):
             module, DataLoader(dm.server_nonmembers(), batch_size=dm.eval_batch_size)
         )
         result = membership_inference(*member, *nonmember, seed=self.seed, attacks=self.attacks)
-        self.results[("mia", "reference", -1)] = dict(result.accuracy, best=result.best)
+        self.results[("mia", "reference", -1)] = dict(
+            result.accuracy, best=result.best, auc=result.best_auc
+        )
 
     def _report(self, trainer, pl_module) -> None:
         trainer.strategy.evaluation.end_client()
@@ -139,7 +144,7 @@ class MembershipInference(FederatedCallback):
         for (model, target, _client), values in results.items():
             grouped[(model, target)].append(values)
         for (model, target), rows in sorted(grouped.items()):
-            for attack in [*self.attacks, "best"]:
+            for attack in [*self.attacks, "best", "auc"]:
                 mean = sum(r[attack] for r in rows) / len(rows)
                 pl_module.log(f"{model}/{target}/{attack}", mean, sync_dist=True)
         if results and trainer.is_global_zero:
@@ -151,13 +156,13 @@ class MembershipInference(FederatedCallback):
                 writer = csv.writer(handle)
                 if new:
                     writer.writerow(
-                        ["stage", "round", "model", "data", "client", *self.attacks, "best"]
+                        ["stage", "round", "model", "data", "client", *self.attacks, "best", "auc"]
                     )
                 stage = "test" if trainer.testing else "val"
                 for (model, target, client), values in sorted(results.items()):
                     writer.writerow(
                         [stage, trainer.current_epoch, model, target, client]
-                        + [f"{values[a]:.6f}" for a in [*self.attacks, "best"]]
+                        + [f"{values[a]:.6f}" for a in [*self.attacks, "best", "auc"]]
                     )
 
 

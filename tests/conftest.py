@@ -34,6 +34,8 @@ GPU_MODULES = {
     "test_cli_and_logging": "every recipe's short run and its reports",
     "test_distributed": "the 2-process runs (NCCL: one GPU per process, so 2 GPUs)",
     "test_client_store": "client entries moved between ranks travel on the CPU",
+    "test_robust": "robust aggregators over the round's update rows, the attacks",
+    "test_user_dp": "DP-FedAvg's clipping, noise and adaptive clip norm",
 }
 #: Modules whose runs take several processes: NCCL needs a GPU for each.
 MULTI_PROCESS = ("test_distributed", "test_composition::test_every_plugin_on_two_processes")

@@ -271,6 +271,24 @@ def test_every_privacy_recipe_runs_shortened(recipe, tmp_path):
         assert 0.0 <= float(metrics[key]) <= 1.0
 
 
+def test_the_user_level_dp_recipe_logs_epsilon_and_the_triad(tmp_path):
+    """Two rounds of privacy/digits_dp_fedavg.yaml: ε of 2 rounds of 20 of 100 clients at
+    z = 1 (dp-accounting), the clip norm adapted once, and the membership triad at test."""
+    from lightning_fl.systems.user_dp import Sampling, epsilon
+
+    cli = _fit(ROOT / "recipes" / "privacy" / "digits_dp_fedavg.yaml", tmp_path)
+    (metrics_csv,) = glob.glob(str(tmp_path / "**/metrics.csv"), recursive=True)
+    rounds = [r for r in csv.DictReader(open(metrics_csv)) if r.get("dp/epsilon")]
+    assert len(rounds) == 2
+    for t, row in enumerate(rounds):
+        expected = epsilon(1.0, Sampling.fixed(20, 100), t + 1, 1e-5)
+        assert float(row["dp/epsilon"]) == pytest.approx(expected, abs=1e-5)
+    assert float(rounds[0]["dp/clip_norm"]) == 0.5 != float(rounds[1]["dp/clip_norm"])
+    metrics = cli.trainer.callback_metrics  # the test's
+    for key in ("test_acc", "mia/train/best"):
+        assert 0.0 <= float(metrics[key]) <= 1.0
+
+
 @pytest.mark.parametrize("name", ["purchase100_werm", "texas100_werm"])
 def test_download_privacy_recipes_parse(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -370,8 +388,9 @@ def test_robustness_recipes_run(recipe, tmp_path):
     assert cli.trainer.current_epoch == 3
     (metrics_csv,) = glob.glob(str(tmp_path / "**/metrics.csv"), recursive=True)
     header = open(metrics_csv).readline()
-    key = "unlearning/remaining_train_acc" if "sifu" in recipe.stem else "free_riders/"
-    assert key in header
+    keys = {"digits_sifu": "unlearning/remaining_train_acc", "digits_free_riders": "free_riders/",
+            "digits_robust_aggregation": "attack/updates"}  # fmt: skip
+    assert keys[recipe.stem] in header
 
 
 @pytest.mark.parametrize("name", ["mnist_sifu", "cifar10_sifu", "cifar100_sifu"])

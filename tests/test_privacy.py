@@ -692,7 +692,7 @@ def test_membership_inference_per_epoch_per_stage_and_per_client(tmp_path):
                 member, split["train"][1], nonmember, split["test"][1], seed=attack.seed
             )
             assert attack.results[("mia", "train", 0)] == dict(
-                expected.accuracy, best=expected.best
+                expected.accuracy, best=expected.best, auc=expected.best_auc
             )
         assert "mia/train/best" in trainer.callback_metrics
         (path,) = (tmp_path / str(len(clients))).rglob("membership_inference.csv")
@@ -922,3 +922,23 @@ def test_download_extracts_shokris_archive_once(tmp_path, monkeypatch, dataset):
     (root / archive.name).unlink()  # the extracted files are enough: nothing fetched again
     again = make(root=str(root), download=True, num_clients=2, split=(0.5, 0.0, 0.0, 0.5))
     assert again.num_clients == 2
+
+
+def test_roc_auc_is_the_pairwise_probability_with_ties_and_sklearns():
+    """AUC = P(member > non-member) + ½ P(tie), by brute force over every pair and by
+    scikit-learn's roc_auc_score, on scores with ties across and within the two sets."""
+    from sklearn.metrics import roc_auc_score
+
+    from lightning_fl.systems.membership import roc_auc
+
+    g = torch.Generator().manual_seed(3)
+    member = torch.randint(0, 6, (37,), generator=g).double()
+    nonmember = torch.randint(0, 5, (23,), generator=g).double()
+    pairs = [(1.0 if a > b else 0.5 if a == b else 0.0) for a in member for b in nonmember]
+    brute = sum(pairs) / len(pairs)
+    assert roc_auc(member, nonmember) == pytest.approx(brute, abs=1e-12)
+    labels = [1] * len(member) + [0] * len(nonmember)
+    sklearn = roc_auc_score(labels, torch.cat([member, nonmember]).numpy())
+    assert roc_auc(member, nonmember) == pytest.approx(sklearn, abs=1e-12)
+    assert roc_auc(torch.tensor([2.0, 3.0]), torch.tensor([0.0, 1.0])) == 1.0
+    assert roc_auc(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 3.0])) == 0.0

@@ -162,15 +162,16 @@ class Recorder(FederatedCallback):
 
     def on_round_start(self, trainer, pl_module, state) -> None:
         part = state.participation
-        self.rounds.append({"start": flatten(state.global_tensors).double().clone(), "raw": {},
-                            "weights": dict(zip(part.clients, part.weights))})  # fmt: skip
+        start = flatten(state.global_tensors).double().cpu().clone()
+        weights = dict(zip(part.clients, part.weights))
+        self.rounds.append({"start": start, "raw": {}, "weights": weights})
 
     def transform_update(self, trainer, pl_module, client, update, state):
-        self.rounds[-1]["raw"][client] = flatten(update).double().clone()
+        self.rounds[-1]["raw"][client] = flatten(update).double().cpu().clone()
         return update
 
     def on_round_end(self, trainer, pl_module, state) -> None:
-        self.rounds[-1]["end"] = flatten(state.global_tensors).double().clone()
+        self.rounds[-1]["end"] = flatten(state.global_tensors).double().cpu().clone()
 
 
 def fit(callbacks: list, sampler=None, rounds: int = 3, vectorize: bool = False, **strategy):

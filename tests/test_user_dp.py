@@ -257,8 +257,8 @@ def test_poisson_sampling_is_unbiased_with_rate_q():
 def test_the_docstring_examples_run():
     import doctest
 
-    from lightning_fl.systems import samplers, user_dp
+    from lightning_fl.systems import membership, samplers, user_dp
 
-    for module in (user_dp, samplers):
+    for module in (user_dp, samplers, membership):
         failed, attempted = doctest.testmod(module, raise_on_error=False)
         assert failed == 0 and attempted > 0, module.__name__

@@ -362,7 +362,8 @@ class RoundPlanner:
         )
         if fit.plugins.sampler.needs_updates or fit.plugins.aggregator.needs_client_updates:
             size = sum(t.numel() for t in global_tensors) + 1
-            rows = torch.zeros(len(participation.clients), size, device=fit.device)
+            rows = torch.zeros(len(participation.clients), size, device=fit.device,
+                               dtype=global_tensors[0].dtype)  # fmt: skip
             state.extra_sums[CLIENT_UPDATES] = [rows]
         return state
 

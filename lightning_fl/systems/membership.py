@@ -11,12 +11,14 @@
 Protocol: members and non-members are subsampled to the same size (a balanced attack, so
 0.5 is chance); each set is split in two halves; thresholds are fitted on the first
 halves (per class for Song & Mittal, one threshold for Yeom) to maximize the attack
-accuracy and the accuracy is measured on the second halves.
+accuracy and the accuracy is measured on the second halves. Each attack's ROC AUC is
+threshold-free, over the whole balanced sets: the probability that a member's score
+exceeds a non-member's, ties counting one half (:func:`roc_auc`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -66,13 +68,34 @@ def best_threshold(member: Tensor, nonmember: Tensor) -> float:
     return float(scores[j - 1])
 
 
+def roc_auc(member: Tensor, nonmember: Tensor) -> float:
+    """P(s_member > s_nonmember) + ½ P(s_member = s_nonmember), by the Mann–Whitney
+    rank sum with average ranks for ties (0.5 for no separation, 1 for perfect).
+
+    >>> roc_auc(torch.tensor([3.0, 2.0, 2.0]), torch.tensor([2.0, 1.0]))
+    0.8333333333333334
+    """
+    from scipy.stats import rankdata
+
+    scores = torch.cat([member, nonmember]).double().cpu().numpy()
+    ranks = rankdata(scores)[: len(member)]
+    u = ranks.sum() - len(member) * (len(member) + 1) / 2
+    return float(u / (len(member) * len(nonmember)))
+
+
 @dataclass
 class AttackResult:
     accuracy: dict[str, float]
+    #: each attack's ROC AUC (:func:`roc_auc`)
+    auc: dict[str, float] = field(default_factory=dict)
 
     @property
     def best(self) -> float:
         return max(self.accuracy.values())
+
+    @property
+    def best_auc(self) -> float:
+        return max(self.auc.values())
 
 
 def membership_inference(
@@ -102,9 +125,10 @@ def membership_inference(
     m_lab, n_lab = member_labels[m_idx], nonmember_labels[n_idx]
     half = size // 2
     fit, score = slice(0, half), slice(half, size)
-    accuracy = {}
+    accuracy, auc = {}, {}
     for attack in attacks:
         m, n = m_sig[attack], n_sig[attack]
+        auc[attack] = roc_auc(m, n)
         if attack == "correctness":
             predicted_m, predicted_n = m[score] >= 1, n[score] >= 1
         else:
@@ -121,7 +145,7 @@ def membership_inference(
         tpr = predicted_m.double().mean()
         tnr = 1 - predicted_n.double().mean()
         accuracy[attack] = float(0.5 * (tpr + tnr))
-    return AttackResult(accuracy)
+    return AttackResult(accuracy, auc)
 
 
 def _per_sample(thresholds: dict[int, float], default: float, labels: Tensor) -> Tensor:
