@@ -132,8 +132,10 @@ def test_krum_refuses_rounds_of_2f_plus_2_updates_or_fewer():
 
 
 def test_centered_clipping_equals_the_iterated_reference():
+    """With weights summing to 3: the rule normalizes them."""
     tau, center = 1.5, torch.tensor([0.1, 0.0, -0.1, 0.2], dtype=torch.float64)
     w = (WEIGHTS / WEIGHTS.sum()).tolist()
+    weights = 3 * WEIGHTS
     v = center.tolist()
     for _ in range(3):
         step = [0.0] * 4
@@ -143,10 +145,31 @@ def test_centered_clipping_equals_the_iterated_reference():
             scale = min(1.0, tau / norm)
             step = [s + w[i] * scale * o for s, o in zip(step, offset)]
         v = [a + s for a, s in zip(v, step)]
-    got = centered_clipping(UPDATES, WEIGHTS, center, tau, iterations=3)
+    got = centered_clipping(UPDATES, weights, center, tau, iterations=3)
     assert got.tolist() == pytest.approx(v, abs=1e-12)
-    one = centered_clipping(UPDATES, WEIGHTS, center, tau, iterations=1)
+    one = centered_clipping(UPDATES, weights, center, tau, iterations=1)
     assert not torch.allclose(one, got)  # the iterations matter here
+    for bad in ({"tau": 0.0, "iterations": 1}, {"tau": 1.0, "iterations": 0}):
+        with pytest.raises(ValueError, match="tau must be > 0 and iterations >= 1"):
+            centered_clipping(UPDATES, weights, center, **bad)
+
+
+def test_weights_must_be_nonnegative_with_a_positive_sum():
+    for bad in (torch.tensor([0.5, -0.1, 0.6]), torch.zeros(3)):
+        with pytest.raises(ValueError, match="weights >= 0 with a positive sum"):
+            coordinate_median(UPDATES[:3], bad.double())
+    with pytest.raises(ValueError, match=r"num_selected must be in \[1, 7\]"):
+        krum_select(UPDATES, 1, 0)
+    with pytest.raises(ValueError, match=r"num_selected must be in \[1, 7\]"):
+        krum_select(UPDATES, 1, 8)
+
+
+def test_a_client_with_more_than_half_the_weight_is_the_median():
+    """The largest value holds 0.8 of the weight: it is the median of every coordinate
+    (the first sorted position reaching 1/2 is the last one)."""
+    rows = torch.tensor([[0.0, 5.0], [1.0, 6.0], [9.0, 7.0]], dtype=torch.float64)
+    weights = torch.tensor([0.1, 0.1, 0.8], dtype=torch.float64)
+    assert coordinate_median(rows, weights).tolist() == [9.0, 7.0]
 
 
 # ---- through the strategy ---------------------------------------------------------------
