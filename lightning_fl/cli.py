@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -49,7 +50,15 @@ KEEP_UNSET = {("skip_unset" if RequirementCache("jsonargparse>=4.49") else "skip
 
 
 class FederatedCLI(LightningCLI):
-    """LightningCLI whose ``fit`` also tests the final global model when asked to."""
+    """LightningCLI whose ``fit`` also tests the final global model when asked to.
+
+    ``on_start`` (optional) is called when the subcommand's run begins, after the
+    arguments are parsed and the classes built: an error before it means that the run
+    never started."""
+
+    def __init__(self, *args: Any, on_start: Callable[[], None] | None = None, **kwargs: Any):
+        self._on_start = on_start
+        super().__init__(*args, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -88,6 +97,8 @@ class FederatedCLI(LightningCLI):
             raise CheckpointReadError.of(path, err) from err
 
     def before_fit(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         self._summary().automatic = False  # said once, last (after the test)
 
     before_validate = before_test = before_fit
@@ -110,9 +121,14 @@ class FederatedCLI(LightningCLI):
         return strategy.summary
 
 
-def run(args: list[str] | None = None, exit_on_error: bool = True) -> FederatedCLI:
+def run(
+    args: list[str] | None = None,
+    exit_on_error: bool = True,
+    on_start: Callable[[], None] | None = None,
+) -> FederatedCLI:
     """Parse ``args`` (default: the command line), run the subcommand, return the CLI.
-    With ``exit_on_error=False`` a bad argument raises instead of printing the usage."""
+    With ``exit_on_error=False`` a bad argument raises instead of printing the usage;
+    ``on_start`` is called when the run begins (:class:`FederatedCLI`)."""
     # allow_abbrev=False: --trainer.max_epoch is an error, not max_epochs
     options = {"allow_abbrev": False, **({} if exit_on_error else {"exit_on_error": False})}
     parser_kwargs = {
@@ -129,6 +145,7 @@ def run(args: list[str] | None = None, exit_on_error: bool = True) -> FederatedC
         args=args,
         auto_configure_optimizers=False,
         parser_kwargs=parser_kwargs,
+        on_start=on_start,
     )
 
 
@@ -187,14 +204,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     show_trace = "--traceback" in argv or bool(os.environ.get("LIGHTNING_FL_TRACEBACK"))
     sys.argv = [sys.argv[0], *(a for a in argv if a != "--traceback")]
+    started: list[bool] = []
     try:
-        run(exit_on_error=show_trace)
+        run(exit_on_error=show_trace, on_start=lambda: started.append(True))
     except Exception as error:  # noqa: BLE001 - every failure ends with one short line
         if show_trace:
             raise
-        print("lightning-fl: the run stopped (--traceback shows where).", file=sys.stderr)
+        # the same words as the command line's early errors (lightning_fl.command)
+        what = "stopped" if started else "did not start"
+        print(f"lightning-fl: the run {what} (--traceback shows where).", file=sys.stderr)
         print(f"error: {short_message(error)}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(1 if started else 2)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ def test_a_resume_trains_on_with_the_checkpoints_hyper_parameters(tmp_path):
     assert resumed.model.hparams.lr == 0.3 and resumed.trainer.current_epoch == 2
 
 
-def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypatch):
+def test_main_says_the_run_did_not_start_then_the_one_line(tmp_path, capsys, monkeypatch):
+    """An argument error: the run never started (exit status 2, as the command line's early
+    errors); an error once it runs: it stopped (1)."""
     from lightning_fl.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -197,12 +199,21 @@ def test_main_says_the_run_stopped_then_the_one_line(tmp_path, capsys, monkeypat
                                       "--trainer.max_epoch", "1"])  # fmt: skip
     with pytest.raises(SystemExit) as stopped:
         main()  # the command line's own arguments
-    assert stopped.value.code == 1
+    assert stopped.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "lightning-fl: the run stopped (--traceback shows where).",
+        "lightning-fl: the run did not start (--traceback shows where).",
         "error: unrecognized arguments: --trainer.max_epoch 1: options are spelled in full "
         "(`lightning-fl fit --help` lists them)",
     ]
+    monkeypatch.setattr(sys, "argv", ["lightning-fl", "fit", "--config", QUICKSTART,
+                                      "--trainer.max_epochs", "1", "--ckpt_path",
+                                      str(tmp_path / "missing.ckpt")])  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 1 and err[0] == (
+        "lightning-fl: the run stopped (--traceback shows where)."
+    ), err
 
 
 def test_the_tasks_own_their_optimizers():
