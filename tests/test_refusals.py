@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -155,6 +156,26 @@ def test_module_needs_and_their_refusal_by_hand():
     sampler = SimpleNamespace(needs_losses=True, sampler=None)
     with pytest.raises(CompositionError, match=r"^SimpleNamespace cannot be combined"):
         check(_trainer(module=_Module()), sampler)
+
+
+def test_a_federated_task_without_criterion_is_told_to_add_it_not_to_subclass():
+    """DP-SGD calls criterion, which FederatedTask leaves to its subclasses: a subclass
+    without it is told to add it, not to subclass FederatedTask."""
+    from lightning_fl import MLP, FederatedTask
+    from lightning_fl.callbacks import DPSGD
+
+    class MyTask(FederatedTask):
+        def loss_and_metrics(self, batch):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self(x), y), {}
+
+    with pytest.raises(CompositionError) as refused:
+        check(_trainer(DPSGD(), module=MyTask(MLP())), FullParticipation())
+    message = str(refused.value)
+    assert message.startswith("DPSGD cannot be combined with MyTask: besides training_step it "
+                              "calls criterion(logits, target) -> loss")  # fmt: skip
+    assert "Fix: add that method to MyTask (FederatedTask leaves them" in message
+    assert "subclass lightning_fl.FederatedTask" not in message
 
 
 def test_the_refusal_table_has_one_row_per_rule():

@@ -182,6 +182,8 @@ def test_adaptive_clip_norm_follows_algorithm_1_written_by_hand_over_5_rounds():
         count_noise = float(torch.randn(1, generator=generator(0, "dp_count", t),
                                         dtype=torch.float64))  # fmt: skip
         b = (unclipped + sigma_b * count_noise) / m
+        if t == len(recorder.rounds) - 1:
+            assert dp.last["unclipped_fraction"] == pytest.approx(b, abs=1e-12)
         clip = clip * math.exp(-lr * (b - gamma))
     assert recorder.norms == pytest.approx(trajectory, abs=1e-6)
     assert dp.clip_norm == pytest.approx(clip, abs=1e-6)
@@ -191,6 +193,16 @@ def test_adaptive_clip_norm_follows_algorithm_1_written_by_hand_over_5_rounds():
 def test_adaptive_clipping_refuses_count_noise_at_or_below_half_the_multiplier():
     with pytest.raises(ValueError, match=r"σ_b > z/2 = 0.5 .* raise count_std"):
         fit([DPFedAvg(noise_multiplier=1.0, target_quantile=0.5, count_std=0.5)], rounds=1)
+    with pytest.raises(ValueError, match="count_std is -1.0, not > 0"):
+        DPFedAvg(target_quantile=0.5, count_std=-1.0)
+
+
+def test_a_second_fit_accounts_for_its_own_sampler():
+    dp = DPFedAvg(noise_multiplier=1.0)
+    fit([dp], UniformSampler(3), rounds=2)
+    assert dp.last["epsilon"] == pytest.approx(epsilon(1.0, Sampling.fixed(3, 6), 2, 1e-5))
+    fit([dp], FullParticipation(), rounds=2)
+    assert dp.last["epsilon"] == pytest.approx(epsilon(1.0, Sampling.full(), 2, 1e-5))
 
 
 # ---- budget, samplers, logging ------------------------------------------------------------

@@ -300,13 +300,17 @@ def check(
     for plugin in [*trainer.callbacks, sampler]:
         missing = [need for need in module_needs(plugin) if not hasattr(module, method_of(need))]
         if missing:
+            methods = "that method" if len(missing) == 1 else "those methods"
+            if any(cls.__name__ == "FederatedTask" for cls in type(module).__mro__):
+                fix = (f"add {methods} to {type(module).__name__} (FederatedTask leaves "
+                       "them to its subclasses; Classifier has them)")  # fmt: skip
+            else:
+                fix = ("subclass lightning_fl.FederatedTask (Classifier, BinaryClassifier, "
+                       f"...) or add {methods}")  # fmt: skip
             raise CompositionError(
                 f"{type(plugin).__name__} cannot be combined with {type(module).__name__}: "
                 f"besides training_step it calls {' and '.join(missing)} on the module, "
-                f"which {type(module).__name__} lacks. Fix: subclass lightning_fl.FederatedTask "
-                "(Classifier, BinaryClassifier, ...) or add "
-                f"{'that method' if len(missing) == 1 else 'those methods'} (README, 'Your own "
-                "module')."
+                f"which {type(module).__name__} lacks. Fix: {fix} (README, 'Your own module')."
             )
 
 
