@@ -154,6 +154,10 @@ def short_message(error: BaseException) -> str:
     raised by a class's ``__init__`` with every union member it tried and a dump of the
     arguments; this keeps the key and the informative reason."""
     text = str(error).strip()
+    parser_key = re.match(r'Parser key "([\w.]+)"', text)
+    missing = re.search(r"(?:Problem with given class_path '|has no attribute ')([\w.]+)'", text)
+    if parser_key and parser_key.group(1).endswith("callbacks") and missing:
+        return f"{parser_key.group(1)}: {unknown_plugin(missing.group(1))}"
     if text.startswith("unrecognized arguments:"):
         return f"{text}: options are spelled in full (`lightning-fl fit --help` lists them)"
     if "Errors:" not in text:
@@ -173,6 +177,9 @@ def short_message(error: BaseException) -> str:
             items[-1].append(stripped)
         else:
             break
+    given = next((x.split(":", 1)[1].strip() for x in lines if "Given value:" in x), "?")
+    if key.endswith("callbacks") and any("dot import path" in item[0] for item in items):
+        return f"{key}: {unknown_plugin(given)}"
     informative = [item for item in items if not item[0].startswith("Expected a")]
     if informative:
         nested = [line.split('"')[1] for line in informative[-1] if line.startswith("Parser key")]
@@ -181,9 +188,24 @@ def short_message(error: BaseException) -> str:
         reason = _plain(informative[-1][-1])
     else:
         expected = " or ".join(item[0].split("'")[1] for item in items if "'" in item[0])
-        given = next((x.split(":", 1)[1].strip() for x in lines if "Given value:" in x), "?")
         reason = f"expected {expected}, got {given!r}"
     return f"{key}: {reason}" if key and key not in reason else reason
+
+
+def unknown_plugin(name: str) -> str:
+    """What to say of a callback name that no class answers: the near names among
+    lightning_fl's plugins and Lightning's callbacks."""
+    import difflib
+
+    import lightning.pytorch.callbacks as lightning_callbacks
+
+    from lightning_fl import callbacks
+
+    known = sorted({*callbacks.__all__, *lightning_callbacks.__all__})
+    near = difflib.get_close_matches(name.split(".")[-1], known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(near)}?" if near else (
+        "`python -m lightning_fl.callbacks.catalog` lists the plugins")  # fmt: skip
+    return f"there is no plugin named {name!r}: {hint}"
 
 
 def _plain(reason: str) -> str:

@@ -237,3 +237,24 @@ def test_the_summary_is_the_strategys_or_a_plain_one():
     plain = SimpleNamespace(trainer=SimpleNamespace(strategy=SimpleNamespace()))
     made = FederatedCLI._summary(plain)
     assert isinstance(made, RunSummary) and FederatedCLI._summary(plain) is made
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.callbacks+=FedProxx"],
+         "trainer.callbacks: there is no plugin named 'FedProxx': did you mean FedProx?"),
+        (["--trainer.callbacks+=lightning_fl.callbacks.Krumm"],
+         "trainer.callbacks: there is no plugin named 'lightning_fl.callbacks.Krumm': did you "
+         "mean Krum?"),
+        (["--trainer.callbacks+=Zzzz"],
+         "trainer.callbacks: there is no plugin named 'Zzzz': `python -m "
+         "lightning_fl.callbacks.catalog` lists the plugins"),
+    ],
+)  # fmt: skip
+def test_an_unknown_plugin_name_is_said_with_the_near_ones(args, message, tmp_path):
+    with pytest.raises(BaseException) as refused:
+        run(["fit", "--config", QUICKSTART, "--trainer.default_root_dir", str(tmp_path), *args],
+            exit_on_error=False)  # fmt: skip
+    assert short_message(refused.value) == message
+    assert not any(tmp_path.iterdir())  # nothing written
