@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
-from lightning_fl.datamodules.download import download, verify
+from lightning_fl.datamodules.download import download, require_download_root, verify
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
     grouped_dirichlet_partition,
@@ -240,6 +240,7 @@ class CifarDataModule(InMemoryFederatedDataModule):
             if not (self.root / spec.folder).exists():
                 write_synthetic_cifar(self.root, spec, *h.generate_sizes, seed=h.seed)
         elif h.download and not (self.root / spec.folder).exists():
+            require_download_root(h.root)
             fetch_cifar(self.root, spec)
 
     def read_clients(self):

@@ -36,6 +36,17 @@ def verify(path: str | os.PathLike, expected: str, algorithm: str = "sha256") ->
         )
 
 
+def require_download_root(root: str | os.PathLike | None) -> None:
+    """Refuse to download into a ``root=`` folder that does not exist: a mistyped path is
+    neither created nor downloaded into (``root=None`` downloads into the cache)."""
+    if root is not None and not Path(root).is_dir():
+        raise FileNotFoundError(
+            f"root={str(root)!r} is not a folder, so nothing was downloaded: check the path, "
+            f"or create the folder first (mkdir -p {root}), or leave root unset to download "
+            "into the cache."
+        )
+
+
 def download(
     url: str, destination: str | os.PathLike, expected: str | None, algorithm: str = "sha256"
 ) -> Path:

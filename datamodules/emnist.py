@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
-from lightning_fl.datamodules.download import download
+from lightning_fl.datamodules.download import download, require_download_root
 from lightning_fl.datamodules.partition import (
     check_label_partition,
     label_partition,
@@ -119,6 +119,7 @@ class EmnistDataModule(InMemoryFederatedDataModule):
                     f"{folder} is missing: pass download=True or extract NIST's gzip.zip "
                     f"into {base}."
                 )
+            require_download_root(self._args.root)
             archive = download(EMNIST_URL, base / "gzip.zip", EMNIST_MD5, algorithm="md5")
             with zipfile.ZipFile(archive) as zipped:
                 zipped.extractall(base)

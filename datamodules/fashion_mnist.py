@@ -66,7 +66,9 @@ def fashion_mnist_folder(root: str | os.PathLike | None, download: bool) -> Path
         where = " or ".join(str(c) for c in candidates)
         raise FileNotFoundError(MISSING.format(where=where, files=", ".join(FILES)))
     from lightning_fl.datamodules.download import download as fetch
+    from lightning_fl.datamodules.download import require_download_root
 
+    require_download_root(root)
     folder = Path(root) if root else CACHE / "fashion-mnist"
     for name in FILES:
         fetch(URL + name, folder / name, None)  # checked decompressed, below

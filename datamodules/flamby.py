@@ -23,7 +23,7 @@ from lightning_fl.datamodules.base import (
     Split,
     arguments,
 )
-from lightning_fl.datamodules.download import download, verify
+from lightning_fl.datamodules.download import download, require_download_root, verify
 
 CACHE = Path(os.environ.get("LIGHTNING_FL_CACHE", Path.home() / ".cache" / "lightning_fl"))
 
@@ -87,9 +87,17 @@ def _read_csv_rows(path: Path) -> list[list[str]]:
         raise ValueError(f"{path}: cannot be read as CSV ({err}).") from err
 
 
-def _check_files(root: Path, files: dict[str, str], download_from: dict[str, str] | None) -> None:
+def _check_files(
+    root: Path,
+    files: dict[str, str],
+    download_from: dict[str, str] | None,
+    named: Path | str | None,
+) -> None:
+    """Raise naming the missing ``files`` of ``root``, or download them (``download_from``)
+    into it; ``named``: the ``root=`` the user gave (None: the cache), which must exist."""
     missing = [name for name in files if not (root / name).exists()]
     if missing and download_from is not None:
+        require_download_root(named)
         for name in missing:
             download(download_from[name], root / name, files[name])
         missing = []
@@ -249,7 +257,8 @@ class FedHeartDiseaseDataModule(_TabularCenters):
     def prepare_data(self) -> None:
         """Check the files, downloading the missing ones with ``download=True``."""
         root, files = self._files()
-        _check_files(root, files, HEART_URLS if self._args.download else None)
+        named = root if self._args.root is not None else None  # this silo's, resolved
+        _check_files(root, files, HEART_URLS if self._args.download else None, named)
 
     @property
     def num_clients(self) -> int:
@@ -365,7 +374,8 @@ class FedTcgaBrcaDataModule(_TabularCenters):
 
     def prepare_data(self) -> None:
         """Check the two files, downloading the missing ones with ``download=True``."""
-        _check_files(self.root, TCGA_SHA256, TCGA_URLS if self._args.download else None)
+        urls = TCGA_URLS if self._args.download else None
+        _check_files(self.root, TCGA_SHA256, urls, self._args.root)
 
     def read_centers(self):
         """Read the table and FLamby's split into the 6 regions' and the pooled tensors."""

@@ -281,6 +281,7 @@ def test_download_fetches_the_archive_once_and_extracts_it(tmp_path, monkeypatch
     cifar.fetch_cifar(str(tmp_path / "direct"), spec)
     assert (tmp_path / "direct" / "cifar-10-batches-py" / "test_batch").exists()
     root = tmp_path / "root"
+    root.mkdir()  # a root= the user names must exist (a mistyped one is not created)
     dm = CifarDataModule("cifar10", root=str(root), download=True, check_md5=False, num_clients=2)
     assert sum(dm.sample_counts("train")) == 50 and (root / "cifar-10-python.tar.gz").exists()
     archive.unlink()

@@ -76,3 +76,30 @@ def test_a_source_without_a_checksum_is_kept_and_its_digest_given(published, tmp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert download(source.as_uri(), destination, None).read_bytes() == b"edited"
+
+
+@pytest.mark.parametrize("name", ["cifar", "heart", "tcga", "fashion_mnist", "emnist"])
+def test_a_mistyped_root_is_refused_before_any_download_and_is_not_created(
+    name, tmp_path, monkeypatch
+):
+    import urllib.request
+
+    from lightning_fl.datamodules import (
+        CifarDataModule,
+        EmnistDataModule,
+        FashionMnistDataModule,
+        FedHeartDiseaseDataModule,
+        FedTcgaBrcaDataModule,
+    )
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    typo = tmp_path / "dataa" / "typo"
+    make = {"cifar": CifarDataModule, "heart": FedHeartDiseaseDataModule,
+            "tcga": FedTcgaBrcaDataModule, "fashion_mnist": FashionMnistDataModule,
+            "emnist": EmnistDataModule}[name]  # fmt: skip
+    with pytest.raises(FileNotFoundError, match=r"is not a folder, so nothing was downloaded"):
+        make(root=str(typo), download=True).prepare_data()
+    assert not (tmp_path / "dataa").exists()

@@ -123,6 +123,7 @@ def test_download_extracts_nists_archive_once(tmp_path, monkeypatch):
     monkeypatch.setattr(emnist, "CACHE", tmp_path / "cache")
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'cache' / 'emnist' / 'gzip'} is"):
         EmnistDataModule().prepare_data()
+    (tmp_path / "root").mkdir()  # a root= the user names must exist (issue 68)
     dm = EmnistDataModule(root=str(tmp_path / "root"), download=True, data_fraction=1.0,
                           num_clients=2, partition="iid")  # fmt: skip
     dm.prepare_data()
