@@ -238,6 +238,7 @@ def plot_metrics_over_rounds(metrics_csv: str, path: str) -> str | None:
         rows, len(kinds), figsize=(4.2 * len(kinds) + 1, 3.4 * rows), squeeze=False
     )
     for column, (kind, lines) in enumerate(kinds.items()):
+        lines = _merged_equal_curves(lines)
         for row in range(rows):
             ax = axes[row][column]
             for label, points in lines.items():
@@ -253,6 +254,15 @@ def plot_metrics_over_rounds(metrics_csv: str, path: str) -> str | None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize="x-small")
     return _save(plt, fig, path, 110)
+
+
+def _merged_equal_curves(lines: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+    """Curves with the same points drawn once, labelled ``a = b``: a curve drawn over an
+    equal one would hide it (``val_acc`` and ``val_acc/uniform`` of equal-size clients)."""
+    merged: dict[tuple, list[str]] = {}
+    for label, points in lines.items():
+        merged.setdefault(tuple(sorted(points.items())), []).append(label)
+    return {" = ".join(labels): dict(points) for points, labels in merged.items()}
 
 
 def plot_curves(

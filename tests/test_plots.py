@@ -164,6 +164,23 @@ def test_the_metrics_figure_by_hand(tmp_path, drawn):
     assert top[0].get_lines()[0].get_marker() == "."
 
 
+def test_equal_curves_are_drawn_once_under_both_names(tmp_path, drawn):
+    """val_acc/uniform equals val_acc (clients of one size): one line labelled with both,
+    not one hidden under the other; a curve that differs in one round stays apart."""
+    path = tmp_path / "metrics.csv"
+    path.write_text(
+        "epoch,step,train_loss_epoch,val_acc,val_acc/uniform,val_acc/p10\n"
+        "0,4,0.9,0.5,0.5,0.5\n"
+        "1,9,0.6,0.7,0.7,0.6\n"
+    )
+    plots.plot_metrics_over_rounds(str(path), str(tmp_path / "m.png"))
+    accuracy = next(ax for ax in drawn["m.png"].axes if ax.get_ylabel() == "acc")
+    assert line_data(accuracy) == {
+        "val_acc = val_acc/uniform": ([0, 1], [0.5, 0.7]),
+        "val_acc/p10": ([0, 1], [0.5, 0.6]),
+    }
+
+
 def test_the_metrics_figure_without_a_clock_and_at_most_six_panels(tmp_path, drawn):
     names = [f"val_m{i}" for i in range(8)]
     path = tmp_path / "metrics.csv"
