@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from privacy_federations import DATASETS, fit_and_test, machine, module
+from privacy_federations import DATASETS, federation, fit_and_test, machine, module
 
 from lightning_fl.callbacks import (
     CenteredClipping,
@@ -31,7 +31,6 @@ from lightning_fl.callbacks import (
     SignFlipping,
     TrimmedMean,
 )
-from lightning_fl.datamodules import ReferenceDataModule
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "robust_aggregation.md"
 CLIENTS, LR = 20, 0.1
@@ -54,18 +53,11 @@ FRACTIONS = (0.1, 0.2)
 FAILURE_GAP = 0.1
 
 
-def federation(dataset: str) -> ReferenceDataModule:
-    from privacy_federations import arrays
-
-    x, y = arrays(dataset)
-    return ReferenceDataModule(x, y, num_clients=CLIENTS, split=(0.7, 0.0, 0.0, 0.3),
-                               reference="none", seed=0, batch_size=16)  # fmt: skip
-
-
 def accuracy(dataset: str, aggregator, attack, rounds: int) -> float:
     callbacks = [aggregator()] + ([attack] if attack is not None else [])
-    metrics, _ = fit_and_test(module(dataset, LR), federation(dataset), callbacks, rounds,
-                              local_epochs=1, vectorize=True)  # fmt: skip
+    data = federation(dataset, CLIENTS, batch_size=16, split=(0.7, 0.0, 0.0, 0.3))
+    metrics = fit_and_test(module(dataset, LR), data, callbacks, rounds, local_epochs=1,
+                           vectorize=True)  # fmt: skip
     return metrics["test_acc"]
 
 

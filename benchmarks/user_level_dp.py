@@ -64,7 +64,7 @@ def run(dataset: str, kind: str, arguments: dict, rounds: int) -> dict:
         callbacks.append(dp)
     elif kind == "dp_sgd":
         callbacks.append(DPSGD(max_grad_norm=1.0, delta=DELTA, **arguments))
-    metrics, _ = fit_and_test(
+    metrics = fit_and_test(
         module(dataset, LR, werm=arguments.get("w") if werm else None),
         federation(dataset, CLIENTS, werm=werm), callbacks, rounds,
         sampler=UniformSampler(PER_ROUND), local_epochs=EPOCHS,

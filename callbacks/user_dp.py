@@ -211,11 +211,6 @@ class DPFedAvg(Aggregator):
         return self.target_quantile is not None
 
     @property
-    def accounted_noise_multiplier(self) -> float:
-        """z, the whole mechanism's (with adaptive clipping, updates and count together)."""
-        return self.noise_multiplier
-
-    @property
     def update_noise_multiplier(self) -> float:
         """The updates' noise multiplier: z, or z_Δ with adaptive clipping."""
         if not self.adaptive or self.noise_multiplier == 0:
@@ -226,18 +221,17 @@ class DPFedAvg(Aggregator):
         return self.expected_participants / 20 if self.count_std is None else self.count_std
 
     def epsilon(self, rounds: int) -> float:
-        """ε after ``rounds`` rounds at ``delta``."""
-        return epsilon(
-            self.accounted_noise_multiplier, self.sampling, rounds, self.delta, self.accountant
-        )
+        """ε after ``rounds`` rounds at ``delta``, of the whole mechanism's multiplier z
+        (with adaptive clipping, the updates' and the count's noise together)."""
+        return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
         self.sampling = None  # read again from this fit's sampler at its first round
 
     def _check_budget(self) -> None:
-        if self.adaptive and self.noise_multiplier > 0:
-            self.update_noise_multiplier  # noqa: B018  (refuses σ_b ≤ z/2 before training)
+        if self.adaptive and self.noise_multiplier > 0:  # refuses σ_b ≤ z/2 before training
+            update_noise_multiplier(self.noise_multiplier, self._count_std())
         if self.epsilon_budget is None or self.allow_over_budget:
             return
         if self._planned_rounds is None:

@@ -28,7 +28,6 @@ from lightning_fl.systems.samplers import Participation
 
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
 PADDING = -2
-#: The round sum that carries the participants' updates to a sampler that needs them.
 
 
 @dataclass
