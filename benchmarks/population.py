@@ -45,7 +45,10 @@ from run_times import machine  # noqa: E402
 from lightning_fl import MLP, Classifier, FederatedStrategy, UniformSampler  # noqa: E402
 from lightning_fl.callbacks import SCAFFOLD, FedAvg  # noqa: E402
 from lightning_fl.datamodules import ArrayFederatedDataModule, ClientArrays  # noqa: E402
-from lightning_fl.systems.availability import MarkovAvailability  # noqa: E402
+from lightning_fl.systems.availability import (  # noqa: E402
+    MarkovAvailability,
+    SojournMarkovAvailability,
+)
 from lightning_fl.systems.samplers import AvailableClients, MDSampler  # noqa: E402
 
 PER_ROUND = 100
@@ -65,23 +68,24 @@ def federation(num_clients: int, train: int = 8, val: int = 4, seed: int = 0):
 
 
 def configurations(num_clients: int) -> dict:
-    """(sampler, callbacks) of each configuration the targets name."""
-    markov = MarkovAvailability(pi=PER_ROUND / num_clients, lam=0.5)
+    """(sampler, callbacks) of each configuration the targets name. The Markov rows walk
+    the same chains (π = 100/N, λ = 0.5) two ways: a draw per client each round
+    (:class:`MarkovAvailability`, the authors' walk) and by sojourn times
+    (:class:`SojournMarkovAvailability`)."""
+
+    def markov(walk: type, estimate: bool = False) -> tuple:
+        chains = walk(pi=PER_ROUND / num_clients, lam=0.5)
+        return AvailableClients(chains, selector="unbiased", estimate=estimate), [FedAvg()]
+
     return {
         "FedAvg, uniform": (UniformSampler(PER_ROUND), [FedAvg()]),
         "FedAvg, MD": (MDSampler(PER_ROUND), [FedAvg()]),
-        "Markov availability, CA-Fed's Unbiased": (
-            AvailableClients(markov, selector="unbiased"),
-            [FedAvg()],
+        "Markov availability (sojourn walk), CA-Fed's Unbiased": markov(SojournMarkovAvailability),
+        "… with CA-Fed's estimated π̂": markov(SojournMarkovAvailability, estimate=True),
+        "Markov availability (a draw per client a round), CA-Fed's Unbiased": markov(
+            MarkovAvailability
         ),
-        "… with CA-Fed's estimated π̂": (
-            AvailableClients(
-                MarkovAvailability(pi=PER_ROUND / num_clients, lam=0.5),
-                selector="unbiased",
-                estimate=True,
-            ),
-            [FedAvg()],
-        ),
+        "… with CA-Fed's estimated π̂ ": markov(MarkovAvailability, estimate=True),
         "SCAFFOLD, uniform": (UniformSampler(PER_ROUND), [SCAFFOLD()]),
     }
 

@@ -67,6 +67,7 @@ _EXPORTS = {
     "SampleSizeClusteredSampler": "lightning_fl.systems.samplers",
     "SifuFashionCNN": "lightning_fl.models",
     "SiloTopology": "lightning_fl.systems.topology",
+    "SojournMarkovAvailability": "lightning_fl.systems.availability",
     "SimilarityClusteredSampler": "lightning_fl.systems.samplers",
     "SyncSchedule": "lightning_fl.systems.asynchrony",
     "TwoClassAvailability": "lightning_fl.systems.availability",

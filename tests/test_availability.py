@@ -518,3 +518,154 @@ def test_ca_fed_selection_by_hand_drops_by_correlation_then_by_availability():
         assert part.weights == pytest.approx([float(q[c]) for c in kept], rel=1e-12)
         assert sampler.excluded == tuple(c for c in range(6) if mask[c] and q[c] == 0)
     assert part.clients == (0, 2, 4)  # the last round, as the search found it
+
+
+# ------------------------------------------------- the sojourn walk (issue 66)
+
+
+def _sojourn_reference(pi, lam, seed, rounds):
+    """The chains walked by their sojourn times, by hand: a dict of next changes, scanned
+    over every chain each round (what the calendar avoids)."""
+    import math
+
+    from lightning_fl.engine.seeding import generator
+
+    n = len(pi)
+
+    def stays_then_changes(k, on, v):
+        leave = (1 - lam[k]) * (1 - pi[k]) if on else (1 - lam[k]) * pi[k]
+        if leave == 0:
+            return math.inf
+        if leave == 1:
+            return 1
+        return 1 + math.floor(math.log(v) / math.log1p(-leave))
+
+    u = torch.rand(n, generator=generator(seed, "availability", 0), dtype=torch.float64)
+    state = [float(u[k]) < pi[k] for k in range(n)]
+    first = generator(seed, "availability_sojourns", 0)
+    v = 1 - torch.rand(n, generator=first, dtype=torch.float64)
+    change = {k: stays_then_changes(k, state[k], float(v[k])) for k in range(n)}
+    states = [list(state)]
+    for t in range(1, rounds):
+        changing = sorted(k for k in range(n) if change[k] == t)
+        v = 1 - torch.rand(len(changing), generator=generator(seed, "availability", t),
+                           dtype=torch.float64)  # fmt: skip
+        for j, k in enumerate(changing):
+            state[k] = not state[k]
+            change[k] = t + stays_then_changes(k, state[k], float(v[j]))
+        states.append(list(state))
+    return states
+
+
+PI = [0.3, 0.6, 0.05, 0.9, 0.5, 0.4, 0.5]
+LAM = [0.5, 0.2, 0.0, 0.8, -1.0, -0.3, 1.0]  # ℓ = 1 both ways (alternates), λ = 1 (frozen)
+
+
+def test_sojourn_walk_by_hand_over_300_rounds_with_unequal_chains():
+    from lightning_fl.systems.availability import SojournMarkovAvailability
+
+    chains = SojournMarkovAvailability(PI, LAM)
+    expected = _sojourn_reference(PI, LAM, seed=5, rounds=300)
+    got = [chains.available(t, 5, 7).tolist() for t in range(300)]
+    assert got == expected
+    assert [s[4] for s in got[:4]] in ([True, False, True, False], [False, True, False, True])
+    assert len({s[6] for s in got}) == 1  # λ = 1: never changes
+    assert sum(a != b for a, b in zip(got, got[1:])) > 100  # the calendar was exercised
+    ids = [torch.nonzero(torch.tensor(s)).flatten().tolist() for s in expected]
+    assert chains.active_clients(120, 5, 7).tolist() == ids[120]  # back in time: replayed
+    assert chains.active_clients(299, 5, 7).tolist() == ids[299]
+    per_round = MarkovAvailability(PI, LAM)  # the same start at round 0
+    assert chains.available(0, 5, 7).tolist() == per_round.available(0, 5, 7).tolist()
+
+
+def test_sojourn_walk_resumes_from_its_state_dict_and_clusters_move_together(tmp_path):
+    from lightning_fl.systems.availability import SojournMarkovAvailability
+
+    expected = _sojourn_reference(PI, LAM, seed=2, rounds=200)
+    walked = SojournMarkovAvailability(PI, LAM)
+    walked.available(90, 2, 7)
+    torch.save(walked.state_dict(), tmp_path / "chains.pt")
+    resumed = SojournMarkovAvailability(PI, LAM)
+    resumed.load_state_dict(torch.load(tmp_path / "chains.pt", weights_only=True))
+    assert [resumed.available(t, 2, 7).tolist() for t in range(91, 200)] == expected[91:]
+    assert resumed._round == 199 and len(resumed._calendar.runs) < 12
+
+    clustered = SojournMarkovAvailability([0.3, 0.7], [0.5, 0.0], clusters=[1, 0, 1, 1, 0])
+    reference = _sojourn_reference([0.3, 0.7], [0.5, 0.0], seed=1, rounds=50)
+    for t in range(50):
+        mask = clustered.available(t, 1, 5).tolist()
+        assert mask == [reference[t][c] for c in (1, 0, 1, 1, 0)]
+        assert clustered.active_clients(t, 1, 5).tolist() == [k for k in range(5) if mask[k]]
+
+
+@pytest.mark.parametrize("walk", ["per_round", "sojourns"])
+def test_both_walks_have_the_chains_stationary_activity_and_correlation(walk):
+    from lightning_fl.systems.availability import SojournMarkovAvailability
+
+    pi, lam = torch.tensor([0.9, 0.1, 0.5, 0.3]), torch.tensor([0.9, 0.0, -0.5, 0.6])
+    model = MarkovAvailability if walk == "per_round" else SojournMarkovAvailability
+    trace = _trace(model(pi.tolist(), lam.tolist()), 20_000, 4)
+    assert torch.allclose(trace.mean(0), pi.double(), atol=0.03)
+    x = trace - trace.mean(0)
+    lag1 = (x[1:] * x[:-1]).mean(0) / x.var(0)
+    assert torch.allclose(lag1, lam.double(), atol=0.05)
+
+
+def _dense_counts(masks, prior):
+    """π̂ and λ̂ of the estimator by hand: counts over every client every round."""
+    n, m = prior
+    masks = torch.stack(masks).bool()
+    rounds = len(masks)
+    active = masks.double().sum(0)
+    was, now = masks[:-1], masks[1:]
+    stays = torch.stack([(~was & ~now).sum(0), (was & now).sum(0)]).double()
+    leaves = torch.stack([(~was & now).sum(0), (was & ~now).sum(0)]).double()
+    stay = (stays + n) / (stays + leaves + n + m)
+    return (active + n) / (rounds + n + m), stay[0] + stay[1] - 1
+
+
+def test_lazy_estimator_equals_the_counts_over_every_client_every_round():
+    from lightning_fl.systems.ca_fed import AvailabilityEstimator
+
+    gen = torch.Generator().manual_seed(4)
+    masks, state = [], torch.rand(9, generator=gen) < 0.4
+    lazy, old_format = AvailabilityEstimator((2.0, 3.0)), None
+    for t in range(40):
+        state = torch.where(torch.rand(9, generator=gen) < 0.3, ~state, state)
+        masks.append(state.clone())
+        if t % 2:
+            lazy.observe(state)
+        else:
+            lazy.observe_clients(torch.nonzero(state).flatten(), 9)
+        pi, lam = _dense_counts(masks, (2.0, 3.0))
+        assert torch.allclose(lazy.availability(), pi, rtol=0, atol=1e-12)
+        assert torch.allclose(lazy.correlation(), lam, rtol=0, atol=1e-12)
+        some = torch.tensor([7, 0, 3])
+        assert torch.allclose(lazy.availability(some), pi[some], rtol=0, atol=1e-12)
+        if t == 19:  # a checkpoint of the counts over every client (before issue 66)
+            stays_and_leaves = _dense_counts_raw(masks)
+            old_format = {"rounds": 20, "active": torch.stack(masks).double().sum(0),
+                          **stays_and_leaves, "last": state.clone()}  # fmt: skip
+    resumed = AvailabilityEstimator((2.0, 3.0))
+    resumed.load_state_dict(old_format)
+    for mask in masks[20:]:
+        resumed.observe(mask)
+    assert torch.allclose(resumed.correlation(), lazy.correlation(), rtol=0, atol=1e-12)
+    assert torch.allclose(resumed.availability(), lazy.availability(), rtol=0, atol=1e-12)
+
+
+def _dense_counts_raw(masks):
+    masks = torch.stack(masks).bool()
+    was, now = masks[:-1], masks[1:]
+    return {"stays": torch.stack([(~was & ~now).sum(0), (was & now).sum(0)]).double(),
+            "leaves": torch.stack([(~was & now).sum(0), (was & ~now).sum(0)]).double()}  # fmt: skip
+
+
+def test_the_examples_in_the_availability_docstrings_run():
+    import doctest
+
+    from lightning_fl.systems import availability, ca_fed
+
+    for module in (availability, ca_fed):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted >= 1, module.__name__

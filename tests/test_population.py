@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl import (
+    AvailableClients,
+    FederatedStrategy,
+    SojournMarkovAvailability,
+    UniformSampler,
+)
 from lightning_fl.callbacks import SCAFFOLD, FedAvg
 from lightning_fl.datamodules import (
     ArrayFederatedDataModule,
@@ -295,17 +300,27 @@ def _population(num_clients: int) -> ArrayFederatedDataModule:
     return ArrayFederatedDataModule(splits={"train": split(6), "val": split(2)}, batch_size=3)
 
 
-@pytest.mark.parametrize("vectorize", [False, True])
+def _sampler(name: str, num_clients: int):
+    if name == "uniform":
+        return UniformSampler(20)
+    chains = SojournMarkovAvailability(pi=20 / num_clients, lam=0.5)  # about 20 a round
+    return AvailableClients(chains, selector="unbiased", estimate=True)
+
+
+@pytest.mark.parametrize(
+    "vectorize, sampler", [(False, "uniform"), (True, "uniform"), (True, "markov")]
+)
 def test_a_round_and_a_cohort_make_as_many_python_calls_for_100000_clients_as_for_1000(
-    vectorize,
+    vectorize, sampler
 ):
     """Planning, sampling, weights, training 20 clients and a 50-client validation cohort:
-    O(participants) Python whatever the population (within 5%)."""
+    O(participants) Python whatever the population (within 5%); Markov availability
+    walked by sojourns with CA-Fed's estimated π̂ as well."""
 
     def calls(num_clients: int) -> Counter:
         counter = CallCounter()
-        strategy = FederatedStrategy(sampler=UniformSampler(20), local_steps=2, seed=0,
-                                     vectorize=vectorize, eval_clients=50)  # fmt: skip
+        strategy = FederatedStrategy(sampler=_sampler(sampler, num_clients), local_steps=2,
+                                     seed=0, vectorize=vectorize, eval_clients=50)  # fmt: skip
         trainer = make_trainer(strategy, 2, [FedAvg(), counter], limit_val_batches=None)
         trainer.fit(tiny_module(), datamodule=_population(num_clients))
         return counter.calls

@@ -175,3 +175,178 @@ class TwoClassAvailability(MarkovAvailability):
             within = k if k < half else k - half
             lam.append(correlation if within < quarter else float(weak[k]))
         super().__init__(pi, lam)
+
+
+class _Calendar:
+    """Pending (round, chain) changes kept in runs sorted by round; :meth:`pop` takes the
+    changes of one round from the head of each run. A pushed run merges with the run
+    before it while that one is at most twice its size (a log-structured merge), so a
+    round that pushes k changes costs O(k log k) amortized and a pop O(log n) per run,
+    whatever the number of pending changes n. Host-side bookkeeping (int64 on the CPU)."""
+
+    def __init__(self, rounds: torch.Tensor, chains: torch.Tensor) -> None:
+        self.runs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.push(rounds, chains)
+
+    def push(self, rounds: torch.Tensor, chains: torch.Tensor) -> None:
+        if len(rounds) == 0:
+            return
+        self.runs.append(self._sorted(rounds, chains))
+        while len(self.runs) >= 2 and len(self.runs[-2][0]) <= 2 * len(self.runs[-1][0]):
+            (r2, c2), (r1, c1) = self.runs.pop(), self.runs.pop()
+            self.runs.append(self._sorted(torch.cat([r1, r2]), torch.cat([c1, c2])))
+
+    def pop(self, round_idx: int) -> torch.Tensor:
+        """The chains that change at ``round_idx`` (every pending round is >= it), sorted."""
+        taken, kept = [], []
+        for rounds, chains in self.runs:
+            end = int(torch.searchsorted(rounds, round_idx, right=True))
+            taken.append(chains[:end])
+            if end < len(rounds):
+                kept.append((rounds[end:], chains[end:]))
+        self.runs = kept
+        return torch.sort(torch.cat(taken)).values if taken else torch.zeros(0, dtype=torch.long)
+
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every pending (round, chain), as one run sorted by round then chain."""
+        if not self.runs:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        rounds, chains = zip(*self.runs)
+        return self._sorted(torch.cat(rounds), torch.cat(chains))
+
+    @staticmethod
+    def _sorted(rounds: torch.Tensor, chains: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(chains, stable=True)
+        rounds, chains = rounds[order], chains[order]
+        order = torch.argsort(rounds, stable=True)
+        return rounds[order], chains[order]
+
+
+class SojournMarkovAvailability(MarkovAvailability):
+    """The chains of :class:`MarkovAvailability` (same π, λ, clusters and transition
+    matrix P), walked by their sojourn times, so that a round costs the chains that change
+    in it rather than the population (issue 66).
+
+    A chain in state s leaves it each round with probability ℓ_s (ℓ_0 = (1−λ)π,
+    ℓ_1 = (1−λ)(1−π), the off-diagonal of P), so the number of rounds it stays is
+    geometric: it next changes at t + L, L = 1 + ⌊ln V / ln(1 − ℓ_s)⌋ with V uniform on
+    (0, 1] (P(L > j) = (1 − ℓ_s)^j). Round 0 draws the stationary start from the same
+    draw as :class:`MarkovAvailability` (the two agree at round 0), and every chain its
+    first change (memoryless, so the start needs no other draw). A pending change sits in
+    a calendar; round t takes its changes, flips them and draws their next changes from
+    the generator (seed, "availability", t), in the order of the chain ids. With N chains
+    of activity π, a round touches about 2Nπ(1−π)(1−λ) chains: about 100 for π = 10⁻⁴,
+    λ = 0.5 and N = 10⁶, where :class:`MarkovAvailability` draws 10⁶ uniforms.
+
+    The same Markov law, not the same draws: a run with this model is not the run of
+    :class:`MarkovAvailability` with the same seed. ``available(t, seed, n)`` is a
+    function of (seed, t, n) alone, as there (the calendar is a cache of the walk from
+    round 0, checkpointed with it). :meth:`active_clients` gives the available clients as
+    sorted ids without a pass over the population (unclustered chains).
+
+    Chain 0 below has ℓ_0 = ℓ_1 = 1 (π = 1/2, λ = −1): it changes every round.
+
+    >>> chains = SojournMarkovAvailability(pi=[0.5, 0.3], lam=[-1.0, 0.5])
+    >>> [chains.available(t, seed=0, num_clients=2).tolist() for t in range(4)]
+    [[False, True], [True, False], [False, False], [True, True]]
+    >>> chains.active_clients(4, seed=0, num_clients=2).tolist()
+    [1]
+    """
+
+    def __init__(
+        self,
+        pi: float | Sequence[float],
+        lam: float | Sequence[float] = 0.0,
+        clusters: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(pi, lam, clusters)
+        self._calendar: _Calendar | None = None
+        self._active: torch.Tensor | None = None  # sorted ids of the chains that are on
+        self._log_stays: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _log_stay(self, chains: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ln(1 − ℓ_0), ln(1 − ℓ_1): one value each when every chain shares π and λ (no
+        pass over the population), else one per chain (computed once a walk)."""
+        if len(self.pi) == 1 and len(self.lam) == 1:
+            pi, lam = self.pi, self.lam
+        else:
+            pi, lam = self._per_chain(self.pi, chains), self._per_chain(self.lam, chains)
+        return torch.log1p(-(1 - lam) * pi), torch.log1p(-(1 - lam) * (1 - pi))
+
+    def _next_changes(
+        self, round_idx: int, chains: torch.Tensor, on: torch.Tensor, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rounds at which ``chains``, now in state ``on``, next change; those
+        chains). A chain that cannot leave its state (ℓ_s = 0, λ = 1) has no next change."""
+        log_off, log_on = self._log_stays
+        if len(log_off) > 1:
+            log_off, log_on = log_off[chains], log_on[chains]
+        log_stay = torch.where(on, log_on, log_off)
+        v = 1 - torch.rand(len(chains), generator=gen, dtype=torch.float64)  # (0, 1]
+        stays = torch.floor(torch.log(v) / log_stay)  # ℓ_s = 1: −0; ℓ_s = 0: inf or nan
+        changes = stays.isfinite()
+        if not bool(changes.all()):
+            stays, chains = stays[changes], chains[changes]
+        return round_idx + 1 + stays.to(torch.long), chains
+
+    def _walk(self, round_idx: int, seed: int, chains: int) -> torch.Tensor:
+        if self._log_stays is None:
+            self._log_stays = self._log_stay(chains)
+        if (
+            self._calendar is None
+            or self._round is None
+            or self._round > round_idx
+            or self._seed != seed
+            or len(self._state) != chains
+        ):
+            self._seed = seed
+            draw = torch.rand(
+                chains, generator=generator(seed, "availability", 0), dtype=torch.float64
+            )
+            self._state = draw < self._per_chain(self.pi, chains)
+            self._log_stays = self._log_stay(chains)
+            ids = torch.arange(chains)
+            first = self._next_changes(
+                0, ids, self._state, generator(seed, "availability_sojourns", 0)
+            )
+            self._round, self._calendar = 0, _Calendar(*first)
+            self._active = torch.nonzero(self._state).flatten()
+        if self._active is None:
+            self._active = torch.nonzero(self._state).flatten()
+        while self._round < round_idx:
+            self._round += 1
+            changing = self._calendar.pop(self._round)
+            if len(changing) == 0:
+                continue
+            now_on = ~self._state[changing]
+            self._state[changing] = now_on
+            off, on = changing[~now_on], changing[now_on]
+            kept = self._active[~torch.isin(self._active, off)]
+            self._active = torch.sort(torch.cat([kept, on])).values
+            gen = generator(seed, "availability", self._round)
+            self._calendar.push(*self._next_changes(self._round, changing, now_on, gen))
+        return self._active
+
+    def available(self, round_idx: int, seed: int, num_clients: int) -> torch.Tensor:
+        self._walk(round_idx, seed, self._chains(num_clients))
+        state = self._state
+        return state.clone() if self.clusters is None else state[self.clusters]
+
+    def active_clients(self, round_idx: int, seed: int, num_clients: int) -> torch.Tensor:
+        """The available clients at ``round_idx``, sorted (int64 on the host): O(changes)
+        a round for unclustered chains, a pass over the clients for clustered ones."""
+        active = self._walk(round_idx, seed, self._chains(num_clients))
+        if self.clusters is None:
+            return active.clone()
+        return torch.nonzero(self._state[self.clusters]).flatten()
+
+    def state_dict(self) -> dict[str, Any]:
+        rounds, chains = (None, None) if self._calendar is None else self._calendar.pending()
+        return {"round": self._round, "seed": self._seed, "state": self._state,
+                "change_rounds": rounds, "change_chains": chains}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        rounds, chains = state.get("change_rounds"), state.get("change_chains")
+        self._calendar = None if rounds is None else _Calendar(rounds, chains)
+        self._active = self._log_stays = None

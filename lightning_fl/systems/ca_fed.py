@@ -15,6 +15,21 @@ class AvailabilityEstimator:
     - π̂_k = (Σ_{s≤t} 1{k ∈ A_s} + n) / (t + n + m), a Beta(n, m) prior;
     - P̂_k(1→1) and P̂_k(0→0) from the observed transitions with the same prior, and
       λ̂_k = P̂(1→1) + P̂(0→0) − 1, the chain's second eigenvalue.
+
+    The counts are kept lazily (issue 66): a client's counts are closed at the last round
+    its state changed (``closed_at``), and the rounds since, all in its current state, are
+    added when it is read. A round then costs the clients whose state changed, found from
+    the sorted sets A_{t−1} and A_t, not the population; :meth:`availability` of given
+    clients reads only those. Host-side bookkeeping (float64 counts on the CPU).
+
+    >>> estimator = AvailabilityEstimator(prior=(1.0, 1.0))
+    >>> for available in ([0, 2], [0], [0, 1], [0, 1]):  # A_0 … A_3 of 3 clients
+    ...     estimator.observe_clients(torch.tensor(available), 3)
+    >>> [round(x, 4) for x in estimator.availability().tolist()]  # (Σ 1{k∈A_s} + 1)/(4 + 2)
+    [0.8333, 0.5, 0.3333]
+    >>> # client 1: 0→0, 0→1, 1→1 once each: (1+1)/(2+2) + (1+1)/(1+2) − 1 = 1/6
+    >>> [round(x, 4) for x in estimator.correlation().tolist()]
+    [0.3, 0.1667, 0.0833]
     """
 
     def __init__(self, prior: tuple[float, float] = (1.0, 1.0)) -> None:
@@ -22,48 +37,89 @@ class AvailabilityEstimator:
             raise ValueError(f"Beta prior counts must be > 0, got {prior}.")
         self.prior = prior
         self.rounds = 0
-        self.active: torch.Tensor | None = None
-        self.stays: torch.Tensor | None = None  # [2, N]: 0→0, 1→1 counts
+        self.active: torch.Tensor | None = None  # [N]: rounds on, up to closed_at
+        self.stays: torch.Tensor | None = None  # [2, N]: 0→0, 1→1 counts, up to closed_at
         self.leaves: torch.Tensor | None = None  # [2, N]: 0→1, 1→0 counts
-        self.last: torch.Tensor | None = None
+        self.closed_at: torch.Tensor | None = None  # [N]: the round the counts cover
+        self.current: torch.Tensor | None = None  # sorted A_{t−1}
 
     def observe(self, available: torch.Tensor) -> None:
-        available = available.bool()
-        if self.active is None:
-            n = len(available)
-            self.active = torch.zeros(n, dtype=torch.float64)
-            self.stays = torch.zeros(2, n, dtype=torch.float64)
-            self.leaves = torch.zeros(2, n, dtype=torch.float64)
-        self.active += available
-        if self.last is not None:  # one masked add per count (no index over the clients)
-            was_on, now_on = self.last, available
-            self.stays[0] += ~was_on & ~now_on
-            self.stays[1] += was_on & now_on
-            self.leaves[0] += ~was_on & now_on
-            self.leaves[1] += was_on & ~now_on
-        self.last = available.clone()
+        """Observe A_t as a mask over the clients (boolean or 0/1)."""
+        self.observe_clients(torch.nonzero(available.bool()).flatten(), len(available))
+
+    def observe_clients(self, clients: torch.Tensor, num_clients: int) -> None:
+        """Observe A_t as the sorted ids of its clients, among ``num_clients``."""
+        clients = clients.to(torch.long)
+        if self.current is None:
+            self.active = torch.zeros(num_clients, dtype=torch.float64)
+            self.stays = torch.zeros(2, num_clients, dtype=torch.float64)
+            self.leaves = torch.zeros(2, num_clients, dtype=torch.float64)
+            self.closed_at = torch.zeros(num_clients, dtype=torch.long)
+            self.active[clients] = 1.0
+        else:
+            rose = clients[~torch.isin(clients, self.current)]
+            fell = self.current[~torch.isin(self.current, clients)]
+            for changed, was in ((rose, 0), (fell, 1)):  # close the runs that end at t − 1
+                run = (self.rounds - 1 - self.closed_at[changed]).double()
+                self.stays[was, changed] += run
+                self.active[changed] += run * was + (1 - was)  # … and count round t
+                self.leaves[was, changed] += 1
+                self.closed_at[changed] = self.rounds
+        self.current = clients
         self.rounds += 1
+
+    def _open_rounds(self, clients: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rounds since the counts were closed, whether on) of ``clients`` (all: None)."""
+        closed = self.closed_at if clients is None else self.closed_at[clients]
+        on = torch.zeros(len(self.closed_at), dtype=torch.bool)
+        if clients is None:
+            on[self.current] = True
+        else:
+            on = torch.isin(clients, self.current)
+        return (self.rounds - 1 - closed).double(), on
+
+    def counts(self, clients: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The counts up to the last observed round: ``active`` [k], ``stays`` and
+        ``leaves`` [2, k] (0→0, 1→1; 0→1, 1→0) of ``clients`` (all: None)."""
+        pick = slice(None) if clients is None else clients
+        run, on = self._open_rounds(clients)
+        active = self.active[pick] + run * on
+        stays = self.stays[:, pick].clone()
+        stays[0] += run * ~on
+        stays[1] += run * on
+        return {"active": active, "stays": stays, "leaves": self.leaves[:, pick]}
 
     def availability(self, clients: torch.Tensor | None = None) -> torch.Tensor:
         """π̂ (of ``clients`` only, when given)."""
         n, m = self.prior
-        active = self.active if clients is None else self.active[clients]
-        return (active + n) / (self.rounds + n + m)
+        pick = slice(None) if clients is None else clients
+        run, on = self._open_rounds(clients)
+        return (self.active[pick] + run * on + n) / (self.rounds + n + m)
 
     def correlation(self) -> torch.Tensor:
         """λ̂ = P̂(1→1) + P̂(0→0) − 1."""
         n, m = self.prior
-        stay = (self.stays + n) / (self.stays + self.leaves + n + m)
+        counts = self.counts()
+        stays, leaves = counts["stays"], counts["leaves"]
+        stay = (stays + n) / (stays + leaves + n + m)
         return stay[0] + stay[1] - 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds, "active": self.active, "stays": self.stays,
-                "leaves": self.leaves, "last": self.last}  # fmt: skip
+                "leaves": self.leaves, "closed_at": self.closed_at,
+                "current": self.current}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rounds = int(state["rounds"])
         self.active, self.stays = state["active"], state["stays"]
-        self.leaves, self.last = state["leaves"], state["last"]
+        self.leaves = state["leaves"]
+        if "closed_at" in state:
+            self.closed_at, self.current = state["closed_at"], state["current"]
+        elif state["last"] is not None:  # counts closed at the last round (before issue 66)
+            self.closed_at = torch.full((len(self.active),), self.rounds - 1, dtype=torch.long)
+            self.current = torch.nonzero(state["last"]).flatten()
+        else:
+            self.closed_at = self.current = None
 
 
 class LossFilter:

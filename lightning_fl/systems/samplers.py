@@ -361,18 +361,32 @@ class AvailableClients(ClientSampler):
         lam = lam_of(n) if lam_of is not None else torch.zeros(n, dtype=torch.float64)
         return pi, lam
 
+    def _available(self, round_idx: int, seed: int, p: torch.Tensor) -> torch.Tensor:
+        """A_t as sorted client ids, clients of weight 0 left out: from the model's
+        ``active_clients`` when it has one (no pass over the population), else its mask."""
+        n = len(p)
+        active_clients = getattr(self.availability, "active_clients", None)
+        if active_clients is not None:
+            clients = active_clients(round_idx, seed, n)
+        else:
+            clients = torch.nonzero(self.availability.available(round_idx, seed, n)).flatten()
+        if self._derived_from(p, "all_positive", lambda w: bool((w > 0).all())):
+            return clients
+        return clients[p[clients] > 0]
+
     def sample(self, round_idx: int, seed: int, p: torch.Tensor) -> Participation:
         p = self._checked(p)
         n = len(p)
-        positive = self._derived_from(p, "positive", lambda w: w > 0)
         if self.estimate and self.estimator.rounds == 0:  # t′ rounds seen before training
             for past in range(self.history):
-                self.estimator.observe(self.availability.available(past, seed, n) & positive)
-        available = self.availability.available(self.history + round_idx, seed, n) & positive
+                self.estimator.observe_clients(self._available(past, seed, p), n)
+        clients = self._available(self.history + round_idx, seed, p)
         if self.estimate:  # the oracle runs read the model's π and λ: no estimator state
-            self.estimator.observe(available)
+            self.estimator.observe_clients(clients, n)
         if self.selector in ("unbiased", "adafed"):
-            return self._every_available(p, available, n)
+            return self._every_available(p, clients, n)
+        available = torch.zeros(n, dtype=torch.bool)
+        available[clients] = True
         pi, lam = self._activity(n)
         q = p / pi
         self.excluded = ()
@@ -397,10 +411,9 @@ class AvailableClients(ClientSampler):
         clients = torch.nonzero(available).flatten().tolist()
         return Participation(tuple(clients), tuple(float(q[c]) for c in clients))
 
-    def _every_available(self, p: torch.Tensor, available: torch.Tensor, n: int) -> Participation:
+    def _every_available(self, p: torch.Tensor, clients: torch.Tensor, n: int) -> Participation:
         """Unbiased and AdaFed: every available client k, q_k = α_k/π_k (normalized over
         A_t for AdaFed), computed for the available clients only."""
-        clients = torch.nonzero(available).flatten()
         if self.estimate:
             pi = self.estimator.availability(clients)
         else:
