@@ -286,11 +286,12 @@ READING = [
     "target weights are computed once a fit, uniform and MD draws replay torch's `randperm` "
     "and `multinomial` for the drawn clients only (`engine/seeding.py`, equal bit for bit), "
     "the Unbiased selector weighs only the available clients.",
-    "- The Markov rows keep one pass: every round the chains draw one uniform per client "
-    "(10⁶ float64 from torch's generator, about 13 ms here), and CA-Fed's estimators add "
-    "their counts per client. That is the tensor operation over N the design allows, and "
-    "the draws must stay those of the seeded chains; but against a vectorized round of "
-    "about 20 ms it is more than the 15% the target allows. Sequential rounds hide it.",
+    "- The Markov chains walked by sojourn times (`SojournMarkovAvailability`) touch the "
+    "chains that change in a round (about 2Nπ(1−π)(1−λ) = 100 here) and CA-Fed's "
+    "estimators count lazily from the clients whose state changed: those rows meet the "
+    "target on both paths. The authors' walk (`MarkovAvailability`, a uniform per chain "
+    "each round: 10⁶ float64 from torch's generator) keeps one tensor pass over N a round; "
+    "the sequential round hides it, the vectorized round (about 15 ms) does not.",
     "- The client-by-client full pass is the only evaluation path before issue 66 (one "
     "Lightning step per client batch, a loader per client); the issue measured it at "
     "43.7 s on its own federation.",

@@ -585,8 +585,13 @@ def test_sojourn_walk_resumes_from_its_state_dict_and_clusters_move_together(tmp
     walked = SojournMarkovAvailability(PI, LAM)
     walked.available(90, 2, 7)
     torch.save(walked.state_dict(), tmp_path / "chains.pt")
+    saved = torch.load(tmp_path / "chains.pt", weights_only=True)
     resumed = SojournMarkovAvailability(PI, LAM)
-    resumed.load_state_dict(torch.load(tmp_path / "chains.pt", weights_only=True))
+    resumed.available(40, 9, 7)  # a walk of another seed, replaced by the loaded one
+    resumed.load_state_dict(saved)
+    again = resumed.state_dict()  # loaded as saved, not walked again from round 0
+    assert again["round"] == 90 and all(torch.equal(again[k], saved[k]) for k in
+                                        ("state", "change_rounds", "change_chains"))  # fmt: skip
     assert [resumed.available(t, 2, 7).tolist() for t in range(91, 200)] == expected[91:]
     assert resumed._round == 199 and len(resumed._calendar.runs) < 12
 
