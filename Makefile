@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 # Fashion-MNIST's IDX files come from Debian's package (as root: CI; elsewhere it says how).
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 
-.PHONY: install data quickstart test test-gpu lint bench mutate
+.PHONY: install data quickstart test test-gpu lint bench mutate docs
 install: $(STAMP)
 
 data:
@@ -44,6 +44,11 @@ test-gpu:
 #   make mutate MODULE=lightning_fl/systems/forgetting.py TESTS=tests/test_unlearning.py
 mutate: $(STAMP)  # ARGS="--survivors result.json" reruns an earlier run's survivors; ARGS="--since main~3" tries only the lines changed since that revision
 	$(PY) -m tests.mutate $(MODULE) $(TESTS) $(ARGS)
+
+# The documentation site (mkdocs.yml, docs/): the README as its guide, the architecture
+# page, the recipes and the API reference from the docstrings, built strictly into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -23,7 +23,8 @@ MAIN_PLUGINS = (
 def plugin_table() -> str:
     """The README's table of the main plugins: their arguments with defaults (from their
     signatures), what each calls on your module besides Lightning's hooks (from
-    :func:`module_needs` and ``module_type``, the contract :func:`check` enforces) and
+    :func:`~lightning_fl.engine.composition.module_needs` and ``module_type``, the contract
+    :func:`~lightning_fl.engine.composition.check` enforces) and
     the first paragraph of their docstrings."""
     rows = ["| plugin | arguments (defaults) | needs from your module | what it is |"]
     rows.append("|---|---|---|---|")

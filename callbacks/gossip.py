@@ -75,7 +75,7 @@ class GossipAveraging(Aggregator):
         graph: ``"erdos_renyi"`` (the D-FedEM experiment of App. E.9, p = 0.5) or
             ``"complete"`` (uniform weights 1/N: FedAvg with full participation).
         edge_probability: p of the Erdős–Rényi graph.
-        mixing_matrix: an explicit doubly stochastic W (a nested list), W[s][t] the weight
+        mixing_matrix: an explicit doubly stochastic W (a nested list), ``W[s][t]`` the weight
             client t gives client s; overrides ``graph``.
         topology: a :class:`~lightning_fl.systems.topology.SiloTopology`: W is the local-degree
             matrix of its overlay (eqs. 2.12–2.13; STAR averages at its orchestrator), and

@@ -1,4 +1,4 @@
-"""The plugins of the composition matrix (issue 24; DESIGN.md "Plugins compose") and the
+"""The plugins of the composition matrix (issue 24; docs/architecture.md "Plugins compose") and the
 runner that combines any two of them on a tiny federation.
 
 A plugin is a named change to a :class:`Setup`: the sampler, a callback, the module, the

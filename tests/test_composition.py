@@ -1,4 +1,4 @@
-"""Plugins compose (issue 24; DESIGN.md "Plugins compose").
+"""Plugins compose (issue 24; docs/architecture.md "Plugins compose").
 
 The matrix: every pair of plugins of tests/composition.py either trains two rounds with
 its invariants holding (finite model; the sampler's declared weights; a resume equal to

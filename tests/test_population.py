@@ -440,16 +440,6 @@ def test_a_validation_cohort_reports_its_clients_and_their_standard_error():
     assert logged["val_acc/uniform_se"] == pytest.approx(se["uniform_se"], abs=1e-6)
 
 
-def test_the_examples_in_the_docstrings_run():
-    import doctest
-
-    from lightning_fl.engine import cohort, segment_evaluation
-
-    for module in (cohort, segment_evaluation):
-        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0 and result.attempted >= 1, module.__name__
-
-
 def test_the_data_command_generates_converts_and_checks(tmp_path, capsys):
     from lightning_fl.command import main
 

@@ -309,14 +309,3 @@ def test_robust_aggregators_refuse_plugins_that_add_to_the_update_sum():
         from lightning_fl import MDSampler
 
         fit([Krum(0)], MDSampler(3), rounds=1)
-
-
-def test_the_docstring_examples_run():
-    import doctest
-
-    from lightning_fl.callbacks import attacks
-    from lightning_fl.systems import robust
-
-    for module in (robust, attacks):
-        failed, attempted = doctest.testmod(module, raise_on_error=False)
-        assert failed == 0 and attempted > 0, module.__name__

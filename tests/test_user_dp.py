@@ -264,13 +264,3 @@ def test_poisson_sampling_is_unbiased_with_rate_q():
             assert w == pytest.approx(float(p[c]) / q, abs=1e-15)
     bound = 4 * math.sqrt(q * (1 - q) / rounds)
     assert np.all(np.abs(counts / rounds - q) < bound), counts / rounds
-
-
-def test_the_docstring_examples_run():
-    import doctest
-
-    from lightning_fl.systems import membership, samplers, user_dp
-
-    for module in (user_dp, samplers, membership):
-        failed, attempted = doctest.testmod(module, raise_on_error=False)
-        assert failed == 0 and attempted > 0, module.__name__

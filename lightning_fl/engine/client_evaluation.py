@@ -1,4 +1,4 @@
-"""Validation and test client by client (DESIGN.md, "One round is one Lightning
+"""Validation and test client by client (docs/architecture.md, "One round is one Lightning
 epoch", step 6), and the epoch's report over clients.
 
 Each client's batches run with its personalized model where a callback keeps one (the

@@ -1,4 +1,4 @@
-"""Which plugins compose (DESIGN.md, "Plugins compose").
+"""Which plugins compose (docs/architecture.md, "Plugins compose").
 
 A run is made of plugins: a sampler (and the wrappers around it), federated callbacks
 (the aggregator, personalization, privacy, robustness), the module, the datamodule, and

@@ -1,4 +1,5 @@
-"""The federation's training data on the training device (DESIGN.md, "Where the data lives").
+"""The federation's training data on the training device (docs/architecture.md, "Where the
+data lives").
 
 An in-memory federation (every client's training set a plain ``TensorDataset``, no stream)
 is packed once, at fit set-up, into one contiguous tensor per dataset column with
@@ -167,7 +168,8 @@ class ChunkBatches:
 def _permutations(seeds: np.ndarray, sizes: np.ndarray, passes: np.ndarray) -> Tensor:
     """``[rows, max(passes), max(sizes)]``: row r's permutation of its ``sizes[r]``
     samples in each of its ``passes[r]`` passes, one ``randperm`` per pass from a
-    generator seeded with ``seeds[r]``, as :class:`TensorBatchLoader` draws them; unused
+    generator seeded with ``seeds[r]``, as
+    :class:`~lightning_fl.datamodules.base.TensorBatchLoader` draws them; unused
     entries are zeros. Host-side bookkeeping (a CPU generator): two C calls per client and
     a call per pass, each written in place (about 9 µs a client and pass on a CPU)."""
     # host: a CPU generator gives the same permutations whatever the device

@@ -1,6 +1,6 @@
 """Who trains a round on this rank, with which loaders, in which order of steps.
 
-DESIGN.md, "One round is one Lightning epoch", steps 1–2: the sampler chooses the
+docs/architecture.md, "One round is one Lightning epoch", steps 1–2: the sampler chooses the
 participants and their weights from (seed, round); each participant's loader is seeded
 with (seed, "data", round, client); every rank steps through a round of the same length
 (idle steps for a rank with fewer local batches).

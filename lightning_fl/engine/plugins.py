@@ -111,9 +111,9 @@ class RoundState:
 
     def received_updates(self) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
         """The accepted participants of every rank (in participation order), their updates
-        as the rows of a (k × d) tensor (flattened as :func:`~lightning_fl.engine.tensors.
-        flatten` does) and their weights ω_i; after the round's all-reduce, when the
-        aggregator has ``needs_client_updates``."""
+        as the rows of a (k × d) tensor (flattened as
+        :func:`~lightning_fl.engine.tensors.flatten` does) and their weights ω_i; after
+        the round's all-reduce, when the aggregator has ``needs_client_updates``."""
         rows = self.extra_sums[CLIENT_UPDATES][0]
         sent = torch.nonzero(rows[:, -1]).flatten()
         clients = tuple(self.participation.clients[i] for i in sent.tolist())
@@ -325,7 +325,16 @@ class Aggregator(FederatedCallback):
         return sampler.sample(round_idx, seed, p)
 
     def target_weights(self, sample_counts: Sequence[int] | np.ndarray) -> torch.Tensor:
-        """p_i of every client from the training counts n_i (one tensor operation)."""
+        """p_i of every client from the training counts n_i (one tensor operation):
+        n_i / Σ n_j, or 1/|{j : n_j > 0}| for the clients with data under
+        ``weighting="uniform"``.
+
+        >>> FedAvg().target_weights([10, 30, 0, 60]).tolist()
+        [0.1, 0.3, 0.0, 0.6]
+        >>> uniform = FedAvg(weighting="uniform").target_weights([10, 30, 0, 60])
+        >>> [round(w, 4) for w in uniform.tolist()]
+        [0.3333, 0.3333, 0.0, 0.3333]
+        """
         # host: p is bookkeeping of the sample counts, read by the samplers on the host
         counts = torch.from_numpy(np.array(sample_counts, dtype=np.float64))
         if self.weighting == "uniform":

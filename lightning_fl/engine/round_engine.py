@@ -1,4 +1,4 @@
-"""The round's life cycle on one rank (DESIGN.md, "One round is one Lightning epoch",
+"""The round's life cycle on one rank (docs/architecture.md, "One round is one Lightning epoch",
 steps 3–5).
 
 At a client's first batch the global weights θ^t are loaded in place, its optimizer

@@ -1,6 +1,6 @@
 """FederatedStrategy: one Lightning epoch is one communication round.
 
-Round t (DESIGN.md, "One round is one Lightning epoch"; :mod:`lightning_fl.engine` maps
+Round t (docs/architecture.md, "One round is one Lightning epoch"; :mod:`lightning_fl.engine` maps
 where each step lives):
 1. the sampler chooses the participants S_t and their weights ω_i from (seed, t)
    (:mod:`.planning`);

@@ -156,7 +156,17 @@ def estimated_error(
     q: torch.Tensor, alpha: torch.Tensor, gap: torch.Tensor, pi: torch.Tensor, kappa2: float
 ) -> float:
     """ε̂ = ⟨F̂ − F̂*, π ⊙̃ q⟩ + 4 κ̄² d_TV(α, π ⊙̃ q)² Γ̂, with (π ⊙̃ q)_k = π_k q_k / Σ π_h q_h
-    and Γ̂ = max_k (F̂_k − F̂_k*) (thesis eqs. 2.31–2.33)."""
+    and Γ̂ = max_k (F̂_k − F̂_k*) (thesis eqs. 2.31–2.33).
+
+    With the unbiased q = α/π, π ⊙̃ q = α: d_TV = 0 and ε̂ = ⟨F̂ − F̂*, α⟩.
+
+    >>> import torch
+    >>> alpha = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    >>> pi = torch.tensor([0.9, 0.5, 0.1], dtype=torch.float64)
+    >>> gap = torch.tensor([0.2, 0.1, 0.4], dtype=torch.float64)
+    >>> round(estimated_error(alpha / pi, alpha, gap, pi, kappa2=1.0), 4)  # 0.1 + 0.03 + 0.08
+    0.21
+    """
     weights = pi * q
     weights = weights / weights.sum()
     tv = 0.5 * float((alpha - weights).abs().sum())
@@ -176,7 +186,22 @@ def truncate(
     least τ, and never drop the last client. A removal must lower ε̂ strictly: with τ = 0
     and no information yet (every filtered loss at its minimum, ε̂ = 0 for any q, as in
     the first rounds with the running-minimum F̂*), every client is kept rather than all
-    but one dropped."""
+    but one dropped.
+
+    CA-Fed's weights for the clients of :func:`estimated_error`'s example, visited from
+    the least available: with κ̄² = 1 the bias term keeps q = α/π; with κ̄² = 0.05 the
+    optimization term wins and only client 1 (the smallest F̂ − F̂*) keeps its weight.
+
+    >>> import torch
+    >>> alpha = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    >>> pi = torch.tensor([0.9, 0.5, 0.1], dtype=torch.float64)
+    >>> gap = torch.tensor([0.2, 0.1, 0.4], dtype=torch.float64)
+    >>> kept = truncate(alpha / pi, [2, 1, 0], alpha, gap, pi, 1.0, 0.0)
+    >>> [round(x, 4) for x in kept.tolist()]
+    [0.5556, 0.6, 2.0]
+    >>> truncate(alpha / pi, [2, 1, 0], alpha, gap, pi, 0.05, 0.0).tolist()
+    [0.0, 0.6, 0.0]
+    """
     q = q.clone()
     best = estimated_error(q, alpha, gap, pi, kappa2)
     for k in order:

@@ -135,6 +135,13 @@ class UniformSampler(_FixedSizeSampler):
 
     Tab. 2.1, "Uniform": E[ω_i] = (m/n)(n/m)p_i = p_i. n counts the clients with
     p_i > 0. The weights sum to 1 only when p_i = 1/n.
+
+    Two of four clients, so ω_i = (4/2)·p_i (here 0.8 + 0.4 ≠ 1):
+
+    >>> import torch
+    >>> p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    >>> UniformSampler(2).sample(0, seed=0, p=p)
+    Participation(clients=(1, 3), weights=(0.4, 0.8))
     """
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
@@ -151,6 +158,13 @@ class MDSampler(_FixedSizeSampler):
 
     Tab. 2.1, "MD" (multinomial distribution, with replacement). A client drawn twice
     trains once and counts twice. The weights always sum to 1.
+
+    Three draws; client 1 drawn twice in round 2 counts 2/3:
+
+    >>> import torch
+    >>> p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    >>> MDSampler(3).sample(2, seed=0, p=p)
+    Participation(clients=(1, 3), weights=(0.6666666666666666, 0.3333333333333333))
     """
 
     def check(self, num_eligible: int) -> None:

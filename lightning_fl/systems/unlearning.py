@@ -79,7 +79,18 @@ class BranchHistory:
     def fork_point(self, clients: Iterable[int]) -> tuple[int, int]:
         """(ζ_r, T_r) of eqs. 5.17–5.18: the first node of O(r−1) where the requested
         clients' sensitivity exceeds Ψ*, else the current branch; and the latest round of
-        that branch (up to its node) within Ψ*."""
+        that branch (up to its node) within Ψ*.
+
+        Three rounds of increments (0.4, 0.2, 0.6) and Ψ* = 1: Ψ(n, 0) = 0.4n passes Ψ*
+        after round 2, Ψ(n, 1) = 0.2n never does, Ψ(n, 2) = 0.6n after round 1; a set's
+        Ψ is its largest client's (eq. 5.16), so SIFU restarts {0, 1} from round 2.
+
+        >>> history = BranchHistory(num_clients=3, threshold=1.0)
+        >>> for _ in range(3):
+        ...     history.record([0.4, 0.2, 0.6])
+        >>> [history.fork_point(w) for w in ([0], [1], [2], [0, 1])]
+        [(0, 2), (0, 3), (0, 1), (0, 2)]
+        """
         clients = list(clients)
         for branch, node in self.lineage:
             if self.set_sensitivity(branch, clients, node) > self.threshold:
