@@ -29,6 +29,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning_utilities.core.imports import RequirementCache
 
 from lightning_fl.engine.outputs import RunSummary, run_dir
+from lightning_fl.engine.resume import last_checkpoint
 
 
 class RunFolderSaveConfig(SaveConfigCallback):
@@ -97,11 +98,27 @@ class FederatedCLI(LightningCLI):
             raise CheckpointReadError.of(path, err) from err
 
     def before_fit(self) -> None:
+        self._find_last_checkpoint()
+        self._started()
+
+    def _started(self) -> None:
         if self._on_start is not None:
             self._on_start()
         self._summary().automatic = False  # said once, last (after the test)
 
-    before_validate = before_test = before_fit
+    before_validate = before_test = _started
+
+    def _find_last_checkpoint(self) -> None:
+        """``--ckpt_path last``: the ``last.ckpt`` of the logger's newest version that has
+        one (Lightning looks only in ModelCheckpoint's folder, unknown before the run's
+        version is). The fit then continues in that version (engine/resume.py)."""
+        config = self.config_init[self.subcommand]
+        logger = self.trainer.loggers[0] if self.trainer.loggers else None
+        if config.get("ckpt_path") != "last" or getattr(logger, "root_dir", None) is None:
+            return
+        found = last_checkpoint(logger.root_dir)
+        if found is not None:
+            config["ckpt_path"] = found
 
     def after_fit(self) -> None:
         if self.config[self.subcommand].get("test_after_fit", True):

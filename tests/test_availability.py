@@ -592,6 +592,8 @@ def test_sojourn_walk_resumes_from_its_state_dict_and_clusters_move_together(tmp
     again = resumed.state_dict()  # loaded as saved, not walked again from round 0
     assert again["round"] == 90 and all(torch.equal(again[k], saved[k]) for k in
                                         ("state", "change_rounds", "change_chains"))  # fmt: skip
+    on_at_91 = [k for k in range(7) if expected[91][k]]
+    assert resumed.active_clients(91, 2, 7).tolist() == on_at_91  # not the other walk's
     assert [resumed.available(t, 2, 7).tolist() for t in range(91, 200)] == expected[91:]
     assert resumed._round == 199 and len(resumed._calendar.runs) < 12
 
@@ -601,6 +603,46 @@ def test_sojourn_walk_resumes_from_its_state_dict_and_clusters_move_together(tmp
         mask = clustered.available(t, 1, 5).tolist()
         assert mask == [reference[t][c] for c in (1, 0, 1, 1, 0)]
         assert clustered.active_clients(t, 1, 5).tolist() == [k for k in range(5) if mask[k]]
+
+
+def test_sojourn_walk_edge_cases_frozen_chains_a_new_seed_and_one_shared_pi(tmp_path):
+    """λ = 1 everywhere: nothing ever changes and the calendar is empty (its checkpoint
+    too); a walk of another seed starts again, its active set included; one π and λ for
+    all chains is the walk of the same value given per chain."""
+    from lightning_fl.systems.availability import SojournMarkovAvailability
+
+    frozen = SojournMarkovAvailability([0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
+    start = frozen.active_clients(0, 4, 3).tolist()
+    assert all(frozen.active_clients(t, 4, 3).tolist() == start for t in range(1, 6))
+    state = frozen.state_dict()
+    assert len(state["change_rounds"]) == 0
+    again = SojournMarkovAvailability([0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
+    again.load_state_dict(state)
+    assert again.active_clients(8, 4, 3).tolist() == start
+
+    chains = SojournMarkovAvailability(PI, LAM)
+    chains.active_clients(60, 9, 7)
+    expected = _sojourn_reference(PI, LAM, seed=2, rounds=40)
+    assert chains.active_clients(39, 2, 7).tolist() == [k for k in range(7) if expected[39][k]]
+
+    shared = SojournMarkovAvailability(0.3, 0.5)
+    per_chain = SojournMarkovAvailability([0.3] * 50, [0.5] * 50)
+    assert all(torch.equal(shared.available(t, 1, 50), per_chain.available(t, 1, 50))
+               for t in range(40))  # fmt: skip
+
+
+def test_the_calendar_stays_a_few_runs_however_many_changes_it_holds():
+    """5,000 chains of π = 0.01, λ = 0 over 200 rounds: about 50 chains turn on a round
+    and off the next, and those that turn off wait about 100 rounds; merged runs keep the
+    calendar to O(log) runs (without merging, about a hundred)."""
+    from lightning_fl.systems.availability import SojournMarkovAvailability
+
+    chains = SojournMarkovAvailability(0.01, 0.0)
+    most = 0
+    for t in range(200):
+        chains.active_clients(t, 0, 5000)
+        most = max(most, len(chains._calendar.runs))
+    assert most <= 16
 
 
 @pytest.mark.parametrize("walk", ["per_round", "sojourns"])

@@ -21,6 +21,7 @@ from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
 from lightning_fl.engine.outputs import append_csv, run_dir
 from lightning_fl.engine.plugins import RoundState
+from lightning_fl.engine.resume import ResumedRun, next_round
 from lightning_fl.engine.round_engine import RoundEngine
 from lightning_fl.engine.vectorized import VectorizedClients
 
@@ -36,6 +37,8 @@ class RoundDriver(pl.Callback):
         self.evaluation: ClientEvaluation | None = None
         #: a checkpoint's federated state, loaded before the fit's set-up
         self._loaded: dict[str, Any] | None = None
+        #: the run folder a resumed fit continues in (engine/resume.py)
+        self._resumed: ResumedRun | None = None
 
     def attach(
         self,
@@ -57,8 +60,18 @@ class RoundDriver(pl.Callback):
     def state_key(self) -> str:
         return "_RoundDriver"  # the checkpoint key since the first release: old ones resume
 
+    def adopt_run_folder(self, trainer: pl.Trainer, ckpt_path: str, checkpoint: dict) -> None:
+        """A resumed fit keeps its run folder (engine/resume.py). Called by the strategy
+        when Lightning reads the checkpoint, before it restores the callbacks."""
+        self._resumed = None
+        if trainer.state.fn == "fit":
+            self._resumed = ResumedRun.adopt(trainer, ckpt_path, next_round(checkpoint))
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.fit.divergence.reset()
+        if self._resumed is not None:
+            self._resumed.keep_earlier_rounds(trainer)
+            self._resumed = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         engine = self.engine

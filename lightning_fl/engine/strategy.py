@@ -693,7 +693,8 @@ class FederatedStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
         """Lightning's loading, with errors that name the file; in silo mode each rank
-        adds its own shard (:mod:`lightning_fl.engine.silo_checkpoints`)."""
+        adds its own shard (:mod:`lightning_fl.engine.silo_checkpoints`). A resumed fit
+        then keeps the checkpoint's run folder (:meth:`RoundDriver.adopt_run_folder`)."""
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
@@ -701,10 +702,15 @@ class FederatedStrategy(DDPStrategy):
         except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
             raise CheckpointReadError.of(checkpoint_path, err) from err
         if self.config.silos:
-            return silo_checkpoints.merge_shard(
+            checkpoint = silo_checkpoints.merge_shard(
                 checkpoint, checkpoint_path, self.global_rank, self.world_size
             )
-        silo_checkpoints.check_not_sharded(checkpoint, checkpoint_path)
+        else:
+            silo_checkpoints.check_not_sharded(checkpoint, checkpoint_path)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            driver = next(cb for cb in trainer.callbacks if isinstance(cb, RoundDriver))
+            driver.adopt_run_folder(trainer, checkpoint_path, checkpoint)
         return checkpoint
 
 
