@@ -17,7 +17,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fl.checks import require_rate
-from lightning_fl.engine.local_training import batches, client_loader, grads_at, sgd, training_mode
+from lightning_fl.engine.local_training import (
+    batches,
+    client_loader,
+    grads_at,
+    log_global_baseline,
+    sgd,
+    training_mode,
+)
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
 
@@ -78,11 +85,17 @@ class Ditto(FederatedCallback):
     :class:`AsynchronousFL` the stale model it was sent), read after the aggregator's
     ``on_client_start``. v_k starts from the first global model (w^0). Clients are
     evaluated with v_k; an unseen client trains v from the final global model the same way.
+    With ``log_global`` each client is also evaluated with the global model w first,
+    logged as ``val_global_acc`` (``test_global_acc``, ``*_global_loss``, with their
+    weighted, uniform and 10th-percentile values): Ditto's baseline beside its
+    personalized models (Li et al. report both), for one more pass over the evaluation
+    data.
 
     Args:
         lam: λ, the proximal weight (the kNN-Per paper tunes it per client over
             {10, 1, 0.1, 0.01}).
         personal_lr: η_p. personal_epochs: passes per participation.
+        log_global: also evaluate the global model on each client.
     """
 
     client_state_in_store = True  # it moves with the client (several processes)
@@ -94,11 +107,16 @@ class Ditto(FederatedCallback):
     key = "ditto_personal"
 
     def __init__(
-        self, lam: float = 0.1, personal_lr: float = 0.01, personal_epochs: int = 1
+        self,
+        lam: float = 0.1,
+        personal_lr: float = 0.01,
+        personal_epochs: int = 1,
+        log_global: bool = True,
     ) -> None:
         require_rate("lam", lam, 0.1, allow_zero=True)
         require_rate("personal_lr", personal_lr, 0.01)
         self.lam, self.personal_lr, self.personal_epochs = lam, personal_lr, personal_epochs
+        self.log_global = log_global
         self.initial: Tensor | None = None
         #: w^t of each client started and not yet ended (vectorized clients start together)
         self._received: dict[int, TensorList] = {}
@@ -140,6 +158,8 @@ class Ditto(FederatedCallback):
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         params = _params(pl_module)
+        if self.log_global:
+            log_global_baseline(trainer, pl_module, client)
         if _is_unseen(trainer, client):
             anchor = [p.detach().clone() for p in params]
             self._train_personal(trainer, pl_module, client, anchor, anchor, UNSEEN_ROUND)

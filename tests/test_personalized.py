@@ -952,3 +952,33 @@ def test_an_unseen_client_without_training_data_is_tested_with_the_global_model(
     trainer.test(module, datamodule=dm, verbose=False)
     reported = trainer.strategy.metric_capture.per_client["test_loss"][3][0]
     assert reported == pytest.approx(_test_loss(params_of(module), clients[3]), rel=1e-6)
+
+
+def test_ditto_logs_the_global_models_metrics_beside_the_personalized_ones():
+    """Ditto leaves the global model FedAvg's, so its ``*_global_*`` report (weighted,
+    uniform and 10th-percentile accuracy, 90th-percentile loss, over clients of unequal
+    size) equals a FedAvg run's plain one, at validation and test; its personalized
+    values differ (v moved away from w)."""
+
+    def fit(callbacks):
+        trainer = _fit(tiny_module(), callbacks, tiny_datamodule(), rounds=3,
+                       limit_val_batches=None)  # fmt: skip
+        validation = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        trainer.test(trainer.lightning_module, datamodule=tiny_datamodule(), verbose=False)
+        test = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        return validation | test
+
+    plain = fit([FedAvg()])
+    ditto = fit([Ditto(lam=0.01, personal_lr=0.3, personal_epochs=3)])
+    for stage in ("val", "test"):
+        for name, summaries in (("acc", ("weighted", "uniform", "p10")),
+                                ("loss", ("weighted", "uniform", "p90"))):  # fmt: skip
+            for summary in summaries:
+                got = ditto[f"{stage}_global_{name}/{summary}"]
+                expected = plain[f"{stage}_{name}/{summary}"]
+                assert got == pytest.approx(expected, abs=1e-6), (stage, name, summary)
+            assert ditto[f"{stage}_global_{name}"] == pytest.approx(plain[f"{stage}_{name}"],
+                                                                    abs=1e-6)  # fmt: skip
+        assert abs(ditto[f"{stage}_loss"] - plain[f"{stage}_loss"]) > 1e-3
+    quiet = fit([Ditto(lam=0.01, personal_lr=0.3, personal_epochs=3, log_global=False)])
+    assert not any("_global_" in k for k in quiet)

@@ -48,6 +48,31 @@ def evaluation_mode(module: nn.Module) -> Iterator[None]:
             module.train(was_training)
 
 
+def log_global_baseline(trainer: pl.Trainer, module: pl.LightningModule, client: int) -> None:
+    """Log the current (global) model's loss and metrics on ``client``'s evaluation data
+    as ``<stage>_global_<metric>`` (``val_global_acc``, ``val_global_loss``, ...), for a
+    personalization plugin to call in ``on_client_evaluation_start``, before it installs
+    the client's model: the report over clients then gives the global model's weighted,
+    uniform and percentile values beside the personalized ones. One more pass over the
+    client's evaluation data, through the module's ``loss_and_metrics``."""
+    stage = "test" if trainer.testing else "val"
+    loader = client_loader(trainer, client, stage)
+    if loader is None:
+        return
+    totals: dict[str, Tensor] = {}
+    count = 0
+    with evaluation_mode(module):
+        for batch in batches(loader, module.device):
+            loss, metrics = module.loss_and_metrics(batch)
+            size = module.batch_size_of(batch)
+            for name, value in {"loss": loss, **metrics}.items():
+                totals[name] = totals.get(name, 0.0) + value.detach().double() * size
+            count += size
+    for name, total in totals.items():
+        module.log(f"{stage}_global_{name}", (total / count).float(), on_step=False,
+                   on_epoch=True, batch_size=count)  # fmt: skip
+
+
 def client_loader(
     trainer: pl.Trainer, client: int, split: Split, shuffle_seed: tuple | None = None
 ) -> DataLoader | None:
