@@ -249,11 +249,48 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as error:  # noqa: BLE001 - every failure ends with one short line
         if show_trace:
             raise
+        rank, world = _rank_and_world()
+        if world > 1 and peer_failed(error):  # gloo's or NCCL's word for another rank's end
+            print(f"lightning-fl: rank {rank} stopped because another process failed; that "
+                  "process's error names the problem.", file=sys.stderr)  # fmt: skip
+            sys.exit(1)
         # the same words as the command line's early errors (lightning_fl.command)
         what = "stopped" if started else "did not start"
-        print(f"lightning-fl: the run {what} (--traceback shows where).", file=sys.stderr)
+        where = f" on rank {rank}" if world > 1 else ""
+        print(f"lightning-fl: the run {what}{where} (--traceback shows where).", file=sys.stderr)
         print(f"error: {short_message(error)}", file=sys.stderr)
         sys.exit(1 if started else 2)
+
+
+#: What gloo and NCCL say when a peer process has ended (its own error is the real one).
+PEER_FAILURE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL's watchdog",
+)
+
+
+def peer_failed(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) is a collective's failure because another process
+    ended, rather than a problem of its own."""
+    while error is not None:
+        if any(marker in str(error) for marker in PEER_FAILURE):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (1, 1 outside a distributed run),
+    from the process group or the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    env = os.environ
+    return int(env.get("RANK", env.get("LOCAL_RANK", 0))), int(env.get("WORLD_SIZE", 1))
 
 
 if __name__ == "__main__":

@@ -258,3 +258,38 @@ def test_an_unknown_plugin_name_is_said_with_the_near_ones(args, message, tmp_pa
             exit_on_error=False)  # fmt: skip
     assert short_message(refused.value) == message
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_rank_stopped_by_another_ranks_failure_says_so_in_one_line(capsys, monkeypatch):
+    """With several processes, the rank whose collective failed because a peer ended says
+    so in one line (not gloo's message); the failing rank's own error names its rank."""
+    import lightning_fl.cli as cli
+
+    monkeypatch.delenv("LIGHTNING_FL_TRACEBACK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gloo = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:30444."
+    )
+
+    def fails(error):
+        def run(**kwargs):
+            kwargs["on_start"]()
+            raise error
+
+        return run
+
+    for rank, error, expected in (
+        ("0", gloo, ["lightning-fl: rank 0 stopped because another process failed; that "
+                     "process's error names the problem."]),
+        ("1", ValueError("bad data"), ["lightning-fl: the run stopped on rank 1 (--traceback "
+                                       "shows where).", "error: ValueError: bad data"]),
+    ):  # fmt: skip
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setattr(cli, "run", fails(error))
+        with pytest.raises(SystemExit) as stopped:
+            cli.main(["fit"])
+        assert stopped.value.code == 1
+        assert capsys.readouterr().err.strip().splitlines() == expected
+    wrapped = RuntimeError("the round's all-reduce failed")
+    wrapped.__cause__ = gloo
+    assert cli.peer_failed(wrapped) and not cli.peer_failed(ValueError("closed"))
