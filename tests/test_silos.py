@@ -118,6 +118,55 @@ def test_a_silo_checkpoint_keeps_client_state_in_its_shard_and_resumes_exactly(t
         silo_checkpoints.merge_shard(checkpoint, last, 0, 1)
 
 
+def test_a_shard_of_another_silo_run_or_round_is_refused_naming_both(tmp_path):
+    """The issue's ``cp last.ckpt.silo2-of-4 last.ckpt.silo1-of-4``: silo 1 refuses silo
+    2's shard (and a shard whose rank field was edited but whose clients are silo 2's);
+    a shard of another run or of another round than the checkpoint beside it is refused;
+    a silo's own shard of the same run and round loads. The run's id is drawn at its
+    first fit, kept by its checkpoints and recorded in every shard."""
+    _silo_fit(2, tmp_path / "first")
+    last = tmp_path / "first" / "last.ckpt"
+    saved = torch.load(last, weights_only=True)["callbacks"]["_RoundDriver"]
+    shard = torch.load(silo_checkpoints.shard_path(last, 0, 1), weights_only=True)
+    assert len(saved["run_id"]) == 32 and shard["run_id"] == saved["run_id"]
+    assert shard["round"] == saved["round"] == 2
+    assert shard["clients"] == list(range(10)) and (shard["rank"], shard["world_size"]) == (0, 1)
+
+    global_file = tmp_path / "global.ckpt"
+    state = {"client_store": {}, "silos": 4, "round": 7, "run_id": "run-a"}
+    torch.save({"callbacks": {"_RoundDriver": state}}, global_file)
+
+    def write(rank_field, clients, run="run-a", round_=7, as_rank=1):
+        data = {"client_store": {c: {"scaffold_c": torch.ones(2) * c} for c in clients},
+                "rank": rank_field, "world_size": 4, "clients": clients, "run_id": run,
+                "round": round_}  # fmt: skip
+        torch.save(data, silo_checkpoints.shard_path(global_file, as_rank, 4))
+
+    def merge():
+        checkpoint = torch.load(global_file, weights_only=True)
+        return silo_checkpoints.merge_shard(checkpoint, global_file, 1, 4)
+
+    write(2, [2, 6])  # silo 2's shard copied over silo 1's
+    with pytest.raises(silo_checkpoints.SiloCheckpointError,
+                       match=r"silo1-of-4 holds the state of silo 2 of 4, not of this silo "
+                             r"\(1 of 4\)"):  # fmt: skip
+        merge()
+    write(1, [2, 6])  # its rank edited, its clients still silo 2's
+    with pytest.raises(silo_checkpoints.SiloCheckpointError, match=r"clients \[2, 6\] of other"):
+        merge()
+    write(1, [1, 5], run="run-b")
+    with pytest.raises(silo_checkpoints.SiloCheckpointError,
+                       match="is of run run-b, the checkpoint beside it of run run-a"):  # fmt: skip
+        merge()
+    write(1, [1, 5], round_=6)
+    with pytest.raises(silo_checkpoints.SiloCheckpointError,
+                       match="is of round 6, the checkpoint beside it of round 7"):  # fmt: skip
+        merge()
+    write(1, [1, 5])
+    merged = merge()["callbacks"]["_RoundDriver"]["client_store"]
+    assert sorted(merged) == [1, 5] and torch.equal(merged[5]["scaffold_c"], torch.ones(2) * 5)
+
+
 class _NotData:
     """An object a shard must never load (weights_only refuses it)."""
 

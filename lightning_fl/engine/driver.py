@@ -10,6 +10,7 @@ evaluation epochs over clients and carries the federated state in checkpoints.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import lightning.pytorch as pl
@@ -39,6 +40,9 @@ class RoundDriver(pl.Callback):
         self._loaded: dict[str, Any] | None = None
         #: the run folder a resumed fit continues in (engine/resume.py)
         self._resumed: ResumedRun | None = None
+        #: the run's identity, drawn at its first fit and kept by its checkpoints (silo
+        #: shards record it: engine/silo_checkpoints.py)
+        self.run_id: str | None = None
 
     def attach(
         self,
@@ -69,6 +73,8 @@ class RoundDriver(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.fit.divergence.reset()
+        if self.run_id is None:  # every rank takes rank 0's
+            self.run_id = trainer.strategy.broadcast(uuid.uuid4().hex)
         if self._resumed is not None:
             self._resumed.keep_earlier_rounds(trainer)
             self._resumed = None
@@ -134,10 +140,11 @@ class RoundDriver(pl.Callback):
         self.evaluation.report(trainer, pl_module, "test")
 
     def state_dict(self) -> dict[str, Any]:
-        return federated_state_dict(self.fit, self.engine)
+        return {**federated_state_dict(self.fit, self.engine), "run_id": self.run_id}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict  # restored at :meth:`attach`
+        self.run_id = state_dict.get("run_id", self.run_id)
 
 
 def _append_participation(path: str, state: RoundState) -> None:

@@ -8,6 +8,12 @@ state, every callback's server-side state) and each rank writes its own clients'
 beside it, ``<checkpoint>.silo<rank>-of-<world size>``. On resume each rank reads the
 global file and its own shard; a missing shard, or a run on another number of silos, is
 refused with the file it needs.
+
+A shard records whose it is: the silo (rank and number of silos), its clients, the run
+(the ``run_id`` drawn at the run's first fit and kept by its checkpoints) and the round.
+Resuming checks them all against the silo and the global file: another silo's shard
+(copied over this one's), a shard of another run or of another round is refused, naming
+both, rather than loading another silo's private state.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ def split_off_shard(checkpoint: dict[str, Any], rank: int, world_size: int) -> d
     """Take this silo's client store out of ``checkpoint`` (which keeps an empty store and
     the number of silos) and return the shard to write beside it."""
     state = checkpoint["callbacks"][DRIVER_KEY]
-    shard = {"client_store": state["client_store"], "rank": rank, "world_size": world_size}
+    shard = {"client_store": state["client_store"], "rank": rank, "world_size": world_size,
+             "clients": sorted(state["client_store"]), "run_id": state.get("run_id"),
+             "round": state.get("round")}  # fmt: skip
     state["client_store"] = {}
     state["silos"] = world_size
     return shard
@@ -71,8 +79,37 @@ def merge_shard(
         shard = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
         raise CheckpointReadError.of(path, err) from err
+    check_shard_identity(shard, state, path, rank, world_size)
     state["client_store"] = shard["client_store"]
     return checkpoint
+
+
+def check_shard_identity(
+    shard: dict[str, Any], state: dict[str, Any], path: str, rank: int, world_size: int
+) -> None:
+    """Refuse a shard that is not this silo's, of this run, at this round (the fields a
+    shard records; shards written before they existed are checked on what they hold)."""
+    owner = (shard.get("rank", rank), shard.get("world_size", world_size))
+    if owner != (rank, world_size):
+        raise SiloCheckpointError(
+            f"{path} holds the state of silo {owner[0]} of {owner[1]}, not of this silo "
+            f"({rank} of {world_size}): each silo resumes from its own shard only. Put "
+            f"silo {rank}'s own shard back, or resume this silo as rank {owner[0]}."
+        )
+    foreign = [c for c in shard.get("clients", shard["client_store"]) if c % world_size != rank]
+    if foreign:
+        raise SiloCheckpointError(
+            f"{path} holds clients {foreign[:5]} of other silos, not of silo {rank} of "
+            f"{world_size}: it is not this silo's shard. Put silo {rank}'s own shard back."
+        )
+    for field, what in (("run_id", "run"), ("round", "round")):
+        mine, theirs = shard.get(field), state.get(field)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise SiloCheckpointError(
+                f"{path} is of {what} {mine}, the checkpoint beside it of {what} {theirs}: "
+                "a silo resumes from the shard written with the checkpoint. Resume from the "
+                f"checkpoint of {what} {mine}, or put back the shard of {what} {theirs}."
+            )
 
 
 def check_not_sharded(checkpoint: dict[str, Any], filepath: str | os.PathLike) -> None:
