@@ -9,8 +9,6 @@ floating buffers (e.g. BatchNorm statistics) like parameters.
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 
@@ -22,7 +20,8 @@ __all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi"]
 
 
 class _StatefulServerOptimizer(Aggregator):
-    """Server optimizer state is kept across rounds and saved in checkpoints."""
+    """Server optimizer state (``_state_names``, declared server state) is kept across
+    rounds and saved in checkpoints."""
 
     keeps_client_state = False  # server-side state only
 
@@ -34,14 +33,7 @@ class _StatefulServerOptimizer(Aggregator):
         super().__init__(weighting)
         self.server_lr = require_rate("server_lr", server_lr, 1.0)
         for name in self._state_names:
-            setattr(self, name, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._state_names}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for name in self._state_names:
-            setattr(self, name, state_dict.get(name))
+            self.add_server_state(name)
 
 
 class FedAvgM(_StatefulServerOptimizer):

@@ -12,8 +12,6 @@ one-process result; the memory is k × d floats a round.
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 
@@ -143,18 +141,12 @@ class CenteredClipping(RobustAggregator):
         if not tau > 0 or iterations < 1:
             raise ValueError(f"tau must be > 0 and iterations >= 1, got {tau}, {iterations}.")
         self.tau, self.iterations = float(tau), int(iterations)
-        self.center: torch.Tensor | None = None
+        self.add_server_state("center")  # v of the last round (the next round's start)
 
     def robust_update(self, clients, updates, weights):
         start = torch.zeros_like(updates[0]) if self.center is None else self.center
         self.center = centered_clipping(updates, weights, start, self.tau, self.iterations)
         return self.center
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"center": self.center}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.center = state_dict.get("center")
 
 
 __all__ = ["CenteredClipping", "CoordinateMedian", "Krum", "RobustAggregator", "TrimmedMean"]

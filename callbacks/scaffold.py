@@ -20,11 +20,17 @@ The correction (c − c_i) is added to the gradient before the optimizer step, s
 is exact for plain SGD; K counts the optimizer steps taken and η_l is the learning rate of
 the first parameter group. Memory: each client that took part stores c_i as one float32
 vector, 4·d bytes (d parameters) in the client store.
+
+Its state is declared (``FederatedCallback.add_client_state`` and friends), not written
+by hand: c_i is client state (the store entry ``scaffold_c``, moved to the rank that trains
+the client, sharded per silo, checkpointed for the clients that took part), Σ Δc_i a round
+sum (added over the ranks in the round's all-reduce) and c server state (the callback's
+checkpoint entry).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -34,6 +40,7 @@ from torch.optim import Optimizer
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
 
+#: c_i's client store key (kept from the first release: its checkpoints resume)
 STORE_KEY = "scaffold_c"
 
 
@@ -46,24 +53,21 @@ class SCAFFOLD(FederatedCallback):
         ``"target"`` for c ← c + Σ_{i∈S} p_i Δc_i with the aggregator's weights p_i.
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     def __init__(self, control_weighting: Literal["uniform", "target"] = "uniform") -> None:
         if control_weighting not in ("uniform", "target"):
             raise ValueError(
                 f"control_weighting must be 'uniform' or 'target', got {control_weighting!r}."
             )
         self.control_weighting = control_weighting
-        self.server_control: TensorList | None = None
+        self.add_client_state("control", key=STORE_KEY)  # c_i
+        self.add_round_sum("control_delta")  # Σ_{i∈S} Δc_i (weighted by p_i: "target")
+        self.add_server_state("server_control")  # c
         self._correction: TensorList | None = None
-        self._control_delta_sum: TensorList | None = None
         self._stacked_correction: TensorList | None = None
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if self.server_control is None:
             self.server_control = zeros_like(state.global_params)
-        self._control_delta_sum = zeros_like(state.global_params)
-        state.extra_sums["scaffold_control_delta"] = self._control_delta_sum
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self._correction = torch._foreach_sub(self.server_control, self._control_of(client, state))
@@ -93,7 +97,7 @@ class SCAFFOLD(FederatedCallback):
 
     def _control_of(self, client: int, state: RoundState) -> TensorList:
         """c_i: the client's stored control variate (zero before its first round)."""
-        stored = state.store.get(client, STORE_KEY)
+        stored = self.client_state(state.store, client, "control")
         if stored is None:
             return zeros_like(self.server_control)
         return unflatten(stored, self.server_control)
@@ -125,9 +129,9 @@ class SCAFFOLD(FederatedCallback):
         delta_c = torch._foreach_mul(update[: state.num_params], -1.0 / (steps * lr))
         torch._foreach_sub_(delta_c, self.server_control)
         weight = float(state.target_weights[client]) if self.control_weighting == "target" else 1.0
-        torch._foreach_add_(self._control_delta_sum, delta_c, alpha=weight)
+        torch._foreach_add_(state.round_sum(self, "control_delta"), delta_c, alpha=weight)
         new_control = torch._foreach_add(self._control_of(client, state), delta_c)
-        state.store.set(client, STORE_KEY, flatten(new_control))
+        self.set_client_state(state.store, client, "control", flatten(new_control))
 
     @torch.no_grad()
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
@@ -135,7 +139,9 @@ class SCAFFOLD(FederatedCallback):
             scale = 1.0  # the p_i were applied per client
         else:
             scale = 1.0 / self._clients_with_data(state.sample_counts)
-        torch._foreach_add_(self.server_control, self._control_delta_sum, alpha=scale)
+        torch._foreach_add_(
+            self.server_control, state.round_sum(self, "control_delta"), alpha=scale
+        )
         self._correction = self._stacked_correction = None
 
     def _clients_with_data(self, counts: np.ndarray) -> int:
@@ -144,9 +150,3 @@ class SCAFFOLD(FederatedCallback):
         if getattr(self, "_counted", (None,))[0] is not counts:
             self._counted = (counts, int(np.count_nonzero(counts)))
         return self._counted[1]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"server_control": self.server_control}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.server_control = state_dict.get("server_control")

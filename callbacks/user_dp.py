@@ -33,7 +33,7 @@ seen.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -60,9 +60,6 @@ from lightning_fl.systems.user_dp import (
     noise_std,
     update_noise_multiplier,
 )
-
-#: The round's sum of unclipped updates (adaptive clipping), added over the ranks.
-UNCLIPPED = "dp_unclipped"
 
 
 def sampling_of(sampler: ClientSampler, eligible: int) -> Sampling:
@@ -172,8 +169,10 @@ class DPFedAvg(Aggregator):
         self.server_momentum, self.delta = server_momentum, delta
         self.epsilon_budget, self.allow_over_budget = epsilon_budget, allow_over_budget
         self.accountant, self.seed = accountant, seed
-        self.clip_norm = self.initial_clip_norm
-        self.momentum: TensorList | None = None
+        self.add_server_state("clip_norm", self.initial_clip_norm)  # C_t (adaptive)
+        self.add_server_state("momentum")  # the server momentum's buffer
+        if target_quantile is not None:
+            self.add_round_sum("unclipped", shape=(1,))  # b_t's count, over every rank
         self._total_weight = 0.0
         self._eligible = 0
         self._planned_rounds: int | None = None
@@ -249,16 +248,11 @@ class DPFedAvg(Aggregator):
             )
 
     # ------------------------------------------------------------------ clients
-    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if self.adaptive:
-            like = state.global_tensors[0]
-            state.extra_sums[UNCLIPPED] = [torch.zeros(1, dtype=like.dtype, device=like.device)]
-
     def _clipped(self, update: TensorList, state: RoundState) -> TensorList:
         """Δ·min(1, C/‖Δ‖), counting Δ as unclipped when ‖Δ‖ ≤ C."""
         norm = float(torch.linalg.vector_norm(flatten(update).double()))
         if self.adaptive and norm <= self.clip_norm:
-            state.extra_sums[UNCLIPPED][0] += 1
+            state.round_sum(self, "unclipped")[0] += 1
         if norm <= self.clip_norm:
             return update
         return torch._foreach_mul(update, self.clip_norm / norm)
@@ -319,7 +313,7 @@ class DPFedAvg(Aggregator):
             self._adapt_clip_norm(state)
 
     def _adapt_clip_norm(self, state: RoundState) -> None:
-        unclipped = float(state.extra_sums[UNCLIPPED][0])
+        unclipped = float(state.round_sum(self, "unclipped")[0])
         count_noise = 0.0
         if self.noise_multiplier > 0:
             gen = generator(self.seed, "dp_count", state.round_idx)
@@ -335,13 +329,6 @@ class DPFedAvg(Aggregator):
         synced = trainer.world_size > 1  # equal on every rank
         for name, value in self.last.items():
             pl_module.log(f"dp/{name}", float(value), on_epoch=True, sync_dist=synced)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"clip_norm": self.clip_norm, "momentum": self.momentum}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.clip_norm = float(state_dict.get("clip_norm", self.initial_clip_norm))
-        self.momentum = state_dict.get("momentum")
 
 
 __all__ = ["DPFedAvg", "sampling_of"]

@@ -359,6 +359,12 @@ class RoundPlanner:
             target_weights=p,
             local_steps=local_steps,
         )
+        for plugin in fit.plugins.callbacks:  # the declared round sums, at zero
+            for name, shape in plugin.declared_round_sums().items():
+                like = global_tensors[: model.num_params]
+                zeros = zeros_like(like) if shape is None else [
+                    torch.zeros(shape, dtype=like[0].dtype, device=like[0].device)]  # fmt: skip
+                state.extra_sums[plugin.round_sum_key(name)] = zeros
         if fit.plugins.sampler.needs_updates or fit.plugins.aggregator.needs_client_updates:
             size = sum(t.numel() for t in global_tensors) + 1
             rows = torch.zeros(len(participation.clients), size, device=fit.device,

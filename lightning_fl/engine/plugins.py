@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -90,6 +90,10 @@ class RoundState:
     @property
     def global_params(self) -> TensorList:
         return self.global_tensors[: self.num_params]
+
+    def round_sum(self, plugin: FederatedCallback, name: str) -> TensorList:
+        """``plugin``'s declared round sum ``name`` (:meth:`FederatedCallback.add_round_sum`)."""
+        return self.extra_sums[plugin.round_sum_key(name)]
 
     def weight_of(self, client: int) -> float:
         """ω of ``client`` (its first draw, for a client drawn several times)."""
@@ -177,6 +181,77 @@ class FederatedCallback(pl.Callback):
     #: hook). When no callback needs them, a chunk's clients start and finish together in
     #: O(1) Python calls (``VectorizedClients``), not O(clients).
     vectorized_client_hooks: bool | None = None
+
+    # -- declared state (issue 68), on the model of torchmetrics' ``Metric.add_state`` --
+
+    def add_client_state(self, name: str, key: str | None = None) -> None:
+        """Declare ``name``: a tensor each client that has taken part keeps between rounds
+        (SCAFFOLD's c_i), read and written in the client hooks with :meth:`client_state`
+        and :meth:`set_client_state`. It lives in the engine's client store under ``key``
+        (default ``"<Class>.<name>"``), and from the declaration the engine derives the
+        rest: the flags (``keeps_client_state``, ``client_state_in_store``: the entry
+        moves to the rank that trains the client and back), its silo shard and its
+        checkpoint entries (the store's, participants only).
+
+        >>> class Counts(FederatedCallback):
+        ...     def __init__(self):
+        ...         self.add_client_state("seen", key="counts_seen")
+        >>> plugin = Counts()
+        >>> plugin.client_state_in_store, plugin.client_state_key("seen")
+        (True, 'counts_seen')
+        """
+        self._declared("client")[name] = key or f"{type(self).__name__}.{name}"
+        self.keeps_client_state = True
+        self.client_state_in_store = True
+
+    def client_state_key(self, name: str) -> str:
+        """The client store key of the declared client state ``name``."""
+        return self._declared("client")[name]
+
+    def client_state(self, store: ClientStore, client: int, name: str) -> Any:
+        """``client``'s declared state ``name``, or None before it has one."""
+        return store.get(client, self.client_state_key(name))
+
+    def set_client_state(self, store: ClientStore, client: int, name: str, value: Any) -> None:
+        """Keep ``value`` as ``client``'s declared state ``name``."""
+        store.set(client, self.client_state_key(name), value)
+
+    def add_round_sum(self, name: str, shape: tuple[int, ...] | None = None) -> None:
+        """Declare ``name``: a sum over a round's clients that every rank adds to (SCAFFOLD's
+        Σ Δc_i, DP-FedAvg's count of clipped updates). The engine creates it at zero before
+        ``on_round_start`` (like the model's parameters, or one tensor of ``shape``, in the
+        parameters' dtype, on their device), adds it over the ranks in the round's one
+        all-reduce, and the hooks read it with ``state.round_sum(self, name)``."""
+        self._declared("sum")[name] = shape
+
+    def round_sum_key(self, name: str) -> str:
+        """The round state's ``extra_sums`` key of the declared round sum ``name``."""
+        return f"{type(self).__name__}.{name}"
+
+    def declared_round_sums(self) -> dict[str, tuple[int, ...] | None]:
+        """The declared round sums and their shapes (None: like the parameters)."""
+        return dict(self._declared("sum"))
+
+    def add_server_state(self, name: str, default: Any = None) -> None:
+        """Declare attribute ``name`` (set to ``default`` now) as server state: the
+        callback's checkpoint entry, saved by :meth:`state_dict` and restored by
+        :meth:`load_state_dict` (SCAFFOLD's c, DP-FedAvg's clip norm)."""
+        setattr(self, name, default)
+        self._declared("server")[name] = default
+
+    def state_dict(self) -> dict[str, Any]:
+        """The declared server state (:meth:`add_server_state`)."""
+        return {name: getattr(self, name) for name in self._declared("server")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the declared server state; a name missing from ``state_dict`` (a
+        checkpoint of an earlier release) keeps its value."""
+        for name in self._declared("server"):
+            if name in state_dict:
+                setattr(self, name, state_dict[name])
+
+    def _declared(self, kind: str) -> dict[str, Any]:
+        return self.__dict__.setdefault(f"_declared_{kind}", {})
 
     def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
         """The fit's sampler as this callback needs it: ``sampler`` itself (default), or a
