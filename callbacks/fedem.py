@@ -15,10 +15,8 @@ from lightning_fl.engine.local_training import batches, client_loader, evaluatio
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.systems.mixture import MixtureClassifier
 
+#: π_t's client store key (kept from the first release: its checkpoints resume)
 STORE_KEY = "fedem_pi"
-#: The round's Σ H(π_t) and count over the accepted clients, added over ranks with the
-#: updates (``fedem/pi_entropy``).
-ENTROPY_SUMS = "fedem_pi_entropy"
 
 
 def e_step(module: MixtureClassifier, loader, log_prior: Tensor) -> Tensor:
@@ -59,12 +57,12 @@ class FedEM(FederatedCallback):
     update on its training data (§3.5.6, Table 3.3).
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     module_type = "MixtureClassifier"
     supports_vectorized_clients = True
 
     def __init__(self) -> None:
+        self.add_client_state("pi", key=STORE_KEY)  # π_t, the client's mixture weights
+        self.add_round_sum("entropy", shape=(2,))  # Σ H(π_t) and the clients counted
         self._reference: torch.nn.ModuleList | None = None
         #: per component of the frozen copy: its tensors' positions in :func:`_tensors`
         #: and their names inside the component, for the vmapped loss
@@ -88,7 +86,7 @@ class FedEM(FederatedCallback):
     def mixture_weights(
         self, trainer: pl.Trainer, module: MixtureClassifier, client: int
     ) -> Tensor:
-        stored = trainer.strategy.client_store.get(client, STORE_KEY)
+        stored = self.client_state(trainer.strategy.client_store, client, "pi")
         return self.uniform(module) if stored is None else stored
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
@@ -96,7 +94,7 @@ class FedEM(FederatedCallback):
         log_prior = torch.log(prior).to(pl_module.device)
         q = e_step(pl_module, client_loader(trainer, client, "train"), log_prior)
         pi = update_mixture_weights(q)
-        state.store.set(client, STORE_KEY, pi.cpu())
+        self.set_client_state(state.store, client, "pi", pi.cpu())
         pl_module.log_mixture_weights = torch.log(pi)
         reference = self._frozen_copy(pl_module)
         if trainer.strategy.vectorize:
@@ -158,16 +156,12 @@ class FedEM(FederatedCallback):
             torch._foreach_copy_(_tensors(self._reference), _tensors(module.network))
         return self._reference
 
-    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        dtype, device = state.global_tensors[0].dtype, state.global_tensors[0].device
-        state.extra_sums[ENTROPY_SUMS] = [torch.zeros(2, dtype=dtype, device=device)]
-
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         pl_module.responsibilities = None
-        pi = state.store.get(client, STORE_KEY)  # here: on the rank that trained the client
+        pi = self.client_state(state.store, client, "pi")  # on the rank that trained it
         if pi is not None:
             entropy = -(pi * torch.log(pi.clamp_min(1e-12))).sum()
-            sums = state.extra_sums[ENTROPY_SUMS][0]
+            sums = state.round_sum(self, "entropy")[0]
             sums[0] += entropy.to(sums)
             sums[1] += 1
 
@@ -177,7 +171,7 @@ class FedEM(FederatedCallback):
         pl_module.responsibilities = None
         self._started.clear()
         pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
-        total, count = state.extra_sums[ENTROPY_SUMS][0]
+        total, count = state.round_sum(self, "entropy")[0]
         if count > 0:
             pl_module.log(
                 "fedem/pi_entropy", total / count, on_epoch=True, batch_size=1,

@@ -74,8 +74,8 @@ class FreeRiders(FederatedCallback):
             declared_samples,
         )
         self.coef, self.gamma, self.sigma_estimate, self.seed = coef, gamma, sigma_estimate, seed
-        self.sigma: float | None = None
-        self.first_global: torch.Tensor | None = None
+        self.add_server_state("sigma")  # σ of the disguised riders' noise, once estimated
+        self.add_server_state("first_global")  # θ^0, the estimate's reference
         #: This round's free-rider updates θ̃_k^{t+1} − θ̃^t, by free-rider id (for detectors).
         self.updates: dict[int, torch.Tensor] = {}
         self.ids: list[int] = []
@@ -141,12 +141,6 @@ class FreeRiders(FederatedCallback):
             self.updates[rider] = update
             if trainer.global_rank == 0:  # added once: the round's all-reduce sums the ranks
                 add_flat_(state.update_sum, weight * update)
-
-    def state_dict(self) -> dict:
-        return {"sigma": self.sigma, "first_global": self.first_global}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.sigma, self.first_global = state_dict["sigma"], state_dict["first_global"]
 
 
 class FreeRiderDetector(FederatedCallback):

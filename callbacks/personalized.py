@@ -98,8 +98,6 @@ class Ditto(FederatedCallback):
         log_global: also evaluate the global model on each client.
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
     requires_task_loss = True
@@ -117,7 +115,8 @@ class Ditto(FederatedCallback):
         require_rate("personal_lr", personal_lr, 0.01)
         self.lam, self.personal_lr, self.personal_epochs = lam, personal_lr, personal_epochs
         self.log_global = log_global
-        self.initial: Tensor | None = None
+        self.add_client_state("personal", key=self.key)  # v_k
+        self.add_server_state("initial")  # w^0, every v_k's start
         #: w^t of each client started and not yet ended (vectorized clients start together)
         self._received: dict[int, TensorList] = {}
 
@@ -168,12 +167,6 @@ class Ditto(FederatedCallback):
         if personal is not None:
             with torch.no_grad():
                 torch._foreach_copy_(params, personal)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"initial": self.initial}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.initial = state_dict["initial"]
 
 
 class _BatchHook(FederatedCallback):

@@ -146,8 +146,8 @@ class IterateAverage(FederatedCallback):
 
     def __init__(self, load_at_end: bool = True) -> None:
         self.load_at_end = load_at_end
-        self.total: list[torch.Tensor] | None = None
-        self.count = 0
+        self.add_server_state("total")  # Σ_t θ^(t)
+        self.add_server_state("count", 0)  # T
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         current = trainer.strategy.federated_tensors.clone()
@@ -166,9 +166,3 @@ class IterateAverage(FederatedCallback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.load_at_end and self.total is not None:
             trainer.strategy.federated_tensors.load_(self.average)
-
-    def state_dict(self) -> dict:
-        return {"total": self.total, "count": self.count}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.total, self.count = state_dict["total"], state_dict["count"]

@@ -200,13 +200,13 @@ class FederatedCallback(pl.Callback):
         >>> plugin.client_state_in_store, plugin.client_state_key("seen")
         (True, 'counts_seen')
         """
-        self._declared("client")[name] = key or f"{type(self).__name__}.{name}"
+        self._declared_state("client")[name] = key or f"{type(self).__name__}.{name}"
         self.keeps_client_state = True
         self.client_state_in_store = True
 
     def client_state_key(self, name: str) -> str:
         """The client store key of the declared client state ``name``."""
-        return self._declared("client")[name]
+        return self._declared_state("client")[name]
 
     def client_state(self, store: ClientStore, client: int, name: str) -> Any:
         """``client``'s declared state ``name``, or None before it has one."""
@@ -222,7 +222,7 @@ class FederatedCallback(pl.Callback):
         ``on_round_start`` (like the model's parameters, or one tensor of ``shape``, in the
         parameters' dtype, on their device), adds it over the ranks in the round's one
         all-reduce, and the hooks read it with ``state.round_sum(self, name)``."""
-        self._declared("sum")[name] = shape
+        self._declared_state("sum")[name] = shape
 
     def round_sum_key(self, name: str) -> str:
         """The round state's ``extra_sums`` key of the declared round sum ``name``."""
@@ -230,28 +230,29 @@ class FederatedCallback(pl.Callback):
 
     def declared_round_sums(self) -> dict[str, tuple[int, ...] | None]:
         """The declared round sums and their shapes (None: like the parameters)."""
-        return dict(self._declared("sum"))
+        return dict(self._declared_state("sum"))
 
     def add_server_state(self, name: str, default: Any = None) -> None:
         """Declare attribute ``name`` (set to ``default`` now) as server state: the
         callback's checkpoint entry, saved by :meth:`state_dict` and restored by
         :meth:`load_state_dict` (SCAFFOLD's c, DP-FedAvg's clip norm)."""
         setattr(self, name, default)
-        self._declared("server")[name] = default
+        self._declared_state("server")[name] = default
 
     def state_dict(self) -> dict[str, Any]:
         """The declared server state (:meth:`add_server_state`)."""
-        return {name: getattr(self, name) for name in self._declared("server")}
+        return {name: getattr(self, name) for name in self._declared_state("server")}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the declared server state; a name missing from ``state_dict`` (a
         checkpoint of an earlier release) keeps its value."""
-        for name in self._declared("server"):
+        for name in self._declared_state("server"):
             if name in state_dict:
                 setattr(self, name, state_dict[name])
 
-    def _declared(self, kind: str) -> dict[str, Any]:
-        return self.__dict__.setdefault(f"_declared_{kind}", {})
+    def _declared_state(self, kind: str) -> dict[str, Any]:
+        """The declarations of one kind ("client", "sum", "server"), by name."""
+        return self.__dict__.setdefault("_state_declarations", {}).setdefault(kind, {})
 
     def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
         """The fit's sampler as this callback needs it: ``sampler`` itself (default), or a

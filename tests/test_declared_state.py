@@ -1,0 +1,80 @@
+"""Declared plugin state (issue 68, engine/plugins.py): what a plugin declares with
+``add_client_state``, ``add_round_sum`` and ``add_server_state`` is kept, summed and
+checkpointed by the engine, against a count by hand over rounds of unequal draws."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_fl import FederatedStrategy, UniformSampler
+from lightning_fl.callbacks import SCAFFOLD, FedAvg
+from lightning_fl.engine.plugins import FederatedCallback
+from tests.helpers import make_trainer, tiny_datamodule, tiny_module
+
+
+class Visits(FederatedCallback):
+    """Counts each client's rounds (client state), the round's participants (a round sum
+    of shape (1,)), their summed updates (a sum like the parameters) and the rounds
+    (server state)."""
+
+    def __init__(self) -> None:
+        self.add_client_state("visits")
+        self.add_round_sum("participants", shape=(1,))
+        self.add_round_sum("updates")
+        self.add_server_state("rounds", 0)
+        self.seen: list[tuple[int, float, list[int]]] = []
+        self.update_norms: list[tuple[float, float]] = []
+
+    def on_round_start(self, trainer, pl_module, state) -> None:
+        assert float(state.round_sum(self, "participants")[0]) == 0.0  # created at zero
+        assert [t.shape for t in state.round_sum(self, "updates")] == [
+            p.shape for p in state.global_params
+        ]
+
+    def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+        before = self.client_state(state.store, client, "visits")
+        self.set_client_state(state.store, client, "visits", 1 if before is None else before + 1)
+        state.round_sum(self, "participants")[0] += 1
+        weight = state.weight_of(client)
+        torch._foreach_add_(state.round_sum(self, "updates"), update[: state.num_params],
+                            alpha=weight)  # fmt: skip
+
+    def on_round_end(self, trainer, pl_module, state) -> None:
+        self.rounds += 1
+        count = float(state.round_sum(self, "participants")[0])
+        self.seen.append((state.round_idx, count, sorted(state.participation.clients)))
+        ours = torch.cat([t.flatten() for t in state.round_sum(self, "updates")])
+        engine = torch.cat([t.flatten() for t in state.update_sum[: state.num_params]])
+        self.update_norms.append((float(ours.norm()), float(engine.norm())))
+
+
+def test_declared_state_is_kept_summed_and_checkpointed():
+    plugin = Visits()
+    assert plugin.keeps_client_state and plugin.client_state_in_store
+    assert plugin.client_state_key("visits") == "Visits.visits"
+    strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=2, seed=5)
+    trainer = make_trainer(strategy, 4, [plugin, FedAvg()])
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    by_hand: dict[int, int] = {}
+    for round_idx, count, clients in plugin.seen:
+        assert count == len(clients) == 3, round_idx
+        for client in clients:
+            by_hand[client] = by_hand.get(client, 0) + 1
+    store = trainer.strategy.client_store
+    assert {c: store.get(c, "Visits.visits") for c in store.clients()} == by_hand
+    assert len(by_hand) < 10  # only the clients that took part hold state
+    for ours, engine in plugin.update_norms:  # Σ ω_i Δ_i, summed by the plugin as declared
+        assert abs(ours - engine) <= 1e-6 * max(1.0, engine)
+    assert plugin.rounds == 4 and plugin.state_dict() == {"rounds": 4}
+    restored = Visits()
+    restored.load_state_dict({"rounds": 4})
+    assert restored.rounds == 4
+    restored.load_state_dict({})  # a checkpoint of an earlier release: kept
+    assert restored.rounds == 4
+
+
+def test_scaffold_declares_its_state_and_keeps_its_first_releases_store_key():
+    scaffold = SCAFFOLD()
+    assert scaffold.client_state_key("control") == "scaffold_c"
+    assert list(scaffold.declared_round_sums()) == ["control_delta"]
+    assert scaffold.state_dict() == {"server_control": None}
