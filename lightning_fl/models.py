@@ -326,7 +326,7 @@ class FederatedTask(LightningModule):
             self._log_training_step(loss, metrics, size)
             return loss
         if getattr(self.trainer.strategy, "collects_evaluation_sums", False):
-            self._add_evaluation_sums(stage, loss, metrics, size)
+            self.add_evaluation_sums(stage, loss, metrics, size)
             return loss
         self.log(f"{stage}_loss", loss, on_epoch=True, batch_size=size, sync_dist=True)
         for name, value in metrics.items():
@@ -373,12 +373,15 @@ class FederatedTask(LightningModule):
                 mean = (values.detach().float() * sizes).sum() / total
                 self.log(f"train_{name}_step", mean, on_step=True, on_epoch=False, batch_size=total)
 
-    def _add_evaluation_sums(self, stage: str, loss: torch.Tensor, metrics: dict, size: int):
+    def add_evaluation_sums(self, stage: str, loss: torch.Tensor, metrics: dict, size: int):
         """Under FederatedStrategy, evaluation metrics are summed per client on the device
         (Σ value·B, Σ B, as Lightning's mean reduction does) instead of one ``self.log``
         per batch; the strategy takes each client's sums at its boundary
         (:meth:`pop_evaluation_sums`) and logs the epoch values once, with the same keys
-        (``val_loss``, ``val_<metric>``, ...) and, to float round-off, the same values."""
+        (``val_loss``, ``val_<metric>``, ...) and, to float round-off, the same values.
+        A plugin may add a batch's values under another prefix (``stage``: "val_global"
+        for the global model's ``val_global_acc``); they are reported over clients and
+        ranks as the module's own are."""
         for name, value in (("loss", loss), *metrics.items()):
             _accumulate(self._evaluation_sums, f"{stage}_{name}", value, size)
 

@@ -53,24 +53,23 @@ def log_global_baseline(trainer: pl.Trainer, module: pl.LightningModule, client:
     as ``<stage>_global_<metric>`` (``val_global_acc``, ``val_global_loss``, ...), for a
     personalization plugin to call in ``on_client_evaluation_start``, before it installs
     the client's model: the report over clients then gives the global model's weighted,
-    uniform and percentile values beside the personalized ones. One more pass over the
-    client's evaluation data, through the module's ``loss_and_metrics``."""
+    uniform and percentile values beside the personalized ones, over every rank's
+    clients. One more pass over the client's evaluation data, through the module's
+    ``loss_and_metrics``, summed as its own evaluation (``add_evaluation_sums``)."""
     stage = "test" if trainer.testing else "val"
     loader = client_loader(trainer, client, stage)
     if loader is None:
         return
-    totals: dict[str, Tensor] = {}
-    count = 0
     with evaluation_mode(module):
         for batch in batches(loader, module.device):
             loss, metrics = module.loss_and_metrics(batch)
-            size = module.batch_size_of(batch)
-            for name, value in {"loss": loss, **metrics}.items():
-                totals[name] = totals.get(name, 0.0) + value.detach().double() * size
-            count += size
-    for name, total in totals.items():
-        module.log(f"{stage}_global_{name}", (total / count).float(), on_step=False,
-                   on_epoch=True, batch_size=count)  # fmt: skip
+            size = len(batch[-1])
+            if hasattr(module, "add_evaluation_sums"):  # a FederatedTask: summed per client
+                module.add_evaluation_sums(f"{stage}_global", loss, metrics, size)
+                continue
+            for name, value in {"loss": loss, **metrics}.items():  # as Lightning logs it
+                module.log(f"{stage}_global_{name}", value, on_epoch=True, batch_size=size,
+                           sync_dist=True)  # fmt: skip
 
 
 def client_loader(

@@ -83,7 +83,7 @@ def refusal(module: object, callbacks: Iterable[object]) -> str | None:
 
     if not isinstance(module, FederatedTask):
         return f"{type(module).__name__} is not a FederatedTask (no loss_and_metrics)"
-    for hook in ("validation_step", "test_step", "_step", "_add_evaluation_sums"):
+    for hook in ("validation_step", "test_step", "_step", "add_evaluation_sums"):
         if getattr(type(module), hook) is not getattr(FederatedTask, hook):
             return f"{type(module).__name__} overrides {hook}"
     if module.accepts_reference_batches:
