@@ -3,8 +3,6 @@ bi-partitioning of the clients by the cosine similarity of their updates."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -74,8 +72,8 @@ class ClusteredFL(Aggregator):
         if eps1 < 0 or eps2 < 0:
             raise ValueError("eps1 and eps2 must be >= 0.")
         self.eps1, self.eps2, self.warmup_rounds = eps1, eps2, warmup_rounds
-        self.clusters: list[list[int]] = []
-        self.models: list[Tensor] = []
+        self.add_server_state("clusters", [])  # the clusters' member lists
+        self.add_server_state("models", [])  # each cluster's model, flat
         self._updates: dict[int, Tensor] = {}
 
     def cluster_of(self, client: int) -> int | None:
@@ -180,10 +178,3 @@ class ClusteredFL(Aggregator):
                 )
             losses.append(total)
         return losses.index(min(losses))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"clusters": self.clusters, "models": self.models}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.clusters = [list(m) for m in state_dict["clusters"]]
-        self.models = list(state_dict["models"])
