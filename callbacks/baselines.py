@@ -8,7 +8,7 @@ import torch
 
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.engine.local_training import PersonalModels
-from lightning_fl.engine.plugins import Aggregator, RoundState
+from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
 
 STORE_KEY = "local_model"
 
@@ -23,11 +23,13 @@ class Local(Aggregator):
     ``*/unseen/*`` metrics are chance level, not a Local result.
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     supports_vectorized_clients = True
 
     models = PersonalModels(STORE_KEY)
+
+    def __init__(self, weighting: Weighting = "samples") -> None:
+        super().__init__(weighting)
+        self.add_client_state("model", key=STORE_KEY)  # the client's own model
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, trainer.strategy.federated_tensors)

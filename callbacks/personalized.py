@@ -200,8 +200,6 @@ class APFL(_BatchHook):
     batch, with the dropout masks the sequential path would draw next.
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     supports_vectorized_clients = True
 
     requires_task_loss = True
@@ -217,6 +215,8 @@ class APFL(_BatchHook):
         adapt_epochs: int = 1,
     ) -> None:
         super().__init__()
+        self.add_client_state("v", key=self.v_key)  # the local model
+        self.add_client_state("alpha", key=self.alpha_key)  # its mixing weight (adaptive)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}.")
         require_rate("local_lr", local_lr, 0.01)
@@ -341,8 +341,6 @@ class FedRep(FederatedCallback):
         head: names of the head's modules (default: the last ``nn.Linear``).
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     requires_task_loss = True
     supports_vectorized_clients = True
 
@@ -353,6 +351,7 @@ class FedRep(FederatedCallback):
     ) -> None:
         require_rate("head_lr", head_lr, 0.01)
         self.head, self.head_epochs, self.head_lr = head, head_epochs, head_lr
+        self.add_client_state("head", key=self.key)  # the client's head
 
     def head_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         from lightning_fl.callbacks.knn_per import last_linear
@@ -437,8 +436,6 @@ class PFedMe(_BatchHook):
     draws them), and each row's gradient is replaced by λ(w − θ̂).
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
-
     supports_vectorized_clients = True
 
     requires_task_loss = True
@@ -447,6 +444,7 @@ class PFedMe(_BatchHook):
 
     def __init__(self, lam: float = 15.0, personal_lr: float = 0.01, inner_steps: int = 5) -> None:
         super().__init__()
+        self.add_client_state("personal", key=self.key)  # θ̂, the client's personal model
         require_rate("personal_lr", personal_lr, 0.01)
         require_rate("lam", lam, 15.0)
         if inner_steps < 1:
