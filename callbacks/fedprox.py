@@ -68,9 +68,8 @@ class FedProx(FederatedCallback):
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         """Each row's anchor: its starting model, copied when the rows start from different
         models (None: every row starts from the round's global model)."""
-        vectorized = trainer.strategy.vectorized
-        shared = vectorized.batched_lifecycle  # every row starts from θ^t
-        self._rows_anchor = None if shared else [t.clone() for t in vectorized.chunk.params]
+        chunk = state.chunk
+        self._rows_anchor = None if chunk.shared_start else [t.clone() for t in chunk.params]
 
     @torch.no_grad()
     def on_before_vectorized_optimizer_step(

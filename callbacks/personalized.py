@@ -260,7 +260,7 @@ class APFL(_BatchHook):
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         """Stack the chunk's v (a client without one: its starting model) and α by row."""
-        starts = trainer.strategy.vectorized.chunk.params
+        starts = state.chunk.params
         rows_v = []
         for row, client in enumerate(clients):
             start = [t[row] for t in starts]
@@ -276,7 +276,6 @@ class APFL(_BatchHook):
     ) -> None:
         """:meth:`_step` for every row at once: the gradient at each row's own v̄ (the
         stacked ``params`` are each row's w before its step)."""
-        strategy = trainer.strategy
         index = torch.tensor(rows, device=params[0].device)
         v = [t[index] for t in self._rows_v]
         alpha = self._rows_alpha[index]
@@ -285,7 +284,7 @@ class APFL(_BatchHook):
             return values.to(like.device, like.dtype).reshape(-1, *[1] * (like.dim() - 1))
 
         mixed = [per_row(alpha, vi) * vi + per_row(1 - alpha, vi) * wi for vi, wi in zip(v, params)]
-        g = strategy.vectorized.step.gradients_at(strategy.vectorized.chunk, rows, mixed)
+        g = state.vectorized_step.gradients_at(state.chunk, rows, mixed)
         if self.adaptive_alpha:
             slope = sum(
                 ((vi - wi) * gi).reshape(len(rows), -1).sum(1).double()
@@ -297,7 +296,7 @@ class APFL(_BatchHook):
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         if trainer.strategy.vectorize:  # this client's row of the stacked chunk
-            row = trainer.strategy.vectorized.chunk.clients.index(client)
+            row = state.chunk.clients.index(client)
             self._v = [t[row] for t in self._rows_v]
             self._a = float(self._rows_alpha[row])
         _store_params(state.store, client, self.v_key, self._v)
@@ -489,7 +488,7 @@ class PFedMe(_BatchHook):
             p.grad = self.lam * (wi - ti)
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
-        self._rows_theta = [torch.zeros_like(t) for t in trainer.strategy.vectorized.chunk.params]
+        self._rows_theta = [torch.zeros_like(t) for t in state.chunk.params]
         self._rows_stepped = set()
 
     @torch.no_grad()
@@ -497,10 +496,9 @@ class PFedMe(_BatchHook):
         self, trainer, pl_module, rows, params, grads, state: RoundState
     ) -> None:
         """:meth:`on_before_optimizer_step` for every row at once (``params``: each row's w)."""
-        vectorized = trainer.strategy.vectorized
         theta = self.personalize(
             pl_module, None, list(params),
-            lambda values: vectorized.step.gradients_at(vectorized.chunk, rows, values),
+            lambda values: state.vectorized_step.gradients_at(state.chunk, rows, values),
         )  # fmt: skip
         index = torch.tensor(rows, device=params[0].device)
         for g, full, wi, ti in zip(grads, self._rows_theta, params, theta):
@@ -511,7 +509,7 @@ class PFedMe(_BatchHook):
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         if trainer.strategy.vectorize:  # this client's row, if it took a step
-            row = trainer.strategy.vectorized.chunk.clients.index(client)
+            row = state.chunk.clients.index(client)
             stepped = row in self._rows_stepped
             self._theta = [t[row] for t in self._rows_theta] if stepped else None
         if self._theta is not None:

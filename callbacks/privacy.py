@@ -357,7 +357,7 @@ class DPSGD(FederatedCallback):
     ) -> None:
         """(Σ_i clip_C(g_{c,i}) + N(0, σ²C²)) / B for every client row c at once."""
         strategy = trainer.strategy
-        step = strategy.vectorized.step
+        step = state.vectorized_step
         if isinstance(step.batch, dict):
             from lightning_fl.engine.vectorized import VectorizationError
 
@@ -391,9 +391,8 @@ class DPSGD(FederatedCallback):
                 grads[j] = value  # gets it on the sequential path
             else:
                 grads[j].copy_(value)
-        chunk = strategy.vectorized.chunk
         for row in rows:
-            self._record(strategy, chunk.clients[row], "train", self.sigma, size)
+            self._record(strategy, state.chunk.clients[row], "train", self.sigma, size)
 
     def _record(self, strategy, client: int, source: str, sigma: float, batch_size: int) -> None:
         """Count one noisy step of ``source`` for ``client``. The sampling rate is the

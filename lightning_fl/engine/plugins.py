@@ -81,6 +81,12 @@ class RoundState:
     #: Local optimizer steps each of this rank's participants takes this round (K, or
     #: E passes over its batches).
     local_steps: dict[int, int] = field(default_factory=dict)
+    #: Vectorized clients, in their hooks: the chunk training now (``clients`` by row,
+    #: their starting ``params``, ``generators``, ``shared_start``) and the step that
+    #: trains it (its ``optimizer`` and ``lr_scale``, the stacked ``batch``,
+    #: ``gradients_at``); the last chunk's after it.
+    chunk: Any = field(default=None, init=False, repr=False, compare=False)
+    vectorized_step: Any = field(default=None, init=False, repr=False, compare=False)
     _rows: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -345,8 +351,8 @@ class FederatedCallback(pl.Callback):
         does not use, has no gradient (None) and is not stepped, as on the sequential path;
         a callback that gives it one (DP-SGD's noise) assigns its entry of ``grads``. A
         term that depends on the data reads the rows' stacked batch and per-client
-        generators from ``trainer.strategy.vectorized.step`` (``batch``,
-        ``generators``; DP-SGD)."""
+        generators from ``state.vectorized_step`` (``batch``, ``generators``; DP-SGD) and
+        the chunk from ``state.chunk``."""
 
     def on_client_evaluation_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, client: int

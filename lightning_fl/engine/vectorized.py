@@ -98,6 +98,8 @@ class ClientChunk:
         self.tensors = [torch.stack(column) for column in zip(*starts)]
         self.num_params = num_params
         self._generators = generators
+        #: whether every row started from the same model (θ^t: :meth:`repeated`)
+        self.shared_start = False
 
     @property
     def generators(self) -> list[torch.Generator]:
@@ -120,6 +122,7 @@ class ClientChunk:
         rows = len(chunk.clients)
         chunk.tensors = [t.unsqueeze(0).repeat(rows, *([1] * t.dim())) for t in start]
         chunk._generators = generators
+        chunk.shared_start = True
         return chunk
 
     @property
@@ -505,6 +508,7 @@ class VectorizedClients:
                 fit.config.seed, state.round_idx, clients, batches
             )
         self.step.optimizer.reset(self.chunk.params, saved)
+        state.chunk, state.vectorized_step = self.chunk, self.step  # the hooks' context
         self.engine.call("on_vectorized_clients_start", clients, state)
         params = fit.tensors.params
         self.step.optimizer.frozen = {
