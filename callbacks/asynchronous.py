@@ -129,7 +129,7 @@ class AsynchronousFL(Aggregator):
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         version = self._version(client, state)
         if version != state.round_idx:  # train from the stale θ^ρ the client received
-            model = trainer.strategy.federated_tensors
+            model = state.model
             model.load_(unflatten(self.models[version].to(self._start_model), model.tensors))
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ class Local(Aggregator):
         self.add_client_state("model", key=STORE_KEY)  # the client's own model
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self.models.load(state.store, client, trainer.strategy.federated_tensors)
+        self.models.load(state.store, client, state.model)
 
     def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
         """θ_i − θ_i^start, the client's own update (what SCAFFOLD's control variate and
@@ -40,7 +40,7 @@ class Local(Aggregator):
         return self.models.own_update(state.store, client, update, state.global_tensors)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        self.models.save(state.store, client, trainer.strategy.federated_tensors)
+        self.models.save(state.store, client, state.model)
 
     def aggregate(self, trainer, pl_module, state: RoundState) -> None:
         """No communication: θ stays at its initial value."""

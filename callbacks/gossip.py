@@ -190,7 +190,7 @@ class GossipAveraging(Aggregator):
         state.extra_sums[STORE_KEY] = [rows]
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self.models.load(state.store, client, trainer.strategy.federated_tensors)
+        self.models.load(state.store, client, state.model)
         self._lr_scale = self._step_factor(client, state)
 
     def _step_factor(self, client: int, state: RoundState) -> float:
@@ -234,7 +234,7 @@ class GossipAveraging(Aggregator):
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
         row = self.nodes.index(client)
-        model = trainer.strategy.federated_tensors.tensors
+        model = state.model.tensors
         state.extra_sums[STORE_KEY][0][row] = flatten([t.detach() for t in model])
 
     def aggregate(self, trainer, pl_module, state: RoundState) -> None:

@@ -295,7 +295,7 @@ class APFL(_BatchHook):
             full[index] = vi + per_row(-self.local_lr * alpha, gi) * gi
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        if trainer.strategy.vectorize:  # this client's row of the stacked chunk
+        if state.chunk is not None:  # this client's row of the stacked chunk
             row = state.chunk.clients.index(client)
             self._v = [t[row] for t in self._rows_v]
             self._a = float(self._rows_alpha[row])
@@ -508,7 +508,7 @@ class PFedMe(_BatchHook):
         self._rows_stepped.update(rows)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        if trainer.strategy.vectorize:  # this client's row, if it took a step
+        if state.chunk is not None:  # this client's row, if it took a step
             row = state.chunk.clients.index(client)
             stepped = row in self._rows_stepped
             self._theta = [t[row] for t in self._rows_theta] if stepped else None
