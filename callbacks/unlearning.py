@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from lightning_fl.callbacks.objective import client_training_metrics
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
-from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
 from lightning_fl.systems.forgetting import SHARED_TRAINING, ForgettingRequest, forgetting_method
 from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
@@ -302,7 +301,8 @@ class Unlearning(FederatedCallback):
             current=current,
             history=self.history,
             versions=self.versions,
-            noise=lambda std: self._noise(std, round_idx, current),
+            seed=self.seed,
+            draw=(round_idx, len(self.done_requests)),
         )
         start, restart = self.forgetting.restart(request)
         if restart is None:  # the current node
@@ -314,11 +314,6 @@ class Unlearning(FederatedCallback):
         model.load_(unflatten(start.to(current), model.tensors))
         self.done_requests.append({"round": round_idx, "clients": clients,
                                    "branch": restart[0], "restart_round": restart[1]})  # fmt: skip
-
-    def _noise(self, std: float, round_idx: int, like: torch.Tensor) -> torch.Tensor:
-        g = generator(self.seed, "unlearning", round_idx, len(self.done_requests))
-        # host: a CPU generator draws the same noise whatever the device; moved to like
-        return (std * torch.randn(like.numel(), generator=g, dtype=torch.float64)).to(like)
 
     def _with_data(self) -> list[int]:
         """The federation's clients with training data, removed ones included."""
@@ -405,9 +400,9 @@ class Unlearning(FederatedCallback):
                 self.on_target.observe(self._measure(trainer, pl_module, log=False)[0])
         self._start = flatten(state.global_tensors).clone()
         self._deltas = {}
-        std = self.forgetting.round_noise_std(len(self._with_data()))
-        if std is not None and trainer.global_rank == 0:
-            noise = self._noise(std, state.round_idx, self._start)
+        noise = self.forgetting.round_noise(len(self._with_data()), self._start, self.seed,
+                                            state.round_idx, len(self.done_requests))  # fmt: skip
+        if noise is not None and trainer.global_rank == 0:
             add_flat_(state.update_sum, noise / self._server_lr)  # θ^{n+1} gets N(0, std²) once
 
     def transform_update(self, trainer, pl_module, client, update: TensorList, state):

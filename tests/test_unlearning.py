@@ -384,7 +384,7 @@ def test_fedaccum_shadows_reaggregate_without_their_removal_set_by_hand():
     expected = [f + 0.5 * (k - f) for f, k in zip(first, kept)]
     assert method.shadows[(1,)].tolist() == pytest.approx(expected)
     assert method.shadows[(0, 1, 2)].tolist() == [0.0, 0.0]
-    request = ForgettingRequest([1], [], torch.zeros(2), None, None, lambda std: 0)
+    request = ForgettingRequest([1], [], torch.zeros(2), None, None)
     start, node = method.restart(request)
     assert start.tolist() == pytest.approx(expected) and node is None
     assert list(method.shadows) == [(0, 1, 2)]
@@ -393,17 +393,26 @@ def test_fedaccum_shadows_reaggregate_without_their_removal_set_by_hand():
 
 
 def _request(clients, removed=(), current=None, history=None, versions=None):
-    """A ForgettingRequest whose noise is deterministic: std in every coordinate."""
+    """A ForgettingRequest of seed 3, drawn at round 6 as the run's second request."""
     from lightning_fl.systems.forgetting import ForgettingRequest
 
     current = torch.tensor([1.0, 2.0]) if current is None else current
-    noise = lambda std: torch.full_like(current, std)  # noqa: E731
-    return ForgettingRequest(list(clients), list(removed), current, history, versions, noise)
+    return ForgettingRequest(list(clients), list(removed), current, history, versions,
+                             seed=3, draw=(6, 1))  # fmt: skip
+
+
+def _noise_by_hand(std):
+    """N(0, std² I) of ``_request``'s draw: (seed 3, "unlearning", round 6, request 1)."""
+    from lightning_fl.engine.seeding import generator
+
+    g = generator(3, "unlearning", 6, 1)
+    return (std * torch.randn(2, generator=g, dtype=torch.float64)).float()
 
 
 def test_each_method_restarts_from_its_own_model_by_hand():
-    """SIFU: θ_ζ^T + N (here +σ in every coordinate) at node (ζ, T); SCRATCH: θ_0^0, not
-    another kept round; LAST: θ + N with σ_L from Ψ_max; FINE-TUNING and DP: θ itself."""
+    """SIFU: θ_ζ^T + N(0, σ²) (the request's seeded draw, by hand) at node (ζ, T);
+    SCRATCH: θ_0^0, not another kept round; LAST: θ + N with σ_L from Ψ_max; FINE-TUNING
+    and DP: θ itself."""
     from types import SimpleNamespace
 
     from lightning_fl.systems.forgetting import DPBaseline, FineTuning, Last, Scratch, Sifu
@@ -416,12 +425,12 @@ def test_each_method_restarts_from_its_own_model_by_hand():
     versions.restart_model = lambda h, branch, t, clients: (t, versions.models[(branch, t)])
     request = _request([4], history=history, versions=versions)
     start, node = Sifu(sigma=0.05).restart(request)
-    assert start.tolist() == pytest.approx([5.05, 5.05]) and node == (1, 3)
+    assert torch.equal(start, torch.full((2,), 5.0) + _noise_by_hand(0.05)) and node == (1, 3)
     start, node = Scratch().restart(request)
     assert start.tolist() == [0.0, 0.0] and node == (0, 0)
     std = noise_for_sensitivity(0.4, 10.0, 0.01)
     start, node = Last(10.0, 0.01).restart(request)
-    assert start.tolist() == pytest.approx([1 + std, 2 + std]) and node is None
+    assert torch.equal(start, torch.tensor([1.0, 2.0]) + _noise_by_hand(std)) and node is None
     for method in (FineTuning(), DPBaseline(0.5, 10.0, 0.01)):
         start, node = method.restart(request)
         assert start is request.current and node is None

@@ -18,22 +18,45 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import TensorList
 from lightning_fl.systems.unlearning import BranchHistory, ModelVersions, noise_for_sensitivity
+
+
+def seeded_noise(std: float, like: torch.Tensor, seed: int, *parts: int) -> torch.Tensor:
+    """N(0, std² I) shaped like the flat ``like``, drawn in float64 from the CPU generator
+    of (seed, "unlearning", *parts), so that every device draws the same noise, then moved
+    to ``like``'s device and dtype: the one draw of every noise of unlearning (SIFU's and
+    LAST's restarts, the DP baseline's rounds).
+
+    >>> like = torch.zeros(3)
+    >>> a, b = seeded_noise(0.5, like, 7, 2, 0), seeded_noise(0.5, like, 7, 2, 0)
+    >>> torch.equal(a, b), a.dtype, torch.equal(a, seeded_noise(0.5, like, 7, 2, 1))
+    (True, torch.float32, False)
+    """
+    g = generator(seed, "unlearning", *parts)
+    # host: a CPU generator draws the same noise whatever the device; moved to like
+    return (std * torch.randn(like.numel(), generator=g, dtype=torch.float64)).to(like)
 
 
 @dataclass(frozen=True)
 class ForgettingRequest:
     """One request as a method sees it: the clients W_r to forget, those removed before,
-    the current global model θ (flat), the branch history and kept versions, and
-    ``noise(std)``: a draw of N(0, std² I) shaped like θ, from the request's seed."""
+    the current global model θ (flat), the branch history and kept versions, and the seed
+    parts of its noise (the run's seed, then the round and the request's index)."""
 
     clients: list[int]
     removed: list[int]
     current: torch.Tensor
     history: BranchHistory
     versions: ModelVersions
-    noise: Callable[[float], torch.Tensor]
+    seed: int = 0
+    draw: tuple[int, ...] = ()
+
+    def noise(self, std: float) -> torch.Tensor:
+        """A draw of N(0, std² I) shaped like θ, from the request's seed
+        (:func:`seeded_noise`)."""
+        return seeded_noise(std, self.current, self.seed, *self.draw)
 
 
 #: A restart: the flat model to continue from, and the (branch, round) node it is, or
@@ -59,6 +82,15 @@ class ForgettingMethod:
         """The std of the noise added to the global model after this round's aggregation
         in a federation of ``num_clients`` clients, or None for no noise."""
         return None
+
+    def round_noise(
+        self, num_clients: int, like: torch.Tensor, seed: int, *parts: int
+    ) -> torch.Tensor | None:
+        """The noise added to the global model after this round's aggregation (std
+        :meth:`round_noise_std`, drawn by :func:`seeded_noise` from ``seed`` and
+        ``parts``), or None for no noise."""
+        std = self.round_noise_std(num_clients)
+        return None if std is None else seeded_noise(std, like, seed, *parts)
 
     def transform_update(self, update: TensorList) -> TensorList:
         return update
