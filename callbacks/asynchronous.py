@@ -85,11 +85,11 @@ class AsynchronousFL(Aggregator):
                 f"{type(strategy.sampler).__name__} would conflict: drop the sampler (the "
                 "default FullParticipation)."
             )
-        counts = strategy.training_counts
+        counts = self.view.sample_counts
         self.clients = [c for c, n in enumerate(counts) if n > 0]
         if not self._loaded:
-            self.schedule.reset(len(self.clients), strategy.seed)
-            self.models = {0: flatten([t.detach() for t in strategy.federated_tensors.tensors])}
+            self.schedule.reset(len(self.clients), self.view.config.seed)
+            self.models = {0: flatten([t.detach() for t in self.view.tensors.tensors])}
         p = self.target_weights(counts).numpy()[self.clients]
         p = p / p.sum()
         self._surrogate = None

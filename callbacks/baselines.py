@@ -46,8 +46,7 @@ class Local(Aggregator):
         """No communication: θ stays at its initial value."""
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
-        strategy = trainer.strategy
-        self.models.load(strategy.client_store, client, strategy.federated_tensors)
+        self.models.load(self.view.store, client, self.view.tensors)
 
     @torch.no_grad()
     def cross_evaluate(self, trainer: pl.Trainer, split: str = "test") -> dict[str, torch.Tensor]:

@@ -95,7 +95,7 @@ class ClusteredFL(Aggregator):
         self._updates.clear()
 
     def _load(self, trainer, cluster: int) -> None:
-        model = trainer.strategy.federated_tensors
+        model = self.view.tensors
         model.load_(unflatten(self.models[cluster].to(model.tensors[0].device), model.tensors))
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:

@@ -86,7 +86,7 @@ class FedEM(FederatedCallback):
     def mixture_weights(
         self, trainer: pl.Trainer, module: MixtureClassifier, client: int
     ) -> Tensor:
-        stored = self.client_state(trainer.strategy.client_store, client, "pi")
+        stored = self.client_state(self.view.store, client, "pi")
         return self.uniform(module) if stored is None else stored
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
@@ -97,7 +97,7 @@ class FedEM(FederatedCallback):
         self.set_client_state(state.store, client, "pi", pi.cpu())
         pl_module.log_mixture_weights = torch.log(pi)
         reference = self._frozen_copy(pl_module)
-        if trainer.strategy.vectorize:
+        if self.view.config.vectorize:
             tensors = [t.detach().clone() for t in _tensors(reference)]
             self._started[client] = (log_prior, pl_module.log_mixture_weights, tensors)
         pl_module.responsibilities = self._responsibilities(pl_module, reference, log_prior)

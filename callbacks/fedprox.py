@@ -52,7 +52,7 @@ class FedProx(FederatedCallback):
     ) -> None:
         if self.mu == 0:
             return
-        params = trainer.strategy.federated_tensors.params
+        params = self.view.tensors.params
         if self._anchor_stale:
             self._anchor = [p.detach().clone() for p in params]
             self._anchor_stale = False

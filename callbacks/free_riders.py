@@ -89,7 +89,7 @@ class FreeRiders(FederatedCallback):
                 "FreeRiders follows the paper's full participation: drop the strategy's "
                 f"{type(strategy.sampler).__name__}."
             )
-        counts = strategy.training_counts
+        counts = self.view.sample_counts
         fair = [int(n) for n in counts if n > 0]
         self._fair_total = sum(fair)
         self._declared = (

@@ -130,7 +130,7 @@ class GossipAveraging(Aggregator):
         self._clock_state: dict | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        counts = trainer.strategy.training_counts
+        counts = self.view.sample_counts
         nodes = [c for c, n in enumerate(counts) if n > 0]
         overlay = None
         if self.mixing is None:
@@ -169,8 +169,8 @@ class GossipAveraging(Aggregator):
         return metropolis_weights(erdos_renyi(n, self.edge_probability, self.seed))
 
     def _topology(self, trainer):
-        bits = 32.0 * sum(p.numel() for p in trainer.strategy.federated_tensors.params)
-        return self.topology.build(len(self.nodes), bits, trainer.strategy.config.local_steps)
+        bits = 32.0 * sum(p.numel() for p in self.view.tensors.params)
+        return self.topology.build(len(self.nodes), bits, self.view.config.local_steps)
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
         if sorted(state.participation.clients) != self.nodes:
@@ -260,7 +260,7 @@ class GossipAveraging(Aggregator):
             pl_module.log("fl/time", now, on_epoch=True, batch_size=1, sync_dist=sync)
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
-        self.models.load(trainer.strategy.client_store, client, trainer.strategy.federated_tensors)
+        self.models.load(self.view.store, client, self.view.tensors)
 
     def state_dict(self) -> dict:
         clock = None if self.clock is None else self.clock.state_dict()

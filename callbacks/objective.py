@@ -34,7 +34,7 @@ class FederatedObjective(FederatedCallback):
 
     def client_losses(self, trainer, pl_module) -> torch.Tensor:
         """L_i(θ) for every client (0 for clients without training data)."""
-        counts = trainer.strategy.training_counts
+        counts = self.view.sample_counts
         clients = [c for c, n in enumerate(counts) if n > 0]
         return client_training_metrics(trainer, pl_module, clients)[0]
 
@@ -44,7 +44,7 @@ class FederatedObjective(FederatedCallback):
             return
         losses = self.client_losses(trainer, pl_module)
         aggregator = trainer.strategy.aggregator
-        p = aggregator.target_weights(trainer.strategy.training_counts)
+        p = aggregator.target_weights(self.view.sample_counts)
         federated = float(p @ losses)
         spread = float(p @ (losses - federated) ** 2) ** 0.5
         sync = trainer.world_size > 1  # the losses are summed over ranks: equal everywhere

@@ -163,7 +163,7 @@ class Ditto(FederatedCallback):
             anchor = [p.detach().clone() for p in params]
             self._train_personal(trainer, pl_module, client, anchor, anchor, UNSEEN_ROUND)
             return
-        personal = _load_params(trainer.strategy.client_store, client, self.key, params)
+        personal = _load_params(self.view.store, client, self.key, params)
         if personal is not None:
             with torch.no_grad():
                 torch._foreach_copy_(params, personal)
@@ -234,7 +234,7 @@ class APFL(_BatchHook):
         self._rows_alpha: Tensor | None = None
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        if trainer.strategy.vectorize:  # the chunk's v and α are stacked at its start
+        if self.view.config.vectorize:  # the chunk's v and α are stacked at its start
             return
         params = _params(pl_module)
         v = _load_params(state.store, client, self.v_key, params)
@@ -304,7 +304,7 @@ class APFL(_BatchHook):
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         params = _params(pl_module)
-        store = trainer.strategy.client_store
+        store = self.view.store
         with training_mode(pl_module):  # normal (not inference) tensors, autograd on
             w = [p.detach().clone() for p in params]
             if _is_unseen(trainer, client):
@@ -417,7 +417,7 @@ class FedRep(FederatedCallback):
         if _is_unseen(trainer, client):
             self._train_head(trainer, pl_module, client, UNSEEN_ROUND)
         else:
-            self._load_head(trainer.strategy.client_store, client, pl_module)
+            self._load_head(self.view.store, client, pl_module)
 
 
 class PFedMe(_BatchHook):
@@ -534,7 +534,7 @@ class PFedMe(_BatchHook):
                     theta = self.personalize(pl_module, batch, w)
                     w = [wi - lr * self.lam * (wi - ti) for wi, ti in zip(w, theta)]
         else:
-            theta = _load_params(trainer.strategy.client_store, client, self.key, params)
+            theta = _load_params(self.view.store, client, self.key, params)
             if theta is None:
                 return
         with torch.no_grad():

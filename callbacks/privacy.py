@@ -198,23 +198,21 @@ class ServerReference(FederatedCallback):
             raise TypeError(
                 f"{type(dm).__name__} has no server_reference(): use reference='server'."
             )
-        strategy = trainer.strategy
+        config = self.view.config
         loader = DataLoader(
             dm.server_reference(),
             batch_size=self.batch_size or dm.batch_size,
             shuffle=True,
-            generator=generator(strategy.seed, "server_reference", state.round_idx),
+            generator=generator(config.seed, "server_reference", state.round_idx),
         )
-        steps = strategy.config.local_steps
-        model = strategy.federated_tensors
+        steps = config.local_steps
+        model = self.view.tensors
         params = list(pl_module.parameters())
         # its own dropout draws, as a client's: not what the last client left in the RNG
-        seed_global_rng(derive_seed(strategy.seed, "server_reference", state.round_idx),
+        seed_global_rng(derive_seed(config.seed, "server_reference", state.round_idx),
                         pl_module.device)  # fmt: skip
         if steps is None:
-            sgd(
-                pl_module, params, loader, pl_module.hparams.lr, epochs=strategy.config.local_epochs
-            )
+            sgd(pl_module, params, loader, pl_module.hparams.lr, epochs=config.local_epochs)
         else:
             cycled = _Cycled(loader, steps)
             sgd(pl_module, params, cycled, pl_module.hparams.lr, epochs=1)
@@ -347,7 +345,7 @@ class DPSGD(FederatedCallback):
             gradient = self.private_gradient(pl_module, x, y, sigma)
             for key, value in gradient.items():
                 total[key] = total.get(key, 0.0) + weight * value
-            self._record(strategy, client, name, sigma, len(y))
+            self._record(trainer, client, name, sigma, len(y))
         for key, p in pl_module.named_parameters():
             if key in total:
                 p.grad = total[key].to(p.dtype)
@@ -356,7 +354,6 @@ class DPSGD(FederatedCallback):
         self, trainer, pl_module, rows, params, grads, state: RoundState
     ) -> None:
         """(Σ_i clip_C(g_{c,i}) + N(0, σ²C²)) / B for every client row c at once."""
-        strategy = trainer.strategy
         step = state.vectorized_step
         if isinstance(step.batch, dict):
             from lightning_fl.engine.vectorized import VectorizationError
@@ -366,7 +363,7 @@ class DPSGD(FederatedCallback):
                 "use FederatedStrategy(vectorize=False)."
             )
         x, y = step.batch
-        names = strategy.federated_tensors.param_names
+        names = self.view.tensors.param_names
         buffers = dict(pl_module.named_buffers())
 
         def loss_of_one(tensors, xi, yi):
@@ -392,20 +389,20 @@ class DPSGD(FederatedCallback):
             else:
                 grads[j].copy_(value)
         for row in rows:
-            self._record(strategy, state.chunk.clients[row], "train", self.sigma, size)
+            self._record(trainer, state.chunk.clients[row], "train", self.sigma, size)
 
-    def _record(self, strategy, client: int, source: str, sigma: float, batch_size: int) -> None:
+    def _record(self, trainer, client: int, source: str, sigma: float, batch_size: int) -> None:
         """Count one noisy step of ``source`` for ``client``. The sampling rate is the
         nominal one, B/n with B the largest batch seen: a last, partial batch has a lower
         rate, and accounting with it would under-report ε."""
         n = self._sizes.get((client, source))
         if n is None:  # once per fit and client, not per step
-            dm = strategy.lightning_module.trainer.datamodule
+            dm = trainer.datamodule
             dataset = dm.client_dataset(client, "train")
             n = self._sizes[(client, source)] = (
                 len(dataset.reference) if source == "reference" else len(dataset)
             )
-        store = strategy.client_store
+        store = self.view.store
         key = f"dp_{source}"
         store.set(client, f"{key}_steps", store.get(client, f"{key}_steps", 0) + 1)
         rate = min(1.0, batch_size / max(n, 1))
@@ -430,7 +427,7 @@ class DPSGD(FederatedCallback):
         ``dp/epsilon_reference`` for WERM's reference data). Each rank's client store holds
         its own clients: on several processes the ranks' maxima are gathered first (one
         ``all_gather_object`` a round), so every rank logs the largest over all clients."""
-        store = trainer.strategy.client_store
+        store = self.view.store
         sources = (("train", "dp/epsilon"), ("reference", "dp/epsilon_reference"))
         largest: list[float | None] = []
         for source, _ in sources:

@@ -108,7 +108,7 @@ class SCAFFOLD(FederatedCallback):
     ) -> None:
         if self._correction is None:
             return
-        params = trainer.strategy.federated_tensors.params
+        params = self.view.tensors.params
         pairs = [(p.grad, c) for p, c in zip(params, self._correction) if p.grad is not None]
         if not pairs:  # an idle step: nothing was trained
             return

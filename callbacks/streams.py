@@ -81,7 +81,7 @@ class StreamFedAvg(FedAvg):
         state = torch.random.get_rng_state()
         constants = estimate_constants(
             pl_module, datasets, self.estimate_steps, lr, dm.batch_size,
-            self.estimate_fraction, seed=trainer.strategy.seed,
+            self.estimate_fraction, seed=self.view.config.seed,
         )  # fmt: skip
         torch.random.set_rng_state(state)
         dim = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
@@ -150,7 +150,7 @@ class IterateAverage(FederatedCallback):
         self.add_server_state("count", 0)  # T
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        current = trainer.strategy.federated_tensors.clone()
+        current = self.view.tensors.clone()
         if self.total is None:
             self.total = current
         else:
@@ -165,4 +165,4 @@ class IterateAverage(FederatedCallback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.load_at_end and self.total is not None:
-            trainer.strategy.federated_tensors.load_(self.average)
+            self.view.tensors.load_(self.average)

@@ -272,7 +272,7 @@ class Unlearning(FederatedCallback):
         again = sorted(set(clients) & set(self.removed))
         if again:
             raise ValueError(f"Clients {again} were already removed: drop them from the request.")
-        counts = self._trainer.strategy.training_counts
+        counts = self.view.sample_counts
         gone = set(self.removed) | set(clients)
         left = [c for c, n in enumerate(counts) if n > 0 and c not in gone]
         if not left:
@@ -291,9 +291,8 @@ class Unlearning(FederatedCallback):
 
     @torch.no_grad()
     def _forget(self, clients: list[int], round_idx: int) -> None:
-        strategy = self._trainer.strategy
         self._validate(clients, self._trainer.datamodule.num_clients)
-        model = strategy.federated_tensors
+        model = self.view.tensors
         current = flatten([t.detach() for t in model.tensors])
         request = ForgettingRequest(
             clients=clients,
@@ -317,7 +316,7 @@ class Unlearning(FederatedCallback):
 
     def _with_data(self) -> list[int]:
         """The federation's clients with training data, removed ones included."""
-        return [c for c, n in enumerate(self._trainer.strategy.training_counts) if n > 0]
+        return [c for c, n in enumerate(self.view.sample_counts) if n > 0]
 
     def _remaining(self) -> list[int]:
         removed = set(self.removed)
@@ -331,7 +330,7 @@ class Unlearning(FederatedCallback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._trainer = trainer
         self.forgetting.check(trainer.world_size)
-        model = flatten([t.detach() for t in trainer.strategy.federated_tensors.tensors])
+        model = flatten([t.detach() for t in self.view.tensors.tensors])
         if self.history is None:
             self.history = BranchHistory(trainer.datamodule.num_clients, self.threshold)
             self.versions.keep((0, 0), model.clone())
@@ -487,7 +486,7 @@ class Unlearning(FederatedCallback):
         forgotten = self.removed if self.evaluate_forgotten and log else []
         _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
         # host: as the accuracies (client_training_metrics returns them on the host)
-        counts = torch.tensor(trainer.strategy.training_counts, dtype=torch.float64)
+        counts = torch.tensor(self.view.sample_counts, dtype=torch.float64)
         value, value_forgotten = float(_weighted(accuracy, counts, remaining)), math.nan
         if log:
             pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)

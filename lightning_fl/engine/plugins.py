@@ -139,8 +139,30 @@ class RoundState:
         return self._rows
 
 
+@dataclass(frozen=True)
+class PluginView:
+    """What a plugin reads of its fit outside a round's state (the evaluation hooks, the
+    fit's start and end), given to every federated callback at the strategy's set-up as
+    ``self.view`` (read-only: the engine owns each value)."""
+
+    #: per-client state of the clients this rank owns (:class:`ClientStore`)
+    store: ClientStore
+    #: every client's training sample count (the federation's read-only int64 array)
+    sample_counts: np.ndarray
+    #: the module's parameters and floating buffers, as the flat list the rounds move
+    tensors: FederatedTensors
+    #: the strategy's federated settings (``seed``, ``local_steps``, ...)
+    config: Any
+
+
 class FederatedCallback(pl.Callback):
-    """Base class of the algorithms that plug into a round. Every hook is optional."""
+    """Base class of the algorithms that plug into a round. Every hook is optional.
+
+    Hooks read the round through the :class:`RoundState` they receive, and the rest of
+    the fit through ``self.view`` (a :class:`PluginView`, set at the strategy's set-up)."""
+
+    #: the fit's read-only view, set at the strategy's set-up (None before)
+    view: PluginView | None = None
 
     #: An observer only measures the model in the client evaluation hooks (membership
     #: inference): it runs first there, seeing the global model at the start and the

@@ -48,7 +48,7 @@ from lightning_fl.engine.federated_state import CheckpointReadError
 from lightning_fl.engine.outputs import RunSummary
 from lightning_fl.engine.packed import PackedFederation, TooLarge, pack_federation
 from lightning_fl.engine.planning import RoundPlan
-from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback
+from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback, PluginView
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
 from lightning_fl.engine.tensors import FederatedTensors
@@ -476,6 +476,10 @@ class FederatedStrategy(DDPStrategy):
         self.evaluation = ClientEvaluation(self.fit, self.engine)
         driver = next(cb for cb in trainer.callbacks if isinstance(cb, RoundDriver))
         driver.attach(self.fit, self.engine, self.vectorized, self.evaluation)
+        view = PluginView(self.client_store, federation.training_counts,
+                          self._federated_tensors, self.config)  # fmt: skip
+        for cb in plugins.callbacks:
+            cb.view = view
         if self.config.vectorize_evaluation is True:  # refused at set-up, not at a late epoch
             self._segment_evaluation(trainer)
             if trainer.datamodule.split_arrays("train") is None:
