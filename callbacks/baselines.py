@@ -57,19 +57,17 @@ class Local(Aggregator):
         ``M[i].mean()``; the usual Local number (each model on its own data) is the
         diagonal. Rows of clients without a model are NaN. The global model is restored.
         """
-        strategy = trainer.strategy
-        module, tensors = strategy.lightning_module, strategy.federated_tensors
+        module, tensors = trainer.lightning_module, self.view.tensors
+        to_device = trainer.strategy.batch_to_device
         dm = trainer.datamodule
         clients = range(dm.num_clients)
         data = {j: dm.client_dataset(j, split) for j in clients}
-        data = {
-            j: strategy.batch_to_device(d[:]) for j, d in data.items() if d is not None and len(d)
-        }
+        data = {j: to_device(d[:]) for j, d in data.items() if d is not None and len(d)}
         saved = tensors.clone()
         table: dict[str, torch.Tensor] = {}
         try:
             for i in clients:
-                if not self.models.load(strategy.client_store, i, tensors):
+                if not self.models.load(self.view.store, i, tensors):
                     continue
                 for j, batch in data.items():
                     loss, metrics = module.loss_and_metrics(batch)

@@ -43,7 +43,7 @@ class FederatedObjective(FederatedCallback):
         if (trainer.current_epoch + 1) % self.every_n_rounds and not last:
             return
         losses = self.client_losses(trainer, pl_module)
-        aggregator = trainer.strategy.aggregator
+        aggregator = self.view.aggregator
         p = aggregator.target_weights(self.view.sample_counts)
         federated = float(p @ losses)
         spread = float(p @ (losses - federated) ** 2) ** 0.5
@@ -65,7 +65,7 @@ def client_training_metrics(
     evaluates the clients it owns; the results are summed over ranks."""
     strategy, dm = trainer.strategy, trainer.datamodule
     n_all = dm.num_clients
-    sums = torch.zeros(2, n_all, dtype=torch.float64, device=strategy.root_device)
+    sums = torch.zeros(2, n_all, dtype=torch.float64, device=pl_module.device)
     was_training = pl_module.training
     pl_module.eval()
     for client in clients:

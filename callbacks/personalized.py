@@ -180,10 +180,9 @@ class _BatchHook(FederatedCallback):
         self._batch = batch
 
     def _training_client(self, trainer) -> int | None:
-        strategy = trainer.strategy
-        if self._batch is None or len(self._batch) == 0 or strategy.current_client is None:
+        if self._batch is None or len(self._batch) == 0:
             return None  # idle (padding) batch
-        return strategy.current_round.schedule.clients[strategy.current_client[0]]
+        return trainer.strategy.training_client
 
 
 class APFL(_BatchHook):

@@ -336,10 +336,9 @@ class DPSGD(FederatedCallback):
         return out
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        strategy = trainer.strategy
-        if self._batch is None or len(self._batch) == 0 or strategy.current_client is None:
+        client = trainer.strategy.training_client
+        if self._batch is None or len(self._batch) == 0 or client is None:
             return  # an idle (padding) batch
-        client = strategy.current_round.schedule.clients[strategy.current_client[0]]
         total: dict[str, Tensor] = {}
         for name, (x, y), weight, sigma in self._sources(pl_module):
             gradient = self.private_gradient(pl_module, x, y, sigma)

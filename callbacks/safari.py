@@ -42,6 +42,7 @@ class SAFARI(Aggregator):
         if server_lr is not None:
             require_rate("server_lr", server_lr, 1.0)
         self.q, self.server_lr = q, server_lr
+        self._server_round = 0.0  # whether the round in progress is the server's
 
     def is_server_round(self, round_idx: int, seed: int) -> bool:
         # host: a CPU generator: the same server rounds on every device
@@ -74,12 +75,14 @@ class SAFARI(Aggregator):
             scale = self.server_lr / trainer.optimizers[0].param_groups[0]["lr"]
         torch._foreach_add_(state.global_tensors, state.update_sum, alpha=scale)
 
+    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+        self._server_round = float(state.participation.clients == (SERVER_CLIENT,))
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        clients = trainer.strategy.current_round.state.participation.clients
-        server_round = float(clients == (SERVER_CLIENT,))
         pl_module.log(
-            "safari/server_round", server_round, on_epoch=True, sync_dist=trainer.world_size > 1
-        )
+            "safari/server_round", self._server_round, on_epoch=True,
+            sync_dist=trainer.world_size > 1,
+        )  # fmt: skip
 
 
 __all__ = ["SAFARI"]

@@ -428,7 +428,7 @@ class Unlearning(FederatedCallback):
     @property
     def _server_lr(self) -> float:
         """η_g, the aggregator's server step size (1 for an aggregator without one)."""
-        return getattr(self._trainer.strategy.aggregator, "server_lr", 1.0)
+        return getattr(self.view.aggregator, "server_lr", 1.0)
 
     def sensitivity_increments(
         self, state: RoundState, remaining: list[int], new: torch.Tensor

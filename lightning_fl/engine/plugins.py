@@ -153,6 +153,8 @@ class PluginView:
     tensors: FederatedTensors
     #: the strategy's federated settings (``seed``, ``local_steps``, ...)
     config: Any
+    #: the fit's one aggregator (its target weights p_i, its server step size)
+    aggregator: Aggregator
 
 
 class FederatedCallback(pl.Callback):

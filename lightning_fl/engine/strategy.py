@@ -283,6 +283,13 @@ class FederatedStrategy(DDPStrategy):
         return self.engine.current_client if self.engine is not None else None
 
     @property
+    def training_client(self) -> int | None:
+        """The client whose local step runs now (the sequential path), None outside one."""
+        if self.current_client is None:
+            return None
+        return self.current_round.schedule.clients[self.current_client[0]]
+
+    @property
     def metric_capture(self) -> ClientMetricCapture:
         """This rank's per-client metrics of the last evaluation epoch."""
         return self.evaluation.capture
@@ -477,7 +484,7 @@ class FederatedStrategy(DDPStrategy):
         driver = next(cb for cb in trainer.callbacks if isinstance(cb, RoundDriver))
         driver.attach(self.fit, self.engine, self.vectorized, self.evaluation)
         view = PluginView(self.client_store, federation.training_counts,
-                          self._federated_tensors, self.config)  # fmt: skip
+                          self._federated_tensors, self.config, aggregator)  # fmt: skip
         for cb in plugins.callbacks:
             cb.view = view
         if self.config.vectorize_evaluation is True:  # refused at set-up, not at a late epoch
