@@ -62,6 +62,54 @@ class FederatedConfig:
     #: opens only its own clients' data
     silos: bool = False
 
+    def __post_init__(self) -> None:
+        """Check the settings together (one local-work rule, the vectorized options'
+        dependencies, the evaluation's); without local_steps or local_epochs a client
+        makes one pass over its data (local_epochs = 1)."""
+        steps, epochs = self.local_steps, self.local_epochs
+        if steps is not None and epochs is not None:
+            raise ValueError("Give either local_steps or local_epochs, not both.")
+        if steps is None and epochs is None:
+            object.__setattr__(self, "local_epochs", 1)
+        for name, value in (("local_steps", steps), ("local_epochs", epochs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if self.max_consecutive_bad_rounds < 1:
+            raise ValueError("max_consecutive_bad_rounds must be >= 1.")
+        chunk = self.max_vectorized_clients
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"max_vectorized_clients must be >= 1 or None, got {chunk}.")
+        if self.compile and not self.vectorize:
+            raise ValueError(
+                "compile=True compiles the vectorized step: set vectorize=True as well, or "
+                "compile=False."
+            )
+        self._check_fused_steps()
+        self._check_evaluation()
+
+    def _check_fused_steps(self) -> None:
+        steps = self.local_steps_per_training_step
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"local_steps_per_training_step must be >= 1 or None, got {steps!r}.")
+        if steps != 1 and not self.vectorize:
+            raise ValueError(
+                "local_steps_per_training_step runs several local steps of vectorized clients "
+                "in one Lightning step: set vectorize=True as well, or leave it at 1."
+            )
+
+    def _check_evaluation(self) -> None:
+        if self.vectorize_evaluation not in (True, False, "auto"):
+            raise ValueError(
+                "vectorize_evaluation must be True, False or 'auto', got "
+                f"{self.vectorize_evaluation!r}."
+            )
+        clients = self.eval_clients
+        if clients is not None and (isinstance(clients, bool) or clients < 1):
+            raise ValueError(
+                f"eval_clients must be a number of clients >= 1, or None for every client; "
+                f"got {clients!r}."
+            )
+
 
 @dataclass(frozen=True)
 class Ranks:

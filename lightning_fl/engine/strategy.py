@@ -205,22 +205,10 @@ class FederatedStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if local_steps is None and local_epochs is None:
-            local_epochs = 1
-        _check_arguments(
-            local_steps, local_epochs, max_consecutive_bad_rounds, num_threads,
-            max_vectorized_clients,
-        )  # fmt: skip
-        if compile and not vectorize:
-            raise ValueError(
-                "compile=True compiles the vectorized step: set vectorize=True as well, or "
-                "compile=False."
-            )
-        _check_fused_steps(local_steps_per_training_step, vectorize)
-        _check_evaluation(data_on_device, vectorize_evaluation, eval_clients)
+        _check_threads_and_data(num_threads, data_on_device)
         #: the user's sampler; the fit's, as the callbacks wrap it, is ``fit.plugins.sampler``
         self.sampler = sampler or FullParticipation()
-        #: the federated settings the engine reads, frozen
+        #: the federated settings the engine reads, frozen (and checked: FederatedConfig)
         self.config = FederatedConfig(
             seed=seed,
             local_steps=local_steps,
@@ -741,50 +729,13 @@ def _restarted_worker_store(world_size: int, timeout: timedelta) -> dist.Store |
     return dist.PrefixStore(f"/lightning_fl/attempt_{attempt}", agent)
 
 
-def _check_arguments(
-    local_steps: int | None,
-    local_epochs: int | None,
-    max_consecutive_bad_rounds: int,
-    num_threads: Any,
-    max_vectorized_clients: int | None,
-) -> None:
-    if local_steps is not None and local_epochs is not None:
-        raise ValueError("Give either local_steps or local_epochs, not both.")
-    for name, value in (("local_steps", local_steps), ("local_epochs", local_epochs)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}.")
-    if max_consecutive_bad_rounds < 1:
-        raise ValueError("max_consecutive_bad_rounds must be >= 1.")
+def _check_threads_and_data(num_threads: Any, data_on_device: Any) -> None:
     if num_threads not in (None, "auto") and not (
         isinstance(num_threads, int) and num_threads >= 1
     ):
         raise ValueError(f"num_threads must be 'auto', None or an int >= 1, got {num_threads!r}.")
-    if max_vectorized_clients is not None and max_vectorized_clients < 1:
-        raise ValueError(
-            f"max_vectorized_clients must be >= 1 or None, got {max_vectorized_clients}."
-        )
-
-
-def _check_evaluation(data_on_device: Any, vectorize_evaluation: Any, eval_clients: Any) -> None:
-    for name, value in (("data_on_device", data_on_device),
-                        ("vectorize_evaluation", vectorize_evaluation)):  # fmt: skip
-        if value not in (True, False, "auto"):
-            raise ValueError(f"{name} must be True, False or 'auto', got {value!r}.")
-    if eval_clients is not None and (isinstance(eval_clients, bool) or eval_clients < 1):
-        raise ValueError(
-            f"eval_clients must be a number of clients >= 1, or None for every client; "
-            f"got {eval_clients!r}."
-        )
-
-
-def _check_fused_steps(steps: int | None, vectorize: bool) -> None:
-    if steps is not None and (not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"local_steps_per_training_step must be >= 1 or None, got {steps!r}.")
-    if steps != 1 and not vectorize:
-        raise ValueError(
-            "local_steps_per_training_step runs several local steps of vectorized clients "
-            "in one Lightning step: set vectorize=True as well, or leave it at 1."
-        )
+    if data_on_device not in (True, False, "auto"):
+        raise ValueError(f"data_on_device must be True, False or 'auto', got {data_on_device!r}.")
 
 
 def _check_trainer(trainer: pl.Trainer) -> None:
