@@ -428,6 +428,12 @@ class FederatedStrategy(DDPStrategy):
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
                     dist.broadcast(tensor.data, src=0)
         _check_trainer(trainer)
+        self._setup_federated(trainer, fitting)
+
+    def _setup_federated(self, trainer: pl.Trainer, fitting: bool) -> None:
+        """The fit's plugins (checked together), federation and context, the engine's
+        objects, and what the callbacks are given (the driver its objects, every plugin
+        the view)."""
         self._federated_tensors = FederatedTensors(self.lightning_module)
         aggregator = self.aggregator  # validates the callbacks early
         # imported here, so that `python -m lightning_fl.engine.composition` (the README's
@@ -443,15 +449,7 @@ class FederatedStrategy(DDPStrategy):
         plugins = Plugins(tuple(self.federated_callbacks), aggregator, sampler)
         federation, packed = self._federation(trainer.datamodule, fitting)
         if fitting:
-            self._skip_validation_without_data(trainer, federation)
-            if self.config.eval_clients is not None:
-                # a new cohort at every validation: Lightning asks for the loaders again
-                trainer.reload_dataloaders_every_n_epochs = 1
-            packed = self._pack_federation(trainer, federation.training_counts)
-            if not aggregator.pools_clients:
-                sampler.check(int(np.count_nonzero(federation.training_counts)))
-            self._direct_hooks = direct_hooks(trainer, self.precision_plugin)
-            self._check_sigterm_once_per_round(trainer)
+            packed = self._prepare_fit(trainer, federation, plugins)
         self.fit = FitContext(
             config=self.config,
             trainer=trainer,
@@ -475,7 +473,32 @@ class FederatedStrategy(DDPStrategy):
                           self._federated_tensors, self.config, aggregator)  # fmt: skip
         for cb in plugins.callbacks:
             cb.view = view
-        if self.config.vectorize_evaluation is True:  # refused at set-up, not at a late epoch
+        self._refuse_at_setup(trainer)
+        if fitting and self.config.vectorize:
+            self.vectorized.setup()
+
+    def _prepare_fit(
+        self, trainer: pl.Trainer, federation: Federation, plugins: Plugins
+    ) -> PackedFederation | None:
+        """A fit's own set-up: validation only where there is data, a new cohort at each
+        validation, the training data packed, the sampler checked against the clients
+        with data, Lightning's per-step hooks that may be skipped. Returns the packed
+        data (None: the datamodule's loaders)."""
+        self._skip_validation_without_data(trainer, federation)
+        if self.config.eval_clients is not None:
+            # a new cohort at every validation: Lightning asks for the loaders again
+            trainer.reload_dataloaders_every_n_epochs = 1
+        packed = self._pack_federation(trainer, federation.training_counts)
+        if not plugins.aggregator.pools_clients:
+            plugins.sampler.check(int(np.count_nonzero(federation.training_counts)))
+        self._direct_hooks = direct_hooks(trainer, self.precision_plugin)
+        self._check_sigterm_once_per_round(trainer)
+        return packed
+
+    def _refuse_at_setup(self, trainer: pl.Trainer) -> None:
+        """What is refused at set-up rather than at a late epoch: vectorized evaluation
+        that cannot run, fewer clients than processes."""
+        if self.config.vectorize_evaluation is True:
             self._segment_evaluation(trainer)
             if trainer.datamodule.split_arrays("train") is None:
                 raise ValueError(
@@ -483,8 +506,6 @@ class FederatedStrategy(DDPStrategy):
                     "not hold its clients as arrays (split_arrays): use an "
                     "ArrayFederatedDataModule, or vectorize_evaluation='auto'."
                 )
-        if fitting and self.config.vectorize:
-            self.vectorized.setup()
         if trainer.datamodule.num_clients < self.world_size:
             raise ValueError(
                 f"{self.world_size} processes but only {trainer.datamodule.num_clients} "
