@@ -19,7 +19,8 @@ Read top-down:
 - :mod:`.federated_state`: what a checkpoint holds, and the federation check on resume;
 - :mod:`.rounds`: the per-round iterables that Lightning's loops consume, over the
   schedules of :mod:`.schedule`;
-- :mod:`.vectorized`: vectorized clients (``vectorize=True``): set-up, chunks, the step;
+- :mod:`.vectorized`: vectorized clients (``vectorize=True``): set-up and chunks; the step in
+  :mod:`.vectorized_step`;
   with :mod:`.vectorized_checks` (what is refused), :mod:`.stacked_optimizer` (torch.optim's
   functional rules over stacked state, per-client clipping), :mod:`.client_dropout`,
   :mod:`.stacked_batches`, and :mod:`.packed` / :mod:`.compiled` (data on the device,
