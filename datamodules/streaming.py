@@ -26,6 +26,46 @@ from lightning_fl.systems.streams import (
 CacheRule = Literal["current", "fifo", "srsr", "drsr", "lazy"]
 
 
+def _check_stream(
+    historical: int,
+    rate: int,
+    cache: str,
+    capacity: int,
+    theta: float,
+    rounds: int,
+    drift: int,
+    drift_concentration: float,
+    recycle: bool,
+    fresh_rounds: int | None,
+) -> None:
+    """Refuse settings of :class:`StreamingDataModule` that cannot describe a stream,
+    naming the fix."""
+    if fresh_rounds is not None and not 1 <= fresh_rounds <= rounds:
+        raise ValueError(f"fresh_rounds must be in [1, rounds = {rounds}], got {fresh_rounds}.")
+    if drift < 0:
+        raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
+    if not drift_concentration > 0:
+        raise ValueError(f"drift_concentration must be > 0, got {drift_concentration}.")
+    if recycle and not drift:
+        raise ValueError(
+            "recycle applies to drifting streams: set drift (e.g. 10 short-term "
+            "distributions) or leave recycle false."
+        )
+    if rate < 1:
+        raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
+    if capacity < rate:
+        raise ValueError(
+            f"cache capacity {capacity} is smaller than the batch of {rate} samples a "
+            "client receives per round: raise capacity to at least rate."
+        )
+    if cache not in ("current", "fifo", "srsr", "drsr", "lazy"):
+        raise ValueError(f"cache must be current, fifo, srsr, drsr or lazy; got {cache!r}.")
+    if historical < 0:
+        raise ValueError(f"historical must be >= 0 clients, got {historical}.")
+    if cache == "srsr" and not 0 <= theta <= 1:
+        raise ValueError(f"SRSR theta must be in [0, 1], got {theta}.")
+
+
 class StreamingDataModule(FederatedDataModule):
     """A data stream per client over a static federated datamodule.
 
@@ -97,35 +137,11 @@ class StreamingDataModule(FederatedDataModule):
         fresh_rounds: int | None = None,
     ) -> None:
         super().__init__(source.batch_size, source.eval_batch_size)
-        self.full_batch = full_batch
-        if fresh_rounds is not None and not 1 <= fresh_rounds <= rounds:
-            raise ValueError(f"fresh_rounds must be in [1, rounds = {rounds}], got {fresh_rounds}.")
-        self.fresh_rounds = fresh_rounds
-        if drift < 0:
-            raise ValueError(f"drift must be >= 0 short-term distributions, got {drift}.")
-        if not drift_concentration > 0:
-            raise ValueError(f"drift_concentration must be > 0, got {drift_concentration}.")
-        self.drift_concentration = drift_concentration
-        if recycle and not drift:
-            raise ValueError(
-                "recycle applies to drifting streams: set drift (e.g. 10 short-term "
-                "distributions) or leave recycle false."
-            )
-        self.recycle = recycle
-        if rate < 1:
-            raise ValueError(f"the arrival rate must be >= 1 sample per round, got {rate}.")
         capacity = rate if capacity is None else capacity
-        if capacity < rate:
-            raise ValueError(
-                f"cache capacity {capacity} is smaller than the batch of {rate} samples a "
-                "client receives per round: raise capacity to at least rate."
-            )
-        if cache not in ("current", "fifo", "srsr", "drsr", "lazy"):
-            raise ValueError(f"cache must be current, fifo, srsr, drsr or lazy; got {cache!r}.")
-        if historical < 0:
-            raise ValueError(f"historical must be >= 0 clients, got {historical}.")
-        if cache == "srsr" and not 0 <= theta <= 1:
-            raise ValueError(f"SRSR theta must be in [0, 1], got {theta}.")
+        _check_stream(historical, rate, cache, capacity, theta, rounds, drift,
+                      drift_concentration, recycle, fresh_rounds)  # fmt: skip
+        self.full_batch, self.fresh_rounds = full_batch, fresh_rounds
+        self.drift_concentration, self.recycle = drift_concentration, recycle
         self.source, self.historical, self.rate = source, historical, rate
         self.cache_rule, self.capacity, self.theta = cache, capacity, theta
         self.rounds, self.seed, self.drift = rounds, seed, drift
