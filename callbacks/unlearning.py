@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +19,7 @@ from lightning_fl.systems.unlearning import (
     BranchHistory,
     ModelVersions,
     check_privacy,
+    sensitivity_increments,
     sensitivity_threshold,
 )
 
@@ -208,22 +209,7 @@ class Unlearning(FederatedCallback):
         seed: int = 0,
     ) -> None:
         check_privacy(epsilon, delta, sigma)
-        if not 0 < decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {decay}.")
-        if on_target is None and isinstance(requests, list):
-            raise ValueError(
-                "requests is a list of client sets, which are forgotten one after another "
-                "each time training reaches a target, but no on_target was given: add "
-                "on_target=StopAtTarget(...), or give requests as {round: [clients]}."
-            )
-        if on_target is not None and isinstance(requests, dict):
-            raise ValueError(
-                "requests is {round: [clients]}, but on_target forgets client sets each time "
-                "training reaches its target: give requests as a list of client sets, or "
-                "drop on_target."
-            )
-        if not clip > 0:
-            raise ValueError(f"clip must be > 0, got {clip}.")
+        _check_settings(requests, on_target, decay, clip)
         #: the method's object: how a request restarts training, and its training hooks
         self.forgetting = forgetting_method(method, epsilon, delta, sigma, clip)
         self.method, self.epsilon, self.delta, self.sigma = method, epsilon, delta, sigma
@@ -339,31 +325,13 @@ class Unlearning(FederatedCallback):
 
     def _check_run_length(self, trainer: pl.Trainer) -> bool:
         """Say (a warning, and a note of the run's summary) when ``max_epochs`` ends the
-        run before a request can run: before ``on_target``'s ``min_rounds``, or before a
-        scheduled round. True when it did."""
-        last = trainer.max_epochs
-        if last is None or last < 0:
-            return False
-        said = False
+        run before a request can run. True when it did."""
         first = self.on_target.min_rounds if self.on_target is not None else 0
-        if self.queue and not self.done_requests and last <= first:
-            self._note(
-                trainer,
-                f"Unlearning: the run stops after max_epochs={last} rounds, before "
-                f"on_target's min_rounds={first}, so none of its {len(self.queue)} forgetting "
-                f"requests will run: raise max_epochs above {first}, or lower min_rounds.",
-            )
-            said = True
-        late = [r for r in self._undone_rounds() if r >= last]
-        if late:
-            self._note(
-                trainer,
-                f"Unlearning: the requests of rounds {late} come after the run's last round "
-                f"({last - 1}), so they will not run: raise max_epochs above {late[-1]}, or "
-                "schedule them earlier.",
-            )
-            said = True
-        return said
+        queued = 0 if self.done_requests else len(self.queue)
+        notes = run_length_notes(trainer.max_epochs, first, queued, self._undone_rounds())
+        for note in notes:
+            self._note(trainer, note)
+        return bool(notes)
 
     def _undone_rounds(self) -> list[int]:
         done = {request["round"] for request in self.done_requests}
@@ -414,7 +382,10 @@ class Unlearning(FederatedCallback):
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
         new = flatten(state.global_tensors)
         remaining = self._remaining()
-        increments = self.sensitivity_increments(state, remaining, new)
+        mean_update = (new - self._start) / self._server_lr
+        increments = sensitivity_increments(self._deltas, state.target_weights, remaining,
+                                            mean_update, self._server_lr,
+                                            self.history.num_clients)  # fmt: skip
         if dist.is_initialized() and trainer.world_size > 1:
             increments = increments.to(new.device)
             dist.all_reduce(increments)
@@ -429,32 +400,6 @@ class Unlearning(FederatedCallback):
     def _server_lr(self) -> float:
         """η_g, the aggregator's server step size (1 for an aggregator without one)."""
         return getattr(self.view.aggregator, "server_lr", 1.0)
-
-    def sensitivity_increments(
-        self, state: RoundState, remaining: list[int], new: torch.Tensor
-    ) -> torch.Tensor:
-        """‖Δ(I, θ^n) − Δ(I∖{c}, θ^n)‖ for each of this rank's participants c (eq. 5.8's
-        term; App. D.2.5), in closed form:
-
-            η_g (p_c/(1 − p_c)) ‖Δ_c − Δ̄‖,   Δ̄ = (θ^{n+1} − θ^n)/η_g = Σ_j ω_j Δ_j,
-
-        where p_c is c's weight in the federated objective (the aggregator's target weights,
-        renormalized over the remaining clients; uniform p_c = 1/|I| in the authors' code)
-        and removing c renormalizes the others' weights by 1/(1 − p_c). Under full
-        participation (ω = p) this equals the difference of the two FedAvg aggregations
-        exactly, whatever the weighting and η_g."""
-        server_lr = self._server_lr
-        p = state.target_weights.to(torch.float64)
-        total = float(p[remaining].sum()) if remaining else 0.0
-        mean_update = (new - self._start) / server_lr
-        # host: ζ's increments are Python floats (the norms below), kept in the history
-        increments = torch.zeros(self.history.num_clients, dtype=torch.float64)
-        for client, delta in self._deltas.items():
-            p_c = float(p[client]) / total if total > 0 else 0.0
-            if 0 < p_c < 1:
-                scale = server_lr * p_c / (1 - p_c)
-                increments[client] = scale * float((delta - mean_update).double().norm())
-        return increments
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch = trainer.current_epoch
@@ -549,6 +494,55 @@ class Unlearning(FederatedCallback):
         self.done_requests = list(state["done_requests"])
         if self.on_target is not None and state.get("on_target") is not None:
             self.on_target.load_state_dict(state["on_target"])
+
+
+def _check_settings(requests: Any, on_target: Any, decay: float, clip: float) -> None:
+    """Refuse :class:`Unlearning` settings that cannot run together, naming the fix."""
+    if not 0 < decay <= 1:
+        raise ValueError(f"decay must be in (0, 1], got {decay}.")
+    if on_target is None and isinstance(requests, list):
+        raise ValueError(
+            "requests is a list of client sets, which are forgotten one after another "
+            "each time training reaches a target, but no on_target was given: add "
+            "on_target=StopAtTarget(...), or give requests as {round: [clients]}."
+        )
+    if on_target is not None and isinstance(requests, dict):
+        raise ValueError(
+            "requests is {round: [clients]}, but on_target forgets client sets each time "
+            "training reaches its target: give requests as a list of client sets, or "
+            "drop on_target."
+        )
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}.")
+
+
+def run_length_notes(
+    max_epochs: int | None, min_rounds: int, queued: int, undone_rounds: list[int]
+) -> list[str]:
+    """What to say when a run of ``max_epochs`` rounds ends before requests can run: the
+    ``queued`` on-target requests (none done yet) before ``min_rounds``, or the scheduled
+    ``undone_rounds`` at or after its end.
+
+    >>> run_length_notes(10, 0, 0, [4, 12])  # doctest: +ELLIPSIS
+    ["Unlearning: the requests of rounds [12] come after the run's last round (9), ..."]
+    """
+    if max_epochs is None or max_epochs < 0:
+        return []
+    notes = []
+    if queued and max_epochs <= min_rounds:
+        notes.append(
+            f"Unlearning: the run stops after max_epochs={max_epochs} rounds, before "
+            f"on_target's min_rounds={min_rounds}, so none of its {queued} forgetting "
+            f"requests will run: raise max_epochs above {min_rounds}, or lower min_rounds."
+        )
+    late = [r for r in undone_rounds if r >= max_epochs]
+    if late:
+        notes.append(
+            f"Unlearning: the requests of rounds {late} come after the run's last round "
+            f"({max_epochs - 1}), so they will not run: raise max_epochs above {late[-1]}, "
+            "or schedule them earlier."
+        )
+    return notes
 
 
 def _weighted(values: torch.Tensor, counts: torch.Tensor, clients: list[int]) -> float:

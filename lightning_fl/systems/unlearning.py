@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 
 def sensitivity_threshold(epsilon: float, delta: float, sigma: float) -> float:
@@ -165,3 +166,39 @@ class ModelVersions:
             ):
                 return n, self.models[(branch, n)]
         raise KeyError(f"No kept model of branch {branch} at or before round {t}.")
+
+
+def sensitivity_increments(
+    deltas: dict[int, torch.Tensor],
+    target_weights: torch.Tensor,
+    remaining: list[int],
+    mean_update: torch.Tensor,
+    server_lr: float,
+    num_clients: int,
+) -> torch.Tensor:
+    """‖Δ(I, θ^n) − Δ(I∖{c}, θ^n)‖ for each participant c of ``deltas`` (eq. 5.8's term;
+    App. D.2.5), in closed form:
+
+        η_g (p_c/(1 − p_c)) ‖Δ_c − Δ̄‖,   Δ̄ = (θ^{n+1} − θ^n)/η_g = Σ_j ω_j Δ_j,
+
+    where p_c is c's weight in the federated objective (the aggregator's target weights,
+    renormalized over the ``remaining`` clients; uniform p_c = 1/|I| in the authors' code)
+    and removing c renormalizes the others' weights by 1/(1 − p_c). Under full
+    participation (ω = p) this equals the difference of the two FedAvg aggregations
+    exactly, whatever the weighting and η_g. ``mean_update`` is Δ̄; 0 for the others.
+
+    >>> deltas = {0: torch.tensor([1.0, 0.0]), 2: torch.tensor([0.0, 2.0])}
+    >>> p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    >>> sensitivity_increments(deltas, p, [0, 1, 2], torch.zeros(2), 1.0, 3).tolist()
+    [1.0, 0.0, 0.6666666666666666]
+    """
+    p = target_weights.to(torch.float64)
+    total = float(p[remaining].sum()) if remaining else 0.0
+    # host: ζ's increments are Python floats (the norms below), kept in the history
+    increments = torch.zeros(num_clients, dtype=torch.float64)
+    for client, delta in deltas.items():
+        p_c = float(p[client]) / total if total > 0 else 0.0
+        if 0 < p_c < 1:
+            scale = server_lr * p_c / (1 - p_c)
+            increments[client] = scale * float((delta - mean_update).double().norm())
+    return increments
