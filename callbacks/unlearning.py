@@ -7,6 +7,7 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -147,21 +148,12 @@ class Unlearning(FederatedCallback):
     the others. A request W_r (at a round of ``requests``, or :meth:`request` between fits)
     removes W_r for good: its clients are never sampled again (the sampler is wrapped, see
     :meth:`wrap_sampler`), so their training data is never read again. The model then
-    restarts from (one object per method, :mod:`lightning_fl.systems.forgetting`)
-
-    - ``"sifu"``: θ_ζ^T + N(0, σ² I), with (ζ_r, T_r) from the branch history (eqs.
-      5.17–5.19) and Ψ* = εσ/sqrt(2 ln(1.25/δ)) (eq. 5.13);
-    - ``"scratch"``: the initial model θ_0^0 (the gold standard, no guarantee needed);
-    - ``"fine_tuning"``: the current model (no forgetting mechanism);
-    - ``"last"``: the current model + N(0, σ_L² I), σ_L from the branch's largest Ψ
-      (Thm 5.2);
-    - ``"dp"``: the current model, which DP training kept private: every update is clipped
-      to norm ``clip`` and the global model gets N(0, ((2C/M)·sqrt(2 ln(1.25/δ))/ε)² I)
-      after every aggregation, M the federation's clients with training data, removed
-      ones included (the authors' DP baseline computes it once);
-    - ``"fedaccum"``: a shadow model that every round re-aggregates the received local
-      models without the clients of each future removal set (the authors' code; needs
-      ``requests`` known in advance and one process).
+    restarts as the method says (one object each, :mod:`lightning_fl.systems.forgetting`):
+    ``"sifu"`` from θ_ζ^T + N(0, σ² I), (ζ_r, T_r) from the branch history (eqs.
+    5.17–5.19) and Ψ* = εσ/sqrt(2 ln(1.25/δ)) (eq. 5.13); ``"scratch"`` from θ_0^0;
+    ``"fine_tuning"`` from θ; ``"last"`` from θ + N(0, σ_L² I) (Thm 5.2); ``"dp"`` from θ,
+    kept private by clipped updates and noise after every aggregation; ``"fedaccum"`` from
+    a shadow model without the removal set (``requests`` known in advance, one process).
 
     Args:
         method: see above.
@@ -224,14 +216,12 @@ class Unlearning(FederatedCallback):
         self.on_target, self.decay, self.clip = on_target, decay, clip
         self.evaluate_every, self.seed = evaluate_every, seed
         self.evaluate_forgotten = evaluate_forgotten
-        self.removed: list[int] = []
-        self.pending: list[list[int]] = []
+        self.removed: list[int] = []  # clients forgotten so far
+        self.pending: list[list[int]] = []  # requests to apply at the next round's start
         self.history: BranchHistory | None = None
         self.versions = ModelVersions()
-        self.phase_rounds: list[int] = []
-        self.phase_forgotten_acc: list[float] = []
+        self.phase_rounds, self.phase_forgotten_acc, self._phase_start = [], [], 0
         self.done_requests: list[dict] = []
-        self._phase_start = 0
         self._deltas: dict[int, torch.Tensor] = {}
         self._start: torch.Tensor | None = None
         self._trainer: pl.Trainer | None = None
@@ -248,22 +238,6 @@ class Unlearning(FederatedCallback):
         """Forget ``clients`` at the start of the next round (e.g. between two fits)."""
         self.pending.append(list(clients))
 
-    def _validate(self, clients: list[int], num_clients: int) -> None:
-        unknown = [c for c in clients if not 0 <= c < num_clients]
-        if unknown:
-            raise ValueError(
-                f"Unlearning request names clients {unknown} that do not exist "
-                f"(0..{num_clients - 1})."
-            )
-        again = sorted(set(clients) & set(self.removed))
-        if again:
-            raise ValueError(f"Clients {again} were already removed: drop them from the request.")
-        counts = self.view.sample_counts
-        gone = set(self.removed) | set(clients)
-        left = [c for c, n in enumerate(counts) if n > 0 and c not in gone]
-        if not left:
-            raise ValueError("The request would remove every client: keep at least one.")
-
     def apply_due_requests(self, round_idx: int) -> None:
         due = self.pending + ([self.scheduled[round_idx]] if round_idx in self.scheduled else [])
         self.pending = []
@@ -277,7 +251,7 @@ class Unlearning(FederatedCallback):
 
     @torch.no_grad()
     def _forget(self, clients: list[int], round_idx: int) -> None:
-        self._validate(clients, self._trainer.datamodule.num_clients)
+        check_request(clients, self.removed, self.view.sample_counts)
         model = self.view.tensors
         current = flatten([t.detach() for t in model.tensors])
         request = ForgettingRequest(
@@ -320,7 +294,8 @@ class Unlearning(FederatedCallback):
         if self.history is None:
             self.history = BranchHistory(trainer.datamodule.num_clients, self.threshold)
             self.versions.keep((0, 0), model.clone())
-            self.forgetting.prepare(model, self._removal_sets())
+            ordered = [self.scheduled[k] for k in sorted(self.scheduled)] + self.queue
+            self.forgetting.prepare(model, removal_sets(ordered, self.removed))
         self._foretold = self._check_run_length(trainer)
 
     def _check_run_length(self, trainer: pl.Trainer) -> bool:
@@ -330,7 +305,7 @@ class Unlearning(FederatedCallback):
         queued = 0 if self.done_requests else len(self.queue)
         notes = run_length_notes(trainer.max_epochs, first, queued, self._undone_rounds())
         for note in notes:
-            self._note(trainer, note)
+            trainer.strategy.summary.note(note)
         return bool(notes)
 
     def _undone_rounds(self) -> list[int]:
@@ -340,25 +315,11 @@ class Unlearning(FederatedCallback):
     def on_train_end(self, trainer, pl_module) -> None:
         left = len(self.queue) + len(self.pending) + len(self._undone_rounds())
         if left and not self._foretold:
-            self._note(
-                trainer,
+            trainer.strategy.summary.note(
                 f"Unlearning: {left} forgetting request(s) did not run before the run ended "
                 f"after round {trainer.current_epoch - 1} ({len(self.done_requests)} ran): "
                 "raise max_epochs, or on_target's max_rounds.",
             )
-
-    @staticmethod
-    def _note(trainer: pl.Trainer, message: str) -> None:
-        trainer.strategy.summary.note(message)
-
-    def _removal_sets(self) -> list[tuple[int, ...]]:
-        """The cumulative removal sets F_r of the known requests, in order."""
-        sets, removed = [], set(self.removed)
-        ordered = [self.scheduled[k] for k in sorted(self.scheduled)] + self.queue
-        for clients in ordered:
-            removed |= set(clients)
-            sets.append(tuple(sorted(removed)))
-        return sets
 
     # ---- every round -------------------------------------------------------------------
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
@@ -427,17 +388,14 @@ class Unlearning(FederatedCallback):
         """The p-weighted training accuracy of the remaining clients and, with ``log`` and
         ``evaluate_forgotten``, of the removed ones (else NaN); with ``log``, logged with
         the branch."""
-        remaining = self._remaining()
         forgotten = self.removed if self.evaluate_forgotten and log else []
-        _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
-        # host: as the accuracies (client_training_metrics returns them on the host)
-        counts = torch.tensor(self.view.sample_counts, dtype=torch.float64)
-        value, value_forgotten = float(_weighted(accuracy, counts, remaining)), math.nan
+        value, value_forgotten = training_accuracies(
+            trainer, pl_module, self._remaining(), forgotten, self.view.sample_counts
+        )
         if log:
             pl_module.log("unlearning/remaining_train_acc", value, on_epoch=True)
             pl_module.log("unlearning/branch", float(self.history.branch), on_epoch=True)
         if forgotten:
-            value_forgotten = float(_weighted(accuracy, counts, forgotten))
             pl_module.log("unlearning/forgotten_acc", value_forgotten, on_epoch=True)
         return value, value_forgotten
 
@@ -455,30 +413,12 @@ class Unlearning(FederatedCallback):
             "on_target": None if self.on_target is None else self.on_target.state_dict(),
         }  # fmt: skip
 
-    def _shares_training(self, saved_method: str, state: dict) -> bool:
-        """Whether a checkpoint of ``saved_method`` taken before any request is where this
-        method's run would be too (both in :data:`SHARED_TRAINING`)."""
-        before_requests = not state["done_requests"] and not state["removed"]
-        return before_requests and {saved_method, self.method} <= SHARED_TRAINING
-
     def _privacy(self) -> dict[str, float | str]:
         return {"method": self.method, "epsilon": self.epsilon, "delta": self.delta,
                 "sigma": self.sigma}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state.get("privacy", self._privacy())
-        changed = {k: (v, self._privacy()[k]) for k, v in saved.items() if self._privacy()[k] != v}
-        if set(changed) == {"method"} and self._shares_training(saved["method"], state):
-            changed = {}
-        if changed:
-            said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
-                f"Unlearning: the checkpoint's sensitivity history was made under other "
-                f"settings ({said}); its Ψ* and branches would not match this run. Resume "
-                "with the checkpoint's method, epsilon, delta and sigma, or start a new fit "
-                "(only before any request may sifu, scratch, fine_tuning and last take "
-                "each other's checkpoint)."
-            )
+        check_resumed_settings(state, self._privacy())
         self.removed, self.queue = list(state["removed"]), [list(q) for q in state["queue"]]
         self.pending = [list(p) for p in state["pending"]] + self.pending
         if state["history"] is not None:
@@ -494,6 +434,57 @@ class Unlearning(FederatedCallback):
         self.done_requests = list(state["done_requests"])
         if self.on_target is not None and state.get("on_target") is not None:
             self.on_target.load_state_dict(state["on_target"])
+
+
+def check_request(clients: list[int], removed: list[int], counts: np.ndarray) -> None:
+    """Refuse a request naming clients that do not exist or were already removed, or
+    that would remove every client with training data (``counts``)."""
+    unknown = [c for c in clients if not 0 <= c < len(counts)]
+    if unknown:
+        raise ValueError(
+            f"Unlearning request names clients {unknown} that do not exist (0..{len(counts) - 1})."
+        )
+    again = sorted(set(clients) & set(removed))
+    if again:
+        raise ValueError(f"Clients {again} were already removed: drop them from the request.")
+    gone = set(removed) | set(clients)
+    if not any(n > 0 and c not in gone for c, n in enumerate(counts)):
+        raise ValueError("The request would remove every client: keep at least one.")
+
+
+def removal_sets(ordered: list[list[int]], removed: list[int]) -> list[tuple[int, ...]]:
+    """The cumulative removal sets F_r of the requests in ``ordered``, after ``removed``.
+
+    >>> removal_sets([[3], [1, 3], [0]], removed=[5])
+    [(3, 5), (1, 3, 5), (0, 1, 3, 5)]
+    """
+    sets, gone = [], set(removed)
+    for clients in ordered:
+        gone |= set(clients)
+        sets.append(tuple(sorted(gone)))
+    return sets
+
+
+def check_resumed_settings(state: dict, current: dict[str, float | str]) -> None:
+    """Refuse a checkpoint whose sensitivity history was made under other settings than
+    ``current`` (method, ε, δ, σ): its Ψ* and branches would not match the run. Only a
+    checkpoint taken before any request may pass between the methods that share that
+    training (:data:`SHARED_TRAINING`)."""
+    saved = state.get("privacy", current)
+    changed = {k: (v, current[k]) for k, v in saved.items() if current[k] != v}
+    before_requests = not state["done_requests"] and not state["removed"]
+    shared = before_requests and {saved["method"], current["method"]} <= SHARED_TRAINING
+    if set(changed) == {"method"} and shared:
+        return
+    if changed:
+        said = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(
+            f"Unlearning: the checkpoint's sensitivity history was made under other "
+            f"settings ({said}); its Ψ* and branches would not match this run. Resume "
+            "with the checkpoint's method, epsilon, delta and sigma, or start a new fit "
+            "(only before any request may sifu, scratch, fine_tuning and last take "
+            "each other's checkpoint)."
+        )
 
 
 def _check_settings(requests: Any, on_target: Any, decay: float, clip: float) -> None:
@@ -543,6 +534,22 @@ def run_length_notes(
             "or schedule them earlier."
         )
     return notes
+
+
+def training_accuracies(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    remaining: list[int],
+    forgotten: list[int],
+    sample_counts: np.ndarray,
+) -> tuple[float, float]:
+    """The sample-weighted training accuracy of the ``remaining`` clients and of the
+    ``forgotten`` ones (NaN when there are none), each rank evaluating its own."""
+    _, accuracy = client_training_metrics(trainer, pl_module, remaining + forgotten)
+    # host: as the accuracies (client_training_metrics returns them on the host)
+    counts = torch.tensor(sample_counts, dtype=torch.float64)
+    value = float(_weighted(accuracy, counts, remaining))
+    return value, float(_weighted(accuracy, counts, forgotten)) if forgotten else math.nan
 
 
 def _weighted(values: torch.Tensor, counts: torch.Tensor, clients: list[int]) -> float:
