@@ -158,17 +158,8 @@ class SiloNetwork:
         index = {node: i for i, node in enumerate(graph.nodes)}
         latency = np.zeros((n, n))
         bandwidth = np.full((n, n), np.inf)
-        linked = np.zeros((n, n), dtype=bool)
+        linked = _links(graph, index, core_bps)
         link_order = tuple((index[u], index[v]) for u, v in graph.edges)
-        for u, v, data in graph.edges(data=True):
-            linked[index[u], index[v]] = linked[index[v], index[u]] = True
-            if core_bps is None and not float(data.get("capacity", 0)) > 0:
-                raise TopologyError(
-                    f"Edge ({u}, {v}) has no positive 'capacity': add capacities to the GML "
-                    "file or give core_bps (1e9 in the paper)."
-                )
-        if core_bps is not None and not core_bps > 0:
-            raise TopologyError(f"core_bps must be > 0 bit/s, got {core_bps}.")
         pairs = [
             (index[source], index[target])
             for source in graph.nodes
@@ -188,6 +179,23 @@ class SiloNetwork:
         return cls(
             names, latency, bandwidth, access, access.copy(), linked, link_order, tuple(pairs)
         )
+
+
+def _links(graph: nx.Graph, index: dict, core_bps: float | None) -> np.ndarray:
+    """The underlay's adjacency (n × n, symmetric), after checking the capacities that
+    ``core_bps`` (None: each edge's own) gives every core link."""
+    n = len(index)
+    linked = np.zeros((n, n), dtype=bool)
+    for u, v, data in graph.edges(data=True):
+        linked[index[u], index[v]] = linked[index[v], index[u]] = True
+        if core_bps is None and not float(data.get("capacity", 0)) > 0:
+            raise TopologyError(
+                f"Edge ({u}, {v}) has no positive 'capacity': add capacities to the GML "
+                "file or give core_bps (1e9 in the paper)."
+            )
+    if core_bps is not None and not core_bps > 0:
+        raise TopologyError(f"core_bps must be > 0 bit/s, got {core_bps}.")
+    return linked
 
 
 def _discovery_order(graph: nx.Graph, source: object) -> list[object]:
