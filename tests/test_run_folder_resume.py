@@ -30,9 +30,9 @@ class CrashAt(pl.Callback):
             raise RuntimeError("crash")
 
 
-def _fit(root: Path, rounds: int, ckpt_path=None, crash_at=None) -> pl.Trainer:
+def _fit(root: Path, rounds: int, ckpt_path=None, crash_at=None, every=1) -> pl.Trainer:
     strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=3)
-    callbacks = [ModelCheckpoint(save_last=True, every_n_epochs=1)]
+    callbacks = [ModelCheckpoint(save_last=True, every_n_epochs=every)]
     callbacks += [CrashAt(crash_at)] if crash_at is not None else []
     trainer = make_trainer(
         strategy, rounds, callbacks, logger=CSVLogger(root, name="run"),
@@ -44,13 +44,22 @@ def _fit(root: Path, rounds: int, ckpt_path=None, crash_at=None) -> pl.Trainer:
     return trainer
 
 
-def test_a_crashed_run_resumes_in_its_folder_as_if_uninterrupted(tmp_path):
-    _fit(tmp_path / "whole", 4)
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_crashed_run_resumes_in_its_folder_as_if_uninterrupted(tmp_path, every):
+    """Checkpoints every round (the crash in round 2 leaves its steps' metrics) or every
+    other round (the last checkpoint is of round 1: round 2's participation, validation
+    and metrics rows are the crashed run's and are dropped before round 2 runs again)."""
+    _fit(tmp_path / "whole", 4, every=every)
+    crash_at = 2 if every == 1 else 3
     with pytest.raises(RuntimeError, match="crash"):
-        _fit(tmp_path / "crashed", 4, crash_at=2)
+        _fit(tmp_path / "crashed", 4, crash_at=crash_at, every=every)
     folder = tmp_path / "crashed" / "run" / "version_0"
-    assert "2," in (folder / "metrics.csv").read_text()  # the crash left round 2's steps
-    trainer = _fit(tmp_path / "crashed", 4, ckpt_path=folder / "checkpoints" / "last.ckpt")
+    assert f"{crash_at}," in (folder / "metrics.csv").read_text()  # the crash left its steps
+    if every == 2:
+        rounds = [line.split(",")[1] for line in (folder / "client_metrics.csv").open()]
+        assert "2" in rounds  # round 2's validation, which the resume trains again
+    trainer = _fit(tmp_path / "crashed", 4, ckpt_path=folder / "checkpoints" / "last.ckpt",
+                   every=every)  # fmt: skip
     assert trainer.logger.log_dir == str(folder)
     assert sorted(p.name for p in (tmp_path / "crashed" / "run").iterdir()) == ["version_0"]
     whole = tmp_path / "whole" / "run" / "version_0"
