@@ -173,7 +173,8 @@ class ServerReference(FederatedCallback):
     (1 − w)·Σ_i p_i L_i(θ) + w·L_ref(θ), the WERM objective over the federation's training
     data and the server's reference data.
 
-    The server's local work is plain SGD at the module's learning rate for the strategy's
+    The server's local work is plain SGD at the clients' learning rate of the round (the
+    first parameter group's, so an lr schedule applies to it too) for the strategy's
     ``local_steps`` (or one pass over the reference data with ``local_epochs``), from the
     round's global model; its reference order and its dropout masks are seeded from
     (seed, round), so vectorized clients give the same model as sequential ones. Needs
@@ -211,11 +212,11 @@ class ServerReference(FederatedCallback):
         # its own dropout draws, as a client's: not what the last client left in the RNG
         seed_global_rng(derive_seed(config.seed, "server_reference", state.round_idx),
                         pl_module.device)  # fmt: skip
+        lr = trainer.optimizers[0].param_groups[0]["lr"]  # the round's, after any schedule
         if steps is None:
-            sgd(pl_module, params, loader, pl_module.hparams.lr, epochs=config.local_epochs)
+            sgd(pl_module, params, loader, lr, epochs=config.local_epochs)
         else:
-            cycled = _Cycled(loader, steps)
-            sgd(pl_module, params, cycled, pl_module.hparams.lr, epochs=1)
+            sgd(pl_module, params, _Cycled(loader, steps), lr, epochs=1)
         server_update = model.minus(state.global_tensors)
         torch._foreach_add_(state.update_sum, server_update, alpha=self.w)
         model.load_(state.global_tensors)

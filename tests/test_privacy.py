@@ -156,6 +156,24 @@ def test_server_reference_with_w_zero_is_fedavg_and_with_w_one_only_server_data(
     assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
 
 
+def test_server_reference_steps_at_the_rounds_learning_rate_not_the_hyper_parameter():
+    """An lr schedule (here: the optimizer's rate set to 0.1 while ``hparams.lr`` says
+    0.5) applies to the server's steps as to the clients': the server's one pass is the
+    hand-written one at 0.1."""
+    import lightning.pytorch as pl
+
+    class RateAtFitStart(pl.Callback):  # before the first round
+        def on_fit_start(self, trainer, pl_module):
+            trainer.optimizers[0].param_groups[0]["lr"] = 0.1
+
+    torch.manual_seed(0)
+    one = Classifier(MLP(10, (16,), 4), lr=0.5)
+    dm = _dm("server", num_clients=3)
+    _fit(one, dm, [RateAtFitStart(), ServerReference(w=1.0)], rounds=1)
+    net = _server_steps_by_hand(dm)
+    assert max_abs_diff(params_of(one), params_of(net)) < 1e-6
+
+
 def _dropout_network() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4)
