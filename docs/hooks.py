@@ -247,11 +247,6 @@ def _attribute(obj: object, dotted: str) -> bool:
     return True
 
 
-def on_config(config):
-    source_tree()
-    return config
-
-
 def on_files(files, config):
     pages = {
         "index.md": readme_page(),
@@ -266,3 +261,8 @@ def on_files(files, config):
             files.remove(existing)
         files.append(File.generated(config, path, content=content))
     return files
+
+
+# The tree must exist before mkdocstrings reads its ``paths`` (at its own set-up, before
+# any hook event runs): written when MkDocs loads these hooks.
+source_tree()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ def _hooks():
 
 
 def test_the_site_builds_strictly_with_every_page(tmp_path):
+    """From a clean clone's state: no source tree left by an earlier build."""
+    shutil.rmtree(ROOT / "build" / "docs_src", ignore_errors=True)
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
