@@ -101,18 +101,8 @@ class MarkovAvailability:
         chains = self._chains(num_clients)
         pi = self._per_chain(self.pi, chains)
         lam = self._per_chain(self.lam, chains)
-        if (
-            self._state is None
-            or self._round is None
-            or self._round > round_idx
-            or self._seed != seed
-            or len(self._state) != chains
-        ):
-            self._seed = seed
-            draw = torch.rand(
-                chains, generator=generator(seed, "availability", 0), dtype=torch.float64
-            )
-            self._round, self._state = 0, draw < pi
+        if not self._walk_goes_on(round_idx, seed, chains):
+            self._start(seed, chains)
         stay, rise = self._thresholds(pi, lam)
         while self._round < round_idx:
             self._round += 1
@@ -123,6 +113,23 @@ class MarkovAvailability:
             self._state = torch.where(self._state, draw < stay, draw < rise)
         state = self._state
         return state if self.clusters is None else state[self.clusters]
+
+    def _walk_goes_on(self, round_idx: int, seed: int, chains: int) -> bool:
+        """Whether the cached walk leads to ``round_idx``: drawn with ``seed`` for
+        ``chains`` chains, and not past that round."""
+        return (
+            self._state is not None
+            and self._round is not None
+            and self._round <= round_idx
+            and self._seed == seed
+            and len(self._state) == chains
+        )
+
+    def _start(self, seed: int, chains: int) -> None:
+        """Round 0: each chain's stationary start, from (seed, "availability", 0)."""
+        self._seed = seed
+        draw = torch.rand(chains, generator=generator(seed, "availability", 0), dtype=torch.float64)
+        self._round, self._state = 0, draw < self._per_chain(self.pi, chains)
 
     def _thresholds(
         self, pi: torch.Tensor, lam: torch.Tensor
@@ -292,24 +299,14 @@ class SojournMarkovAvailability(MarkovAvailability):
     def _walk(self, round_idx: int, seed: int, chains: int) -> torch.Tensor:
         if self._log_stays is None:
             self._log_stays = self._log_stay(chains)
-        if (
-            self._calendar is None
-            or self._round is None
-            or self._round > round_idx
-            or self._seed != seed
-            or len(self._state) != chains
-        ):
-            self._seed = seed
-            draw = torch.rand(
-                chains, generator=generator(seed, "availability", 0), dtype=torch.float64
-            )
-            self._state = draw < self._per_chain(self.pi, chains)
+        if self._calendar is None or not self._walk_goes_on(round_idx, seed, chains):
+            self._start(seed, chains)
             self._log_stays = self._log_stay(chains)
             ids = torch.arange(chains)
             first = self._next_changes(
                 0, ids, self._state, generator(seed, "availability_sojourns", 0)
             )
-            self._round, self._calendar = 0, _Calendar(*first)
+            self._calendar = _Calendar(*first)
             self._active = torch.nonzero(self._state).flatten()
         if self._active is None:
             self._active = torch.nonzero(self._state).flatten()
