@@ -86,7 +86,7 @@ def one_run(recipe: Path, data_root: Path, seed: int, workdir: str) -> dict[str,
     local = next(cb for cb in cli.trainer.callbacks if isinstance(cb, Local))
     grid = local.cross_evaluate(cli.trainer, "test")[metric]
     rows = {"local (own center)": (float(grid.diagonal().mean()), float("nan"))}
-    tensors = cli.trainer.strategy.federated_tensors
+    tensors = cli.trainer.strategy.fit.tensors
     saved = tensors.clone()
     for i in range(grid.shape[0]):
         local.models.load(cli.trainer.strategy.client_store, i, tensors)

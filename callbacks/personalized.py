@@ -72,7 +72,9 @@ class FineTune(FederatedCallback):
         stage = "test" if trainer.testing else "validate"
         if stage not in self.stages or trainer.sanity_checking:
             return
-        loader = client_loader(trainer, client, "train", ("finetune", client))
+        loader = client_loader(
+            trainer, client, "train", (self.view.config.seed, "finetune", client)
+        )
         if loader is not None:
             sgd(pl_module, _params(pl_module), loader, self.lr, self.epochs)
 
@@ -134,7 +136,9 @@ class Ditto(FederatedCallback):
         self, trainer, module, client: int, start: TensorList, anchor: TensorList, tag: Any
     ) -> None:
         params = _params(module)
-        loader = client_loader(trainer, client, "train", ("ditto", tag, client))
+        loader = client_loader(
+            trainer, client, "train", (self.view.config.seed, "ditto", tag, client)
+        )
         if loader is None:
             return
         with torch.no_grad():
@@ -308,7 +312,9 @@ class APFL(_BatchHook):
             w = [p.detach().clone() for p in params]
             if _is_unseen(trainer, client):
                 self._v, self._a = [t.clone() for t in w], self.alpha
-                loader = client_loader(trainer, client, "train", ("apfl", UNSEEN_ROUND, client))
+                loader = client_loader(
+                    trainer, client, "train", (self.view.config.seed, "apfl", UNSEEN_ROUND, client)
+                )
                 for _ in range(self.adapt_epochs if loader is not None else 0):
                     for batch in batches(loader, pl_module.device):
                         self._step(pl_module, batch, w)
@@ -375,7 +381,9 @@ class FedRep(FederatedCallback):
 
     def _train_head(self, trainer, module, client: int, tag: Any) -> None:
         head = self.head_parameters(module)
-        loader = client_loader(trainer, client, "train", ("fedrep", tag, client))
+        loader = client_loader(
+            trainer, client, "train", (self.view.config.seed, "fedrep", tag, client)
+        )
         if loader is not None and self.head_epochs > 0:
             sgd(module, head, loader, self.head_lr, self.head_epochs)
 
@@ -518,7 +526,9 @@ class PFedMe(_BatchHook):
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         params = _params(pl_module)
         if _is_unseen(trainer, client):
-            loader = client_loader(trainer, client, "train", ("pfedme", UNSEEN_ROUND, client))
+            loader = client_loader(
+                trainer, client, "train", (self.view.config.seed, "pfedme", UNSEEN_ROUND, client)
+            )
             if loader is None:
                 return
             lr = (

@@ -24,7 +24,12 @@ from lightning_fl import (
     UniformSampler,
 )
 from lightning_fl.callbacks import Ditto, FedAvg, Unlearning
-from lightning_fl.engine.composition import REFUSALS, CompositionError, refusal_table
+from lightning_fl.engine.composition import (
+    REFUSALS,
+    WAYS_OF_RUNNING,
+    CompositionError,
+    refusal_table,
+)
 from lightning_fl.engine.federated_state import FederationMismatchError
 from lightning_fl.systems.samplers import ExcludedClients
 from tests import composition
@@ -65,6 +70,26 @@ def test_every_refusal_rule_refuses_some_pair_of_the_matrix():
     for rule in REFUSALS:
         if rule.second != ("2 processes",) and rule.first != "silos":
             assert any(rule.reason in m for m in messages), rule
+
+
+def test_every_name_in_the_refusal_table_is_a_plugin_class_or_a_way_of_running():
+    """The table names plugins by class name (the engine does not import the callbacks):
+    each name must be a class the package exports, or one of the ways a run executes, so
+    that a misspelt or renamed plugin fails here instead of never being refused."""
+    import lightning_fl
+    import lightning_fl.callbacks as callbacks
+    import lightning_fl.datamodules as datamodules
+    import lightning_fl.systems.samplers as samplers
+
+    exported = {
+        name
+        for module in (lightning_fl, callbacks, datamodules, samplers)
+        for name, value in vars(module).items()
+        if isinstance(value, type)
+    }
+    for rule in REFUSALS:
+        for name in (rule.first, *rule.second):
+            assert name in exported | set(WAYS_OF_RUNNING), (name, rule.reason)
 
 
 #: The class names a matrix plugin carries besides its own name, written out from the
@@ -479,8 +504,8 @@ def test_a_torchmetrics_metric_is_computed_per_client_and_pooled_over_seen_clien
                            default_root_dir=str(tmp_path))  # fmt: skip
     trainer.fit(module, datamodule=dm)
     trainer.test(module, datamodule=dm, verbose=False)
-    per_client = trainer.strategy.metric_capture.per_client["test_macro_acc"]
-    auroc = trainer.strategy.metric_capture.per_client["test_auroc"]
+    per_client = trainer.strategy.evaluation.capture.per_client["test_macro_acc"]
+    auroc = trainer.strategy.evaluation.capture.per_client["test_auroc"]
     module.eval()
     expected, seen_x, seen_y = {}, [], []
     with torch.no_grad(), warnings.catch_warnings():

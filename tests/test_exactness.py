@@ -161,7 +161,7 @@ class _ShiftedStart(FederatedCallback):
 
     def on_client_start(self, trainer, pl_module, client, state) -> None:
         with torch.no_grad():
-            for p in trainer.strategy.federated_tensors.params:
+            for p in trainer.strategy.fit.tensors.params:
                 p.add_(0.05)
 
 

@@ -251,7 +251,7 @@ def test_flamby_recipes_use_flamby_settings_and_report_per_client_means(recipe, 
     with torch.no_grad():
         for c in range(dm.num_clients):
             if local is not None:
-                assert local.models.load(strategy.client_store, c, strategy.federated_tensors)
+                assert local.models.load(strategy.client_store, c, strategy.fit.tensors)
             _, metrics = model.loss_and_metrics(dm.client_dataset(c, "test")[:])
             by_hand.append(float(metrics[metric]))
     reported = float(cli.trainer.callback_metrics[f"test_{metric}/uniform"])

@@ -68,7 +68,7 @@ def _test(module, callbacks, tmp_path=None):
     kw = {} if tmp_path is None else {"default_root_dir": str(tmp_path)}
     trainer = make_trainer(FederatedStrategy(seed=1), 1, callbacks, **kw)
     results = trainer.test(module, datamodule=tiny_datamodule(), verbose=False)[0]
-    return results, dict(trainer.strategy.metric_capture.per_client["test_acc"])
+    return results, dict(trainer.strategy.evaluation.capture.per_client["test_acc"])
 
 
 def test_lambda_zero_is_the_global_model():
@@ -301,7 +301,7 @@ def test_an_intermediate_lambda_with_the_authors_squared_kernel_scores_the_mixtu
     knn_per = KNNPer(lambda_=lam, k=k, scale=scale, squared_distance=True)
     trainer = make_trainer(FederatedStrategy(seed=1), 1, [knn_per])
     trainer.test(module, datamodule=tiny_datamodule(batch_size=2), verbose=False)
-    losses = dict(trainer.strategy.metric_capture.per_client["test_loss"])
+    losses = dict(trainer.strategy.evaluation.capture.per_client["test_loss"])
     assert float(trainer.callback_metrics["knn_per/lambda_mean"]) == pytest.approx(lam)
     net = module.network.net
     embed = torch.nn.Sequential(*list(net)[:-1])

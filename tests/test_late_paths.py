@@ -193,7 +193,7 @@ def test_a_vectorized_run_with_the_federation_on_the_device():
         config["trainer"]["strategy"]["init_args"].update(vectorize=True, data_on_device=True)
 
     cli, _ = run_late("quickstart.yaml", 2, edit)
-    packed = cli.trainer.strategy.packed
+    packed = cli.trainer.strategy.fit.packed
     assert packed is not None and packed.device == next(cli.model.parameters()).device
     assert torch.isfinite(torch.tensor(float(cli.trainer.callback_metrics["test_acc"])))
 

@@ -180,7 +180,7 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
         make_trainer(strategy, 1, [FedAvg()]).fit(
             Classifier(network=MLP(6, (8,), 3)), datamodule=tiny_datamodule()
         )
-    assert strategy.packed is None
+    assert strategy.fit.packed is None
     monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size)
     assert pack_federation(dm, counts, torch.device("cpu"))[0] is not None
 
@@ -258,7 +258,7 @@ def test_packed_and_unpacked_vectorized_paths_equal_the_sequential_path(callback
             assert max_abs_diff([m for m in own if m is not None],
                                 [m for m in ours if m is not None]) <= 1e-5, name  # fmt: skip
             assert [m is None for m in own] == [m is None for m in ours], name
-        packed = trainer.strategy.packed is not None
+        packed = trainer.strategy.fit.packed is not None
         assert packed == ("packed" in name), name
     vectorized = runs["vectorized, packed"][1].strategy.vectorized
     assert vectorized.batched_lifecycle == (not isinstance(callbacks()[0], (SCAFFOLD, Local)))
@@ -277,7 +277,7 @@ class _PoisonClient(pl.Callback):
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self.x.copy_(self.clean if trainer.current_epoch == 1 else torch.full_like(self.x, 1e38))
-        packed = trainer.strategy.packed
+        packed = trainer.strategy.fit.packed
         if packed is not None:  # the packed copy is the data the chunks read
             start, size = int(packed.offsets[3]), int(packed.sizes[3])
             packed.columns[0][start : start + size] = self.x
@@ -371,29 +371,6 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy(monkeypatch):
             assert (tight is not None) == shared
 
 
-def test_lightnings_sigterm_broadcast_runs_once_per_round_on_several_processes():
-    """Lightning broadcasts rank 0's SIGTERM flag before every training step; the strategy
-    keeps the first of each round (the same step on every rank), and leaves one process
-    alone."""
-    from types import SimpleNamespace
-
-    calls = []
-    loop = SimpleNamespace(_broadcast_sigterm_tensor=lambda: calls.append(trainer.current_epoch))
-    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), current_epoch=0)
-    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=2), trainer)
-    for epoch, steps in ((0, 5), (1, 3), (2, 1), (3, 4)):
-        trainer.current_epoch = epoch
-        for _ in range(steps):
-            loop._broadcast_sigterm_tensor()
-    assert calls == [0, 1, 2, 3]
-    single = SimpleNamespace(_broadcast_sigterm_tensor=lambda: calls.append("step"))
-    alone = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=single), current_epoch=0)
-    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=1), alone)
-    single._broadcast_sigterm_tensor()
-    single._broadcast_sigterm_tensor()
-    assert calls[-2:] == ["step", "step"]
-
-
 def test_the_schedule_primitives_by_hand():
     """chunk_positions' cut (a short last chunk, None and sizes ≥ the count as one chunk,
     nothing for no positions); ClientSchedule.locate at both ends of every client's range,
@@ -455,7 +432,7 @@ def test_packed_steps_carry_the_batch_size_lightning_reads_from_loaders():
         )  # fmt: skip
         trainer = make_trainer(strategy, 2, [FedAvg(), StepIndex()])
         trainer.fit(tiny_module(), datamodule=tiny_datamodule(batch_size=8))
-        assert (trainer.strategy.packed is not None) == on_device
+        assert (trainer.strategy.fit.packed is not None) == on_device
         means.append(float(trainer.callback_metrics["step_index"]))
     assert means[0] == pytest.approx(means[1], abs=1e-6)
 

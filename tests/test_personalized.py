@@ -85,7 +85,7 @@ def test_finetune_evaluates_each_client_after_one_local_pass():
     dm = tiny_datamodule(BATCH)
     trainer = _fit(module, [FineTune(lr=0.05)], dm, rounds=2)
     trainer.test(module, datamodule=dm, verbose=False)
-    per_client = trainer.strategy.metric_capture.per_client["test_acc"]
+    per_client = trainer.strategy.evaluation.capture.per_client["test_acc"]
     for c, data in enumerate(tiny_clients()):
         net = tiny_module(LR).network
         net.load_state_dict(module.network.state_dict())
@@ -99,7 +99,7 @@ def test_finetune_evaluates_each_client_after_one_local_pass():
             accuracy = float((net(x).argmax(1) == y).float().mean())
         assert per_client[c][0] == pytest.approx(accuracy, abs=1e-6)
     # the global model itself is untouched by fine-tuning
-    assert trainer.strategy.federated_tensors.params[0] is next(module.parameters())
+    assert trainer.strategy.fit.tensors.params[0] is next(module.parameters())
 
 
 def test_ditto_personal_model_follows_its_proximal_update():
@@ -606,7 +606,7 @@ def test_fedrep_heads_stay_personal_under_gossip_in_either_callback_order(fedrep
     fedrep, gossip = FedRep(head_epochs=1, head_lr=0.05), GossipAveraging(mixing_matrix=W3)
     trainer = _fit(module, [fedrep, gossip] if fedrep_first else [gossip, fedrep], dm, rounds=3)
     trainer.test(module, datamodule=dm, verbose=False)
-    losses = trainer.strategy.metric_capture.per_client["test_loss"]
+    losses = trainer.strategy.evaluation.capture.per_client["test_loss"]
     w, store = params_of(module), trainer.strategy.client_store
     models = [_stored(store, c, STORE_KEY, w) for c in range(3)]
     heads = [_stored(store, c, FedRep.key, w[2:]) for c in range(3)]
@@ -780,7 +780,7 @@ def _unseen_client_test_loss(callback, seen_model):
     module = tiny_module(LR)
     trainer = _fit(module, [callback], dm, rounds=2)
     trainer.test(module, datamodule=dm, verbose=False)
-    losses = trainer.strategy.metric_capture.per_client["test_loss"]
+    losses = trainer.strategy.evaluation.capture.per_client["test_loss"]
     w, store = params_of(module), trainer.strategy.client_store
     for c in range(3):
         expected = _test_loss(seen_model(w, store, c), clients[c])
@@ -950,7 +950,7 @@ def test_an_unseen_client_without_training_data_is_tested_with_the_global_model(
     module = tiny_module(LR)
     trainer = _fit(module, [callback], dm, rounds=2)
     trainer.test(module, datamodule=dm, verbose=False)
-    reported = trainer.strategy.metric_capture.per_client["test_loss"][3][0]
+    reported = trainer.strategy.evaluation.capture.per_client["test_loss"][3][0]
     assert reported == pytest.approx(_test_loss(params_of(module), clients[3]), rel=1e-6)
 
 

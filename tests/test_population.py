@@ -249,7 +249,7 @@ def test_fedavg_on_array_clients_equals_the_hand_written_loop(vectorize):
     trainer = make_trainer(strategy, 3, [FedAvg()])
     trainer.fit(model, datamodule=_array_datamodule(batch_size=4))
     if vectorize:
-        assert trainer.strategy.packed is not None
+        assert trainer.strategy.fit.packed is not None
     for got, want in zip(params_of(model.network), expected):
         assert torch.allclose(got, want, atol=1e-6), float((got - want).abs().max())
 

@@ -551,7 +551,7 @@ def test_clients_without_held_out_data_are_left_out_of_evaluation():
     clients[2]["val"] = (clients[2]["val"][0][:0], clients[2]["val"][1][:0])
     trainer = make_trainer(FederatedStrategy(seed=1), 1, limit_val_batches=None)
     trainer.validate(tiny_module(), datamodule=InMemoryFederatedDataModule(clients, 4))
-    reported = trainer.strategy.metric_capture.per_client["val_acc"]
+    reported = trainer.strategy.evaluation.capture.per_client["val_acc"]
     assert sorted(reported) == [0, 3, 4, 5, 6, 7, 8, 9]
 
 

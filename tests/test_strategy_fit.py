@@ -17,8 +17,8 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAvg, Pooled
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.engine import silo_checkpoints
-from lightning_fl.engine import strategy as strategy_module
+from lightning_fl.engine import packed as packed_module
+from lightning_fl.engine import setup_checks, silo_checkpoints
 from lightning_fl.engine.packed import TooLarge
 from lightning_fl.engine.tensors import FederatedTensors
 from tests.helpers import (
@@ -46,20 +46,19 @@ def _fit(strategy: FederatedStrategy, rounds: int = 1, datamodule=None, module=N
 def log(monkeypatch):
     """The strategy's info lines and warnings, as ``("info" | "warn", text)``."""
     said: list[tuple[str, str]] = []
-    monkeypatch.setattr(strategy_module, "rank_zero_info", lambda m: said.append(("info", m)))
-    monkeypatch.setattr(strategy_module, "rank_zero_warn", lambda m: said.append(("warn", m)))
+    for module in (packed_module, setup_checks):
+        monkeypatch.setattr(module, "rank_zero_info", lambda m: said.append(("info", m)))
+    monkeypatch.setattr(packed_module, "rank_zero_warn", lambda m: said.append(("warn", m)))
     return said
 
 
 def test_before_set_up_nothing_is_read_and_the_tensors_are_refused():
     strategy = FederatedStrategy()
-    assert strategy.packed is None and strategy.current_client is None
-    assert strategy.current_round is None and len(strategy.training_counts) == 0
-    with pytest.raises(RuntimeError, match="not set up yet"):
-        _ = strategy.federated_tensors
+    assert strategy.fit is None and strategy.training_client is None
+    assert strategy.current_round is None
     _fit(strategy)
-    assert isinstance(strategy.federated_tensors, FederatedTensors)
-    assert strategy.training_counts.tolist() == [4 + (c * 7) % 37 for c in range(10)]
+    assert isinstance(strategy.fit.tensors, FederatedTensors)
+    assert strategy.fit.federation.training_counts.tolist() == [4 + (c * 7) % 37 for c in range(10)]
 
 
 def test_fedavg_is_installed_when_no_aggregator_is_given():
@@ -113,12 +112,12 @@ def test_where_the_training_data_lives_and_what_the_log_says(log, data_on_device
     _fit(strategy)
     total = sum(4 + (c * 7) % 37 for c in range(10))
     if packed:
-        assert len(strategy.packed.columns[0]) == total
+        assert len(strategy.fit.packed.columns[0]) == total
         size = total * (IN * 4 + 8) / 2**20  # float32 features, int64 labels
         assert log == [("info", f"lightning_fl: the training data ({total} samples, "
                                 f"{size:.1f} MiB) is packed on cpu.")]  # fmt: skip
     else:
-        assert strategy.packed is None and log == []
+        assert strategy.fit.packed is None and log == []
 
 
 def test_why_data_is_not_packed_is_a_warning_only_when_the_user_can_act(log, monkeypatch):
@@ -127,12 +126,12 @@ def test_why_data_is_not_packed_is_a_warning_only_when_the_user_can_act(log, mon
     the pooled baseline and silo mode never pack."""
     reasons = iter([TooLarge("it needs 9 GiB"), "not plain TensorDatasets",
                     "not plain TensorDatasets"])  # fmt: skip
-    monkeypatch.setattr(strategy_module, "pack_federation", lambda *a: (None, next(reasons)))
+    monkeypatch.setattr(packed_module, "pack_federation", lambda *a: (None, next(reasons)))
     stays = "lightning_fl: the training data stays with the datamodule's loaders: "
     for data_on_device in ("auto", "auto", True):
         strategy = FederatedStrategy(local_steps=1, vectorize=True, data_on_device=data_on_device)
         _fit(strategy)
-        assert strategy.packed is None
+        assert strategy.fit.packed is None
     assert log == [
         ("warn", stays + "it needs 9 GiB. Free device memory, or set data_on_device=False "
                          "to silence this."),
@@ -144,7 +143,7 @@ def test_why_data_is_not_packed_is_a_warning_only_when_the_user_can_act(log, mon
     _fit(pooled, callbacks=[Pooled()])
     silo = FederatedStrategy(local_steps=1, data_on_device=True, silos=True)
     _fit(silo)
-    assert pooled.packed is None and silo.packed is None
+    assert pooled.fit.packed is None and silo.fit.packed is None
     assert log == [("info", "lightning_fl: silo mode: the training data stays with its silo.")]
 
 
@@ -205,14 +204,14 @@ def test_a_fit_reads_its_federation_and_validation_reuses_the_last_fits():
     data = tiny_datamodule()
     strategy = FederatedStrategy(local_steps=1, data_on_device=True)
     trainer = _fit(strategy, datamodule=data, limit_val_batches=1.0)
-    first, packed = strategy.fit.federation, strategy.packed
+    first, packed = strategy.fit.federation, strategy.fit.packed
     trainer.validate(trainer.lightning_module, datamodule=data, verbose=False)
-    assert strategy.fit.federation is first and strategy.packed is packed
+    assert strategy.fit.federation is first and strategy.fit.packed is packed
     trainer.test(trainer.lightning_module, datamodule=data, verbose=False)
     assert strategy.fit.federation is first
     other = tiny_datamodule(num_clients=4)
     trainer.validate(trainer.lightning_module, datamodule=other, verbose=False)
-    assert strategy.fit.federation is not first and strategy.packed is None
+    assert strategy.fit.federation is not first and strategy.fit.packed is None
     assert strategy.fit.federation.training_counts.tolist() == [4, 11, 18, 25]
     trainer.fit_loop.max_epochs = 2  # the same trainer fits a round more
     trainer.fit(trainer.lightning_module, datamodule=data)

@@ -13,9 +13,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from torch import nn
 
 from lightning_fl import FederatedStrategy
-from lightning_fl.callbacks import DPSGD, FedProx
+from lightning_fl.callbacks import DPSGD, CoordinateMedian, FedAvg, FedProx, TrimmedMean
+from lightning_fl.engine import processes, setup_checks
 from lightning_fl.engine import strategy as strategy_module
 from lightning_fl.engine.driver import RoundDriver
+from lightning_fl.engine.processes import set_cpu_threads
 from lightning_fl.engine.progress import FederatedProgressBar
 from lightning_fl.plots import FederatedPlots
 from tests.helpers import tiny_module
@@ -32,15 +34,14 @@ def threads(monkeypatch):
     """The values ``torch.set_num_threads`` was called with; 16 cores, no OMP_NUM_THREADS."""
     calls: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    monkeypatch.setattr(strategy_module.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: 16)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     return calls
 
 
 def _set_threads(num_threads, device="cpu", parameters=10, processes=1):
-    stand_in = SimpleNamespace(root_device=torch.device(device), num_threads=num_threads,
-                               model=_Parameters(parameters), num_processes=processes)  # fmt: skip
-    FederatedStrategy._set_cpu_threads(stand_in)
+    model = _Parameters(parameters)
+    set_cpu_threads(num_threads, model, processes, torch.device(device))
 
 
 def test_cpu_threads_by_hand(threads, monkeypatch):
@@ -55,9 +56,9 @@ def test_cpu_threads_by_hand(threads, monkeypatch):
     _set_threads("auto", parameters=1_000_000, processes=3)  # 16 // 3
     _set_threads("auto", parameters=1_000_000, processes=0)  # at least one process
     assert threads == [3, 1, 5, 16]
-    monkeypatch.setattr(strategy_module.os, "cpu_count", lambda: None)
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: None)
     _set_threads("auto", parameters=1_000_000, processes=1)  # unknown: one core, one thread
-    monkeypatch.setattr(strategy_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(processes.os, "cpu_count", lambda: 2)
     _set_threads("auto", parameters=1_000_000, processes=4)  # fewer cores than processes
     assert threads[4:] == [1, 1]
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
@@ -75,22 +76,27 @@ def _connected(*callbacks, enable_plots=True):
 
 def test_connect_installs_the_driver_first_and_orders_the_gradient_callbacks():
     """The round driver first, then the callbacks that replace the gradient (DP-SGD), then
-    the others in their order; Lightning's bar replaced by the federated one (switched off
-    without a terminal, as under pytest) with its settings; the plots callback last, once."""
+    the others in their order; FedAvg when no aggregator is given (one when one is);
+    Lightning's bar replaced by the federated one (switched off without a terminal, as
+    under pytest) with its settings; the plots callback last, once."""
     prox, dp, checkpoint = FedProx(0.1), DPSGD(noise_multiplier=1.0), ModelCheckpoint()
     bar = TQDMProgressBar(refresh_rate=7, leave=True)
     callbacks = _connected(prox, bar, dp, checkpoint)
     kinds = [type(cb) for cb in callbacks]
     assert kinds == [RoundDriver, DPSGD, FedProx, FederatedProgressBar, ModelCheckpoint,
-                     FederatedPlots]  # fmt: skip
+                     FedAvg, FederatedPlots]  # fmt: skip
     assert callbacks[1] is dp and callbacks[2] is prox and callbacks[4] is checkpoint
     federated_bar = callbacks[3]
     assert federated_bar.refresh_rate == 7 and federated_bar._leave is True
     assert not federated_bar.is_enabled
-    driver, plots = RoundDriver(), FederatedPlots()
-    again = _connected(plots, prox, driver)
-    assert again == [driver, plots, prox]
-    assert [type(cb) for cb in _connected(prox, enable_plots=False)] == [RoundDriver, FedProx]
+    driver, plots, median = RoundDriver(), FederatedPlots(), CoordinateMedian()
+    again = _connected(plots, prox, median, driver)
+    assert again == [driver, plots, prox, median]
+    assert [type(cb) for cb in _connected(prox, enable_plots=False)] == [
+        RoundDriver, FedProx, FedAvg
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="Exactly one aggregator .* got FedAvg, TrimmedMean"):
+        _connected(FedAvg(), TrimmedMean(0.1))
 
 
 def test_constructor_settings_by_hand():
@@ -119,9 +125,9 @@ def test_a_restarted_torchrun_worker_meets_in_its_attempts_own_keys(monkeypatch)
     from datetime import timedelta
 
     made = []
-    monkeypatch.setattr(strategy_module.dist, "TCPStore",
+    monkeypatch.setattr(processes.dist, "TCPStore",
                         lambda *args, **kw: made.append((args, kw)) or "agent")  # fmt: skip
-    monkeypatch.setattr(strategy_module.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    monkeypatch.setattr(processes.dist, "PrefixStore", lambda prefix, store: (prefix, store))
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MASTER_PORT", "29500")
     timeout = timedelta(seconds=30)
@@ -131,9 +137,9 @@ def test_a_restarted_torchrun_worker_meets_in_its_attempts_own_keys(monkeypatch)
             monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
         else:
             monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent)
-        assert strategy_module._restarted_worker_store(4, timeout) is None
+        assert processes.restarted_worker_store(4, timeout) is None
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    assert strategy_module._restarted_worker_store(4, timeout) == (
+    assert processes.restarted_worker_store(4, timeout) == (
         "/lightning_fl/attempt_2",
         "agent",
     )
@@ -147,7 +153,7 @@ def test_validation_is_skipped_only_when_no_client_has_validation_data():
     without, with_data = (SimpleNamespace(has_validation_data=lambda v=v: v) for v in (False, True))
     for limit, federation, expected in ((1.0, without, 0), (5, with_data, 5), (0, without, 0)):
         run = trainer(limit)
-        FederatedStrategy._skip_validation_without_data(run, federation)
+        setup_checks.skip_validation_without_data(run, federation)
         assert run.limit_val_batches == expected
 
 
@@ -160,14 +166,13 @@ def test_the_sigterm_flag_is_broadcast_once_per_round_on_several_processes():
         _broadcast_sigterm_tensor=lambda: broadcasts.append(trainer.current_epoch)
     )
     trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), current_epoch=0)
-    two = SimpleNamespace(world_size=2)
-    FederatedStrategy._check_sigterm_once_per_round(two, trainer)
+    processes.check_sigterm_once_per_round(trainer, 2)
     for epoch in (0, 0, 0, 1, 1, 2, 2, 2):
         trainer.current_epoch = epoch
         loop._broadcast_sigterm_tensor()
     assert broadcasts == [0, 1, 2]
     original = loop._broadcast_sigterm_tensor
-    FederatedStrategy._check_sigterm_once_per_round(SimpleNamespace(world_size=1), trainer)
+    processes.check_sigterm_once_per_round(trainer, 1)
     assert loop._broadcast_sigterm_tensor is original  # one process: left as it is
 
 
@@ -208,13 +213,13 @@ def test_set_up_of_a_restarted_worker_and_the_exit_handler_on_several_processes(
         calls.append((backend, kw["store"]))
 
     monkeypatch.setattr(strategy_module, "_init_dist_connection", init)
-    monkeypatch.setattr(strategy_module.atexit, "register", handlers.append)
-    monkeypatch.setattr(strategy_module.atexit, "unregister",
+    monkeypatch.setattr(processes.atexit, "register", handlers.append)
+    monkeypatch.setattr(processes.atexit, "unregister",
                         lambda f: handlers.remove(f) if f in handlers else None)  # fmt: skip
 
-    def set_up(processes: int, store) -> FederatedStrategy:
-        monkeypatch.setattr(strategy_module, "_restarted_worker_store", lambda *a: store)
-        devices = [torch.device("cpu")] * processes
+    def set_up(count: int, store) -> FederatedStrategy:
+        monkeypatch.setattr(processes, "restarted_worker_store", lambda *a: store)
+        devices = [torch.device("cpu")] * count
         strategy = FederatedStrategy(
             cluster_environment=LightningEnvironment(), parallel_devices=devices
         )
@@ -228,4 +233,4 @@ def test_set_up_of_a_restarted_worker_and_the_exit_handler_on_several_processes(
     restarted = set_up(2, "attempt store")
     assert calls == ["lightning", ("gloo", "attempt store")]
     assert restarted.world_size == 2
-    assert handlers == [strategy_module._destroy_dist_connection]
+    assert handlers == [processes._destroy_dist_connection]

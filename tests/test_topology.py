@@ -853,7 +853,7 @@ def test_gossip_evaluates_each_client_with_its_own_mixed_model():
     trainer.fit(module, datamodule=tiny_datamodule())
     store = trainer.strategy.client_store
     trainer.test(module, datamodule=tiny_datamodule(), verbose=False)
-    reported = trainer.strategy.metric_capture.per_client["test_acc"]
+    reported = trainer.strategy.evaluation.capture.per_client["test_acc"]
     copy = tiny_module(0.1)
     tensors = FederatedTensors(copy)
     differs = False

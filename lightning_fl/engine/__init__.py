@@ -5,7 +5,11 @@ Read top-down:
 - :mod:`.strategy`: ``FederatedStrategy``, the Lightning-facing part (launch, process
   group, Lightning's per-step hooks, checkpoint I/O). At each set-up it builds the
   :class:`~.context.FitContext` and hands the round's work to the objects below, which
-  are given that context, never the strategy (no module here imports it);
+  are given that context, never the strategy (no module here imports it); what it does
+  at set-up lives in :mod:`.fit_callbacks` (the Trainer's callbacks, completed and
+  ordered; the fit's plugins), :mod:`.setup_checks` (what is refused or adjusted) and
+  :mod:`.processes` (threads, the process group of a restarted worker, the SIGTERM
+  check), and each training step's work in :mod:`.training_steps`;
 - :mod:`.context`: what the engine reads: the frozen ``FederatedConfig``, the ranks, the
   federation (the one owner of every client's sample count), the fit's plugins;
 - :mod:`.plugins`: the plugin contract (``FederatedCallback``, ``Aggregator``,

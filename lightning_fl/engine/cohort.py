@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,18 @@ def draw_cohort(eligible: np.ndarray, size: int, seed: int, round_idx: int) -> n
         return np.asarray(eligible)
     rng = np.random.default_rng(derive_seed(seed, "eval_cohort", round_idx))
     return np.sort(eligible[rng.choice(len(eligible), size, replace=False)])
+
+
+def fit_cohort(
+    federation: Any, split: str, config: Any, round_idx: int, fitting: bool
+) -> tuple[np.ndarray | None, int | None]:
+    """The cohort an evaluation epoch of ``split`` evaluates and the population it is
+    drawn from: during a fit with ``config.eval_clients`` set, :func:`draw_cohort` over
+    ``federation``'s clients with data for ``split``; otherwise (None, None), every client."""
+    if config.eval_clients is None or not fitting:
+        return None, None
+    eligible = federation.clients_with_data(split)
+    return draw_cohort(eligible, config.eval_clients, config.seed, round_idx), len(eligible)
 
 
 def cohort_standard_errors(

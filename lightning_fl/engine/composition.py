@@ -25,6 +25,9 @@ import lightning.pytorch as pl
 
 from lightning_fl.systems.samplers import ClientSampler, SamplerWrapper
 
+#: The names the table gives the ways a run executes, beside the plugins' class names.
+WAYS_OF_RUNNING = ("vectorize", "2 processes", "silos")
+
 
 class CompositionError(ValueError):
     """Two plugins that cannot work together, refused at setup before any training."""
@@ -268,12 +271,11 @@ def plugin_names(
         for cls in type(obj).__mro__:
             if cls.__module__.split(".")[0] not in ("builtins", "torch", "lightning"):
                 names.setdefault(cls.__name__, shown)
-    if vectorize:
-        names["vectorize"] = "FederatedStrategy(vectorize=True)"
-    if world_size > 1:
-        names["2 processes"] = f"{world_size} processes"
-    if silos:
-        names["silos"] = "FederatedStrategy(silos=True)"
+    shown = ("FederatedStrategy(vectorize=True)", f"{world_size} processes",
+             "FederatedStrategy(silos=True)")  # fmt: skip
+    for way, shown_as, used in zip(WAYS_OF_RUNNING, shown, (vectorize, world_size > 1, silos)):
+        if used:
+            names[way] = shown_as
     return names
 
 

@@ -77,8 +77,8 @@ def client_loader(
 ) -> DataLoader | None:
     """``client``'s ``split`` loader from the datamodule, or None when it has no data.
 
-    With ``shuffle_seed`` (a tuple of seed parts) the loader is a training loader shuffled
-    by a generator derived from the strategy's seed and those parts; without it, the
+    With ``shuffle_seed`` (a tuple of seed parts, the run's seed first) the loader is a
+    training loader shuffled by a generator derived from those parts; without it, the
     evaluation loader (fixed order). Training data that carries WERM reference data gives
     plain batches of the training data.
     """
@@ -92,7 +92,7 @@ def client_loader(
         dataset = dataset.train
     if shuffle_seed is None:
         return dm.client_dataloader(dataset, "val")
-    return dm.client_dataloader(dataset, "train", generator(trainer.strategy.seed, *shuffle_seed))
+    return dm.client_dataloader(dataset, "train", generator(*shuffle_seed))
 
 
 def batches(loader: DataLoader, device: torch.device) -> Iterator[Any]:

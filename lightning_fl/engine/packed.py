@@ -27,9 +27,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
@@ -195,6 +197,51 @@ def _groups(length: Tensor) -> list[list[tuple[list[int], int]]]:
                 groups.append((torch.nonzero(column == size).flatten().tolist(), size))
         out.append(groups)
     return out
+
+
+def check_data_on_device(data_on_device: Any) -> bool | str:
+    """``data_on_device`` as given, refused unless True, False or ``"auto"``."""
+    if data_on_device not in (True, False, "auto"):
+        raise ValueError(f"data_on_device must be True, False or 'auto', got {data_on_device!r}.")
+    return data_on_device
+
+
+def pack_for_fit(
+    datamodule: FederatedDataModule,
+    counts: Sequence[int],
+    device: torch.device,
+    data_on_device: bool | str,
+    vectorize: bool,
+    silos: bool,
+) -> PackedFederation | None:
+    """A fit's packed federation (``FederatedStrategy(data_on_device=...)``; ``"auto"``:
+    with ``vectorize`` or on an accelerator; never in silo mode, where packing would read
+    every client's data), or None; the log says which, and why."""
+    wanted = data_on_device
+    if wanted == "auto":
+        wanted = vectorize or device.type != "cpu"
+    if not wanted:
+        return None
+    if silos:
+        rank_zero_info("lightning_fl: silo mode: the training data stays with its silo.")
+        return None
+    packed, reason = pack_federation(datamodule, list(counts), device)
+    if packed is None:
+        message = f"lightning_fl: the training data stays with the datamodule's loaders: {reason}."
+        if isinstance(reason, TooLarge):  # batches cross from the host at every step
+            rank_zero_warn(
+                message + " Free device memory, or set data_on_device=False to silence this."
+            )
+        elif data_on_device is True:
+            rank_zero_warn(message + " Set data_on_device='auto' to silence this.")
+        else:
+            rank_zero_info(message)
+        return None
+    rank_zero_info(
+        f"lightning_fl: the training data ({len(packed.columns[0])} samples, "
+        f"{packed.nbytes / 2**20:.1f} MiB) is packed on {packed.device}."
+    )
+    return packed
 
 
 def pack_federation(

@@ -30,10 +30,9 @@ class FederatedProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         strategy = trainer.strategy
-        plan, where = (
-            getattr(strategy, "current_round", None),
-            getattr(strategy, "current_client", None),
-        )
+        engine = getattr(strategy, "engine", None)
+        plan = engine.current_round if engine is not None else None
+        where = engine.current_client if engine is not None else None
         vectorized = getattr(strategy, "vectorized", None)
         chunk = getattr(vectorized, "current", None)
         if trainer.training and plan is not None and plan.chunks is not None and chunk:

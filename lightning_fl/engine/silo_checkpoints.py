@@ -121,3 +121,39 @@ def check_not_sharded(checkpoint: dict[str, Any], filepath: str | os.PathLike) -
             f"{filepath}: made by {state['silos']} silos, whose clients' state is in their "
             "own shards: resume it with FederatedStrategy(silos=True) on as many processes."
         )
+
+
+class SiloShards:
+    """One process's side of a checkpoint's files: in silo mode its shard beside the
+    global file (written, removed and read back with it); otherwise the global file
+    alone, which a sharded checkpoint cannot be resumed from."""
+
+    def __init__(self, silos: bool, rank: int, world_size: int) -> None:
+        self.silos, self.rank, self.world_size = silos, rank, world_size
+
+    def path(self, filepath: str | os.PathLike) -> str:
+        """This silo's shard beside ``filepath``."""
+        return shard_path(filepath, self.rank, self.world_size)
+
+    def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike) -> None:
+        """Write this silo's clients' store beside ``filepath`` and take it out of
+        ``checkpoint`` (a federated checkpoint in silo mode; otherwise nothing)."""
+        if not self.silos or DRIVER_KEY not in checkpoint.get("callbacks", {}):
+            return
+        shard = split_off_shard(checkpoint, self.rank, self.world_size)
+        path = self.path(filepath)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(shard, path)
+
+    def remove(self, filepath: str | os.PathLike) -> None:
+        """Remove this silo's shard of ``filepath`` (silo mode)."""
+        if self.silos and os.path.exists(path := self.path(filepath)):
+            os.remove(path)
+
+    def attach(self, checkpoint: dict[str, Any], filepath: str | os.PathLike) -> dict[str, Any]:
+        """``checkpoint`` with this silo's shard put back (silo mode), or checked to have
+        none (outside it)."""
+        if self.silos:
+            return merge_shard(checkpoint, filepath, self.rank, self.world_size)
+        check_not_sharded(checkpoint, filepath)
+        return checkpoint
