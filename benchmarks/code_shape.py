@@ -79,6 +79,15 @@ def main() -> None:
     vectorized = ROOT / "lightning_fl/engine/vectorized.py"
     print(f"engine/vectorized.py: {len(vectorized.read_text().splitlines())} lines")
     print(f"longest datamodule __init__: {_init_lengths('datamodules')[:1]}")
+    outside = [
+        str(p.relative_to(ROOT))
+        for folder in ("lightning_fl", "callbacks", "datamodules", "recipes", "docs")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".yaml")
+        and re.search(r"DESIGN\.md|\.\./shared", p.read_text())
+    ]
+    readme = re.findall(r"DESIGN\.md|\.\./shared", (ROOT / "README.md").read_text())
+    print(f"references to files outside the repository: {len(outside) + len(readme)} {outside}")
     doctests = sum(
         p.read_text().count(">>> ") for p in _sources("lightning_fl") + _sources("callbacks")
     )

@@ -1,8 +1,8 @@
 """FLamby-style natural splits: Fed-Heart-Disease, Fed-TCGA-BRCA and any table with a
 center column (du Terrail et al., "FLamby", NeurIPS 2022 Datasets & Benchmarks).
 
-Preprocessing and train/test splits follow FLamby's dataset code exactly; see
-``../shared/data/README.md``.
+Preprocessing and train/test splits follow FLamby's dataset code exactly (the files,
+their columns and their centers: the README's "FLamby reference recipes").
 """
 
 from __future__ import annotations
