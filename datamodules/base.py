@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -118,18 +119,39 @@ class FederatedDataModule(pl.LightningDataModule):
         self._unseen: list[int] | None = None
         #: (rank, world size) in silo mode: this process holds only the clients it owns
         self.silo: tuple[int, int] | None = None
+        self.silo_name: str | None = None  # the site's name, when the recipe names them
 
     @property
     def num_clients(self) -> int:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ silo mode
-    def enter_silo(self, rank: int, world_size: int) -> None:
+    def enter_silo(self, rank: int, world_size: int, name: str | None = None) -> None:
         """Silo mode (``FederatedStrategy(silos=True)``, called before ``setup``): this
-        process is silo ``rank`` of ``world_size`` and holds only its own clients, those
-        with ``client % world_size == rank``; it opens only their data, and asking for
-        another client's is a :class:`SiloError`."""
-        self.silo = (rank, world_size)
+        process is silo ``rank`` of ``world_size`` (the site ``name`` when the recipe
+        names its sites) and holds only its own clients, those with
+        ``client % world_size == rank``; it opens only their data, and asking for another
+        client's is a :class:`SiloError`."""
+        self.silo, self.silo_name = (rank, world_size), name
+
+    def silo_folder(self, template: str | Path) -> Path:
+        """``template`` with ``{rank}`` replaced by this silo's rank and ``{silo}`` by its
+        site name (``data/heart/{silo}``: each site its own folder); refused outside silo
+        mode, and ``{silo}`` where the sites have no names."""
+        text = str(template)
+        if self.silo is None or ("{silo}" in text and self.silo_name is None):
+            needs = "FederatedStrategy(silos=[...names])" if "{silo}" in text else (
+                "FederatedStrategy(silos=True)")  # fmt: skip
+            raise ValueError(
+                f"{text!r} names a folder per silo: run it with {needs}, or give one folder "
+                "of every client's files."
+            )
+        return Path(text.format(rank=self.silo[0], silo=self.silo_name))
+
+    @staticmethod
+    def per_silo(template: str | Path) -> bool:
+        """Whether ``template`` names a folder per silo (``{rank}`` or ``{silo}``)."""
+        return "{rank}" in str(template) or "{silo}" in str(template)
 
     def owns(self, client: int) -> bool:
         """Whether this process holds ``client``'s data (always, outside silo mode)."""

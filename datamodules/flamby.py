@@ -223,8 +223,9 @@ class FedHeartDiseaseDataModule(_TabularCenters):
 
     In silo mode (``FederatedStrategy(silos=True)``), process r holds the centers c with
     c % world_size == r and opens only their files, in ``root`` with ``{rank}`` replaced by
-    r (``root: data/heart/{rank}`` gives each silo its own folder); the one-hot encoding is
-    :data:`HEART_LEVELS`, the same as the four files give.
+    r and ``{silo}`` by the site's name (``root: data/heart/{silo}`` gives each site its own
+    folder: :meth:`~lightning_fl.datamodules.base.FederatedDataModule.silo_folder`); the
+    one-hot encoding is :data:`HEART_LEVELS`, the same as the four files give.
     """
 
     def __init__(
@@ -244,15 +245,12 @@ class FedHeartDiseaseDataModule(_TabularCenters):
         """The folder and the files (name → SHA-256) this process reads: this silo's, or all
         four."""
         if self.silo is None:
-            if "{rank}" in str(self.root):
-                raise ValueError(
-                    f"root {str(self.root)!r} names a folder per silo ({{rank}}): run it with "
-                    "FederatedStrategy(silos=True), or give the folder of the four files."
-                )
+            if self.per_silo(self.root):
+                self.silo_folder(self.root)  # refused, naming the setting it needs
             return self.root, HEART_SHA256
         names = [HEART_CENTERS[c] for c in range(len(HEART_CENTERS)) if self.owns(c)]
         files = {f"processed.{name}.data": HEART_SHA256[f"processed.{name}.data"] for name in names}
-        return Path(str(self.root).format(rank=self.silo[0])), files
+        return self.silo_folder(self.root), files
 
     def prepare_data(self) -> None:
         """Check the files, downloading the missing ones with ``download=True``."""
@@ -416,7 +414,8 @@ class NaturalSplitDataModule(_TabularCenters):
         centers: every center's name, in the clients' order (default: the names found,
             sorted). Needed in silo mode (``FederatedStrategy(silos=True)``), where process
             r holds the centers c with c % world_size == r and reads only their files,
-            ``<path>/<name>.csv``, with ``{rank}`` in ``path`` replaced by r.
+            ``<path>/<name>.csv``, with ``{rank}`` in ``path`` replaced by r and ``{silo}``
+            by the site's name.
     """
 
     def __init__(
@@ -484,7 +483,7 @@ class NaturalSplitDataModule(_TabularCenters):
                 "NaturalSplitDataModule in silo mode needs centers=[...]: every center's "
                 "name in the clients' order, the same list on every silo."
             )
-        folder = Path(str(self.path).format(rank=self.silo[0]))
+        folder = self.silo_folder(self.path)
         if not folder.is_dir():
             raise ValueError(
                 f"{folder}: in silo mode path is the folder of this silo's center files "

@@ -30,6 +30,7 @@ from lightning_utilities.core.imports import RequirementCache
 
 from lightning_fl.engine.outputs import RunSummary, run_dir
 from lightning_fl.engine.resume import last_checkpoint
+from lightning_fl.engine.silo_sites import SILO_ENV
 
 
 class RunFolderSaveConfig(SaveConfigCallback):
@@ -78,11 +79,20 @@ class FederatedCLI(LightningCLI):
             help="torch.set_float32_matmul_precision: 'high' lets a GPU use TF32 tensor cores "
             "(faster; results then differ from a CPU run's in the 4th significant digit).",
         )
+        parser.add_argument(
+            "--silo",
+            type=str | None,
+            default=None,
+            help=f"This site's name, one of the recipe's FederatedStrategy(silos=[...]) "
+            f"(default: ${SILO_ENV}).",
+        )
         parser.set_defaults({"trainer.enable_progress_bar": sys.stderr.isatty()})
 
     def before_instantiate_classes(self) -> None:
-        precision = self.config[self.subcommand].get("float32_matmul_precision", "highest")
-        torch.set_float32_matmul_precision(precision)
+        config = self.config[self.subcommand]
+        torch.set_float32_matmul_precision(config.get("float32_matmul_precision", "highest"))
+        if config.get("silo"):  # the strategy reads it when the recipe names its sites
+            os.environ[SILO_ENV] = config["silo"]
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI reads the checkpoint's hyper-parameters before the Trainer loads

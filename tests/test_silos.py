@@ -63,8 +63,17 @@ def test_the_shared_heart_encoding_is_the_one_the_four_files_give(tmp_path):
     for split in ("train", "test"):
         assert torch.equal(dm.client_dataset(2, split).tensors[0],
                            whole.client_dataset(2, split).tensors[0])  # fmt: skip
-    with pytest.raises(ValueError, match=r"names a folder per silo \(\{rank\}\)"):
+    with pytest.raises(ValueError, match=r"per silo: run it with FederatedStrategy\(silos=True\)"):
         FedHeartDiseaseDataModule(root=str(tmp_path / "{rank}")).setup("fit")
+    named = FedHeartDiseaseDataModule(root=str(tmp_path / "{silo}"))
+    with pytest.raises(ValueError, match=r"run it with FederatedStrategy\(silos=\[...names\]\)"):
+        named.setup("fit")
+    named.enter_silo(1, 4)  # silo mode, but the sites have no names
+    with pytest.raises(ValueError, match=r"silos=\[...names\]"):
+        named.setup("fit")
+    named.enter_silo(1, 4, "hungarian")
+    assert named.silo_folder(named.root) == tmp_path / "hungarian"
+    assert named.silo_folder("d/{rank}/{silo}") == Path("d/1/hungarian")
 
 
 def test_silo_mode_refuses_the_pooled_baseline_and_streams_naming_both():

@@ -32,6 +32,17 @@ class CheckpointReadError(RuntimeError):
     ``weights_only`` loading)."""
 
     @classmethod
+    def reading(cls, path: Any, load: Any, weights_only: bool | None = None) -> dict:
+        """``load(path, weights_only=...)``, its errors but a missing file's raised as
+        this error, naming the file."""
+        try:
+            return load(path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
+            raise cls.of(path, err) from err
+
+    @classmethod
     def of(cls, path: Any, err: BaseException) -> CheckpointReadError:
         """The error for ``path``, whose loading raised ``err``: the file, what is wrong
         and what to do, without torch's advice to load it with ``weights_only=False``."""

@@ -41,12 +41,16 @@ def run_folder_of(ckpt_path: str | os.PathLike) -> Path | None:
 
 
 def last_checkpoint(root_dir: str | os.PathLike) -> str | None:
-    """The ``last.ckpt`` of the newest ``version_K`` under ``root_dir`` that has one."""
+    """The ``last.ckpt`` of the newest ``version_K`` under ``root_dir`` that has one, or
+    a silo's shard of it (a site's machine holds its own shard only: the name it is
+    resumed from is the checkpoint's, :class:`~.silo_checkpoints.SiloShards` maps it)."""
     found = []
     for folder in Path(root_dir).glob("version_*"):
         number = re.fullmatch(r"version_(\d+)", folder.name)
-        if number and (folder / "checkpoints" / "last.ckpt").is_file():
-            found.append((int(number.group(1)), folder / "checkpoints" / "last.ckpt"))
+        last = folder / "checkpoints" / "last.ckpt"
+        shards = [*last.parent.glob("*/last.ckpt"), *last.parent.glob("last.ckpt.silo*")]
+        if number and (last.is_file() or shards):
+            found.append((int(number.group(1)), last))
     return str(max(found)[1]) if found else None
 
 

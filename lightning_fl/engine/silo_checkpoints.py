@@ -19,9 +19,12 @@ both, rather than loading another silo's private state.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_fl.engine.federated_state import CheckpointReadError
 
@@ -75,20 +78,29 @@ def merge_shard(
             "leaves the silo). Copy it back beside the checkpoint, or resume from a "
             "checkpoint whose shards every silo has."
         )
-    try:  # weights_only: a shard is data, never code to run
-        shard = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
-        raise CheckpointReadError.of(path, err) from err
+    shard = read_shard(path)
     check_shard_identity(shard, state, path, rank, world_size)
     state["client_store"] = shard["client_store"]
     return checkpoint
 
 
 def check_shard_identity(
-    shard: dict[str, Any], state: dict[str, Any], path: str, rank: int, world_size: int
+    shard: dict[str, Any],
+    state: dict[str, Any],
+    path: str,
+    rank: int,
+    world_size: int,
+    site: str | None = None,
 ) -> None:
-    """Refuse a shard that is not this silo's, of this run, at this round (the fields a
-    shard records; shards written before they existed are checked on what they hold)."""
+    """Refuse a shard that is not this silo's (its ``site`` name, rank and clients), of
+    this run, at this round (the fields a shard records; shards written before they
+    existed are checked on what they hold)."""
+    if site is not None and shard.get("site") not in (None, site):
+        raise SiloCheckpointError(
+            f"{path} holds the state of site {shard['site']!r}, not of this site {site!r}: "
+            f"each site resumes from its own shard only. Put site {site!r}'s own shard "
+            f"back, or start this process as --silo {shard['site']}."
+        )
     owner = (shard.get("rank", rank), shard.get("world_size", world_size))
     if owner != (rank, world_size):
         raise SiloCheckpointError(
@@ -124,36 +136,108 @@ def check_not_sharded(checkpoint: dict[str, Any], filepath: str | os.PathLike) -
 
 
 class SiloShards:
-    """One process's side of a checkpoint's files: in silo mode its shard beside the
-    global file (written, removed and read back with it); otherwise the global file
-    alone, which a sharded checkpoint cannot be resumed from."""
+    """One process's side of a checkpoint's files. In silo mode each site writes its shard
+    (its clients' store, what identifies it, and a copy of the global part) to its own
+    place, :meth:`path`: ``<folder>/<site>/<name>`` for a named site, else
+    ``<checkpoint>.silo<rank>-of-<world size>`` beside the checkpoint; rank 0 also writes
+    the global file, as Lightning does. A site resumes from its shard alone (no folder
+    needs to be shared; a shard written before shards held the global part is merged
+    with the global file), and the sites then agree, with one ``all_gather_object``, that
+    every one of them could and that they resume the same run at the same round.
+    Outside silo mode the global file is read, and a sharded one refused."""
 
-    def __init__(self, silos: bool, rank: int, world_size: int) -> None:
-        self.silos, self.rank, self.world_size = silos, rank, world_size
+    def __init__(self, silos: bool, rank: int, world_size: int, site: str | None = None):
+        self.silos, self.rank, self.world_size, self.site = silos, rank, world_size, site
 
     def path(self, filepath: str | os.PathLike) -> str:
-        """This silo's shard beside ``filepath``."""
-        return shard_path(filepath, self.rank, self.world_size)
+        """This site's shard of the checkpoint ``filepath``."""
+        if self.site is None:
+            return shard_path(filepath, self.rank, self.world_size)
+        folder, name = os.path.split(os.fspath(filepath))
+        return os.path.join(folder, self.site, name)
 
     def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike) -> None:
-        """Write this silo's clients' store beside ``filepath`` and take it out of
+        """Write this site's shard of ``checkpoint`` and take its clients' store out of
         ``checkpoint`` (a federated checkpoint in silo mode; otherwise nothing)."""
         if not self.silos or DRIVER_KEY not in checkpoint.get("callbacks", {}):
             return
         shard = split_off_shard(checkpoint, self.rank, self.world_size)
+        shard["site"], shard["checkpoint"] = self.site, checkpoint
         path = self.path(filepath)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         torch.save(shard, path)
 
     def remove(self, filepath: str | os.PathLike) -> None:
-        """Remove this silo's shard of ``filepath`` (silo mode)."""
+        """Remove this site's shard of ``filepath`` (silo mode)."""
         if self.silos and os.path.exists(path := self.path(filepath)):
             os.remove(path)
 
-    def attach(self, checkpoint: dict[str, Any], filepath: str | os.PathLike) -> dict[str, Any]:
-        """``checkpoint`` with this silo's shard put back (silo mode), or checked to have
-        none (outside it)."""
-        if self.silos:
-            return merge_shard(checkpoint, filepath, self.rank, self.world_size)
-        check_not_sharded(checkpoint, filepath)
+    def load(
+        self, filepath: str | os.PathLike, read: Callable[[str | os.PathLike], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The checkpoint ``filepath`` as this process resumes it: in silo mode from this
+        site's shard (``read`` reads the global file, for older shards), checked to be
+        this site's and agreed on by every site; otherwise the global file (``read``)."""
+        if not self.silos:
+            checkpoint = read(filepath)
+            check_not_sharded(checkpoint, filepath)
+            return checkpoint
+        checkpoint, problem = None, None
+        try:
+            checkpoint = self._own(filepath, read)
+        except (SiloCheckpointError, CheckpointReadError) as err:
+            problem = str(err)
+        state = (checkpoint or {}).get("callbacks", {}).get(DRIVER_KEY) or {}
+        label = self.site or f"silo {self.rank}"
+        mine = (label, problem, state.get("run_id"), state.get("round"))
+        sites = [mine]
+        if self.world_size > 1 and dist.is_initialized():
+            sites = [None] * self.world_size
+            dist.all_gather_object(sites, mine)
+        agree(sites, label)
         return checkpoint
+
+    def _own(self, filepath: str | os.PathLike, read: Callable) -> dict[str, Any]:
+        path = self.path(filepath)
+        if not os.path.exists(path) and self.site is None and os.path.exists(filepath):
+            return merge_shard(read(filepath), filepath, self.rank, self.world_size)
+        if not os.path.exists(path):
+            raise SiloCheckpointError(
+                f"{path} is missing: this site resumes from its own shard (its clients' "
+                "state never leaves it). Put it back, or resume from a checkpoint every "
+                "site has."
+            )
+        shard = read_shard(path)
+        checkpoint = shard.pop("checkpoint", None)
+        if checkpoint is None:  # written before shards held the global part
+            return merge_shard(read(filepath), filepath, self.rank, self.world_size)
+        state = checkpoint.get("callbacks", {}).get(DRIVER_KEY)
+        check_shard_identity(shard, state, path, self.rank, self.world_size, self.site)
+        state["client_store"] = shard["client_store"]
+        return checkpoint
+
+
+def read_shard(path: str) -> dict[str, Any]:
+    """A shard, read as data only (``weights_only``: never code to run)."""
+    return CheckpointReadError.reading(path, partial(torch.load, map_location="cpu"), True)
+
+
+def agree(sites: list[tuple[str, str | None, Any, Any]], mine: str) -> None:
+    """Refuse, on every site, a resume that some site cannot make, or where sites hold
+    checkpoints of different runs or rounds: ``sites`` is each site's (name, problem, run
+    id, round), gathered in rank order; ``mine`` is this site's name."""
+    failed = [(name, problem) for name, problem, _, _ in sites if problem is not None]
+    if failed:
+        name, problem = next(((n, p) for n, p in failed if n == mine), failed[0])
+        others = ", ".join(n for n, _ in failed if n != name)
+        also = f" (and {others})" if others else ""
+        raise SiloCheckpointError(f"site {name!r}{also} cannot resume, so no site does: {problem}")
+    first = sites[0]
+    for name, _, run_id, round_idx in sites[1:]:
+        for what, theirs, ours in (("run", run_id, first[2]), ("round", round_idx, first[3])):
+            if theirs != ours:
+                raise SiloCheckpointError(
+                    f"site {name!r}'s checkpoint is of {what} {theirs}, site {first[0]!r}'s of "
+                    f"{what} {ours}: every site resumes from the checkpoint of the same "
+                    f"{what}. Give each site the checkpoint of one round (--ckpt_path)."
+                )

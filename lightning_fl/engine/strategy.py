@@ -17,6 +17,7 @@ where each step lives):
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -28,7 +29,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_fl.datamodules.base import FederatedDataModule, FederatedLoader
+from lightning_fl.datamodules.base import FederatedLoader
 from lightning_fl.engine import fit_callbacks, processes, segment_evaluation, setup_checks
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
@@ -45,6 +46,7 @@ from lightning_fl.engine.processes import SMALL_MODEL_PARAMETERS
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
 from lightning_fl.engine.silo_checkpoints import SiloShards
+from lightning_fl.engine.silo_sites import SiloSites, join_silos
 from lightning_fl.engine.tensors import FederatedTensors
 from lightning_fl.engine.training_steps import TrainingSteps
 from lightning_fl.engine.vectorized import VectorizedClients
@@ -99,28 +101,25 @@ class FederatedStrategy(DDPStrategy):
             for models under 1M parameters, the cores divided among the processes above,
             ``OMP_NUM_THREADS`` when set (:func:`~lightning_fl.engine.processes.set_cpu_threads`
             says why); an int sets it; None leaves torch's setting.
-        allow_new_federation: resume a checkpoint even if its federation (the
-            datamodule's class, number of clients, per-client training counts, partition
-            seed) differs from this run's; the stored state of clients that no longer
-            exist is dropped. Default: refuse, with :class:`FederationMismatchError`.
+        allow_new_federation: resume a checkpoint whose federation (datamodule class,
+            clients, their counts, partition seed) differs, dropping the state of clients
+            that no longer exist. Default: refuse (:class:`FederationMismatchError`).
         silos: silo mode (README, "Deploying across silos"): client c lives on rank
-            c % world_size for the whole run, each rank opens only its own clients' data
-            (``FederatedDataModule.enter_silo``) and checkpoints keep each silo's client
-            state in its own shard (:mod:`lightning_fl.engine.silo_checkpoints`).
-        enable_plots: install :class:`~lightning_fl.callbacks.FederatedPlots` (the
-            participation and per-client figures in the run's folder) unless the Trainer
-            already has one.
+            c % world_size, each rank opens only its own clients' data and keeps their
+            state in its own checkpoint shard (:mod:`lightning_fl.engine.silo_checkpoints`).
+            A list names the sites in the clients' order: a site's rank is its name's
+            place (:mod:`lightning_fl.engine.silo_sites`).
+        silo: this process's site among named ``silos`` (default: ``LIGHTNING_FL_SILO``).
+        enable_plots: install :class:`~lightning_fl.callbacks.FederatedPlots` (the figures
+            in the run's folder) unless the Trainer has one.
         data_on_device: pack the training data once into tensors on the training device
             (:mod:`lightning_fl.engine.packed`; the same batches, drawn by index).
             ``"auto"`` (default): with ``vectorize`` or on an accelerator, when the data is
             in memory and takes at most half of the free device memory (the log says which
             path a fit takes and why); True: always, warning when it cannot; False: never.
-        eval_clients: validation during a fit evaluates a cohort of this many clients,
-            drawn uniformly without replacement from the clients with validation data, a
-            function of (seed, round) (:mod:`lightning_fl.engine.cohort`); the metrics
-            are the cohort's, with their standard errors (``val_acc/se``,
-            ``val_acc/uniform_se``). None (default): every client.
-            ``trainer.validate`` and ``trainer.test`` always evaluate every client.
+        eval_clients: validation during a fit evaluates a seeded cohort of this many
+            clients (:mod:`lightning_fl.engine.cohort`), logged with standard errors
+            (``val_acc/se``); None (default), ``validate`` and ``test``: every client.
         vectorize_evaluation: evaluate many clients in one step
             (:mod:`lightning_fl.engine.segment_evaluation` says when it can). ``"auto"``
             (default): when it can and the first batch agrees with a plain call; True:
@@ -128,8 +127,7 @@ class FederatedStrategy(DDPStrategy):
     """
 
     strategy_name = "federated"
-    #: FederatedTask modules sum evaluation metrics per client instead of logging every
-    #: batch; the strategy takes the sums at client boundaries and logs once per epoch.
+    #: FederatedTask modules sum evaluation metrics per client (logged at its boundaries)
     collects_evaluation_sums = True
     #: what the engine of the current fit reads, and its objects (built at set-up)
     fit: FitContext | None = None
@@ -148,22 +146,21 @@ class FederatedStrategy(DDPStrategy):
         keep_optimizer_state: bool = False,
         max_consecutive_bad_rounds: int = 3,
         timeout: timedelta | float = timedelta(minutes=10),
-        process_group_backend: str | None = None,
         num_threads: int | Literal["auto"] | None = "auto",
         vectorize: bool = False,
         compile: bool | str = False,
         max_vectorized_clients: int | None = None,
         local_steps_per_training_step: int | None = 1,
         allow_new_federation: bool = False,
-        silos: bool = False,
+        silos: bool | list[str] = False,
+        silo: str | None = None,
         enable_plots: bool = True,
         data_on_device: bool | Literal["auto"] = "auto",
         eval_clients: int | None = None,
         vectorize_evaluation: bool | Literal["auto"] = "auto",
         **lightning_options: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend,
-                         timeout=processes.as_timedelta(timeout), **lightning_options)  # fmt: skip
+        super().__init__(timeout=processes.as_timedelta(timeout), **lightning_options)
         self.sampler = sampler or FullParticipation()  # the fit's: ``fit.plugins.sampler``
         #: the federated settings the engine reads, frozen (and checked: FederatedConfig)
         self.config = FederatedConfig(
@@ -179,8 +176,9 @@ class FederatedStrategy(DDPStrategy):
             allow_new_federation=allow_new_federation,
             eval_clients=eval_clients,
             vectorize_evaluation=vectorize_evaluation,
-            silos=silos,
+            silos=bool(silos),
         )
+        self.sites = SiloSites.named(silos, silo)
         self.num_threads = processes.check_num_threads(num_threads)
         self.data_on_device = check_data_on_device(data_on_device)
         self.enable_plots = enable_plots
@@ -235,16 +233,27 @@ class FederatedStrategy(DDPStrategy):
             super().setup_distributed()
         processes.destroy_group_at_exit()
 
+    def set_world_ranks(self) -> None:
+        """Lightning's ranks; with named silos, a site's rank is its name's place in the
+        recipe (:mod:`lightning_fl.engine.silo_sites`), whatever the launcher's was."""
+        super().set_world_ranks()
+        if self.sites is not None:
+            self.sites.assign_rank(self.cluster_environment, self.world_size)
+
     def setup_environment(self) -> None:
-        """Lightning's (the process group), then, in silo mode, the datamodule learns which
-        silo this process is, before Lightning calls its ``prepare_data`` and ``setup``."""
+        """Lightning's (the process group), then, in silo mode, the sites' names and
+        recipes checked together, and the datamodule told which silo this process is,
+        before Lightning calls its ``prepare_data`` and ``setup``."""
         super().setup_environment()
-        self._shards = SiloShards(self.config.silos, self.global_rank, self.world_size)
+        site = self.sites.name if self.sites is not None else None
+        self._shards = SiloShards(self.config.silos, self.global_rank, self.world_size, site)
         if self.config.silos:
-            datamodule = self.lightning_module.trainer.datamodule
-            if not isinstance(datamodule, FederatedDataModule):
-                setup_checks.check_trainer(self.lightning_module.trainer)
-            datamodule.enter_silo(self.global_rank, self.world_size)
+            join_silos(
+                self.lightning_module.trainer,
+                self.config,
+                site,
+                Ranks(self.world_size, self.global_rank),
+            )
 
     def configure_ddp(self) -> None:
         """Never wrap the model in DistributedDataParallel: ranks train different clients."""
@@ -269,10 +278,9 @@ class FederatedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if dist.is_initialized() and self.world_size > 1:
-            with torch.no_grad():  # every rank starts from rank 0's model
-                for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+        if dist.is_initialized() and self.world_size > 1:  # every rank starts from rank 0's model
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         setup_checks.check_trainer(trainer)
         self._setup_federated(trainer, fitting)
 
@@ -344,8 +352,7 @@ class FederatedStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         """Lightning's teardown, then the run's summary (rank 0): its notes and folder."""
-        module = self.lightning_module
-        trainer = module.trainer if module is not None and module._trainer else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         super().teardown()
         if trainer is not None and self.summary.automatic:
             self.summary.say(trainer)
@@ -439,13 +446,9 @@ class FederatedStrategy(DDPStrategy):
         adds its own shard (:mod:`lightning_fl.engine.silo_checkpoints`). A resumed fit
         then keeps the checkpoint's run folder
         (:meth:`~lightning_fl.engine.driver.RoundDriver.adopt_run_folder`)."""
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        except FileNotFoundError:
-            raise
-        except Exception as err:  # noqa: BLE001 - torch raises several types for bad files
-            raise CheckpointReadError.of(checkpoint_path, err) from err
-        checkpoint = self._shards.attach(checkpoint, checkpoint_path)
+        read = partial(CheckpointReadError.reading, load=super().load_checkpoint,
+                       weights_only=weights_only)  # fmt: skip
+        checkpoint = self._shards.load(checkpoint_path, read)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
             fit_callbacks.driver(trainer.callbacks).adopt_run_folder(

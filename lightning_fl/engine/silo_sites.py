@@ -1,0 +1,181 @@
+"""Sites known by name (``FederatedStrategy(silos=["cleveland", "hungarian", ...])``).
+
+A launcher numbers processes its own way: under torchrun's c10d rendezvous, agents started
+with node ranks 3, 2, 1, 0 get global ranks 0, 1, 2, 3 (torch sorts them by host name and
+pid), so "node rank r holds center r" cannot be arranged across institutions. With named
+silos each site starts with its own name (``lightning-fl fit --silo cleveland``, or
+``LIGHTNING_FL_SILO=cleveland``) and its rank becomes its name's place in the recipe's
+list, whatever the launcher said: silo i holds the clients c with c % len(names) == i, its
+data folder may be named after it (``root: data/heart/{silo}``) and its checkpoint shard
+lies in a folder of its own (:mod:`.silo_checkpoints`).
+
+At set-up every site sends the others its name and a digest of its recipe (one
+``all_gather_object``): a site started twice under one name, or with a recipe that differs
+from the first site's, is refused naming the sites and the first differing field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.setup_checks import check_trainer
+
+#: The environment variable that names this process's site when ``silo`` is not given.
+SILO_ENV = "LIGHTNING_FL_SILO"
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+class SiloSiteError(ValueError):
+    """A site that cannot take part: no name, a name not in the recipe, a name taken by
+    another site, a recipe that differs from the others', or a launcher that fixes ranks."""
+
+
+class SiloSites:
+    """The recipe's site names, in the clients' order, and this process's site: ``name``
+    (None: the ``LIGHTNING_FL_SILO`` environment variable)."""
+
+    def __init__(self, names: Sequence[str], name: str | None = None) -> None:
+        names = tuple(names)
+        bad = [n for n in names if not isinstance(n, str) or not _NAME.fullmatch(n)]
+        if not names or bad:
+            raise SiloSiteError(
+                f"silos must be a non-empty list of site names (letters, digits, '_', '.', "
+                f"'-'; they name folders), got {list(names)!r}."
+            )
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SiloSiteError(f"silos names {', '.join(twice)} twice: give each site once.")
+        self.names, self._name = names, name
+
+    @classmethod
+    def named(cls, silos: bool | Sequence[str], name: str | None) -> SiloSites | None:
+        """The sites of ``FederatedStrategy(silos=...)`` when it lists names, else None."""
+        if isinstance(silos, bool):
+            if name is not None:
+                raise SiloSiteError(
+                    f"silo={name!r} names this site, but silos={silos} names none: list "
+                    "every site's name, silos=[...], in the recipe."
+                )
+            return None
+        return cls(silos, name)
+
+    @property
+    def name(self) -> str:
+        """This process's site, checked against the recipe's names."""
+        name = self._name or os.environ.get(SILO_ENV)
+        listed = ", ".join(self.names)
+        if not name:
+            raise SiloSiteError(
+                f"this site has no name: start it with --silo NAME (or {SILO_ENV}=NAME), "
+                f"NAME one of {listed}."
+            )
+        if name not in self.names:
+            raise SiloSiteError(
+                f"site {name!r} is not in the recipe's silos ({listed}): start it with one "
+                "of them, or add it to FederatedStrategy(silos=[...]) on every site."
+            )
+        return name
+
+    def rank(self, world_size: int) -> int:
+        """This site's rank: its name's place in the recipe's list."""
+        if world_size != len(self.names):
+            raise SiloSiteError(
+                f"the recipe names {len(self.names)} silos ({', '.join(self.names)}) but the "
+                f"run has {world_size} processes: start one process per site "
+                f"(--trainer.num_nodes {len(self.names)} --trainer.devices 1)."
+            )
+        return self.names.index(self.name)
+
+    def assign_rank(self, environment: Any, world_size: int) -> int:
+        """Give this process its site's rank, in Lightning's cluster environment (and in
+        ``RANK``, which torchrun's environment reads) and in the rank-zero utilities."""
+        rank = self.rank(world_size)
+        os.environ["RANK"] = str(rank)
+        environment.set_global_rank(rank)
+        if environment.global_rank() != rank:
+            raise SiloSiteError(
+                f"{type(environment).__name__} fixes each process's rank, which named silos "
+                "set from the site's name: launch the sites with torchrun or one "
+                "`lightning-fl fit --silo NAME` each."
+            )
+        rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+        return rank
+
+
+def join_silos(trainer: pl.Trainer, config: Any, site: str | None, ranks: Any) -> None:
+    """This process joins the silo federation, before the datamodule's ``prepare_data``:
+    the trainer checked, every site's name and recipe checked against the others'
+    (:func:`check_peers`) and the datamodule told which silo it is."""
+    check_trainer(trainer)
+    if ranks.distributed:
+        check_peers(site or f"silo {ranks.rank}", recipe_digest(trainer, config))
+    trainer.datamodule.enter_silo(ranks.rank, ranks.world_size, site)
+
+
+def check_peers(name: str, recipe: dict[str, str]) -> None:
+    """Refuse, on every site, a name taken twice or a recipe that differs from the first
+    site's (naming the first differing field): one ``all_gather_object`` of this site's
+    ``name`` and ``recipe`` (:func:`recipe_digest`)."""
+    sites: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(sites, (name, recipe))
+    check_sites(sites)
+
+
+def check_sites(sites: Sequence[tuple[str, dict[str, str]]]) -> None:
+    """The check of :meth:`SiloSites.check_peers` on the gathered (name, recipe) pairs,
+    in rank order."""
+    names = [name for name, _ in sites]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise SiloSiteError(
+            f"{names.count(twice[0])} sites started as {twice[0]!r}: give each site its own "
+            f"name (--silo NAME); the sites started as {', '.join(names)}."
+        )
+    first_name, first = sites[0]
+    for name, recipe in sites[1:]:
+        for field in sorted(set(first) | set(recipe)):
+            if first.get(field) != recipe.get(field):
+                raise SiloSiteError(
+                    f"site {name!r}'s recipe differs from site {first_name!r}'s in {field}: "
+                    f"{recipe.get(field, '(unset)')} there, {first.get(field, '(unset)')} at "
+                    f"{first_name!r}. Start every site with the same recipe."
+                )
+
+
+def recipe_digest(trainer: pl.Trainer, config: Any) -> dict[str, str]:
+    """What every site must agree on, as printable values: the strategy's federated
+    settings, the number of rounds, the module's class and hyper-parameters, the
+    datamodule's class and batch size (not its paths: each site has its own), the
+    callbacks' classes and the plugins' plain settings (numbers, strings, flags)."""
+    digest = {f"strategy.{k}": _shown(v) for k, v in dataclasses.asdict(config).items()}
+    digest["trainer.max_epochs"] = _shown(trainer.max_epochs)
+    module, data = trainer.lightning_module, trainer.datamodule
+    digest["model.class"] = type(module).__name__
+    digest |= {f"model.{k}": _shown(v) for k, v in dict(getattr(module, "hparams", {})).items()}
+    digest["data.class"] = type(data).__name__
+    digest["data.batch_size"] = _shown(getattr(data, "batch_size", None))
+    for i, cb in enumerate(c for c in trainer.callbacks if not isinstance(c, ProgressBar)):
+        digest[f"callbacks[{i}]"] = type(cb).__name__
+        if isinstance(cb, FederatedCallback):  # its settings (not another callback's paths)
+            digest |= {f"callbacks[{i}].{k}": _shown(v) for k, v in vars(cb).items()
+                       if not k.startswith("_") and isinstance(v, _SETTINGS)}  # fmt: skip
+    return digest
+
+
+_SETTINGS = (bool, int, float, str, type(None))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
