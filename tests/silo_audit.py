@@ -5,7 +5,7 @@ audit, run by tests/test_silos.py):
 
 Every process (Lightning's launcher starts the others with the same command) records the
 files it opens under FOLDER, through Python's audit hook on ``open``, and writes them to
-``OUT/opened_rank<LOCAL_RANK>.json`` when it exits.
+``OUT/opened_rank<rank>.json`` when it exits (a named site's rank: its name's place).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def main() -> None:
     try:
         run(arguments, exit_on_error=False)
     finally:
-        rank = os.environ.get("LOCAL_RANK", "0")
+        # a named site's rank is set from its name (RANK); Lightning's children have LOCAL_RANK
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
         with open(os.path.join(out, f"opened_rank{rank}.json"), "w") as handle:
             json.dump(sorted(opened), handle)
 

@@ -44,11 +44,19 @@ def _fit(root: Path, rounds: int, ckpt_path=None, crash_at=None, every=1) -> pl.
     return trainer
 
 
-@pytest.mark.parametrize("every", [1, 2])
-def test_a_crashed_run_resumes_in_its_folder_as_if_uninterrupted(tmp_path, every):
+@pytest.mark.parametrize(("every", "relative"), [(1, False), (2, False), (1, True)])
+def test_a_crashed_run_resumes_in_its_folder_as_if_uninterrupted(
+    tmp_path, monkeypatch, every, relative
+):
     """Checkpoints every round (the crash in round 2 leaves its steps' metrics) or every
     other round (the last checkpoint is of round 1: round 2's participation, validation
-    and metrics rows are the crashed run's and are dropped before round 2 runs again)."""
+    and metrics rows are the crashed run's and are dropped before round 2 runs again);
+    with a relative run folder (the recipes' ``outputs/...``) as with an absolute one:
+    the checkpoint callback's state, whose folder is compared as written, is restored,
+    so ``last.ckpt`` is written over."""
+    if relative:
+        monkeypatch.chdir(tmp_path)
+        tmp_path = Path(".")
     _fit(tmp_path / "whole", 4, every=every)
     crash_at = 2 if every == 1 else 3
     with pytest.raises(RuntimeError, match="crash"):
@@ -60,7 +68,7 @@ def test_a_crashed_run_resumes_in_its_folder_as_if_uninterrupted(tmp_path, every
         assert "2" in rounds  # round 2's validation, which the resume trains again
     trainer = _fit(tmp_path / "crashed", 4, ckpt_path=folder / "checkpoints" / "last.ckpt",
                    every=every)  # fmt: skip
-    assert trainer.logger.log_dir == str(folder)
+    assert Path(trainer.logger.log_dir).resolve() == folder.resolve()
     assert sorted(p.name for p in (tmp_path / "crashed" / "run").iterdir()) == ["version_0"]
     whole = tmp_path / "whole" / "run" / "version_0"
     for name in FILES:
@@ -88,6 +96,15 @@ def test_the_last_checkpoint_and_the_round_a_resume_trains(tmp_path):
             (folder / "last.ckpt").write_bytes(b"")
     assert last_checkpoint(tmp_path) == str(tmp_path / "version_3/checkpoints/last.ckpt")
     assert last_checkpoint(tmp_path / "version_11") is None
+    for shard in ("hungarian/last.ckpt", "last.ckpt.silo1-of-2"):  # a site's machine
+        site = tmp_path / "sites" / "version_2" / "checkpoints" / shard
+        site.parent.mkdir(parents=True, exist_ok=True)
+        site.write_bytes(b"")
+        found = last_checkpoint(tmp_path / "sites")
+        assert found == str(tmp_path / "sites/version_2/checkpoints/last.ckpt")
+        site.unlink()
+    (tmp_path / "sites" / "version_2" / "checkpoints" / "epoch=1.ckpt").write_bytes(b"")
+    assert last_checkpoint(tmp_path / "sites") is None  # no last checkpoint, no shard of one
     assert run_folder_of(tmp_path / "version_3/checkpoints/last.ckpt") == tmp_path / "version_3"
     assert run_folder_of(tmp_path / "last.ckpt") is None
     progress = {"current": {"completed": 3, "processed": 4}}

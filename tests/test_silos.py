@@ -333,3 +333,132 @@ def test_a_natural_split_silo_reads_only_its_own_center_files(tmp_path):
     one_table.enter_silo(0, 1)
     with pytest.raises(ValueError, match="not one table of every center"):
         one_table.setup("fit")
+
+
+def _start_sites(order, recipe, cwd, out, extra, port) -> dict[str, subprocess.Popen]:
+    """One ``lightning-fl fit --silo NAME`` process per site, started in ``order`` on
+    localhost (the first site of the recipe hosts the rendezvous store), each under the
+    open-file audit of tests/silo_audit.py."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env.pop("LIGHTNING_FL_SILO", None)
+    return {
+        name: subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.silo_audit",
+                str(cwd),
+                str(out),
+                "--",
+                "fit",
+                "--config",
+                str(recipe),
+                "--silo",
+                name,
+                "--trainer.num_nodes",
+                str(len(order)),
+                "--trainer.devices",
+                "1",
+                "--trainer.enable_progress_bar",
+                "false",
+                "--test_after_fit",
+                "false",
+                "--trainer.strategy.init_args.timeout",
+                "120",
+                "--trainer.default_root_dir",
+                "run",
+                "--trainer.logger.init_args.save_dir",
+                "run",
+                *extra,
+            ],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for name in order
+    }
+
+
+def _finish(sites: dict[str, subprocess.Popen]) -> dict[str, tuple[int, str]]:
+    return {name: (p.wait(timeout=600), p.stderr.read()) for name, p in sites.items()}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_heart
+def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(tmp_path):
+    """The shipped recipe as written, its 4 sites started by name in reverse order (the
+    issue: a launcher's ranks follow host names and pids, not the recipe): each site
+    opens only its own center's file, in its own folder (``data/heart_silos/{silo}``),
+    and writes its shard in its own folder. Killed after 2 rounds and restarted in
+    another order with ``--ckpt_path last``, every site reads only its own shard (no
+    site but the first opens the global checkpoint), the run continues in its folder,
+    and round 3's model equals the 1-process simulation's of 3 rounds."""
+    from tests.test_flamby import _recipe_settings  # noqa: F401 - FLamby's settings, above
+
+    recipe = ROOT / "recipes" / "flamby" / "heart_silos.yaml"
+    sites = tmp_path / "sites"  # the working folder of the 4 sites, audited
+    for name in HEART_CENTERS:
+        folder = sites / "data" / "heart_silos" / name
+        folder.mkdir(parents=True)
+        shutil.copy(HEART / f"processed.{name}.data", folder)
+    out = tmp_path / "audit"
+    out.mkdir()
+    first = _finish(_start_sites(HEART_CENTERS[::-1], recipe, sites, out,
+                                 ["--trainer.max_epochs", "2"], _free_port()))  # fmt: skip
+    assert all(code == 0 for code, _ in first.values()), {
+        n: e[-2000:] for n, (_, e) in first.items()
+    }
+    checkpoints = sites / "run" / "heart_silos" / "version_0" / "checkpoints"
+    for rank, name in enumerate(HEART_CENTERS):
+        shard = torch.load(checkpoints / name / "last.ckpt", weights_only=True)
+        assert (shard["site"], shard["rank"], list(shard["client_store"])) == (name, rank, [rank])
+    opened_first = {rank: json.loads((out / f"opened_rank{rank}.json").read_text())
+                    for rank in range(4)}  # fmt: skip
+    again = ["hungarian", "va", "cleveland", "switzerland"]
+    second = _finish(_start_sites(again, recipe, sites, out,
+                                  ["--trainer.max_epochs", "3", "--ckpt_path", "last"],
+                                  _free_port()))  # fmt: skip
+    assert all(code == 0 for code, _ in second.values()), {
+        n: e[-2000:] for n, (_, e) in second.items()
+    }
+    assert sorted(p.name for p in (sites / "run" / "heart_silos").iterdir()) == ["version_0"]
+    import csv
+
+    with open(checkpoints.parent / "metrics.csv") as handle:
+        rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
+    assert rounds == {0, 1, 2}
+    for rank, name in enumerate(HEART_CENTERS):
+        own_data = str((sites / "data" / "heart_silos" / name).resolve())
+        own_shard = str((checkpoints / name).resolve())
+        opened = json.loads((out / f"opened_rank{rank}.json").read_text())
+        for path in {*opened, *opened_first[rank]}:
+            others = [n for n in HEART_CENTERS if n != name]
+            assert not any(f"/heart_silos/{n}/" in path or f"/checkpoints/{n}/" in path
+                           for n in others), (name, path)  # fmt: skip
+            if rank > 0:  # no folder shared with another site
+                assert path.startswith((own_data, own_shard)), (name, path)
+        assert f"{own_shard}/last.ckpt" in opened  # resumed from its own shard
+    one = tmp_path / "one"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", "--config", str(recipe),
+         "--trainer.max_epochs", "3", "--trainer.devices", "1", "--data.init_args.root",
+         str(HEART), "--trainer.strategy.init_args.silos", "false", "--test_after_fit",
+         "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+         str(one), "--trainer.logger.init_args.save_dir", str(one)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    a = torch.load(checkpoints / "last.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(run_file(one, "last.ckpt"), weights_only=True)["state_dict"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6

@@ -93,7 +93,9 @@ class ResumedRun:
         for callback in trainer.checkpoint_callbacks:
             path = getattr(callback, "dirpath", None)
             if path and Path(path).resolve() == started / "checkpoints":
-                callback.dirpath = str(folder / "checkpoints")
+                # written as it was (a relative folder stays relative), so that the
+                # callback's saved state, whose dirpath is compared as a string, is restored
+                callback.dirpath = str(Path(path).parent.parent / folder.name / "checkpoints")
         if trainer.is_global_zero:
             metrics = folder / METRICS
             if metrics.is_file():

@@ -57,6 +57,11 @@ class SiloSites:
         if twice:
             raise SiloSiteError(f"silos names {', '.join(twice)} twice: give each site once.")
         self.names, self._name = names, name
+        if name is not None and name not in names:
+            raise SiloSiteError(
+                f"silo={name!r} is not in the recipe's silos ({', '.join(names)}): name one "
+                "of them, or add it to FederatedStrategy(silos=[...]) on every site."
+            )
 
     @classmethod
     def named(cls, silos: bool | Sequence[str], name: str | None) -> SiloSites | None:
@@ -72,35 +77,40 @@ class SiloSites:
 
     @property
     def name(self) -> str:
-        """This process's site, checked against the recipe's names."""
-        name = self._name or os.environ.get(SILO_ENV)
-        listed = ", ".join(self.names)
-        if not name:
+        """This process's site: the name it was given (checked against the recipe's), or,
+        on one machine (one node: a simulation), the name at its launcher's rank."""
+        if self._name is None:
+            self._name = self._given()
+            if self._name is None:
+                raise SiloSiteError(
+                    f"this site has no name: start it with --silo NAME (or {SILO_ENV}=NAME), "
+                    f"NAME one of {', '.join(self.names)}."
+                )
+        return self._name
+
+    def _given(self) -> str | None:
+        name = os.environ.get(SILO_ENV) or None
+        if name is not None and name not in self.names:
             raise SiloSiteError(
-                f"this site has no name: start it with --silo NAME (or {SILO_ENV}=NAME), "
-                f"NAME one of {listed}."
-            )
-        if name not in self.names:
-            raise SiloSiteError(
-                f"site {name!r} is not in the recipe's silos ({listed}): start it with one "
-                "of them, or add it to FederatedStrategy(silos=[...]) on every site."
+                f"site {name!r} is not in the recipe's silos ({', '.join(self.names)}): start "
+                "it with one of them, or add it to FederatedStrategy(silos=[...]) on every site."
             )
         return name
 
-    def rank(self, world_size: int) -> int:
-        """This site's rank: its name's place in the recipe's list."""
+    def assign_rank(self, environment: Any, world_size: int, num_nodes: int) -> int:
+        """Give this process its site's rank (its name's place in the recipe), in
+        Lightning's cluster environment (and in ``RANK``, which torchrun's environment
+        reads) and in the rank-zero utilities. A process without a name on a one-node
+        run (the sites simulated on one machine) is the site at its launcher's rank."""
         if world_size != len(self.names):
             raise SiloSiteError(
                 f"the recipe names {len(self.names)} silos ({', '.join(self.names)}) but the "
                 f"run has {world_size} processes: start one process per site "
                 f"(--trainer.num_nodes {len(self.names)} --trainer.devices 1)."
             )
-        return self.names.index(self.name)
-
-    def assign_rank(self, environment: Any, world_size: int) -> int:
-        """Give this process its site's rank, in Lightning's cluster environment (and in
-        ``RANK``, which torchrun's environment reads) and in the rank-zero utilities."""
-        rank = self.rank(world_size)
+        if self._name is None and self._given() is None and num_nodes == 1:
+            self._name = self.names[environment.global_rank()]
+        rank = self.names.index(self.name)
         os.environ["RANK"] = str(rank)
         environment.set_global_rank(rank)
         if environment.global_rank() != rank:

@@ -238,7 +238,7 @@ class FederatedStrategy(DDPStrategy):
         recipe (:mod:`lightning_fl.engine.silo_sites`), whatever the launcher's was."""
         super().set_world_ranks()
         if self.sites is not None:
-            self.sites.assign_rank(self.cluster_environment, self.world_size)
+            self.sites.assign_rank(self.cluster_environment, self.world_size, self.num_nodes)
 
     def setup_environment(self) -> None:
         """Lightning's (the process group), then, in silo mode, the sites' names and
