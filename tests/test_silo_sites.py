@@ -1,0 +1,237 @@
+"""Sites known by name (issue 67, engine/silo_sites.py): a site's rank is its name's place
+in the recipe, whatever its launcher said; a name not in the recipe, a name taken twice, a
+recipe that differs from the first site's, another site's shard and sites that resume
+different rounds are each refused, naming both sides and the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_fl import FederatedStrategy
+from lightning_fl.callbacks import SCAFFOLD
+from lightning_fl.engine import silo_checkpoints
+from lightning_fl.engine.silo_checkpoints import SiloCheckpointError, SiloShards, agree
+from lightning_fl.engine.silo_sites import (
+    SILO_ENV,
+    SiloSiteError,
+    SiloSites,
+    check_sites,
+    recipe_digest,
+)
+from tests.helpers import tiny_datamodule, tiny_module
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = ["st_gallen", "bern", "basel"]
+
+
+@pytest.fixture(autouse=True)
+def _no_site_in_the_environment(monkeypatch):
+    monkeypatch.delenv(SILO_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+
+
+def _environment(launcher_rank: int) -> LightningEnvironment:
+    environment = LightningEnvironment()
+    environment.set_global_rank(launcher_rank)
+    return environment
+
+
+def test_a_sites_rank_is_its_names_place_whatever_the_launcher_said(monkeypatch):
+    """The launcher gave ranks 0, 1, 2 to basel, st_gallen, bern (torchrun sorts by host
+    name and pid): each becomes its name's place in the recipe, 2, 0, 1, in Lightning's
+    environment and in RANK (torchrun's environment reads it); a name from the
+    environment variable counts as one given; on one machine without names (a
+    simulation), the launcher's rank picks the name."""
+    for launcher_rank, name, expected in ((0, "basel", 2), (1, "st_gallen", 0), (2, "bern", 1)):
+        environment = _environment(launcher_rank)
+        assert SiloSites(SITES, name).assign_rank(environment, 3, num_nodes=3) == expected
+        assert environment.global_rank() == expected and os.environ["RANK"] == str(expected)
+    monkeypatch.setenv(SILO_ENV, "bern")
+    sites = SiloSites(SITES)
+    assert sites.assign_rank(_environment(0), 3, num_nodes=3) == 1 and sites.name == "bern"
+    monkeypatch.delenv(SILO_ENV)
+    simulated = SiloSites(SITES)
+    assert simulated.assign_rank(_environment(2), 3, num_nodes=1) == 2
+    assert simulated.name == "basel"
+
+
+def test_sites_that_cannot_take_part_are_refused_naming_the_fix(monkeypatch):
+    with pytest.raises(SiloSiteError, match=r"non-empty list of site names.*'two words'"):
+        SiloSites(["bern", "two words"])
+    with pytest.raises(SiloSiteError, match="names bern twice: give each site once"):
+        SiloSites(["bern", "basel", "bern"])
+    with pytest.raises(SiloSiteError, match=r"silo='zurich' is not in the recipe's silos"):
+        SiloSites(SITES, "zurich")
+    monkeypatch.setenv(SILO_ENV, "zurich")
+    stranger = r"site 'zurich' is not in the recipe's silos \(st_gallen, bern, basel\): start"
+    with pytest.raises(SiloSiteError, match=stranger):
+        SiloSites(SITES).assign_rank(_environment(0), 3, num_nodes=3)
+    monkeypatch.delenv(SILO_ENV)
+    with pytest.raises(SiloSiteError, match=rf"no name: start it with --silo NAME \(or {SILO_ENV}"):
+        SiloSites(SITES).assign_rank(_environment(0), 3, num_nodes=3)  # across machines
+    with pytest.raises(SiloSiteError, match=r"names 3 silos .* but the run has 2 processes"):
+        SiloSites(SITES, "bern").assign_rank(_environment(0), 2, num_nodes=2)
+    fixed = SimpleNamespace(set_global_rank=lambda rank: None, global_rank=lambda: 0)
+    with pytest.raises(SiloSiteError, match="fixes each process's rank"):
+        SiloSites(SITES, "bern").assign_rank(fixed, 3, num_nodes=3)
+    with pytest.raises(SiloSiteError, match=r"silo='bern' names this site, but silos=True"):
+        FederatedStrategy(silos=True, silo="bern")
+    assert FederatedStrategy(silos=SITES).config.silos is True
+
+
+def test_a_name_taken_twice_or_a_differing_recipe_is_refused_naming_the_field():
+    recipe = {"strategy.seed": "0", "model.lr": "0.1"}
+    check_sites([("st_gallen", recipe), ("bern", dict(recipe)), ("basel", dict(recipe))])
+    with pytest.raises(SiloSiteError, match=r"2 sites started as 'bern'.*started as "
+                                            r"st_gallen, bern, bern"):  # fmt: skip
+        check_sites([("st_gallen", recipe), ("bern", recipe), ("bern", recipe)])
+    other = {**recipe, "model.lr": "0.5"}
+    differs = r"site 'basel''s recipe differs from site 'st_gallen''s in model.lr: 0.5 there"
+    with pytest.raises(SiloSiteError, match=differs):
+        check_sites([("st_gallen", recipe), ("bern", recipe), ("basel", other)])
+    missing = {"strategy.seed": "0"}
+    with pytest.raises(SiloSiteError, match=r"in model.lr: \(unset\) there, 0.1"):
+        check_sites([("st_gallen", recipe), ("bern", missing)])
+
+
+def test_the_recipe_digest_holds_what_sites_must_share_and_not_their_paths(tmp_path):
+    """Two sites' trainers: the same recipe with another data root (each site its own
+    folder) digests equal; another learning rate, round count, plugin setting or
+    federated setting is the field that differs."""
+
+    def digest(lr=0.1, rounds=3, option="uniform", seed=0, root="a"):
+        strategy = FederatedStrategy(local_steps=2, seed=seed)
+        datamodule = tiny_datamodule()
+        datamodule.root = root  # a per-site path: not part of the digest
+        trainer = SimpleNamespace(
+            max_epochs=rounds, lightning_module=tiny_module(lr=lr), datamodule=datamodule,
+            callbacks=[ModelCheckpoint(dirpath=root), SCAFFOLD(control_weighting=option)],
+        )  # fmt: skip
+        return recipe_digest(trainer, strategy.config)
+
+    base = digest()
+    assert digest(root="b") == base
+    assert base["strategy.seed"] == "0" and base["trainer.max_epochs"] == "3"
+    for changed, field in ((digest(lr=0.2), "model.lr"), (digest(rounds=4), "trainer.max_epochs"),
+                           (digest(seed=1), "strategy.seed")):  # fmt: skip
+        assert [k for k in base if base[k] != changed.get(k)] == [field]
+    changed = digest(option="target")
+    assert [k for k in base if base[k] != changed.get(k)] == ["callbacks[1].control_weighting"]
+
+
+def _shard_of(site: str, rank: int, folder: Path, round_idx: int = 4, run: str = "run-a"):
+    """What site ``site`` (rank ``rank`` of 3) writes at the end of round ``round_idx``."""
+    store = {c: {"scaffold_c": torch.full((2,), float(c))} for c in range(rank, 9, 3)}
+    state = {"client_store": store, "round": round_idx, "run_id": run}
+    checkpoint = {"state_dict": {"w": torch.ones(2)}, "callbacks": {"_RoundDriver": state}}
+    SiloShards(True, rank, 3, site).save(checkpoint, folder / "last.ckpt")
+    return checkpoint
+
+
+def test_a_site_resumes_from_its_own_folder_and_refuses_another_sites_shard(tmp_path):
+    """Each site's shard lies in its own folder and holds the global part: a site resumes
+    from it alone (the global file is never read). The issue's swap (``cp`` of basel's
+    shard over bern's) is refused naming both sites; so is a shard of a site that is not
+    this one even when the ranks agree."""
+    for rank, site in enumerate(SITES):
+        _shard_of(site, rank, tmp_path)
+    global_file = tmp_path / "last.ckpt"
+    assert not global_file.exists()  # rank 0 writes it through Lightning; not needed here
+
+    def unreadable(path):
+        raise AssertionError(f"the global file was read: {path}")
+
+    loaded = SiloShards(True, 1, 3, "bern").load(global_file, unreadable)
+    store = loaded["callbacks"]["_RoundDriver"]["client_store"]
+    assert sorted(store) == [1, 4, 7] and torch.equal(store[4]["scaffold_c"], torch.full((2,), 4.0))
+    assert torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+    bern = tmp_path / "bern" / "last.ckpt"
+    bern.write_bytes((tmp_path / "basel" / "last.ckpt").read_bytes())
+    with pytest.raises(SiloCheckpointError, match=r"bern/last.ckpt holds the state of site "
+                                                  r"'basel', not of this site 'bern'"):  # fmt: skip
+        SiloShards(True, 1, 3, "bern").load(global_file, unreadable)
+    bern.unlink()
+    with pytest.raises(SiloCheckpointError, match=r"site 'bern' cannot resume, so no site does: "
+                                                  r".*bern/last.ckpt is missing"):  # fmt: skip
+        SiloShards(True, 1, 3, "bern").load(global_file, unreadable)
+
+
+def test_sites_that_resume_different_rounds_or_runs_or_one_that_cannot_are_all_refused():
+    """What every site receives from the others at resume (name, problem, run, round):
+    all agree; one site's shard of round 3 among rounds 4, another run, or a site that
+    cannot resume (its problem named) stops every site, naming both."""
+    agree([("st_gallen", None, "r", 4), ("bern", None, "r", 4), ("basel", None, "r", 4)], "bern")
+    with pytest.raises(SiloCheckpointError, match=r"site 'basel''s checkpoint is of round 3, "
+                                                  r"site 'st_gallen''s of round 4"):  # fmt: skip
+        agree([("st_gallen", None, "r", 4), ("bern", None, "r", 4), ("basel", None, "r", 3)],
+              "bern")  # fmt: skip
+    with pytest.raises(SiloCheckpointError, match=r"site 'bern''s checkpoint is of run q, "):
+        agree([("st_gallen", None, "r", 4), ("bern", None, "q", 4)], "st_gallen")
+    sites = [("st_gallen", None, "r", 4), ("bern", "x is missing", None, None),
+             ("basel", "y is unreadable", None, None)]  # fmt: skip
+    with pytest.raises(SiloCheckpointError, match=r"site 'bern' \(and basel\) cannot resume, so "
+                                                  r"no site does: x is missing"):  # fmt: skip
+        agree(sites, "st_gallen")
+    with pytest.raises(SiloCheckpointError, match=r"site 'basel' \(and bern\) .*y is unreadable"):
+        agree(sites, "basel")  # a failing site names its own problem
+
+
+def test_a_shard_written_before_shards_held_the_global_part_is_merged_with_it(tmp_path):
+    """Older shards (client store and identity only) are read with the global file
+    beside them, as before."""
+    global_file = tmp_path / "last.ckpt"
+    state = {"client_store": {}, "silos": 2, "round": 1, "run_id": "r"}
+    torch.save({"callbacks": {"_RoundDriver": state}}, global_file)
+    shard = {"client_store": {1: {"x": torch.ones(1)}}, "rank": 1, "world_size": 2,
+             "clients": [1], "run_id": "r", "round": 1}  # fmt: skip
+    torch.save(shard, silo_checkpoints.shard_path(global_file, 1, 2))
+    read = []
+    loaded = SiloShards(True, 1, 2).load(
+        global_file, lambda p: read.append(p) or torch.load(p, weights_only=True)
+    )
+    assert read == [global_file]
+    assert list(loaded["callbacks"]["_RoundDriver"]["client_store"]) == [1]
+
+
+def _site(name: str, port: int, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", "--config",
+         str(ROOT / "recipes" / "scaffold.yaml"), "--silo", name,
+         "--trainer.strategy.init_args.silos", "[st_gallen, bern]", "--trainer.num_nodes",
+         "2", "--trainer.devices", "1", "--trainer.max_epochs", "1",
+         "--trainer.strategy.init_args.timeout", "60", "--trainer.logger", "false",
+         "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+         "--trainer.enable_progress_bar", "false", "--test_after_fit", "false", *extra],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_two_sites_with_different_recipes_both_stop_naming_the_field_and_a_stranger_at_once():
+    """On localhost: bern started with another learning rate than st_gallen's: both stop at
+    set-up, before any round, with one line naming model.lr; a site whose name is not in
+    the recipe stops at once, naming the recipe's sites."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sites = [_site("st_gallen", port), _site("bern", port, "--model.init_args.lr", "0.5")]
+    errors = [(p.wait(timeout=300), p.stderr.read()) for p in sites]
+    for code, stderr in errors:
+        last = stderr.strip().splitlines()[-1]
+        assert code != 0 and "recipe differs from site 'st_gallen''s in model.lr" in last, last
+    stranger = _site("zurich", port)
+    code, stderr = stranger.wait(timeout=300), stranger.stderr.read()
+    last = stderr.strip().splitlines()[-1]
+    assert code != 0 and "site 'zurich' is not in the recipe's silos (st_gallen, bern)" in last
