@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import SCAFFOLD
@@ -55,6 +56,7 @@ def test_a_sites_rank_is_its_names_place_whatever_the_launcher_said(monkeypatch)
         environment = _environment(launcher_rank)
         assert SiloSites(SITES, name).assign_rank(environment, 3, num_nodes=3) == expected
         assert environment.global_rank() == expected and os.environ["RANK"] == str(expected)
+        assert rank_zero_only.rank == expected  # who writes the run's folder
     monkeypatch.setenv(SILO_ENV, "bern")
     sites = SiloSites(SITES)
     assert sites.assign_rank(_environment(0), 3, num_nodes=3) == 1 and sites.name == "bern"
@@ -65,8 +67,11 @@ def test_a_sites_rank_is_its_names_place_whatever_the_launcher_said(monkeypatch)
 
 
 def test_sites_that_cannot_take_part_are_refused_naming_the_fix(monkeypatch):
-    with pytest.raises(SiloSiteError, match=r"non-empty list of site names.*'two words'"):
-        SiloSites(["bern", "two words"])
+    for bad in ("two words", "../bern", "", 3):
+        with pytest.raises(SiloSiteError, match=r"non-empty list of site names"):
+            SiloSites(["bern", bad])
+    with pytest.raises(SiloSiteError, match=r"non-empty list of site names"):
+        SiloSites([])
     with pytest.raises(SiloSiteError, match="names bern twice: give each site once"):
         SiloSites(["bern", "basel", "bern"])
     with pytest.raises(SiloSiteError, match=r"silo='zurich' is not in the recipe's silos"):
@@ -85,7 +90,9 @@ def test_sites_that_cannot_take_part_are_refused_naming_the_fix(monkeypatch):
         SiloSites(SITES, "bern").assign_rank(fixed, 3, num_nodes=3)
     with pytest.raises(SiloSiteError, match=r"silo='bern' names this site, but silos=True"):
         FederatedStrategy(silos=True, silo="bern")
-    assert FederatedStrategy(silos=SITES).config.silos is True
+    named = FederatedStrategy(silos=SITES, silo="bern")
+    assert named.config.silos is True and named.sites.names == tuple(SITES)
+    assert named.sites.name == "bern" and FederatedStrategy(silos=True).sites is None
 
 
 def test_a_name_taken_twice_or_a_differing_recipe_is_refused_naming_the_field():
@@ -98,6 +105,9 @@ def test_a_name_taken_twice_or_a_differing_recipe_is_refused_naming_the_field():
     differs = r"site 'basel''s recipe differs from site 'st_gallen''s in model.lr: 0.5 there"
     with pytest.raises(SiloSiteError, match=differs):
         check_sites([("st_gallen", recipe), ("bern", recipe), ("basel", other)])
+    two = {**recipe, "model.lr": "0.5", "strategy.seed": "1"}  # the first field, in order
+    with pytest.raises(SiloSiteError, match=r"'st_gallen''s in model.lr"):
+        check_sites([("st_gallen", recipe), ("bern", two)])
     missing = {"strategy.seed": "0"}
     with pytest.raises(SiloSiteError, match=r"in model.lr: \(unset\) there, 0.1"):
         check_sites([("st_gallen", recipe), ("bern", missing)])
@@ -112,14 +122,20 @@ def test_the_recipe_digest_holds_what_sites_must_share_and_not_their_paths(tmp_p
         strategy = FederatedStrategy(local_steps=2, seed=seed)
         datamodule = tiny_datamodule()
         datamodule.root = root  # a per-site path: not part of the digest
+        module = tiny_module(lr=lr)
+        module.hparams["classes"] = list(range(100))  # a long setting: shown in 200 chars
         trainer = SimpleNamespace(
-            max_epochs=rounds, lightning_module=tiny_module(lr=lr), datamodule=datamodule,
+            max_epochs=rounds, lightning_module=module, datamodule=datamodule,
             callbacks=[ModelCheckpoint(dirpath=root), SCAFFOLD(control_weighting=option)],
         )  # fmt: skip
         return recipe_digest(trainer, strategy.config)
 
     base = digest()
     assert digest(root="b") == base
+    kinds = [base[k] for k in ("model.class", "data.class", "callbacks[0]", "callbacks[1]")]
+    assert kinds == ["Classifier", "InMemoryFederatedDataModule", "ModelCheckpoint", "SCAFFOLD"]
+    assert base["data.batch_size"] == "4" and not any(k.startswith("callbacks[0].") for k in base)
+    assert base["model.classes"] == repr(list(range(100)))[:200] + "…"
     assert base["strategy.seed"] == "0" and base["trainer.max_epochs"] == "3"
     for changed, field in ((digest(lr=0.2), "model.lr"), (digest(rounds=4), "trainer.max_epochs"),
                            (digest(seed=1), "strategy.seed")):  # fmt: skip
