@@ -40,6 +40,7 @@ from lightning_fl.callbacks.privacy import DPSGD, MembershipInference, ServerRef
 from lightning_fl.callbacks.robust import CenteredClipping, CoordinateMedian, Krum, TrimmedMean
 from lightning_fl.callbacks.safari import SAFARI
 from lightning_fl.callbacks.scaffold import SCAFFOLD
+from lightning_fl.callbacks.secure_aggregation import SecureAggregation
 from lightning_fl.callbacks.streams import CacheDiscrepancy, IterateAverage, StreamFedAvg
 from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
 from lightning_fl.callbacks.user_dp import DPFedAvg
@@ -90,4 +91,5 @@ __all__ = [
     "StopAtTarget",
     "StreamFedAvg",
     "Unlearning",
+    "SecureAggregation",
 ]

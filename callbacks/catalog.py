@@ -16,7 +16,7 @@ MAIN_PLUGINS = (
     "GossipAveraging", "AsynchronousFL", "SAFARI", "Unlearning", "FreeRiders",
     "MembershipInference", "DPFedAvg", "CoordinateMedian", "TrimmedMean", "Krum",
     "CenteredClipping", "SignFlipping", "ScaledUpdates", "GaussianUpdates",
-    "FederatedObjective", "Local", "Pooled",
+    "FederatedObjective", "Local", "Pooled", "SecureAggregation",
 )  # fmt: skip
 
 

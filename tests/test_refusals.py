@@ -195,6 +195,12 @@ def test_the_refusal_table_has_one_row_per_rule():
 PARTIAL = ["UniformSampler", "MDSampler", "ClusteredSampler", "AvailableClients",
            "ExcludedClients"]  # fmt: skip
 REFUSED_BY_HAND = {
+    "SecureAggregation": [
+        "GossipAveraging",
+        "ClusteredFL",
+        "FreeRiderDetector",
+        "SimilarityClusteredSampler",
+    ],  # and the robust aggregators (the matrix test trains those pairs)
     "silos": ["Pooled", "StreamingDataModule"],
     "GossipAveraging": [*PARTIAL, "Unlearning", "FreeRiders", "ServerReference"],
     "ClusteredFL": [

@@ -81,7 +81,20 @@ class Refusal:
     fix: str
 
 
+#: Plugins that read each client's update (or model) on every rank, which
+#: SecureAggregation exists to hide.
+READ_EACH_UPDATE = (*ROBUST, "SimilarityClusteredSampler", "GossipAveraging", "ClusteredFL",
+                    "FreeRiderDetector")  # fmt: skip
+
 REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "SecureAggregation",
+        READ_EACH_UPDATE,
+        "it reads each client's update or model, which secure aggregation hides: the "
+        "round's sum would carry them one by one, or they would cross unmasked",
+        "drop SecureAggregation (and say what crosses the network), or aggregate with "
+        "FedAvg, a server optimizer or DPFedAvg",
+    ),
     Refusal(
         "DPFedAvg",
         ("MDSampler", "ClusteredSampler", "AvailableClients", "ExcludedClients"),

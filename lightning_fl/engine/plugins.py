@@ -326,6 +326,13 @@ class FederatedCallback(pl.Callback):
     ) -> None:
         """After an accepted update is folded into ``state.update_sum``."""
 
+    def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
+        """The round's sums (the weighted update sum, the declared round sums, the count
+        of dropped updates: one flat ``buffer``) summed over the ranks in place of the
+        engine's plain all-reduce, or None to leave that to the engine (every plugin but
+        :class:`~lightning_fl.callbacks.SecureAggregation`)."""
+        return None
+
     def on_round_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:

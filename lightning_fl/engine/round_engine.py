@@ -170,13 +170,19 @@ class RoundEngine:
 
     def _all_reduce_round(self, state: RoundState) -> int:
         """Sum the weighted updates, the callbacks' round sums and the number of dropped
-        updates over all ranks in one all-reduce; returns the total dropped."""
+        updates over all ranks in one all-reduce (or a plugin's masked one:
+        ``FederatedCallback.sum_over_ranks``); returns the total dropped."""
         if not self.fit.ranks.distributed:
             return len(state.dropped)
         sums = [state.update_sum, *state.extra_sums.values()]
         dropped = torch.tensor([float(len(state.dropped))], device=self.fit.device)
         buffer = torch.cat([flatten(s) for s in sums] + [dropped])
-        dist.all_reduce(buffer)
+        summed = (cb.sum_over_ranks(buffer, state.round_idx) for cb in self.fit.plugins.callbacks)
+        secure = next((b for b in summed if b is not None), None)
+        if secure is None:
+            dist.all_reduce(buffer)
+        else:
+            buffer = secure
         offset = 0
         for part in sums:
             size = sum(t.numel() for t in part)
