@@ -81,6 +81,9 @@ def test_pads_are_a_keyed_stream_of_the_round():
     assert first != _ints(pad(key, 5, 1000)) and first != _ints(pad(other, 4, 1000))
     high = sum(v >= TWO_64 // 2 for v in first)
     assert 420 < high < 580  # the top bit of 1,000 uniform draws
+    lo, hi = pad(key, 4, 1000)
+    assert int((lo == hi).sum()) == 0  # two independent words, not one twice
+    assert 420 < int((lo >= LIMB // 2).sum()) < 580
 
 
 def _sites(world_size: int, fraction_bits: int = 32) -> list[PairwiseMasks]:

@@ -46,13 +46,7 @@ def encode(values: Tensor, fraction_bits: int) -> Limbs:
     """``round(values · 2^fraction_bits)`` as (low, high) 32-bit limbs of its 64-bit two's
     complement; refused when a value does not fit in 2^(62 − fraction_bits)."""
     scaled = torch.round(values.double() * 2.0**fraction_bits)
-    if (
-        not bool(torch.isfinite(scaled).all())
-        or float(
-            scaled.abs().max(),
-        )
-        >= 2.0**62
-    ):
+    if not bool(torch.isfinite(scaled).all()) or float(scaled.abs().max()) >= 2.0**62:
         largest = float(values.double().abs().max())
         raise ValueError(
             f"a value of magnitude {largest:.3g} does not fit the fixed-point encoding of "
