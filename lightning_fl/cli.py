@@ -261,8 +261,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         rank, world = _rank_and_world()
         if world > 1 and peer_failed(error):  # gloo's or NCCL's word for another rank's end
-            print(f"lightning-fl: rank {rank} stopped because another process failed; that "
-                  "process's error names the problem.", file=sys.stderr)  # fmt: skip
+            site = os.environ.get(SILO_ENV)
+            who = f"site {site!r} (rank {rank})" if site else f"rank {rank}"
+            print(f"lightning-fl: {who} stopped because another process failed; that "
+                  "process's error names the problem. Resume every site with --ckpt_path "
+                  "last.", file=sys.stderr)  # fmt: skip
             sys.exit(1)
         # the same words as the command line's early errors (lightning_fl.command)
         what = "stopped" if started else "did not start"

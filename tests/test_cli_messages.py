@@ -280,7 +280,8 @@ def test_a_rank_stopped_by_another_ranks_failure_says_so_in_one_line(capsys, mon
 
     for rank, error, expected in (
         ("0", gloo, ["lightning-fl: rank 0 stopped because another process failed; that "
-                     "process's error names the problem."]),
+                     "process's error names the problem. Resume every site with --ckpt_path "
+                     "last."]),
         ("1", ValueError("bad data"), ["lightning-fl: the run stopped on rank 1 (--traceback "
                                        "shows where).", "error: ValueError: bad data"]),
     ):  # fmt: skip
@@ -290,6 +291,12 @@ def test_a_rank_stopped_by_another_ranks_failure_says_so_in_one_line(capsys, mon
             cli.main(["fit"])
         assert stopped.value.code == 1
         assert capsys.readouterr().err.strip().splitlines() == expected
+    monkeypatch.setenv("LIGHTNING_FL_SILO", "bern")  # a named site says which it is
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli, "run", fails(gloo))
+    with pytest.raises(SystemExit):
+        cli.main(["fit"])
+    assert capsys.readouterr().err.startswith("lightning-fl: site 'bern' (rank 1) stopped")
     wrapped = RuntimeError("the round's all-reduce failed")
     wrapped.__cause__ = gloo
     assert cli.peer_failed(wrapped) and not cli.peer_failed(ValueError("closed"))

@@ -48,15 +48,12 @@ def test_client_loader_is_none_without_data_and_a_loader_from_one_sample():
         {"train": (x, y), "val": (x[:0], y[:0])},
         {"train": (x, y)},
     ]
-    trainer = SimpleNamespace(
-        datamodule=InMemoryFederatedDataModule(clients, batch_size=2),
-        strategy=SimpleNamespace(seed=3),
-    )
+    trainer = SimpleNamespace(datamodule=InMemoryFederatedDataModule(clients, batch_size=2))
     (batch,) = list(client_loader(trainer, 0, "val"))
     assert torch.equal(batch[0], x[:1])
     assert client_loader(trainer, 1, "val") is None and client_loader(trainer, 2, "val") is None
     shuffled = [
-        b[1].tolist() for b in client_loader(trainer, 0, "train", shuffle_seed=("personal", 7))
+        b[1].tolist() for b in client_loader(trainer, 0, "train", shuffle_seed=(3, "personal", 7))
     ]
     assert sorted(sum(shuffled, [])) == [0, 0, 1, 1, 2] and len(shuffled) == 3
 
@@ -146,9 +143,9 @@ def test_client_loader_gives_plain_training_batches_where_training_data_carries_
     y = rng.integers(0, 2, size=60).astype(np.int64)
     dm = ReferenceDataModule(x, y, num_clients=2, reference="client", batch_size=4)
     dm.setup("fit")
-    trainer = SimpleNamespace(datamodule=dm, strategy=SimpleNamespace(seed=3))
+    trainer = SimpleNamespace(datamodule=dm)
     train = dm.client_dataset(0, "train").train
-    loader = client_loader(trainer, 0, "train", shuffle_seed=("personal", 7))
+    loader = client_loader(trainer, 0, "train", shuffle_seed=(3, "personal", 7))
     batches = list(loader)
     assert all(isinstance(b, (list, tuple)) and len(b) == 2 for b in batches)
     seen = torch.cat([b[0] for b in batches])

@@ -251,3 +251,51 @@ def test_two_sites_with_different_recipes_both_stop_naming_the_field_and_a_stran
     code, stderr = stranger.wait(timeout=300), stranger.stderr.read()
     last = stderr.strip().splitlines()[-1]
     assert code != 0 and "site 'zurich' is not in the recipe's silos (st_gallen, bern)" in last
+
+
+def test_a_site_that_dies_mid_round_stops_the_other_at_once_and_both_resume(tmp_path):
+    """bern is killed (SIGKILL) in round 1 (both sites run the killing callback: the sites'
+    recipes must agree, callbacks included): st_gallen does not wait for the collective's
+    timeout (60 s here) but stops within seconds with one line naming itself and the fix;
+    both sites restarted with --ckpt_path last resume at round 1 and finish the run."""
+    import socket
+    import time
+
+    def start(name: str, port: int, *extra: str) -> subprocess.Popen:
+        logger = ("{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: "
+                  f"{tmp_path}}}}}")  # fmt: skip
+        checkpoint = ("[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
+                      "{save_last: true, every_n_epochs: 1}}]")  # fmt: skip
+        return _site(name, port, "--trainer.max_epochs", "3", "--trainer.logger", logger,
+                     "--trainer.enable_checkpointing", "true", "--trainer.default_root_dir",
+                     str(tmp_path), "--trainer.callbacks", checkpoint, *extra)  # fmt: skip
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    marker = tmp_path / "killed"
+    first = port()
+    killer = ["--trainer.callbacks+=tests.restart_kill.KillOnce",
+              f"--trainer.callbacks.marker={marker}", "--trainer.callbacks.round=1"]  # fmt: skip
+    began = time.monotonic()
+    sites = [start(name, first, *killer) for name in ("st_gallen", "bern")]  # kills bern
+    codes = [p.wait(timeout=300) for p in sites]
+    elapsed = time.monotonic() - began
+    survivor = sites[0].stderr.read().strip().splitlines()[-1]
+    assert marker.read_text().startswith("killed rank 1 in round 1")
+    assert codes[0] == 1 and codes[1] == -9 and elapsed < 55, (codes, elapsed)
+    assert survivor == (
+        "lightning-fl: site 'st_gallen' (rank 0) stopped because another process failed; that "
+        "process's error names the problem. Resume every site with --ckpt_path last."
+    )
+    second = port()
+    sites = [start(name, second, "--ckpt_path", "last") for name in ("bern", "st_gallen")]
+    assert [p.wait(timeout=300) for p in sites] == [0, 0], sites[1].stderr.read()[-2000:]
+    import csv
+
+    (metrics,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
+    with open(metrics) as handle:
+        rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
+    assert rounds == {0, 1, 2}

@@ -143,7 +143,7 @@ def check_peers(name: str, recipe: dict[str, str]) -> None:
 
 
 def check_sites(sites: Sequence[tuple[str, dict[str, str]]]) -> None:
-    """The check of :meth:`SiloSites.check_peers` on the gathered (name, recipe) pairs,
+    """The check of :func:`check_peers` on the gathered (name, recipe) pairs,
     in rank order."""
     names = [name for name, _ in sites]
     twice = sorted({n for n in names if names.count(n) > 1})

@@ -89,8 +89,9 @@ def pad(key: bytes, round_idx: int, size: int) -> Limbs:
     nonce = round_idx.to_bytes(16, "little")
     stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
     words = np.frombuffer(stream.update(bytes(8 * size)), dtype="<u4").reshape(size, 2)
-    return (torch.from_numpy(words[:, 0].astype(np.int64)),
-            torch.from_numpy(words[:, 1].astype(np.int64)))  # fmt: skip
+    low = torch.from_numpy(words[:, 0].astype(np.int64))  # host: keystream, moved by sum()
+    high = torch.from_numpy(words[:, 1].astype(np.int64))  # host: keystream, moved by sum()
+    return low, high
 
 
 class PairwiseMasks:
