@@ -26,6 +26,7 @@ REQUIRED = {
     "lightning_fl.systems.availability": ["SojournMarkovAvailability"],
     "lightning_fl.systems.user_dp": [],
     "lightning_fl.systems.robust": [],
+    "lightning_fl.systems.pairwise_masking": [],
 }
 
 
