@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -375,6 +376,9 @@ def run(names: tuple[str, ...], rounds: int = ROUNDS) -> Outcome:
     except Exception as err:  # noqa: BLE001 - reported, the matrix test decides
         status = "refused" if seen.steps == 0 else "failed"
         return Outcome(status, f"{type(err).__name__}: {err}")
+    finally:
+        if not shared:  # the run's own folder: nothing is left behind in the temp folder
+            shutil.rmtree(root, ignore_errors=True)
     params = [p.detach().clone() for p in module.parameters()]
     return Outcome("ok", params=params, weights=weights.rows, metrics=metrics)
 

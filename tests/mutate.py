@@ -211,6 +211,12 @@ def run_tests(
         runner += ["coverage", "run", f"--data-file={_coverage_data()}",
                    f"--include=*/{coverage_of.name}", "-m"]  # fmt: skip
         tests = ["-p", "tests.mutate", *tests]
+    paths = [Path(t.split("::")[0]).resolve() for t in tests if not t.startswith("-")]
+    files = [f for f in paths if f.is_file()]  # (not a plugin's or -k's argument)
+    outside = [f for f in files if not f.is_relative_to(ROOT)]
+    if outside and len(outside) == len(files):  # tests of a module outside the repository
+        # their own folder as the rootdir: pytest would otherwise walk the common parent
+        options += ["--rootdir", os.path.commonpath([str(f.parent) for f in outside])]
     command = [*runner, "pytest", *options, *tests]
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
