@@ -299,3 +299,29 @@ def test_a_site_that_dies_mid_round_stops_the_other_at_once_and_both_resume(tmp_
     with open(metrics) as handle:
         rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
     assert rounds == {0, 1, 2}
+
+
+def test_joining_sends_the_sites_list_with_the_recipe_and_enters_the_named_silo(monkeypatch):
+    """Two sites whose lists name the others differently (bern's ``[zurich, bern]``
+    against st_gallen's ``[st_gallen, bern]``) get distinct ranks, so only the recipes'
+    ``strategy.silos`` can tell them apart: it is sent with the digest, and the datamodule
+    learns the site's name and rank."""
+    from lightning_fl.engine import silo_sites
+
+    sent = []
+    monkeypatch.setattr(silo_sites, "check_peers", lambda name, recipe: sent.append((name, recipe)))
+    for names, site in ((["st_gallen", "bern"], "st_gallen"), (["zurich", "bern"], "bern")):
+        datamodule = tiny_datamodule()
+        trainer = SimpleNamespace(
+            accumulate_grad_batches=1, datamodule=datamodule, max_epochs=2,
+            lightning_module=tiny_module(), callbacks=[],
+        )  # fmt: skip
+        sites = SiloSites(names, site)
+        ranks = SimpleNamespace(distributed=True, rank=names.index(site), world_size=2)
+        silo_sites.join_silos(trainer, FederatedStrategy(silos=names).config, sites, ranks)
+        assert datamodule.silo == (ranks.rank, 2) and datamodule.silo_name == site
+    (first, mine), (second, theirs) = sent
+    assert (first, second) == ("st_gallen", "bern")
+    assert mine["strategy.silos"] == "['st_gallen', 'bern']"
+    with pytest.raises(SiloSiteError, match=r"in strategy.silos: \['zurich', 'bern'\] there"):
+        check_sites(sent)

@@ -123,13 +123,17 @@ class SiloSites:
         return rank
 
 
-def join_silos(trainer: pl.Trainer, config: Any, site: str | None, ranks: Any) -> None:
+def join_silos(trainer: pl.Trainer, config: Any, sites: SiloSites | None, ranks: Any) -> None:
     """This process joins the silo federation, before the datamodule's ``prepare_data``:
-    the trainer checked, every site's name and recipe checked against the others'
-    (:func:`check_peers`) and the datamodule told which silo it is."""
+    the trainer checked, every site's name and recipe (the site names' list included)
+    checked against the others' (:func:`check_peers`) and the datamodule told which silo
+    it is (``sites``: the named sites, None when they are unnamed)."""
     check_trainer(trainer)
+    site = sites.name if sites is not None else None
     if ranks.distributed:
-        check_peers(site or f"silo {ranks.rank}", recipe_digest(trainer, config))
+        recipe = recipe_digest(trainer, config)
+        recipe["strategy.silos"] = repr(list(sites.names)) if sites is not None else "True"
+        check_peers(site or f"silo {ranks.rank}", recipe)
     trainer.datamodule.enter_silo(ranks.rank, ranks.world_size, site)
 
 

@@ -248,12 +248,8 @@ class FederatedStrategy(DDPStrategy):
         site = self.sites.name if self.sites is not None else None
         self._shards = SiloShards(self.config.silos, self.global_rank, self.world_size, site)
         if self.config.silos:
-            join_silos(
-                self.lightning_module.trainer,
-                self.config,
-                site,
-                Ranks(self.world_size, self.global_rank),
-            )
+            ranks = Ranks(self.world_size, self.global_rank)
+            join_silos(self.lightning_module.trainer, self.config, self.sites, ranks)
 
     def configure_ddp(self) -> None:
         """Never wrap the model in DistributedDataParallel: ranks train different clients."""
