@@ -260,16 +260,16 @@ def main(argv: list[str] | None = None) -> None:
         if show_trace:
             raise
         rank, world = _rank_and_world()
+        site = os.environ.get(SILO_ENV)
+        who = f"site {site!r} (rank {rank})" if site else f"rank {rank}"
         if world > 1 and peer_failed(error):  # gloo's or NCCL's word for another rank's end
-            site = os.environ.get(SILO_ENV)
-            who = f"site {site!r} (rank {rank})" if site else f"rank {rank}"
             print(f"lightning-fl: {who} stopped because another process failed; that "
                   "process's error names the problem. Resume every site with --ckpt_path "
                   "last.", file=sys.stderr)  # fmt: skip
             sys.exit(1)
         # the same words as the command line's early errors (lightning_fl.command)
         what = "stopped" if started else "did not start"
-        where = f" on rank {rank}" if world > 1 else ""
+        where = f" on {who}" if world > 1 else ""
         print(f"lightning-fl: the run {what}{where} (--traceback shows where).", file=sys.stderr)
         print(f"error: {short_message(error)}", file=sys.stderr)
         sys.exit(1 if started else 2)

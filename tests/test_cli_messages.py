@@ -297,6 +297,10 @@ def test_a_rank_stopped_by_another_ranks_failure_says_so_in_one_line(capsys, mon
     with pytest.raises(SystemExit):
         cli.main(["fit"])
     assert capsys.readouterr().err.startswith("lightning-fl: site 'bern' (rank 1) stopped")
+    monkeypatch.setattr(cli, "run", fails(ValueError("bad data")))
+    with pytest.raises(SystemExit):
+        cli.main(["fit"])
+    assert capsys.readouterr().err.startswith("lightning-fl: the run stopped on site 'bern'")
     wrapped = RuntimeError("the round's all-reduce failed")
     wrapped.__cause__ = gloo
     assert cli.peer_failed(wrapped) and not cli.peer_failed(ValueError("closed"))
