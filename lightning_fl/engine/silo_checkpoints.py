@@ -60,6 +60,16 @@ def merge_shard(
     state = checkpoint.get("callbacks", {}).get(DRIVER_KEY)
     if state is None:
         return checkpoint
+    _check_silo_count(state, filepath, world_size)
+    path = shard_path(filepath, rank, world_size)
+    shard = read_own_shard(path)
+    check_shard_identity(shard, state, path, rank, world_size)
+    state["client_store"] = shard["client_store"]
+    return checkpoint
+
+
+def _check_silo_count(state: dict[str, Any], filepath: str | os.PathLike, world_size: int):
+    """Refuse a global file made without silo mode, or by another number of silos."""
     saved = state.get("silos")
     if saved is None:
         raise SiloCheckpointError(
@@ -71,17 +81,6 @@ def merge_shard(
             f"{filepath}: made by {saved} silos, resumed by {world_size}: each silo restores "
             f"its own clients' state, so resume with {saved} processes."
         )
-    path = shard_path(filepath, rank, world_size)
-    if not os.path.exists(path):
-        raise SiloCheckpointError(
-            f"{path} is missing: silo {rank} restores its clients' state from it (it never "
-            "leaves the silo). Copy it back beside the checkpoint, or resume from a "
-            "checkpoint whose shards every silo has."
-        )
-    shard = read_shard(path)
-    check_shard_identity(shard, state, path, rank, world_size)
-    state["client_store"] = shard["client_store"]
-    return checkpoint
 
 
 def check_shard_identity(
@@ -199,26 +198,30 @@ class SiloShards:
 
     def _own(self, filepath: str | os.PathLike, read: Callable) -> dict[str, Any]:
         path = self.path(filepath)
-        if not os.path.exists(path) and self.site is None and os.path.exists(filepath):
-            return merge_shard(read(filepath), filepath, self.rank, self.world_size)
-        if not os.path.exists(path):
-            raise SiloCheckpointError(
-                f"{path} is missing: this site resumes from its own shard (its clients' "
-                "state never leaves it). Put it back, or resume from a checkpoint every "
-                "site has."
-            )
-        shard = read_shard(path)
+        shard = read_own_shard(path)
         checkpoint = shard.pop("checkpoint", None)
-        if checkpoint is None:  # written before shards held the global part
-            return merge_shard(read(filepath), filepath, self.rank, self.world_size)
-        state = checkpoint.get("callbacks", {}).get(DRIVER_KEY)
+        if checkpoint is None:  # written before shards held the global part: the file beside
+            checkpoint = read(filepath)
+            state = checkpoint.get("callbacks", {}).get(DRIVER_KEY)
+            if state is None:
+                return checkpoint
+            _check_silo_count(state, filepath, self.world_size)
+        else:
+            state = checkpoint["callbacks"][DRIVER_KEY]
         check_shard_identity(shard, state, path, self.rank, self.world_size, self.site)
         state["client_store"] = shard["client_store"]
         return checkpoint
 
 
-def read_shard(path: str) -> dict[str, Any]:
-    """A shard, read as data only (``weights_only``: never code to run)."""
+def read_own_shard(path: str) -> dict[str, Any]:
+    """This silo's shard at ``path``, read as data only (``weights_only``: never code to
+    run); its absence is refused, naming the file."""
+    if not os.path.exists(path):
+        raise SiloCheckpointError(
+            f"{path} is missing: this silo resumes its clients' state from it (it never "
+            "leaves the silo). Put it back, or resume from a checkpoint whose shards every "
+            "silo has."
+        )
     return CheckpointReadError.reading(path, partial(torch.load, map_location="cpu"), True)
 
 

@@ -77,8 +77,7 @@ def negate(a: Limbs) -> Limbs:
 def carry_sum(summed: Limbs) -> Limbs:
     """Limbs that were summed as plain integers (each < W · 2^32) brought back to limbs
     of the sum mod 2^64."""
-    return add((summed[0] & _LOW, torch.zeros_like(summed[1])), (torch.zeros_like(summed[0]),
-                summed[1] + (summed[0] >> 32)))  # fmt: skip
+    return summed[0] & _LOW, (summed[1] + (summed[0] >> 32)) & _LOW
 
 
 def pad(key: bytes, round_idx: int, size: int) -> Limbs:
