@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_fl.checks import require_rate
+from lightning_fl.engine import collectives
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
 from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback
@@ -227,9 +227,8 @@ class KNNPer(FederatedCallback):
 
     def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rows = {c: (lam, self.datastore_sizes[c]) for c, lam in self.lambdas.items()}
-        if dist.is_initialized() and trainer.world_size > 1:
-            parts: list = [None] * trainer.world_size
-            dist.all_gather_object(parts, rows)
+        if (group := collectives.across_ranks(trainer.world_size)) is not None:
+            parts = group.all_gather_object(rows)
             rows = {c: v for part in parts for c, v in part.items()}
         if not rows:
             return

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback
 
 
@@ -83,6 +83,6 @@ def client_training_metrics(
             seen += size
         sums[:, client] /= max(seen, 1)
     pl_module.train(was_training)
-    if dist.is_initialized() and trainer.world_size > 1:
-        dist.all_reduce(sums)
+    if (group := collectives.across_ranks(trainer.world_size)) is not None:
+        group.all_reduce(sums)
     return sums[0].cpu(), sums[1].cpu()

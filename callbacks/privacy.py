@@ -12,11 +12,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_fl.checks import require_rate
+from lightning_fl.engine import collectives
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, sgd
 from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
@@ -136,9 +136,8 @@ class MembershipInference(FederatedCallback):
         trainer.strategy.evaluation.end_client()
         self._server_attack(trainer, pl_module)
         results = dict(self.results)
-        if dist.is_initialized() and trainer.world_size > 1:
-            parts: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(parts, results)
+        if (group := collectives.across_ranks(trainer.world_size)) is not None:
+            parts = group.all_gather_object(results)
             results = {k: v for part in parts for k, v in part.items()}
         grouped: dict[tuple[str, str], list[dict[str, float]]] = defaultdict(list)
         for (model, target, _client), values in results.items():
@@ -433,10 +432,10 @@ class DPSGD(FederatedCallback):
         for source, _ in sources:
             values = [v for v in (self.epsilon(store, c, source) for c in store.clients()) if v > 0]
             largest.append(max(values) if values else None)
-        synced = dist.is_initialized() and trainer.world_size > 1
-        if synced:
-            parts: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(parts, largest)
+        group = collectives.across_ranks(trainer.world_size)
+        synced = group is not None
+        if group is not None:
+            parts = group.all_gather_object(largest)
             largest = [max((p[i] for p in parts if p[i] is not None), default=None)
                        for i in range(len(sources))]  # fmt: skip
         for (_, name), value in zip(sources, largest):

@@ -17,12 +17,12 @@ what other plugins gather (those that read each client's update are refused with
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback
 from lightning_fl.systems.pairwise_masking import PairwiseMasks
 
@@ -43,22 +43,19 @@ class SecureAggregation(FederatedCallback):
             raise ValueError(f"fraction_bits must be in [0, 52], got {fraction_bits}.")
         self.fraction_bits = fraction_bits
         self._masks: PairwiseMasks | None = None
+        self._all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Agree on each pair of ranks' key (several processes; every rank at once)."""
         self._masks = None
-        if trainer.world_size > 1 and dist.is_initialized():
+        if (group := collectives.across_ranks(trainer.world_size)) is not None:
             self._masks = PairwiseMasks.agree(
-                trainer.global_rank, trainer.world_size, _all_gather, self.fraction_bits
-            )
+                trainer.global_rank, trainer.world_size, group.all_gather_object,
+                self.fraction_bits,
+            )  # fmt: skip
+            self._all_reduce = group.all_reduce
 
     def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
         if self._masks is None:
             return None
-        return self._masks.sum(buffer, round_idx, dist.all_reduce)
-
-
-def _all_gather(public_key: bytes) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, public_key)
-    return gathered
+        return self._masks.sum(buffer, round_idx, self._all_reduce)

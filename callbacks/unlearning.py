@@ -9,9 +9,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lightning_fl.callbacks.objective import client_training_metrics
+from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
 from lightning_fl.systems.forgetting import SHARED_TRAINING, ForgettingRequest, forgetting_method
@@ -347,9 +347,9 @@ class Unlearning(FederatedCallback):
         increments = sensitivity_increments(self._deltas, state.target_weights, remaining,
                                             mean_update, self._server_lr,
                                             self.history.num_clients)  # fmt: skip
-        if dist.is_initialized() and trainer.world_size > 1:
+        if (group := collectives.across_ranks(trainer.world_size)) is not None:
             increments = increments.to(new.device)
-            dist.all_reduce(increments)
+            group.all_reduce(increments)
         self.history.record(increments.cpu().numpy(), self.decay)
         branch = self.history.branch
         self.versions.keep((branch, self.history.rounds(branch)), new.clone())

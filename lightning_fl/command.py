@@ -24,7 +24,7 @@ TOOLS = ("data",)
 KEYS = (
     "config", "print_config", "seed_everything", "trainer", "model", "data", "optimizer",
     "lr_scheduler", "ckpt_path", "weights_only", "test_after_fit", "float32_matmul_precision",
-    "help",
+    "help", "silo",
 )  # fmt: skip
 USAGE = f"""usage: lightning-fl [-h] {{{",".join(SUBCOMMANDS + TOOLS)}}} ...
 

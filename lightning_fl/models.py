@@ -5,16 +5,14 @@ torchvision is not a dependency: the models are written here.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_fl.checks import require_rate
+from lightning_fl.engine import collectives
 
 
 class MLP(nn.Module):
@@ -398,9 +396,10 @@ class FederatedTask(LightningModule):
         a mean of equal values)."""
         sums = self._training_values.pop_sums()
         trainer = self.trainer
-        synced = dist.is_initialized() and trainer.world_size > 1
-        if synced:
-            sums = _sum_over_ranks(sums, trainer.world_size, self.device)
+        group = collectives.across_ranks(trainer.world_size)
+        synced = group is not None
+        if group is not None:
+            sums = _sum_over_ranks(sums, group, self.device)
         for name, (total, count) in sums.items():
             mean = total / count
             self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1, sync_dist=synced)
@@ -478,13 +477,14 @@ class _RoundMeans:
 
 
 def _sum_over_ranks(
-    sums: dict[str, tuple[torch.Tensor, torch.Tensor]], world_size: int, device: torch.device
+    sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    group: collectives.Collectives,
+    device: torch.device,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's round sums added, in rank order; a rank whose clients logged nothing
     this round (it only padded) gets the others' sums, so all ranks log the same keys."""
     mine = {name: (float(total), float(count)) for name, (total, count) in sums.items()}
-    parts: list[Any] = [None] * world_size
-    dist.all_gather_object(parts, mine)
+    parts = group.all_gather_object(mine)
     added: dict[str, list[float]] = {}
     for part in parts:
         for name, (total, count) in part.items():

@@ -309,7 +309,9 @@ def test_joining_sends_the_sites_list_with_the_recipe_and_enters_the_named_silo(
     from lightning_fl.engine import silo_sites
 
     sent = []
-    monkeypatch.setattr(silo_sites, "check_peers", lambda name, recipe: sent.append((name, recipe)))
+    monkeypatch.setattr(
+        silo_sites, "check_peers", lambda name, recipe, world: sent.append((name, recipe))
+    )
     for names, site in ((["st_gallen", "bern"], "st_gallen"), (["zurich", "bern"], "bern")):
         datamodule = tiny_datamodule()
         trainer = SimpleNamespace(

@@ -15,9 +15,9 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.loggers import WandbLogger
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.cohort import cohort_standard_errors
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.evaluation import (
@@ -151,12 +151,11 @@ class ClientEvaluation:
         capture = self.capture
         per_client = {k: dict(v) for k, v in capture.per_client.items() if v}
         summed = set(capture.summed_names)
-        if dist.is_initialized() and trainer.world_size > 1:
-            parts: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(parts, (per_client, summed))
+        if (group := collectives.across_ranks(trainer.world_size)) is not None:
+            parts = group.all_gather_object((per_client, sorted(summed)))
             per_client = {}
             for part, names in parts:
-                summed |= names
+                summed |= set(names)
                 for name, values in part.items():
                     per_client.setdefault(name, {}).update(values)
         return per_client, summed

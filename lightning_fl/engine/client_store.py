@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_map
+
+from lightning_fl.engine import collectives
 
 
 class ClientStore:
@@ -67,8 +68,7 @@ def move_client_states(
         return
     outgoing = {c: store.pop(c) for c, (src, _) in moving.items() if src == rank}
     outgoing = tree_map(lambda v: v.cpu() if isinstance(v, Tensor) else v, outgoing)
-    parts: list[Any] = [None] * world_size
-    dist.all_gather_object(parts, outgoing)
+    parts = collectives.across_ranks(world_size).all_gather_object(outgoing)
     for part in parts:
         for client, entries in part.items():
             if moving[client][1] == rank:

@@ -28,9 +28,9 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.divergence import DivergenceMonitor
 from lightning_fl.engine.packed import PackedFederation
@@ -122,7 +122,7 @@ class Ranks:
     @property
     def distributed(self) -> bool:
         """Whether collectives run: a process group spans more than one rank."""
-        return self.world_size > 1 and dist.is_initialized()
+        return collectives.across_ranks(self.world_size) is not None
 
     def owner(self, client: int) -> int:
         return client % self.world_size
@@ -216,9 +216,8 @@ class Federation:
                    if n else 0 for c, n in train.items()}  # fmt: skip
         local = {"train": train, "val": dm.local_sample_counts("val"), "batches": batches}
         parts = [local]
-        if ranks.distributed:
-            parts = [None] * ranks.world_size
-            dist.all_gather_object(parts, local)
+        if (group := collectives.across_ranks(ranks.world_size)) is not None:
+            parts = group.all_gather_object(local)
         every = {k: {c: n for part in parts for c, n in part[k].items()} for k in local}
         n = dm.num_clients
         counts = _seen_training_counts(

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.context import FitContext, counts_digest
 
 if TYPE_CHECKING:
@@ -63,9 +63,8 @@ def federated_state_dict(fit: FitContext, engine: RoundEngine) -> dict[str, Any]
     """The federated state of a fit, with every rank's clients."""
     store = fit.store.state_dict()
     if fit.ranks.distributed and not fit.config.silos:  # every rank's clients, in one file
-        parts: list[Any] = [None] * fit.ranks.world_size
-        dist.all_gather_object(
-            parts, {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}
+        parts = collectives.across_ranks(fit.ranks.world_size).all_gather_object(
+            {c: {k: _to_cpu(v) for k, v in e.items()} for c, e in store.items()}
         )
         store = {c: e for part in parts for c, e in part.items()}
     return {

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import move_client_states
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT, RoundState
@@ -257,8 +257,8 @@ class RoundPlanner:
             )  # fmt: skip
             batch = fit.to_device(next(iter(loader)))
             losses[i] = float(fit.module.loss_and_metrics(batch)[0])
-        if fit.ranks.distributed:
-            dist.all_reduce(losses)
+        if (group := collectives.across_ranks(fit.ranks.world_size)) is not None:
+            group.all_reduce(losses)
         return losses.cpu().tolist()
 
     def packs(self, client: int) -> bool:

@@ -15,8 +15,8 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.planning import RoundPlan, RoundPlanner
 from lightning_fl.engine.plugins import CLIENT_UPDATES, Aggregator, FederatedCallback, RoundState
@@ -180,7 +180,7 @@ class RoundEngine:
         summed = (cb.sum_over_ranks(buffer, state.round_idx) for cb in self.fit.plugins.callbacks)
         secure = next((b for b in summed if b is not None), None)
         if secure is None:
-            dist.all_reduce(buffer)
+            collectives.across_ranks(self.fit.ranks.world_size).all_reduce(buffer)
         else:
             buffer = secure
         offset = 0

@@ -24,8 +24,8 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.federated_state import CheckpointReadError
 
 #: Where a checkpoint's federated state lives (the round driver's callback state).
@@ -190,9 +190,8 @@ class SiloShards:
         label = self.site or f"silo {self.rank}"
         mine = (label, problem, state.get("run_id"), state.get("round"))
         sites = [mine]
-        if self.world_size > 1 and dist.is_initialized():
-            sites = [None] * self.world_size
-            dist.all_gather_object(sites, mine)
+        if (group := collectives.across_ranks(self.world_size)) is not None:
+            sites = group.all_gather_object(mine)
         agree(sites, label)
         return checkpoint
 

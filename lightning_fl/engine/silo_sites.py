@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback
 from lightning_fl.engine.setup_checks import check_trainer
 
@@ -64,8 +64,16 @@ class SiloSites:
             )
 
     @classmethod
-    def named(cls, silos: bool | Sequence[str], name: str | None) -> SiloSites | None:
-        """The sites of ``FederatedStrategy(silos=...)`` when it lists names, else None."""
+    def named(
+        cls, silos: bool | Sequence[str], name: str | None, transport: object = None
+    ) -> SiloSites | None:
+        """The sites of ``FederatedStrategy(silos=...)`` when it lists names, else None
+        (refused with a ``transport``: its sites are known by name)."""
+        if isinstance(silos, bool) and transport is not None:
+            raise SiloSiteError(
+                f"transport={type(transport).__name__}(...) joins sites known by name, but "
+                f"silos={silos} names none: list every site's name, silos=[...], in the recipe."
+            )
         if isinstance(silos, bool):
             if name is not None:
                 raise SiloSiteError(
@@ -133,16 +141,15 @@ def join_silos(trainer: pl.Trainer, config: Any, sites: SiloSites | None, ranks:
     if ranks.distributed:
         recipe = recipe_digest(trainer, config)
         recipe["strategy.silos"] = repr(list(sites.names)) if sites is not None else "True"
-        check_peers(site or f"silo {ranks.rank}", recipe)
+        check_peers(site or f"silo {ranks.rank}", recipe, ranks.world_size)
     trainer.datamodule.enter_silo(ranks.rank, ranks.world_size, site)
 
 
-def check_peers(name: str, recipe: dict[str, str]) -> None:
+def check_peers(name: str, recipe: dict[str, str], world_size: int) -> None:
     """Refuse, on every site, a name taken twice or a recipe that differs from the first
     site's (naming the first differing field): one ``all_gather_object`` of this site's
     ``name`` and ``recipe`` (:func:`recipe_digest`)."""
-    sites: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(sites, (name, recipe))
+    sites = collectives.across_ranks(world_size).all_gather_object((name, recipe))
     check_sites(sites)
 
 

@@ -30,7 +30,13 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_fl.datamodules.base import FederatedLoader
-from lightning_fl.engine import fit_callbacks, processes, segment_evaluation, setup_checks
+from lightning_fl.engine import (
+    collectives,
+    fit_callbacks,
+    processes,
+    segment_evaluation,
+    setup_checks,
+)
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.cohort import fit_cohort
@@ -154,6 +160,7 @@ class FederatedStrategy(DDPStrategy):
         allow_new_federation: bool = False,
         silos: bool | list[str] = False,
         silo: str | None = None,
+        transport: collectives.Transport | None = None,
         enable_plots: bool = True,
         data_on_device: bool | Literal["auto"] = "auto",
         eval_clients: int | None = None,
@@ -178,7 +185,8 @@ class FederatedStrategy(DDPStrategy):
             vectorize_evaluation=vectorize_evaluation,
             silos=bool(silos),
         )
-        self.sites = SiloSites.named(silos, silo)
+        self.sites = SiloSites.named(silos, silo, transport)
+        self.transport = transport  # None: torch.distributed (engine/collectives.py)
         self.num_threads = processes.check_num_threads(num_threads)
         self.data_on_device = check_data_on_device(data_on_device)
         self.enable_plots = enable_plots
@@ -219,6 +227,11 @@ class FederatedStrategy(DDPStrategy):
         """Lightning's process group, one of this torchrun attempt's own after a restart
         (:func:`~lightning_fl.engine.processes.restarted_worker_store`), destroyed when
         the interpreter exits (:func:`~lightning_fl.engine.processes.destroy_group_at_exit`)."""
+        if self.transport is not None:  # the sites' collectives go through it: no group
+            self.set_world_ranks()
+            self.transport.open(self.global_rank, self.world_size, self.sites.name)
+            collectives.install(self.transport)
+            return
         if self._single_process and not dist.is_initialized():
             self.set_world_ranks()
             return
@@ -274,9 +287,9 @@ class FederatedStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if dist.is_initialized() and self.world_size > 1:  # every rank starts from rank 0's model
+        if (group := collectives.across_ranks(self.world_size)) is not None:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+                group.broadcast(tensor.data, src=0)  # every rank starts from rank 0's model
         setup_checks.check_trainer(trainer)
         self._setup_federated(trainer, fitting)
 
@@ -345,6 +358,13 @@ class FederatedStrategy(DDPStrategy):
         counts, config = federation.training_counts, self.config
         return pack_for_fit(trainer.datamodule, counts, self.root_device, self.data_on_device,
                             config.vectorize, config.silos)  # fmt: skip
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A site's fit stopped on an error: its transport tells the others why."""
+        super().on_exception(exception)
+        if self.transport is not None:
+            collectives.install(None)
+            self.transport.close(failed=True, reason=f"{type(exception).__name__}: {exception}")
 
     def teardown(self) -> None:
         """Lightning's teardown, then the run's summary (rank 0): its notes and folder."""

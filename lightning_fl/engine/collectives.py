@@ -1,0 +1,99 @@
+"""The engine's collectives: how the processes of a run add tensors and share small values.
+
+Every collective the engine and its plugins run goes through :func:`across_ranks`, which
+answers the run's transport, or ``None`` on one process. Two transports implement it:
+
+- :class:`TorchDistributed`, ``torch.distributed``'s process group (gloo on CPU, NCCL on
+  GPU): every pair of processes connects, for trusted clusters (the default);
+- :class:`lightning_fl.flower.FlowerSite`, Flower's runtime: each site dials out to one
+  server (a SuperLink) over TLS, and the server adds the sites' tensors and passes their
+  small values on, for sites across institutions (README, "Deploying across hospitals").
+
+A transport adds tensors in place (:meth:`Collectives.all_reduce`), hands every rank the
+list of all ranks' values, in rank order (:meth:`Collectives.all_gather_object`), and
+copies one rank's tensor to all (:meth:`Collectives.broadcast`). The arithmetic around
+them is the same in every transport, so a run's model is the same (to float round-off: the
+order of a sum's terms may differ).
+
+Lightning's own collectives (``sync_dist``, barriers, broadcasts of paths) are not the
+engine's: under Flower they stay on each site (no process group), which is exact because
+the values the engine logs with ``sync_dist`` are equal on every site by construction.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Collectives(ABC):
+    """What a transport offers the engine: every rank calls each method together."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor``, in place, by its sum over all ranks."""
+
+    @abstractmethod
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (plain values: numbers, strings, tensors,
+        and lists, tuples and dicts of them)."""
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Replace ``tensor``, in place, by rank ``src``'s."""
+
+
+class Transport(Collectives):
+    """A transport a recipe chooses in place of ``torch.distributed``
+    (``FederatedStrategy(transport=...)``): the strategy opens it at set-up, as this
+    process's ``rank`` among ``world_size`` named sites (``site``) and installs it; the
+    transport closes itself when the process exits (a test after the fit still uses it),
+    or when the strategy closes it on an error (``failed``, and why: ``reason``)."""
+
+    @abstractmethod
+    def open(self, rank: int, world_size: int, site: str) -> None: ...
+
+    @abstractmethod
+    def close(self, failed: bool = False, reason: str = "") -> None: ...
+
+
+class TorchDistributed(Collectives):
+    """``torch.distributed``'s default process group as the engine's transport."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor)
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, value)
+        return parts
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        dist.broadcast(tensor, src=src)
+
+
+_TORCH = TorchDistributed()
+#: The transport a fit installed in place of ``torch.distributed`` (:func:`install`).
+_installed: Collectives | None = None
+
+
+def install(transport: Collectives | None) -> None:
+    """Make ``transport`` the run's (``None``: ``torch.distributed`` again). The strategy
+    installs it at set-up, before its first collective, and removes it at teardown."""
+    global _installed
+    _installed = transport
+
+
+def across_ranks(world_size: int) -> Collectives | None:
+    """The run's transport when it spans several processes; ``None`` on one process (or
+    several that share no process group: each then runs alone)."""
+    if world_size <= 1:
+        return None
+    if _installed is not None:
+        return _installed
+    if dist.is_available() and dist.is_initialized():
+        return _TORCH
+    return None

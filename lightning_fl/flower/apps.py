@@ -1,0 +1,245 @@
+"""The Flower apps of a lightning-fl federation: the server's relay and the sites' courier.
+
+The federation's Flower App (``recipes/flower/``, submitted with ``flwr run``) names
+:data:`server_app` and :data:`client_app`. Its run config (``[tool.flwr.app.config]``):
+
+- ``sites``: how many sites the recipe names (the run waits for that many SuperNodes);
+- ``step-timeout``: seconds a step may take, a round's local training included; a site
+  that does not answer in time stops the run, naming it (default 600);
+- ``site-start-timeout``: seconds the courier waits for the site's ``lightning-fl fit``
+  to open its mailbox (default 120).
+
+What the server receives at each step, from each site: its rank and name, the kind of
+collective, and its part: a tensor to add (the round's weighted update sum and declared
+round sums; masked limbs with ``SecureAggregation``) or a small value to list (names and
+recipe digests at set-up, sample counts, the round's metric sums, per-client evaluation
+metrics). What it sends back: the sum, or the list. It keeps nothing between runs.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+_RECORD = "lightning_fl"
+
+
+class SiteFailure(RuntimeError):
+    """A step the server cannot complete: a site failed, dropped or disagreed."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The Flower run config the apps read (:mod:`lightning_fl.flower.apps`)."""
+
+    sites: int
+    step_timeout: float = 600.0
+    site_start_timeout: float = 120.0
+
+    @classmethod
+    def read(cls, run_config: Mapping[str, Any]) -> RunSettings:
+        if "sites" not in run_config:
+            raise SiteFailure(
+                "the Flower run config has no 'sites': submit the run with "
+                "flwr run ... --run-config 'sites=<the number of sites in the recipe>'."
+            )
+        settings = cls(
+            sites=int(run_config["sites"]),
+            step_timeout=float(run_config.get("step-timeout", 600.0)),
+            site_start_timeout=float(run_config.get("site-start-timeout", 120.0)),
+        )
+        if settings.sites < 1 or settings.step_timeout <= 0:
+            raise SiteFailure(f"sites must be >= 1 and step-timeout > 0, got {settings}.")
+        return settings
+
+
+class StepRelay:
+    """What the server does with one step's answers: adds the sites' tensors or lists
+    their values in rank order; ``None`` when every site is done."""
+
+    def __init__(self, sites: int) -> None:
+        self.sites = sites
+        self.names: dict[int, str] = {}  # node id -> site name, learnt from the answers
+
+    def combine(self, step: int, answers: Mapping[int, Any]) -> tuple[bool, Any]:
+        """``answers``: node id -> the decoded answer, or a string (why it has none).
+        Returns (finished, result)."""
+        for node, answer in answers.items():
+            if isinstance(answer, str):
+                raise SiteFailure(f"{self._label(node)} {answer}")
+            self.names[node] = answer["site"]
+        for answer in answers.values():
+            if answer["op"] == "failed":
+                raise SiteFailure(f"site {answer['site']!r} failed: {answer['payload']}")
+        by_rank = sorted(answers.values(), key=lambda a: a["rank"])
+        ranks = [a["rank"] for a in by_rank]
+        if ranks != list(range(self.sites)):
+            raise SiteFailure(
+                f"the sites answer as ranks {ranks} ({[a['site'] for a in by_rank]}), not "
+                f"0..{self.sites - 1}: start each site once, under its own name."
+            )
+        ops = {a["op"] for a in by_rank}
+        if len(ops) > 1:
+            where = ", ".join(f"{a['site']!r}: {a['op']}" for a in by_rank)
+            raise SiteFailure(
+                f"the sites are at different collectives at step {step} ({where}): their "
+                "recipes or lightning-fl versions differ. Start every site with the same ones."
+            )
+        op = ops.pop()
+        if op == "done":
+            return True, None
+        parts = [a["payload"] for a in by_rank]
+        if op == "gather":
+            return False, parts
+        return False, self._sum(parts, [a["site"] for a in by_rank])
+
+    def _sum(self, parts: list[Any], sites: list[str]) -> Any:
+        first = parts[0]
+        for part, site in zip(parts[1:], sites[1:]):
+            if part.shape != first.shape or part.dtype != first.dtype:
+                raise SiteFailure(
+                    f"site {site!r} sends a {tuple(part.shape)} {part.dtype} sum, site "
+                    f"{sites[0]!r} a {tuple(first.shape)} {first.dtype} one: their models differ."
+                )
+        total = first.clone()
+        for part in parts[1:]:
+            total += part  # int64 limbs wrap around, as SecureAggregation's arithmetic needs
+        return total
+
+    def _label(self, node: int) -> str:
+        name = self.names.get(node)
+        return f"site {name!r} (SuperNode {node})" if name else f"the site of SuperNode {node}"
+
+
+# ---------------------------------------------------------------------- the server
+@server_app.main()
+def relay_steps(grid: Grid, context: Context) -> None:
+    """Wait for the sites' SuperNodes, then relay steps until every site is done."""
+    from lightning_fl.flower import wire
+
+    settings = RunSettings.read(context.run_config)
+    nodes = _wait_for_sites(grid, settings)
+    relay = StepRelay(settings.sites)
+    step, result = 0, None
+    while True:
+        request = wire.encode({"step": step, "result": result})
+        answers = _ask(grid, nodes, request, settings.step_timeout)
+        try:
+            finished, result = relay.combine(step, answers)
+        except SiteFailure as failure:
+            waiting = [n for n, a in answers.items() if not isinstance(a, str)
+                       and a["op"] not in ("failed", "done")]  # fmt: skip
+            _ask(grid, waiting, wire.encode({"stop": str(failure)}), 30.0)
+            raise
+        if finished:
+            return
+        step += 1
+
+
+def _wait_for_sites(grid: Grid, settings: RunSettings) -> list[int]:
+    deadline = time.monotonic() + settings.site_start_timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) == settings.sites:
+            return nodes
+        if len(nodes) > settings.sites:
+            raise SiteFailure(
+                f"{len(nodes)} SuperNodes are connected, the run config says sites="
+                f"{settings.sites}: stop the extra SuperNodes or fix --run-config sites."
+            )
+        if time.monotonic() > deadline:
+            raise SiteFailure(
+                f"{len(nodes)} of {settings.sites} SuperNodes connected within "
+                f"{settings.site_start_timeout:.0f} s: start every site's SuperNode."
+            )
+        time.sleep(0.5)
+
+
+def _ask(grid: Grid, nodes: list[int], request: bytes, timeout: float) -> dict[int, Any]:
+    """Send ``request`` to every node; each node's decoded answer, or why it has none."""
+    from lightning_fl.flower import wire
+
+    messages = [
+        Message(
+            RecordDict({_RECORD: ConfigRecord({"frame": request})}),
+            dst_node_id=node,
+            message_type="query",
+        )  # fmt: skip
+        for node in nodes
+    ]
+    answers: dict[int, Any] = {
+        node: f"did not answer within {timeout:.0f} s (it dropped, or a round took longer "
+        "than step-timeout)"
+        for node in nodes
+    }
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            answers[node] = f"answered with an error: {reply.error.reason}"
+            continue
+        record = reply.content[_RECORD]
+        if "error" in record:
+            answers[node] = str(record["error"])
+        elif record["frame"]:
+            answers[node] = wire.decode(record["frame"])
+        else:
+            answers[node] = {"op": "done", "site": "?", "rank": -1}  # stopped
+    return answers
+
+
+# ---------------------------------------------------------------------- the sites
+@client_app.query()
+def carry_step(message: Message, context: Context) -> Message:
+    """Carry one step's request to the site's mailbox and its answer back, unread."""
+    request = message.content[_RECORD]["frame"]
+    settings = context.run_config
+    mailbox = context.node_config.get("mailbox")
+    try:
+        if not mailbox:
+            raise OSError(
+                "has no mailbox: start its SuperNode with --node-config "
+                "'mailbox=\"<FlowerSite's mailbox path>\"'"
+            )
+        answer = _through_mailbox(
+            str(mailbox), request, float(settings.get("step-timeout", 600.0)),
+            float(settings.get("site-start-timeout", 120.0)),
+        )  # fmt: skip
+        record = ConfigRecord({"frame": answer})
+    except OSError as err:
+        record = ConfigRecord({"error": str(err)})
+    return Message(RecordDict({_RECORD: record}), reply_to=message)
+
+
+def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: float) -> bytes:
+    from lightning_fl.flower import wire
+
+    deadline = time.monotonic() + start_timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        while True:
+            try:
+                connection.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise OSError(
+                        f"has no site process at its mailbox {path} after "
+                        f"{start_timeout:.0f} s: start the site's `lightning-fl fit "
+                        "--silo NAME` (its FlowerSite mailbox must be this path)"
+                    ) from None
+                time.sleep(0.2)
+        connection.settimeout(timeout)
+        wire.send_frame(connection, request)
+        try:
+            return wire.read_frame(connection)
+        except ConnectionError:
+            return b""  # the site stopped on the server's request: nothing to answer

@@ -1,0 +1,53 @@
+"""What one step of a Flower run carries, and how it is framed.
+
+A step's request (server → site) is ``{"step": k, "result": R}`` (R: the result of the
+site's previous collective, ``None`` at step 0) or ``{"stop": reason}``; a site's answer
+is ``{"rank": r, "site": name, "op": op, "payload": P}``, ``op`` one of ``"sum"`` (P a
+tensor), ``"gather"`` (P a plain value), ``"done"`` or ``"failed"`` (P the reason).
+Values are encoded with ``torch.save`` and read with ``torch.load(weights_only=True)``:
+tensors, numbers, strings, bytes and containers of them, never code. On the mailbox's
+socket each encoded value is one frame: its length (8 bytes, big-endian), then its bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+from typing import Any
+
+OPS = ("sum", "gather", "done", "failed")
+
+
+def encode(value: Any) -> bytes:
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    """A value :func:`encode` wrote; anything else (code included) is refused."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def send_frame(connection: socket.socket, data: bytes) -> None:
+    connection.sendall(len(data).to_bytes(8, "big") + data)
+
+
+def read_frame(connection: socket.socket) -> bytes:
+    size = int.from_bytes(_read_exactly(connection, 8), "big")
+    return _read_exactly(connection, size)
+
+
+def _read_exactly(connection: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = connection.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the other end closed the mailbox connection mid-frame")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
