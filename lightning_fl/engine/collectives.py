@@ -97,3 +97,16 @@ def across_ranks(world_size: int) -> Collectives | None:
     if dist.is_available() and dist.is_initialized():
         return _TORCH
     return None
+
+
+def broadcast_module(module: torch.nn.Module, group: Collectives, src: int = 0) -> None:
+    """Every rank's ``module`` takes rank ``src``'s parameters and buffers: one broadcast
+    per dtype (a flat vector), not one per tensor."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor.data)
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        group.broadcast(flat, src=src)
+        parts = flat.split([t.numel() for t in tensors])
+        torch._foreach_copy_(tensors, [p.view_as(t) for p, t in zip(parts, tensors)])

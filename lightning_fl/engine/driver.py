@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine import collectives
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
@@ -74,7 +75,9 @@ class RoundDriver(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.fit.divergence.reset()
         if self.run_id is None:  # every rank takes rank 0's
-            self.run_id = trainer.strategy.broadcast(uuid.uuid4().hex)
+            self.run_id = uuid.uuid4().hex
+            if (group := collectives.across_ranks(trainer.world_size)) is not None:
+                self.run_id = group.all_gather_object(self.run_id)[0]
         if self._resumed is not None:
             self._resumed.keep_earlier_rounds(trainer)
             self._resumed = None

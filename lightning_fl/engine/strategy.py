@@ -288,8 +288,7 @@ class FederatedStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         if (group := collectives.across_ranks(self.world_size)) is not None:
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                group.broadcast(tensor.data, src=0)  # every rank starts from rank 0's model
+            collectives.broadcast_module(self.model, group)  # every rank starts from rank 0's
         setup_checks.check_trainer(trainer)
         self._setup_federated(trainer, fitting)
 

@@ -190,10 +190,8 @@ def _ask(grid: Grid, nodes: list[int], request: bytes, timeout: float) -> dict[i
         record = reply.content[_RECORD]
         if "error" in record:
             answers[node] = str(record["error"])
-        elif record["frame"]:
-            answers[node] = wire.decode(record["frame"])
         else:
-            answers[node] = {"op": "done", "site": "?", "rank": -1}  # stopped
+            answers[node] = wire.decode(record["frame"])
     return answers
 
 
@@ -242,4 +240,7 @@ def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: f
         try:
             return wire.read_frame(connection)
         except ConnectionError:
-            return b""  # the site stopped on the server's request: nothing to answer
+            raise OSError(
+                "closed its mailbox without answering: the site's `lightning-fl fit` stopped "
+                "or crashed (its console says why); restart it with --ckpt_path last"
+            ) from None

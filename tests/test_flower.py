@@ -1,0 +1,210 @@
+"""Three hospitals on Flower's runtime (issue 67): a SuperLink over TLS with node
+authentication, a SuperNode and a ``lightning-fl fit --silo NAME`` per site, all on
+localhost, with certificates and node keys generated here. The protocol's own tests (no
+Flower processes) are in tests/test_flower_relay.py."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.recipes_distributed import run_file
+
+flwr = pytest.importorskip("flwr", reason="lightning-fl[flower] is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+HEART = ROOT.parent / "shared" / "data" / "fed_heart_disease"
+RECIPE = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
+#: the recipe's sites and the FLamby centers each holds (a site holds c with c % 3 = its place)
+SITES = {"usa": ["cleveland", "va"], "hungary": ["hungarian"], "switzerland": ["switzerland"]}
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.skipif(not HEART.exists(), reason=f"real data not found at {HEART}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, log: Path, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-3000:]
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"port {port} not open after {seconds} s: {log.read_text()[-3000:]}")
+
+
+class Federation:
+    """The processes of one test, each in its own session (killed together at the end),
+    each writing its console to ``<name>.log`` under ``logs``."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.logs = tmp, tmp / "logs"
+        self.logs.mkdir()
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "FLWR_HOME": str(tmp / "flwr_home"), "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
+        self.env.pop("LIGHTNING_FL_SILO", None)
+
+    def start(self, name: str, command: list[str], cwd: Path | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        process = subprocess.Popen(command, cwd=cwd or self.tmp, env=self.env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        self.processes[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def run(self, command: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(command, cwd=self.tmp, env=self.env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+
+def _site_command(tmp: Path, name: str, audit: str, extra: list[str]) -> list[str]:
+    (tmp / "audit" / audit).mkdir(parents=True)
+    return [sys.executable, "-m", "tests.silo_audit", str(tmp / "sites"), str(tmp / "audit" / audit), "--",
+            "fit", "--config", str(RECIPE), "--silo", name, "--trainer.enable_progress_bar",
+            "false", "--test_after_fit", "false", "--trainer.max_epochs", "3", *extra]  # fmt: skip
+
+
+def _simulation(tmp: Path) -> dict[str, torch.Tensor]:
+    """The recipe on one process over the four centers' files: 3 rounds."""
+    out = tmp / "simulation"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", "--config", str(RECIPE),
+         "--trainer.max_epochs", "3", "--trainer.num_nodes", "1",
+         "--trainer.strategy.init_args.silos", "false",
+         "--trainer.strategy.init_args.transport", "null", "--data.init_args.root", str(HEART),
+         "--test_after_fit", "false", "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out)],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(run_file(out, "last.ckpt"), weights_only=True)["state_dict"]
+
+
+def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins(tmp_path):
+    """The issue's deployment, on localhost: a SuperLink with TLS and node authentication;
+    a SuperNode with a wrong certificate authority and one with an unregistered key are
+    refused; three registered sites (each in its own folder, audited) train the heart
+    recipe; hungary is SIGKILLed in round 1, and the run stops at once with a line naming
+    it on the other sites; all three restarted with ``--ckpt_path last`` and the run
+    submitted again finish round 3, in their run folders, and the model equals the
+    1-process simulation's to 1e-6."""
+    from lightning_fl.flower.credentials import write_credentials
+
+    tmp = tmp_path
+    creds, stranger_ca = tmp / "creds", tmp / "other_ca"
+    write_credentials(creds, [*SITES, "stranger"])
+    write_credentials(stranger_ca, [])
+    fed = Federation(tmp)
+    port = _free_port()
+    (tmp / "flwr_home").mkdir()
+    (tmp / "flwr_home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca.crt"}"\n'
+    )
+    for name, centers in SITES.items():
+        folder = tmp / "sites" / name / "data" / "heart_flower" / name
+        folder.mkdir(parents=True)
+        for center in centers:
+            shutil.copy(HEART / f"processed.{center}.data", folder)
+    try:
+        link = fed.start("superlink", [
+            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
+            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
+            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
+            "--disable-runtime-dependency-installation"])  # fmt: skip
+        _wait_for_port(port, link, fed.logs / "superlink.log")
+        for name in SITES:
+            registered = fed.run([str(BIN / "flwr"), "supernode", "register",
+                                  str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
+            assert "registered successfully" in registered.stdout, registered.stdout
+        supernode = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}"]
+        refused = {
+            "unregistered": fed.start("unregistered", [*supernode, "--root-certificates",
+                str(creds / "ca.crt"), "--auth-supernode-private-key",
+                str(creds / "stranger.key"), "--port", str(_free_port()),
+                "--max-retries", "1"]),
+            "wrong_ca": fed.start("wrong_ca", [*supernode, "--root-certificates",
+                str(stranger_ca / "ca.crt"), "--auth-supernode-private-key",
+                str(creds / "usa.key"), "--port", str(_free_port()), "--max-retries", "1"]),
+        }  # fmt: skip
+        for name in refused:
+            assert refused[name].wait(timeout=60) != 0, fed.log(name)
+        assert "Failed to activate SuperNode" in fed.log("unregistered")
+        assert "CERTIFICATE_VERIFY_FAILED" in fed.log("wrong_ca")
+        for name in SITES:
+            mailbox = tmp / "sites" / name / "flower" / f"{name}.sock"
+            fed.start(f"supernode_{name}", [*supernode, "--root-certificates",
+                str(creds / "ca.crt"), "--auth-supernode-private-key", str(creds / f"{name}.key"),
+                "--port", str(_free_port()), "--node-config", f'mailbox="{mailbox}"'],
+                cwd=tmp / "sites" / name)  # fmt: skip
+        sites = {name: fed.start(name, _site_command(tmp, name, name, []), cwd=tmp / "sites" / name)
+                 for name in SITES}  # fmt: skip
+        submit = [str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower"), "local",
+                  "--run-config", "sites=3 step-timeout=120 site-start-timeout=60"]  # fmt: skip
+        first_run = fed.start("flwr_run_1", [*submit, "--stream"])
+        round_0 = tmp / "sites" / "hungary" / "outputs" / "flamby" / "heart_flower" / "version_0"
+        deadline = time.monotonic() + 240
+        while not (round_0 / "checkpoints" / "hungary" / "last.ckpt").exists():
+            assert time.monotonic() < deadline and sites["hungary"].poll() is None, fed.log(
+                "hungary"
+            )
+            time.sleep(0.1)
+        os.killpg(sites["hungary"].pid, signal.SIGKILL)  # in round 1
+        for name in ("usa", "switzerland"):
+            assert sites[name].wait(timeout=180) != 0, fed.log(name)
+            assert "hungary" in fed.log(name).splitlines()[-1], fed.log(name)[-2000:]
+        assert first_run.wait(timeout=120) != 0 or "hungary" in fed.log("flwr_run_1")
+        resumed = {name: fed.start(f"{name}_resumed", _site_command(tmp, name, f"{name}_resumed", [
+            "--ckpt_path", "last"]), cwd=tmp / "sites" / name) for name in SITES}  # fmt: skip
+        second_run = fed.start("flwr_run_2", [*submit, "--stream"])
+        for name, process in resumed.items():
+            assert process.wait(timeout=300) == 0, fed.log(f"{name}_resumed")[-3000:]
+        second_run.wait(timeout=60)
+    finally:
+        fed.stop_all()
+    for name in SITES:
+        runs = tmp / "sites" / name / "outputs" / "flamby" / "heart_flower"
+        assert sorted(p.name for p in runs.iterdir()) == ["version_0"]
+        for path in _opened(tmp, name):
+            assert path.startswith(str((tmp / "sites" / name).resolve())), (name, path)
+    usa = tmp / "sites" / "usa" / "outputs" / "flamby" / "heart_flower" / "version_0"
+    with open(usa / "metrics.csv") as handle:
+        rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
+    assert rounds == {0, 1, 2}
+    flower = torch.load(usa / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    simulated = _simulation(tmp)
+    assert max(float((flower[k] - simulated[k]).abs().max()) for k in flower) <= 1e-6
+
+
+def _opened(tmp: Path, name: str) -> list[str]:
+    """Every file the site's two processes opened under the test's folder."""
+    paths: list[str] = []
+    for report in (tmp / "audit").glob(f"{name}*/opened_rank*.json"):
+        paths += json.loads(report.read_text())
+    return paths
