@@ -84,9 +84,10 @@ class Federation:
 
 def _site_command(tmp: Path, name: str, audit: str, extra: list[str]) -> list[str]:
     (tmp / "audit" / audit).mkdir(parents=True)
-    return [sys.executable, "-m", "tests.silo_audit", str(tmp / "sites"), str(tmp / "audit" / audit), "--",
-            "fit", "--config", str(RECIPE), "--silo", name, "--trainer.enable_progress_bar",
-            "false", "--test_after_fit", "false", "--trainer.max_epochs", "3", *extra]  # fmt: skip
+    return [sys.executable, "-m", "tests.silo_audit", str(tmp / "sites"),
+            str(tmp / "audit" / audit), "--", "fit", "--config", str(RECIPE), "--silo", name,
+            "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
+            "--trainer.max_epochs", "3", *extra]  # fmt: skip
 
 
 def _simulation(tmp: Path) -> dict[str, torch.Tensor]:

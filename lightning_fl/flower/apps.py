@@ -133,13 +133,13 @@ def relay_steps(grid: Grid, context: Context) -> None:
     step, result = 0, None
     while True:
         request = wire.encode({"step": step, "result": result})
-        answers = _ask(grid, nodes, request, settings.step_timeout)
+        answers = _ask(grid, nodes, request, settings.step_timeout, first=step == 0)
         try:
             finished, result = relay.combine(step, answers)
         except SiteFailure as failure:
             waiting = [n for n, a in answers.items() if not isinstance(a, str)
                        and a["op"] not in ("failed", "done")]  # fmt: skip
-            _ask(grid, waiting, wire.encode({"stop": str(failure)}), 30.0)
+            _ask(grid, waiting, wire.encode({"stop": str(failure)}), 30.0, first=False)
             raise
         if finished:
             return
@@ -165,13 +165,16 @@ def _wait_for_sites(grid: Grid, settings: RunSettings) -> list[int]:
         time.sleep(0.5)
 
 
-def _ask(grid: Grid, nodes: list[int], request: bytes, timeout: float) -> dict[int, Any]:
-    """Send ``request`` to every node; each node's decoded answer, or why it has none."""
+def _ask(
+    grid: Grid, nodes: list[int], request: bytes, timeout: float, first: bool
+) -> dict[int, Any]:
+    """Send ``request`` to every node; each node's decoded answer, or why it has none
+    (``first``: the run's first step, to which a site may still be starting)."""
     from lightning_fl.flower import wire
 
     messages = [
         Message(
-            RecordDict({_RECORD: ConfigRecord({"frame": request})}),
+            RecordDict({_RECORD: ConfigRecord({"frame": request, "first": first})}),
             dst_node_id=node,
             message_type="query",
         )  # fmt: skip
@@ -199,7 +202,7 @@ def _ask(grid: Grid, nodes: list[int], request: bytes, timeout: float) -> dict[i
 @client_app.query()
 def carry_step(message: Message, context: Context) -> Message:
     """Carry one step's request to the site's mailbox and its answer back, unread."""
-    request = message.content[_RECORD]["frame"]
+    request, first = message.content[_RECORD]["frame"], message.content[_RECORD]["first"]
     settings = context.run_config
     mailbox = context.node_config.get("mailbox")
     try:
@@ -208,10 +211,10 @@ def carry_step(message: Message, context: Context) -> Message:
                 "has no mailbox: start its SuperNode with --node-config "
                 "'mailbox=\"<FlowerSite's mailbox path>\"'"
             )
+        start_timeout = float(settings.get("site-start-timeout", 120.0)) if first else 0.0
         answer = _through_mailbox(
-            str(mailbox), request, float(settings.get("step-timeout", 600.0)),
-            float(settings.get("site-start-timeout", 120.0)),
-        )  # fmt: skip
+            str(mailbox), request, float(settings.get("step-timeout", 600.0)), start_timeout
+        )
         record = ConfigRecord({"frame": answer})
     except OSError as err:
         record = ConfigRecord({"error": str(err)})
@@ -219,6 +222,8 @@ def carry_step(message: Message, context: Context) -> Message:
 
 
 def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: float) -> bytes:
+    """The site's answer to ``request``; the site may take ``start_timeout`` seconds to
+    open its mailbox (the first step; later, a closed mailbox means the site stopped)."""
     from lightning_fl.flower import wire
 
     deadline = time.monotonic() + start_timeout
@@ -228,11 +233,13 @@ def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: f
                 connection.connect(path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     raise OSError(
-                        f"has no site process at its mailbox {path} after "
-                        f"{start_timeout:.0f} s: start the site's `lightning-fl fit "
-                        "--silo NAME` (its FlowerSite mailbox must be this path)"
+                        f"has no site process at its mailbox {path}"
+                        + (f" after {start_timeout:.0f} s" if start_timeout else "")
+                        + ": its `lightning-fl fit --silo NAME` stopped or never started "
+                        "(its console says why; its FlowerSite mailbox must be this path). "
+                        "Restart it with --ckpt_path last and submit the run again."
                     ) from None
                 time.sleep(0.2)
         connection.settimeout(timeout)
