@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,24 +125,41 @@ class StepRelay:
 @server_app.main()
 def relay_steps(grid: Grid, context: Context) -> None:
     """Wait for the sites' SuperNodes, then relay steps until every site is done."""
-    from lightning_fl.flower import wire
-
     settings = RunSettings.read(context.run_config)
     nodes = _wait_for_sites(grid, settings)
+
+    def ask(receivers: list[int] | None, request: bytes, timeout: float, first: bool):
+        return _ask(grid, nodes if receivers is None else receivers, request, timeout, first)
+
+    run_steps(settings, ask)
+
+
+#: ``ask(nodes, request, timeout, first)``: send ``request`` to ``nodes`` (None: every
+#: site) and return each node's decoded answer, or a string saying why it has none.
+Ask = Callable[[list[int] | None, bytes, float, bool], dict[int, Any]]
+
+
+def run_steps(settings: RunSettings, ask: Ask) -> int:
+    """The server's loop: each step's request carries the last result, until every site
+    is done (returns the number of steps). A failed step stops the sites that wait for
+    the next request, with the reason, and raises it."""
+    from lightning_fl.flower import wire
+
     relay = StepRelay(settings.sites)
     step, result = 0, None
     while True:
         request = wire.encode({"step": step, "result": result})
-        answers = _ask(grid, nodes, request, settings.step_timeout, first=step == 0)
+        answers = ask(None, request, settings.step_timeout, step == 0)
         try:
             finished, result = relay.combine(step, answers)
         except SiteFailure as failure:
             waiting = [n for n, a in answers.items() if not isinstance(a, str)
                        and a["op"] not in ("failed", "done")]  # fmt: skip
-            _ask(grid, waiting, wire.encode({"stop": str(failure)}), 30.0, first=False)
+            if waiting:
+                ask(waiting, wire.encode({"stop": str(failure)}), 30.0, False)
             raise
         if finished:
-            return
+            return step
         step += 1
 
 

@@ -1,0 +1,218 @@
+"""The Flower transport's protocol without Flower's processes (issue 67): sites
+(:class:`FlowerSite`, one thread each) answer the server's loop (:func:`run_steps`, the
+ServerApp's own) through their mailboxes and the ClientApp's courier
+(:func:`_through_mailbox`), as on a SuperNode. tests/test_flower.py runs the real thing."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("flwr", reason="lightning-fl[flower] is not installed")
+
+from lightning_fl.flower import FlowerRunStopped, FlowerSite, wire  # noqa: E402
+from lightning_fl.flower.apps import (  # noqa: E402
+    RunSettings,
+    SiteFailure,
+    StepRelay,
+    _through_mailbox,
+    run_steps,
+)
+
+NAMES = ["usa", "hungary", "switzerland"]
+
+
+class Federation:
+    """``programs[r]`` runs as site ``NAMES[r]`` in a thread; the server's loop runs in the
+    caller's thread. ``received`` records every answer the server decodes, per step."""
+
+    def __init__(self, tmp: Path, programs, node_order=(2, 0, 1)) -> None:
+        self.tmp, self.programs = tmp, programs
+        self.nodes = {100 + r: r for r in node_order}  # node id -> rank, not in rank order
+        self.results: dict[str, object] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.received: list[dict[int, object]] = []
+
+    def _site(self, rank: int) -> None:
+        name = NAMES[rank]
+        site = FlowerSite(mailbox=str(self.tmp / "{silo}.sock"), timeout=20)
+        site.open(rank, len(self.programs), name)
+        try:
+            self.results[name] = self.programs[rank](site, rank)
+        except BaseException as err:  # a site's failure, as the strategy reports it
+            self.errors[name] = err
+            site.close(failed=True, reason=f"{type(err).__name__}: {err}")
+            return
+        site.close()
+
+    def ask(self, receivers, request, timeout, first):
+        nodes = list(self.nodes) if receivers is None else receivers
+
+        def one(node):
+            path = str(self.tmp / f"{NAMES[self.nodes[node]]}.sock")
+            try:
+                return node, wire.decode(_through_mailbox(path, request, timeout,
+                                                          10.0 if first else 0.0))  # fmt: skip
+            except OSError as err:
+                return node, str(err)
+
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            answers = dict(pool.map(one, nodes))
+        self.received.append(answers)
+        return answers
+
+    def run(self) -> int:
+        threads = [threading.Thread(target=self._site, args=(r,)) for r in range(len(NAMES))]
+        for thread in threads:
+            thread.start()
+        try:
+            return run_steps(RunSettings(sites=len(NAMES), step_timeout=20), self.ask)
+        finally:
+            for thread in threads:
+                thread.join(timeout=30)
+
+
+def test_sums_lists_and_broadcasts_are_in_rank_order_whatever_the_nodes_order(tmp_path):
+    """Unequal tensors of three sites, SuperNodes known in another order: the sum is the
+    exact sum, the gather lists values by rank, the broadcast is rank 1's, and a site's
+    tensor keeps its dtype and shape (int64 limbs wrap around as two's complement)."""
+    values = [torch.tensor([1.5, -2.0, 3.25]), torch.tensor([0.25, 4.0, -1.0]),
+              torch.tensor([10.0, 0.5, 0.125])]  # fmt: skip
+    limbs = [torch.tensor([2**62, 5]), torch.tensor([2**62, -7]), torch.tensor([2**62, 1])]
+
+    def program(site: FlowerSite, rank: int):
+        names = site.all_gather_object({"name": NAMES[rank], "rank": rank})
+        summed = values[rank].clone()
+        site.all_reduce(summed)
+        wrapped = limbs[rank].clone()
+        site.all_reduce(wrapped)
+        chosen = torch.full((2,), float(rank))
+        site.broadcast(chosen, src=1)
+        return names, summed, wrapped, chosen
+
+    federation = Federation(tmp_path, [program] * 3)
+    steps = federation.run()
+    assert not federation.errors, federation.errors
+    assert steps == 4  # four collectives, then every site is done
+    expected_sum = values[0] + values[1] + values[2]
+    for name in NAMES:
+        names, summed, wrapped, chosen = federation.results[name]
+        assert names == [{"name": n, "rank": r} for r, n in enumerate(NAMES)]
+        assert torch.equal(summed, expected_sum)
+        assert wrapped.tolist() == [-(2**62), -1]  # 3·2^62 wraps to -2^62 in int64
+        assert chosen.tolist() == [1.0, 1.0]
+    assert not list(tmp_path.glob("*.sock"))  # each site removed its mailbox
+
+
+def test_a_failing_site_stops_the_run_naming_it_and_the_others_say_why(tmp_path):
+    """hungary raises in its second collective: the server's loop raises naming hungary
+    and the error, and usa and switzerland stop with the server's reason."""
+
+    def program(site: FlowerSite, rank: int):
+        site.all_gather_object(rank)
+        if NAMES[rank] == "hungary":
+            raise ValueError("center file unreadable")
+        site.all_reduce(torch.ones(2))
+
+    federation = Federation(tmp_path, [program] * 3)
+    with pytest.raises(SiteFailure, match="site 'hungary' failed: ValueError: center file"):
+        federation.run()
+    for name in ("usa", "switzerland"):
+        error = federation.errors[name]
+        assert isinstance(error, FlowerRunStopped)
+        assert "site 'hungary' failed: ValueError: center file unreadable" in str(error)
+
+
+def test_sites_at_different_collectives_are_refused_naming_each(tmp_path):
+    def program(site: FlowerSite, rank: int):
+        if rank == 2:
+            site.all_gather_object("x")
+        else:
+            site.all_reduce(torch.ones(1))
+
+    federation = Federation(tmp_path, [program] * 3)
+    with pytest.raises(SiteFailure, match="'usa': sum, 'hungary': sum, 'switzerland': gather"):
+        federation.run()
+
+
+def test_a_site_whose_process_is_gone_is_named_at_once(tmp_path):
+    """After the first step, a mailbox nobody listens on is a stopped site: the courier
+    says so without waiting (at the first step it waits site-start-timeout)."""
+    path = tmp_path / "gone.sock"
+    with pytest.raises(OSError, match="has no site process at its mailbox .*gone.sock: its"):
+        _through_mailbox(str(path), b"", 5.0, 0.0)
+    relay = StepRelay(1)
+    answers = {7: {"rank": 0, "site": "usa", "op": "sum", "payload": torch.ones(1)}}
+    relay.combine(0, answers)
+    with pytest.raises(SiteFailure, match=r"site 'usa' \(SuperNode 7\) has no site process"):
+        relay.combine(1, {7: "has no site process at its mailbox /x.sock"})
+
+
+def test_sums_of_other_shapes_and_wrong_ranks_are_refused():
+    relay = StepRelay(2)
+    a = {"rank": 0, "site": "usa", "op": "sum", "payload": torch.ones(3)}
+    b = {"rank": 1, "site": "hungary", "op": "sum", "payload": torch.ones(4)}
+    with pytest.raises(SiteFailure, match=r"site 'hungary' sends a \(4,\) torch.float32 sum"):
+        relay.combine(0, {1: a, 2: b})
+    twice = {**b, "rank": 0, "payload": torch.ones(3)}
+    with pytest.raises(SiteFailure, match=r"answer as ranks \[0, 0\]"):
+        relay.combine(0, {1: a, 2: twice})
+    with pytest.raises(SiteFailure, match="no 'sites'"):
+        RunSettings.read({})
+    assert RunSettings.read({"sites": 3, "step-timeout": 5}) == RunSettings(3, 5.0, 120.0)
+
+
+def test_the_wire_never_runs_code():
+    """A frame is read with torch.load(weights_only=True): a pickle that would call a
+    function is refused, and plain values come back equal."""
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    hostile = io.BytesIO()
+    pickle.dump({"op": "gather", "payload": Exploit()}, hostile, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        wire.decode(hostile.getvalue())
+    value = {"rank": 1, "op": "gather", "payload": [("a", 1.5), {"b": torch.arange(3)}]}
+    decoded = wire.decode(wire.encode(value))
+    assert decoded["payload"][0] == ("a", 1.5)
+    assert torch.equal(decoded["payload"][1]["b"], torch.arange(3))
+
+
+def test_with_secure_aggregation_the_server_receives_only_masked_limbs(tmp_path):
+    """Three sites agree on pairwise keys through the server (public keys only) and send
+    their round sums masked (Bonawitz et al. 2017, §4): every tensor the server receives
+    differs from that site's own encoding in every limb, and the sum the sites get back
+    decodes to the sum of their values (fixed point, 2^-32)."""
+    pytest.importorskip("cryptography")
+    from lightning_fl.systems.pairwise_masking import PairwiseMasks, encode
+
+    generator = torch.Generator().manual_seed(3)
+    values = [torch.randn(40, generator=generator, dtype=torch.float64) for _ in NAMES]
+
+    def program(site: FlowerSite, rank: int):
+        masks = PairwiseMasks.agree(rank, 3, site.all_gather_object)
+        return masks.sum(values[rank].clone(), 2, site.all_reduce)
+
+    federation = Federation(tmp_path, [program] * 3)
+    federation.run()
+    assert not federation.errors, federation.errors
+    total = values[0] + values[1] + values[2]
+    for name in NAMES:
+        assert torch.allclose(federation.results[name], total, atol=3 * 2.0**-32)
+    sums = [step for step in federation.received if next(iter(step.values()))["op"] == "sum"]
+    assert len(sums) == 1
+    for node, answer in sums[0].items():
+        rank = federation.nodes[node]
+        own = torch.cat(encode(values[rank], 32))
+        sent = answer["payload"].flatten()
+        assert sent.dtype == torch.int64 and sent.numel() == own.numel()
+        assert not (sent == own).any(), NAMES[rank]
