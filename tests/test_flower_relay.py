@@ -167,6 +167,10 @@ def test_sums_of_other_shapes_and_wrong_ranks_are_refused():
     with pytest.raises(SiteFailure, match="no 'sites'"):
         RunSettings.read({})
     assert RunSettings.read({"sites": 3, "step-timeout": 5}) == RunSettings(3, 5.0, 120.0)
+    assert RunSettings.read({"sites": 1, "step-timeout": 0.5}).sites == 1  # both ends allowed
+    for bad in ({"sites": 0}, {"sites": 2, "step-timeout": 0}):
+        with pytest.raises(SiteFailure, match="sites must be >= 1 and step-timeout > 0"):
+            RunSettings.read(bad)
 
 
 def test_the_wire_never_runs_code():
