@@ -1,16 +1,22 @@
 """A site's end of a Flower run: the engine's collectives through the site's mailbox."""
+
 from __future__ import annotations
+
 import atexit
 import os
 import socket
 from pathlib import Path
 from typing import Any
+
 import torch
+
 from lightning_fl.engine.collectives import Transport
 from lightning_fl.flower import wire
 
+
 class FlowerRunStopped(RuntimeError):
     """The Flower server stopped the run (a site failed, dropped or disagreed)."""
+
 
 class FlowerSite(Transport):
     """The engine's collectives as steps of a Flower run (:mod:`lightning_fl.flower`).
@@ -27,24 +33,25 @@ class FlowerSite(Transport):
             (a step's wait includes every other site's local training of the round).
     """
 
-    def __init__(self, mailbox: str='flower/{silo}.sock', timeout: float=600.0) -> None:
+    def __init__(self, mailbox: str = "flower/{silo}.sock", timeout: float = 600.0) -> None:
         if timeout <= 0:
-            raise ValueError(f'FlowerSite timeout must be positive seconds, got {timeout}.')
-        self.mailbox, self.timeout = (mailbox, float(timeout))
+            raise ValueError(f"FlowerSite timeout must be positive seconds, got {timeout}.")
+        self.mailbox, self.timeout = mailbox, float(timeout)
         self._listener: socket.socket | None = None
-        self._open: socket.socket | None = None
+        self._open: socket.socket | None = None  # the request whose answer is due
         self._identity: dict[str, Any] = {}
-        self._stopped = False
+        self._stopped = False  # the server ended the run: nothing more to answer
         self.path: Path | None = None
 
+    # ------------------------------------------------------------------ Transport
     def open(self, rank: int, world_size: int, site: str) -> None:
-        if self._listener is not None:
+        if self._listener is not None:  # a test after the fit: the run goes on
             return
         self.path = Path(self.mailbox.format(silo=site, rank=rank))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_mask = os.umask(127)
+        old_mask = os.umask(0o177)  # the socket is this user's alone from its creation
         try:
             listener.bind(str(self.path))
         finally:
@@ -53,9 +60,9 @@ class FlowerSite(Transport):
         atexit.register(self.close)
         listener.settimeout(self.timeout)
         self._listener = listener
-        pass
+        self._identity = {"rank": rank, "site": site}
 
-    def close(self, failed: bool=False, reason: str='') -> None:
+    def close(self, failed: bool = False, reason: str = "") -> None:
         """Answer the pending request with ``done`` (or ``failed``: ``reason``), so the
         server ends the run, and remove the mailbox."""
         if self._listener is None:
@@ -64,11 +71,11 @@ class FlowerSite(Transport):
             if self._stopped:
                 return
             if failed:
-                self._answer('failed', reason or "the site's fit failed")
+                self._answer("failed", reason or "the site's fit failed")
             else:
-                self._answer('done', None)
+                self._answer("done", None)
         except (OSError, ConnectionError, FlowerRunStopped):
-            pass
+            pass  # the server already ended the run
         finally:
             self._listener.close()
             self._listener = None
@@ -76,42 +83,49 @@ class FlowerSite(Transport):
                 self.path.unlink(missing_ok=True)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        total = self._exchange('sum', tensor.detach().cpu())
+        total = self._exchange("sum", tensor.detach().cpu())
         tensor.copy_(total.to(tensor.device))
 
     def all_gather_object(self, value: Any) -> list[Any]:
-        return self._exchange('gather', value)
+        return self._exchange("gather", value)
 
-    def broadcast(self, tensor: torch.Tensor, src: int=0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank ``src``'s tensor: a sum to which every other site adds zeros (exact)."""
-        mine = tensor if self._identity['rank'] == src else torch.zeros_like(tensor)
+        mine = tensor if self._identity["rank"] == src else torch.zeros_like(tensor)
         self.all_reduce(mine)
         tensor.copy_(mine)
 
+    # ------------------------------------------------------------------ the mailbox
     def _exchange(self, op: str, payload: Any) -> Any:
         """Answer the pending request with this site's part, then wait for the next
         request, which carries the result; keep it pending for the next collective."""
         self._answer(op, payload)
         request = self._next_request()
-        return request['result']
+        return request["result"]
 
     def _answer(self, op: str, payload: Any) -> None:
-        if self._open is None:
+        if self._open is None:  # the run's first step: its request carries no result
             self._next_request()
-        connection, self._open = (self._open, None)
+        connection, self._open = self._open, None
         with connection:
-            wire.send_frame(connection, wire.encode({**self._identity, 'op': op, 'payload': payload}))
+            wire.send_frame(connection, wire.encode({**self._identity, "op": op,
+                                                     "payload": payload}))  # fmt: skip
 
     def _next_request(self) -> dict[str, Any]:
         if self._listener is None:
-            raise RuntimeError('FlowerSite is not open: the strategy opens it at set-up.')
+            raise RuntimeError("FlowerSite is not open: the strategy opens it at set-up.")
         try:
             connection, _ = self._listener.accept()
         except TimeoutError:
-            raise FlowerRunStopped(f"site {self._identity['site']!r} had no message from the Flower server for {self.timeout:.0f} s (mailbox {self.path}): is the run submitted (flwr run) and this site's SuperNode started with this mailbox? Raise FlowerSite's timeout if a round takes longer.") from None
+            raise FlowerRunStopped(
+                f"site {self._identity['site']!r} had no message from the Flower server for "
+                f"{self.timeout:.0f} s (mailbox {self.path}): is the run submitted (flwr run) "
+                "and this site's SuperNode started with this mailbox? Raise FlowerSite's "
+                "timeout if a round takes longer."
+            ) from None
         connection.settimeout(self.timeout)
         request = wire.decode(wire.read_frame(connection))
-        if 'stop' in request:
+        if "stop" in request:
             connection.close()
             self._stopped = True
             raise FlowerRunStopped(f"the Flower server stopped the run: {request['stop']}")
