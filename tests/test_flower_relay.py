@@ -220,3 +220,28 @@ def test_with_secure_aggregation_the_server_receives_only_masked_limbs(tmp_path)
         sent = answer["payload"].flatten()
         assert sent.dtype == torch.int64 and sent.numel() == own.numel()
         assert not (sent == own).any(), NAMES[rank]
+
+
+def test_the_mailbox_is_the_users_alone_replaces_a_stale_one_and_times_out_clearly(tmp_path):
+    """The socket is created mode 0600 (a stale one from a killed site is replaced); a
+    second open (a test after the fit) keeps it; a site without a server's message for
+    ``timeout`` seconds stops, naming its mailbox; timeouts must be positive."""
+    import stat
+
+    stale = tmp_path / "usa" / "usa.sock"
+    stale.parent.mkdir()
+    stale.write_text("left by a killed site")
+    site = FlowerSite(mailbox=str(tmp_path / "{silo}" / "{silo}.sock"), timeout=0.3)
+    site.open(0, 2, "usa")
+    assert stat.S_ISSOCK(stale.stat().st_mode)
+    assert stat.S_IMODE(stale.stat().st_mode) == 0o600
+    listener = site._listener
+    site.open(0, 2, "usa")
+    assert site._listener is listener
+    with pytest.raises(FlowerRunStopped, match=r"site 'usa' had no message .* for 0 s .*usa.sock"):
+        site.all_reduce(torch.ones(1))
+    site.close()
+    assert not stale.exists()
+    assert FlowerSite(timeout=1e-3).timeout == 1e-3
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        FlowerSite(timeout=0)
