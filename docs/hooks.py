@@ -39,6 +39,7 @@ PACKAGES = {
 MODULE_PAGES = {
     "lightning_fl.systems": ("api/systems.md", "Systems: the papers' mathematics"),
     "lightning_fl.engine": ("api/engine.md", "Engine: how a round happens"),
+    "lightning_fl.flower": ("api/flower.md", "Flower: sites across institutions"),
 }
 LINK = re.compile(r"\]\((?!https?://|#|mailto:)([^)\s]+)\)")
 
@@ -60,7 +61,7 @@ def readme_page() -> str:
 def _repository(path: str) -> str:
     """The site's page for a repository file: the recipes page for a recipe, the API
     reference for a module, else the architecture page's list of repository files."""
-    if path.startswith("recipes/"):
+    if path.startswith("recipes/") and path.endswith(".yaml"):
         return "recipes.md#" + _anchor(path.removeprefix("recipes/"))
     return "architecture.md#repository-files"
 
@@ -147,6 +148,7 @@ def api_index() -> str:
         "(`lightning_fl.datamodules`);",
         "- [Systems](systems.md): the papers' mathematics, free of Lightning;",
         "- [Engine](engine.md): how a round happens (for plugin authors).",
+        "- [Flower](flower.md): sites on Flower's runtime (`lightning-fl[flower]`).",
         "",
     ])  # fmt: skip
 

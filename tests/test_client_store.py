@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from lightning_fl.engine import client_store
+from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import ClientStore, move_client_states
 
 
@@ -42,13 +42,20 @@ def _on_two_ranks(stores, moves, monkeypatch):
     """Run move_client_states on ranks 0 and 1 at once; returns what each sent."""
     barrier, sent, rank_of = threading.Barrier(2), [None, None], threading.local()
 
-    def all_gather_object(parts, obj):
-        sent[rank_of.rank] = obj
-        barrier.wait(timeout=10)
-        parts[:] = list(sent)
-        barrier.wait(timeout=10)
+    class TwoThreads(collectives.Collectives):
+        def all_gather_object(self, obj):
+            sent[rank_of.rank] = obj
+            barrier.wait(timeout=10)
+            parts = list(sent)
+            barrier.wait(timeout=10)
+            return parts
 
-    monkeypatch.setattr(client_store.dist, "all_gather_object", all_gather_object)
+        def all_reduce(self, tensor):
+            raise AssertionError("moves gather, they do not sum")
+
+        broadcast = all_reduce
+
+    monkeypatch.setattr(collectives, "_installed", TwoThreads())
     errors = []
 
     def run(rank):
@@ -88,10 +95,13 @@ def test_client_entries_move_between_two_ranks(monkeypatch):
 
 
 def test_no_move_means_no_collective(monkeypatch):
-    def refuse(*args):
-        raise AssertionError("all_gather_object was called")
+    class Refuse(collectives.Collectives):
+        def all_gather_object(self, obj):
+            raise AssertionError("all_gather_object was called")
 
-    monkeypatch.setattr(client_store.dist, "all_gather_object", refuse)
+        all_reduce = broadcast = all_gather_object
+
+    monkeypatch.setattr(collectives, "_installed", Refuse())
     store = ClientStore()
     store.set(0, "c", torch.tensor([1.0]))
     move_client_states(store, {0: (1, 1), 1: (0, 0)}, 0, 2)

@@ -201,9 +201,8 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
     unseen clients count 0 for training, and batches per pass are ⌈n/B⌉."""
     import math
 
-    import torch.distributed as dist
-
     from lightning_fl.datamodules import InMemoryFederatedDataModule
+    from lightning_fl.engine import collectives
     from lightning_fl.engine.context import Federation, Ranks
     from tests.helpers import tiny_clients, tiny_datamodule
 
@@ -215,15 +214,20 @@ def test_the_federation_of_two_silos_is_gathered_once_by_hand(monkeypatch):
         silos.append(dm)
     gathered = []
 
-    def all_gather_object(parts, local):  # the other silo's contribution, as gloo gives it
-        gathered.append(local)
-        other = silos[1].local_sample_counts("train")
-        mine = {"train": other, "val": silos[1].local_sample_counts("val"),
-                "batches": {c: math.ceil(n / 3) for c, n in other.items()}}  # fmt: skip
-        parts[:] = [local, mine]
+    class OtherSilo(collectives.Collectives):  # the other silo's contribution, as gloo gives it
+        def all_gather_object(self, local):
+            gathered.append(local)
+            other = silos[1].local_sample_counts("train")
+            mine = {"train": other, "val": silos[1].local_sample_counts("val"),
+                    "batches": {c: math.ceil(n / 3) for c, n in other.items()}}  # fmt: skip
+            return [local, mine]
 
-    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        def all_reduce(self, tensor):
+            raise AssertionError("no sum at set-up")
+
+        broadcast = all_reduce
+
+    monkeypatch.setattr(collectives, "_installed", OtherSilo())
     federation = Federation(silos[0], ranks=Ranks(2, 0))
     whole = tiny_datamodule(batch_size=3)
     train = whole.sample_counts("train")

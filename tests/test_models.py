@@ -233,14 +233,14 @@ def test_sums_over_ranks_in_rank_order(monkeypatch):
         {},
     ]
 
-    def all_gather_object(parts, mine):
-        assert mine == {"loss": (3.0, 4.0)}
-        assert all(type(v) is float for v in mine["loss"])  # plain floats, not tensors
-        parts[:] = gathered
+    class ThreeRanks:
+        def all_gather_object(self, mine):
+            assert mine == {"loss": (3.0, 4.0)}
+            assert all(type(v) is float for v in mine["loss"])  # plain floats, not tensors
+            return gathered
 
-    monkeypatch.setattr(models.dist, "all_gather_object", all_gather_object)
     mine = {"loss": (torch.tensor(3.0), torch.tensor(4.0))}
-    added = models._sum_over_ranks(mine, 3, torch.device("cpu"))
+    added = models._sum_over_ranks(mine, ThreeRanks(), torch.device("cpu"))
     assert {k: (t.item(), c.item()) for k, (t, c) in added.items()} == {
         "loss": (4.0, 6.0), "acc": (0.5, 1.0),
     }  # fmt: skip

@@ -32,6 +32,8 @@ Read top-down:
 - :mod:`.evaluation` and :mod:`.client_evaluation`: per-client validation and test, and
   their summaries;
 - :mod:`.composition`: which plugin pairs are refused at setup;
+- :mod:`.collectives`: every collective of the engine and its plugins, through the run's
+  transport (``torch.distributed``, or a recipe's, as ``lightning_fl.flower``'s);
 - helpers shared with the plugins: :mod:`.client_store`, :mod:`.tensors`,
   :mod:`.seeding`, :mod:`.local_training`, :mod:`.divergence`, :mod:`.progress`,
   :mod:`.outputs`.
