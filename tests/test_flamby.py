@@ -176,9 +176,12 @@ def test_natural_split_refuses_to_normalize_a_center_with_one_training_row(tmp_p
     assert torch.isfinite(dm.client_dataset(1, "train")[:][0]).all()
 
 
-#: The simulation recipes; heart_silos.yaml (4 processes) runs in tests/test_silos.py.
+#: The simulation recipes; heart_silos.yaml (4 processes) runs in tests/test_silos.py and
+#: heart_flower.yaml (3 sites on Flower) in tests/test_flower.py.
 FLAMBY_RECIPES = sorted(
-    p for p in (ROOT / "recipes" / "flamby").glob("*.yaml") if "silos" not in p.stem
+    p
+    for p in (ROOT / "recipes" / "flamby").glob("*.yaml")
+    if "silos" not in p.stem and "flower" not in p.stem
 )
 
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,12 +83,13 @@ class Federation:
                 process.wait(timeout=30)
 
 
-def _site_command(tmp: Path, name: str, audit: str, extra: list[str]) -> list[str]:
+def _site_command(tmp: Path, name: str, audit: str, mailboxes: Path, extra: list[str]) -> list[str]:
     (tmp / "audit" / audit).mkdir(parents=True)
     return [sys.executable, "-m", "tests.silo_audit", str(tmp / "sites"),
             str(tmp / "audit" / audit), "--", "fit", "--config", str(RECIPE), "--silo", name,
             "--trainer.enable_progress_bar", "false", "--test_after_fit", "false",
-            "--trainer.max_epochs", "3", *extra]  # fmt: skip
+            "--trainer.max_epochs", "3", "--trainer.strategy.init_args.transport.init_args.mailbox",
+            str(mailboxes / "{silo}.sock"), *extra]  # fmt: skip
 
 
 def _simulation(tmp: Path) -> dict[str, torch.Tensor]:
@@ -107,6 +109,13 @@ def _simulation(tmp: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_file(out, "last.ckpt"), weights_only=True)["state_dict"]
 
 
+def test_the_flower_recipe_is_flambys_scaffold_setup():
+    from tests.test_flamby import _recipe_settings
+
+    recipes = ROOT / "recipes" / "flamby"
+    assert _recipe_settings(RECIPE) == _recipe_settings(recipes / "heart_scaffold.yaml")
+
+
 def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins(tmp_path):
     """The issue's deployment, on localhost: a SuperLink with TLS and node authentication;
     a SuperNode with a wrong certificate authority and one with an unregistered key are
@@ -122,6 +131,7 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
     write_credentials(creds, [*SITES, "stranger"])
     write_credentials(stranger_ca, [])
     fed = Federation(tmp)
+    mailboxes = Path(tempfile.mkdtemp(prefix="lfl", dir="/tmp"))  # a socket's path: <= 107 B
     port = _free_port()
     (tmp / "flwr_home").mkdir()
     (tmp / "flwr_home" / "config.toml").write_text(
@@ -159,13 +169,17 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
         assert "Failed to activate SuperNode" in fed.log("unregistered")
         assert "CERTIFICATE_VERIFY_FAILED" in fed.log("wrong_ca")
         for name in SITES:
-            mailbox = tmp / "sites" / name / "flower" / f"{name}.sock"
+            mailbox = mailboxes / f"{name}.sock"
             fed.start(f"supernode_{name}", [*supernode, "--root-certificates",
                 str(creds / "ca.crt"), "--auth-supernode-private-key", str(creds / f"{name}.key"),
                 "--port", str(_free_port()), "--node-config", f'mailbox="{mailbox}"'],
                 cwd=tmp / "sites" / name)  # fmt: skip
-        sites = {name: fed.start(name, _site_command(tmp, name, name, []), cwd=tmp / "sites" / name)
-                 for name in SITES}  # fmt: skip
+
+        def start_site(name: str, run: str, extra: list[str]) -> subprocess.Popen:
+            command = _site_command(tmp, name, run, mailboxes, extra)
+            return fed.start(run, command, cwd=tmp / "sites" / name)
+
+        sites = {name: start_site(name, name, []) for name in SITES}
         submit = [str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower"), "local",
                   "--run-config", "sites=3 step-timeout=120 site-start-timeout=60"]  # fmt: skip
         first_run = fed.start("flwr_run_1", [*submit, "--stream"])
@@ -181,14 +195,15 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
             assert sites[name].wait(timeout=180) != 0, fed.log(name)
             assert "hungary" in fed.log(name).splitlines()[-1], fed.log(name)[-2000:]
         assert first_run.wait(timeout=120) != 0 or "hungary" in fed.log("flwr_run_1")
-        resumed = {name: fed.start(f"{name}_resumed", _site_command(tmp, name, f"{name}_resumed", [
-            "--ckpt_path", "last"]), cwd=tmp / "sites" / name) for name in SITES}  # fmt: skip
+        resumed = {name: start_site(name, f"{name}_resumed", ["--ckpt_path", "last"])
+                   for name in SITES}  # fmt: skip
         second_run = fed.start("flwr_run_2", [*submit, "--stream"])
         for name, process in resumed.items():
             assert process.wait(timeout=300) == 0, fed.log(f"{name}_resumed")[-3000:]
         second_run.wait(timeout=60)
     finally:
         fed.stop_all()
+        shutil.rmtree(mailboxes, ignore_errors=True)
     for name in SITES:
         runs = tmp / "sites" / name / "outputs" / "flamby" / "heart_flower"
         assert sorted(p.name for p in runs.iterdir()) == ["version_0"]

@@ -243,5 +243,19 @@ def test_the_mailbox_is_the_users_alone_replaces_a_stale_one_and_times_out_clear
     site.close()
     assert not stale.exists()
     assert FlowerSite(timeout=1e-3).timeout == 1e-3
+    longest = "m" * 102 + ".sock"  # 107 bytes, relative: bound as written
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        fits = FlowerSite(mailbox=longest)
+        fits.open(0, 1, "usa")
+        fits._stopped = True  # nothing to answer
+        fits.close()
+        with pytest.raises(OSError, match=r"is 108 bytes; a Unix socket's path is at most 107"):
+            FlowerSite(mailbox="m" + longest).open(0, 1, "usa")
+        with pytest.raises(OSError, match="is 108 bytes"):
+            _through_mailbox("m" + longest, b"", 1.0, 0.0)
+    finally:
+        os.chdir(cwd)
     with pytest.raises(ValueError, match="timeout must be positive"):
         FlowerSite(timeout=0)

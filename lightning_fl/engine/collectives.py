@@ -5,7 +5,7 @@ answers the run's transport, or ``None`` on one process. Two transports implemen
 
 - :class:`TorchDistributed`, ``torch.distributed``'s process group (gloo on CPU, NCCL on
   GPU): every pair of processes connects, for trusted clusters (the default);
-- :class:`lightning_fl.flower.FlowerSite`, Flower's runtime: each site dials out to one
+- :class:`lightning_fl.flower.site.FlowerSite`, Flower's runtime: each site dials out to one
   server (a SuperLink) over TLS, and the server adds the sites' tensors and passes their
   small values on, for sites across institutions (README, "Deploying across hospitals").
 

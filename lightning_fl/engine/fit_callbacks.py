@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_fl.engine.context import Plugins
 from lightning_fl.engine.driver import RoundDriver
@@ -32,10 +32,19 @@ def install(callbacks: list[pl.Callback], enable_plots: bool) -> None:
         callbacks.append(FederatedPlots())
     callbacks.sort(key=_order)  # stable; Lightning runs per-step hooks in list order
     for i, cb in enumerate(callbacks):
-        if type(cb) is TQDMProgressBar:
-            callbacks[i] = FederatedProgressBar(refresh_rate=cb.refresh_rate, leave=cb._leave)
+        if type(cb) is TQDMProgressBar or _lightnings_default_rich_bar(cb):
+            rate = cb.refresh_rate if type(cb) is TQDMProgressBar else 1  # TQDM's default
+            callbacks[i] = FederatedProgressBar(refresh_rate=rate, leave=cb._leave)
             if not sys.stderr.isatty():
                 callbacks[i].disable()
+
+
+def _lightnings_default_rich_bar(callback: pl.Callback) -> bool:
+    """Lightning's default bar when ``rich`` is installed (flwr installs it): replaced by
+    the federated bar, as the TQDM default is; a RichProgressBar a user configured stays."""
+    if type(callback) is not RichProgressBar:
+        return False
+    return (callback._refresh_rate, callback._leave, callback._console_kwargs) == (100, False, {})
 
 
 def plugins(callbacks: list[pl.Callback], sampler: ClientSampler) -> Plugins:

@@ -1,7 +1,7 @@
 """The Flower apps of a lightning-fl federation: the server's relay and the sites' courier.
 
 The federation's Flower App (``recipes/flower/``, submitted with ``flwr run``) names
-:data:`server_app` and :data:`client_app`. Its run config (``[tool.flwr.app.config]``):
+``server_app`` and ``client_app``. Its run config (``[tool.flwr.app.config]``):
 
 - ``sites``: how many sites the recipe names (the run waits for that many SuperNodes);
 - ``step-timeout``: seconds a step may take, a round's local training included; a site
@@ -243,6 +243,7 @@ def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: f
     open its mailbox (the first step; later, a closed mailbox means the site stopped)."""
     from lightning_fl.flower import wire
 
+    wire.check_mailbox(path)
     deadline = time.monotonic() + start_timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         while True:

@@ -47,7 +47,7 @@ class FlowerSite(Transport):
     def open(self, rank: int, world_size: int, site: str) -> None:
         if self._listener is not None:  # a test after the fit: the run goes on
             return
-        self.path = Path(self.mailbox.format(silo=site, rank=rank))
+        self.path = Path(wire.check_mailbox(self.mailbox.format(silo=site, rank=rank)))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

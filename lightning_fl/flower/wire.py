@@ -12,10 +12,25 @@ socket each encoded value is one frame: its length (8 bytes, big-endian), then i
 from __future__ import annotations
 
 import io
+import os
 import socket
 from typing import Any
 
 OPS = ("sum", "gather", "done", "failed")
+#: the longest path a Unix socket takes, in bytes (Linux's sun_path, less its final NUL)
+LONGEST_MAILBOX = 107
+
+
+def check_mailbox(path: str) -> str:
+    """``path``, refused when the kernel cannot bind or reach a socket there."""
+    size = len(os.fsencode(path))
+    if size > LONGEST_MAILBOX:
+        raise OSError(
+            f"the mailbox path {path} is {size} bytes; a Unix socket's path is at most "
+            f"{LONGEST_MAILBOX}: choose a shorter FlowerSite(mailbox=...) and SuperNode "
+            "--node-config mailbox (a relative path counts as written)"
+        )
+    return path
 
 
 def encode(value: Any) -> bytes:
