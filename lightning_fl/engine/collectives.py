@@ -87,6 +87,19 @@ def install(transport: Collectives | None) -> None:
     _installed = transport
 
 
+def open_transport(transport: Transport, rank: int, world_size: int, site: str) -> None:
+    """Open ``transport`` as this process's ``rank`` (site ``site``) and install it."""
+    transport.open(rank, world_size, site)
+    install(transport)
+
+
+def close_transport(transport: Transport | None, failure: BaseException) -> None:
+    """Uninstall ``transport`` (if any) and close it on a fit that raised ``failure``."""
+    if transport is not None:
+        install(None)
+        transport.close(failed=True, reason=f"{type(failure).__name__}: {failure}")
+
+
 def across_ranks(world_size: int) -> Collectives | None:
     """The run's transport when it spans several processes; ``None`` on one process (or
     several that share no process group: each then runs alone)."""

@@ -171,20 +171,14 @@ class FederatedStrategy(DDPStrategy):
         self.sampler = sampler or FullParticipation()  # the fit's: ``fit.plugins.sampler``
         #: the federated settings the engine reads, frozen (and checked: FederatedConfig)
         self.config = FederatedConfig(
-            seed=seed,
-            local_steps=local_steps,
-            local_epochs=local_epochs,
+            seed=seed, local_steps=local_steps, local_epochs=local_epochs,
             keep_optimizer_state=keep_optimizer_state,
-            max_consecutive_bad_rounds=max_consecutive_bad_rounds,
-            vectorize=vectorize,
-            compile=compile,
-            max_vectorized_clients=max_vectorized_clients,
+            max_consecutive_bad_rounds=max_consecutive_bad_rounds, vectorize=vectorize,
+            compile=compile, max_vectorized_clients=max_vectorized_clients,
             local_steps_per_training_step=local_steps_per_training_step,
-            allow_new_federation=allow_new_federation,
-            eval_clients=eval_clients,
-            vectorize_evaluation=vectorize_evaluation,
-            silos=bool(silos),
-        )
+            allow_new_federation=allow_new_federation, eval_clients=eval_clients,
+            vectorize_evaluation=vectorize_evaluation, silos=bool(silos),
+        )  # fmt: skip
         self.sites = SiloSites.named(silos, silo, transport)
         self.transport = transport  # None: torch.distributed (engine/collectives.py)
         self.num_threads = processes.check_num_threads(num_threads)
@@ -227,13 +221,11 @@ class FederatedStrategy(DDPStrategy):
         """Lightning's process group, one of this torchrun attempt's own after a restart
         (:func:`~lightning_fl.engine.processes.restarted_worker_store`), destroyed when
         the interpreter exits (:func:`~lightning_fl.engine.processes.destroy_group_at_exit`)."""
-        if self.transport is not None:  # the sites' collectives go through it: no group
-            self.set_world_ranks()
-            self.transport.open(self.global_rank, self.world_size, self.sites.name)
-            collectives.install(self.transport)
-            return
-        if self._single_process and not dist.is_initialized():
-            self.set_world_ranks()
+        if self.transport is not None or (self._single_process and not dist.is_initialized()):
+            self.set_world_ranks()  # no process group: one process, or a transport's sites
+            if self.transport is not None:
+                collectives.open_transport(self.transport, self.global_rank, self.world_size,
+                                           self.sites.name)  # fmt: skip
             return
         if (store := processes.restarted_worker_store(self.world_size, self._timeout)) is not None:
             self.set_world_ranks()  # Lightning's set-up, with a store of this attempt's own
@@ -361,9 +353,7 @@ class FederatedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """A site's fit stopped on an error: its transport tells the others why."""
         super().on_exception(exception)
-        if self.transport is not None:
-            collectives.install(None)
-            self.transport.close(failed=True, reason=f"{type(exception).__name__}: {exception}")
+        collectives.close_transport(self.transport, exception)
 
     def teardown(self) -> None:
         """Lightning's teardown, then the run's summary (rank 0): its notes and folder."""
