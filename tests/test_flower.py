@@ -164,10 +164,6 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
                 str(stranger_ca / "ca.crt"), "--auth-supernode-private-key",
                 str(creds / "usa.key"), "--port", str(_free_port()), "--max-retries", "1"]),
         }  # fmt: skip
-        for name in refused:
-            assert refused[name].wait(timeout=60) != 0, fed.log(name)
-        assert "Failed to activate SuperNode" in fed.log("unregistered")
-        assert "CERTIFICATE_VERIFY_FAILED" in fed.log("wrong_ca")
         for name in SITES:
             mailbox = mailboxes / f"{name}.sock"
             fed.start(f"supernode_{name}", [*supernode, "--root-certificates",
@@ -180,6 +176,10 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
             return fed.start(run, command, cwd=tmp / "sites" / name)
 
         sites = {name: start_site(name, name, []) for name in SITES}
+        for name in refused:  # refused while the sites start
+            assert refused[name].wait(timeout=60) != 0, fed.log(name)
+        assert "Failed to activate SuperNode" in fed.log("unregistered")
+        assert "CERTIFICATE_VERIFY_FAILED" in fed.log("wrong_ca")
         submit = [str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower"), "local",
                   "--run-config", "sites=3 step-timeout=120 site-start-timeout=60"]  # fmt: skip
         first_run = fed.start("flwr_run_1", [*submit, "--stream"])

@@ -180,8 +180,27 @@ class _NotData:
     """An object a shard must never load (weights_only refuses it)."""
 
 
+@pytest.fixture(scope="module")
+def heart_simulation(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """heart_silos.yaml on one process over the four centers' files, 3 rounds: the model
+    its silo runs must equal (run once for this module's tests)."""
+    one = tmp_path_factory.mktemp("heart_one_process")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_fl.cli", "fit", "--config",
+         str(ROOT / "recipes" / "flamby" / "heart_silos.yaml"), "--trainer.max_epochs", "3",
+         "--trainer.devices", "1", "--data.init_args.root", str(HEART),
+         "--trainer.strategy.init_args.silos", "false", "--test_after_fit", "false",
+         "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(one),
+         "--trainer.logger.init_args.save_dir", str(one)],
+        cwd=one, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(run_file(one, "last.ckpt"), weights_only=True)["state_dict"]
+
+
 @needs_heart
-def test_four_silos_open_only_their_own_file_and_equal_one_process(tmp_path):
+def test_four_silos_open_only_their_own_file_and_equal_one_process(tmp_path, heart_simulation):
     """The recipe on 4 gloo processes, the four files in one folder: the audit shows each
     rank opened exactly its own center's file; each shard holds its own client's SCAFFOLD
     state and the global file none; the model equals the 1-process simulation's."""
@@ -216,16 +235,8 @@ def test_four_silos_open_only_their_own_file_and_equal_one_process(tmp_path):
     for rank, name in enumerate(HEART_CENTERS):  # one machine: process r is the r-th site
         shard = torch.load(last.parent / name / "last.ckpt", weights_only=True)
         assert list(shard["client_store"]) == [rank] and shard["site"] == name
-    one = tmp_path / "one"
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_fl.cli", "fit", *common, "--trainer.devices", "1",
-         "--trainer.strategy.init_args.silos", "false", "--trainer.default_root_dir", str(one),
-         "--trainer.logger.init_args.save_dir", str(one)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
     a = torch.load(last, weights_only=True)["state_dict"]
-    b = torch.load(run_file(one, "last.ckpt"), weights_only=True)["state_dict"]
+    b = heart_simulation
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
@@ -395,7 +406,9 @@ def _free_port() -> int:
 
 
 @needs_heart
-def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(tmp_path):
+def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(
+    tmp_path, heart_simulation
+):
     """The shipped recipe as written, its 4 sites started by name in reverse order (the
     issue: a launcher's ranks follow host names and pids, not the recipe): each site
     opens only its own center's file, in its own folder (``data/heart_silos/{silo}``),
@@ -448,17 +461,6 @@ def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(tmp_
             if rank > 0:  # no folder shared with another site
                 assert path.startswith((own_data, own_shard)), (name, path)
         assert f"{own_shard}/last.ckpt" in opened  # resumed from its own shard
-    one = tmp_path / "one"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_fl.cli", "fit", "--config", str(recipe),
-         "--trainer.max_epochs", "3", "--trainer.devices", "1", "--data.init_args.root",
-         str(HEART), "--trainer.strategy.init_args.silos", "false", "--test_after_fit",
-         "false", "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
-         str(one), "--trainer.logger.init_args.save_dir", str(one)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
     a = torch.load(checkpoints / "last.ckpt", weights_only=True)["state_dict"]
-    b = torch.load(run_file(one, "last.ckpt"), weights_only=True)["state_dict"]
+    b = heart_simulation
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
