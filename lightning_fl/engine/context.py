@@ -121,7 +121,8 @@ class Ranks:
 
     @property
     def distributed(self) -> bool:
-        """Whether collectives run: a process group spans more than one rank."""
+        """Whether collectives run: a transport (``torch.distributed``'s group or a
+        recipe's) spans more than one rank (:mod:`~lightning_fl.engine.collectives`)."""
         return collectives.across_ranks(self.world_size) is not None
 
     def owner(self, client: int) -> int:

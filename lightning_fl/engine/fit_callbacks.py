@@ -44,7 +44,11 @@ def _lightnings_default_rich_bar(callback: pl.Callback) -> bool:
     the federated bar, as the TQDM default is; a RichProgressBar a user configured stays."""
     if type(callback) is not RichProgressBar:
         return False
-    return (callback._refresh_rate, callback._leave, callback._console_kwargs) == (100, False, {})
+
+    def settings(bar: RichProgressBar) -> tuple:
+        return bar._refresh_rate, bar._leave, bar._console_kwargs, bar.theme
+
+    return settings(callback) == settings(RichProgressBar())
 
 
 def plugins(callbacks: list[pl.Callback], sampler: ClientSampler) -> Plugins:

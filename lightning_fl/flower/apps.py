@@ -28,6 +28,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from lightning_fl.flower import wire  # torch only when a value is encoded
+
 server_app = ServerApp()
 client_app = ClientApp()
 
@@ -65,7 +67,7 @@ class RunSettings:
 
 class StepRelay:
     """What the server does with one step's answers: adds the sites' tensors or lists
-    their values in rank order; ``None`` when every site is done."""
+    their values in rank order (:meth:`combine`)."""
 
     def __init__(self, sites: int) -> None:
         self.sites = sites
@@ -73,7 +75,7 @@ class StepRelay:
 
     def combine(self, step: int, answers: Mapping[int, Any]) -> tuple[bool, Any]:
         """``answers``: node id -> the decoded answer, or a string (why it has none).
-        Returns (finished, result)."""
+        Returns (finished, result): finished when every site is done."""
         for node, answer in answers.items():
             if isinstance(answer, str):
                 raise SiteFailure(f"{self._label(node)} {answer}")
@@ -143,8 +145,6 @@ def run_steps(settings: RunSettings, ask: Ask) -> int:
     """The server's loop: each step's request carries the last result, until every site
     is done (returns the number of steps). A failed step stops the sites that wait for
     the next request, with the reason, and raises it."""
-    from lightning_fl.flower import wire
-
     relay = StepRelay(settings.sites)
     step, result = 0, None
     while True:
@@ -187,14 +187,12 @@ def _ask(
 ) -> dict[int, Any]:
     """Send ``request`` to every node; each node's decoded answer, or why it has none
     (``first``: the run's first step, to which a site may still be starting)."""
-    from lightning_fl.flower import wire
-
     messages = [
         Message(
             RecordDict({_RECORD: ConfigRecord({"frame": request, "first": first})}),
             dst_node_id=node,
             message_type="query",
-        )  # fmt: skip
+        )
         for node in nodes
     ]
     answers: dict[int, Any] = {
@@ -220,7 +218,7 @@ def _ask(
 def carry_step(message: Message, context: Context) -> Message:
     """Carry one step's request to the site's mailbox and its answer back, unread."""
     request, first = message.content[_RECORD]["frame"], message.content[_RECORD]["first"]
-    settings = context.run_config
+    settings = RunSettings.read(context.run_config)  # the server read the same
     mailbox = context.node_config.get("mailbox")
     try:
         if not mailbox:
@@ -228,10 +226,8 @@ def carry_step(message: Message, context: Context) -> Message:
                 "has no mailbox: start its SuperNode with --node-config "
                 "'mailbox=\"<FlowerSite's mailbox path>\"'"
             )
-        start_timeout = float(settings.get("site-start-timeout", 120.0)) if first else 0.0
-        answer = _through_mailbox(
-            str(mailbox), request, float(settings.get("step-timeout", 600.0)), start_timeout
-        )
+        start_timeout = settings.site_start_timeout if first else 0.0
+        answer = _through_mailbox(str(mailbox), request, settings.step_timeout, start_timeout)
         record = ConfigRecord({"frame": answer})
     except OSError as err:
         record = ConfigRecord({"error": str(err)})
@@ -241,8 +237,6 @@ def carry_step(message: Message, context: Context) -> Message:
 def _through_mailbox(path: str, request: bytes, timeout: float, start_timeout: float) -> bytes:
     """The site's answer to ``request``; the site may take ``start_timeout`` seconds to
     open its mailbox (the first step; later, a closed mailbox means the site stopped)."""
-    from lightning_fl.flower import wire
-
     wire.check_mailbox(path)
     deadline = time.monotonic() + start_timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:

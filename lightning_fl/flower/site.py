@@ -74,7 +74,7 @@ class FlowerSite(Transport):
                 self._answer("failed", reason or "the site's fit failed")
             else:
                 self._answer("done", None)
-        except (OSError, ConnectionError, FlowerRunStopped):
+        except (OSError, FlowerRunStopped):  # ConnectionError and TimeoutError included
             pass  # the server already ended the run
         finally:
             self._listener.close()

@@ -16,7 +16,6 @@ import os
 import socket
 from typing import Any
 
-OPS = ("sum", "gather", "done", "failed")
 #: the longest path a Unix socket takes, in bytes (Linux's sun_path, less its final NUL)
 LONGEST_MAILBOX = 107
 
