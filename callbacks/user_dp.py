@@ -13,9 +13,18 @@ round:
    arrives (``noise="central"``, :meth:`DPFedAvg.receive_update`, after any attack), or
    by the client before it sends it (``noise="local"``);
 3. **noise**: N(0, σ²) on the estimate, σ = zC/(qW) (f̃_f) or 2zC/(qW_min) (f̃_c): drawn
-   by the server from (seed, round) (central), or split over the round's K participants,
-   each adding its share N(0, σ²/K)/ω_k to what it sends, so that the weighted sum carries
-   the same N(0, σ²) (local; every client's share is seeded by (seed, round, client));
+   by the server (``noise="central"``), or split over the round's K participants, each
+   adding its share N(0, σ²/K)/ω_k to what it sends, so that the weighted sum carries the
+   same N(0, σ²) (``"local"``), or split over the W sites (ranks), each adding
+   N(0, σ²/(W − t)) to its part of the round's sum before that part leaves the site
+   (``"distributed"``: distributed DP, Kairouz, Liu, Steinke 2021, §1, with Gaussian
+   shares; the sum carries N(0, σ²W/(W − t)), and any W − t sites' shares alone carry
+   σ², so the guarantee holds against every coalition of t sites, who know their own
+   shares, and the server). In a simulation the noise is drawn from (seed, tag, keys):
+   anyone with the recipe can draw it again; when the sites are separate institutions
+   (``FederatedStrategy(silos=...)``) it comes from the site's operating system
+   (:mod:`lightning_fl.systems.privacy_noise`), and central noise, which every site would
+   see the sum without, is refused (the trait ``draws server-side randomness``);
 4. **adaptive clipping** (``target_quantile`` set): the noised fraction of unclipped
    updates b̃ = (Σ b_k + N(0, σ_b²))/(qn) moves C geometrically toward the γ-quantile of
    the norms, and the updates' noise uses z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2);
@@ -27,7 +36,9 @@ round:
 What the server sees: with central noise, each clipped update (a trusted server, the
 paper's model); with local noise, each update with its share of the noise, which on its
 own is a weak guarantee (σ/√K): use it under secure aggregation, where only the sum is
-seen.
+seen; with distributed noise, each site's part of the sum with its share, σ/√(W − t):
+under :class:`~lightning_fl.callbacks.SecureAggregation` only the noised total is ever
+decoded, by anyone.
 """
 
 from __future__ import annotations
@@ -40,9 +51,9 @@ import numpy as np
 import torch
 
 from lightning_fl.checks import require_rate
-from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
-from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.plugins import Aggregator, RoundState, Trait, Weighting
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, zeros_like
+from lightning_fl.systems.privacy_noise import NoiseSource, noise_source
 from lightning_fl.systems.samplers import (
     ClientSampler,
     FullParticipation,
@@ -92,8 +103,13 @@ class DPFedAvg(Aggregator):
     Args:
         noise_multiplier: z, the noise's std in units of the sensitivity.
         clip_norm: C (the initial C^0 with adaptive clipping).
-        noise: ``"central"`` (the server clips and adds the noise) or ``"local"`` (each
-            client clips and adds its share).
+        noise: ``"central"`` (the server clips and adds the noise), ``"local"`` (each
+            client clips and adds its share) or ``"distributed"`` (the server clips, each
+            site adds its share to its part of the round's sum before it is sent).
+        colluding_sites: t of distributed noise: the shares are scaled so that any W − t
+            of the W sites carry the whole σ², and ε (``dp/epsilon``) holds against t
+            sites that pool their own shares (0: against the server and outsiders only;
+            a site knows its own share).
         estimator: ``"fixed"`` (f̃_f, denominator qW) or ``"clipped"`` (f̃_c, denominator
             max(qW_min, Σ_{k∈C} w_k); central noise only).
         min_weight: W_min of the clipped estimator.
@@ -109,7 +125,9 @@ class DPFedAvg(Aggregator):
         epsilon_budget: the largest ε the planned rounds may spend; None: no limit.
         allow_over_budget: train even when the planned rounds exceed the budget.
         accountant: ``"rdp"`` or ``"pld"`` (Poisson and full participation only).
-        seed: the noise's seed, mixed with the round (and the client for local noise).
+        seed: the simulated noise's seed, mixed with a tag and the round (the client for
+            local noise, the rank for distributed noise); unused when the sites are
+            separate institutions (silo mode), whose noise is secret.
     """
 
     keeps_client_state = False  # server-side state only
@@ -120,7 +138,8 @@ class DPFedAvg(Aggregator):
         self,
         noise_multiplier: float = 1.0,
         clip_norm: float = 1.0,
-        noise: Literal["central", "local"] = "central",
+        noise: Literal["central", "local", "distributed"] = "central",
+        colluding_sites: int = 0,
         estimator: Estimator = "fixed",
         min_weight: float | None = None,
         example_cap: float | None = None,
@@ -139,16 +158,27 @@ class DPFedAvg(Aggregator):
         super().__init__(weighting)
         self.noise_multiplier = require_rate("noise_multiplier", noise_multiplier, 1.0, True)
         self.initial_clip_norm = require_rate("clip_norm", clip_norm, 1.0)
-        if noise not in ("central", "local"):
-            raise ValueError(f"noise must be 'central' or 'local', got {noise!r}.")
+        if noise not in ("central", "local", "distributed"):
+            raise ValueError(f"noise must be 'central', 'local' or 'distributed', got {noise!r}.")
+        if (
+            isinstance(colluding_sites, bool)
+            or not isinstance(colluding_sites, int)
+            or (colluding_sites < 0)
+        ):
+            raise ValueError(f"colluding_sites must be an integer >= 0, got {colluding_sites!r}.")
+        if colluding_sites and noise != "distributed":
+            raise ValueError(
+                f"colluding_sites={colluding_sites} scales the sites' shares of distributed "
+                f"noise, but noise={noise!r}: set noise='distributed', or colluding_sites=0."
+            )
         if estimator not in ("fixed", "clipped"):
             raise ValueError(f"estimator must be 'fixed' or 'clipped', got {estimator!r}.")
         if estimator == "clipped" and (min_weight is None or not min_weight > 0):
             raise ValueError("estimator='clipped' needs min_weight > 0 (W_min), e.g. 1.0.")
-        if estimator == "clipped" and noise == "local":
+        if estimator == "clipped" and noise != "central":
             raise ValueError(
                 "estimator='clipped' divides by the round's weight, known only to the server: "
-                "use noise='central', or estimator='fixed' with local noise."
+                f"use noise='central', or estimator='fixed' with {noise} noise."
             )
         if target_quantile is not None and not 0 <= target_quantile <= 1:
             raise ValueError(f"target_quantile must be in [0, 1], got {target_quantile}.")
@@ -163,6 +193,7 @@ class DPFedAvg(Aggregator):
         if example_cap is not None:
             require_rate("example_cap", example_cap, 100.0)
         self.noise, self.estimator, self.min_weight = noise, estimator, min_weight
+        self.colluding_sites = colluding_sites
         self.example_cap, self.target_quantile = example_cap, target_quantile
         self.clip_lr = require_rate("clip_lr", clip_lr, 0.2, allow_zero=True)
         self.count_std, self.server_lr = count_std, require_rate("server_lr", server_lr, 1.0)
@@ -173,9 +204,19 @@ class DPFedAvg(Aggregator):
         self.add_server_state("momentum")  # the server momentum's buffer
         if target_quantile is not None:
             self.add_round_sum("unclipped", shape=(1,))  # b_t's count, over every rank
+        if noise_multiplier > 0 and (
+            noise == "central" or (noise == "local" and target_quantile is not None)
+        ):
+            self.add_trait(
+                Trait.DRAWS_SERVER_RANDOMNESS,
+                "DPFedAvg(noise='distributed'): each site adds its share of the noise to its "
+                "part of the round's sum before it leaves the site (with SecureAggregation, "
+                "no party decodes a noiseless sum)",
+            )
         self._total_weight = 0.0
         self._eligible = 0
         self._planned_rounds: int | None = None
+        self._sites, self._rank = 1, 0  # W and this site's rank, read at the fit's start
         self.sampling: Sampling | None = None
         #: What the last round logged: ε, C, σ and the noised unclipped fraction.
         self.last: dict[str, float] = {}
@@ -227,6 +268,22 @@ class DPFedAvg(Aggregator):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
         self.sampling = None  # read again from this fit's sampler at its first round
+        sites = trainer.world_size
+        if self.colluding_sites >= sites:
+            raise ValueError(
+                f"DPFedAvg(colluding_sites={self.colluding_sites}) protects against that many "
+                f"sites pooling their shares, but the run has {sites} site(s), and at least one "
+                f"share must stay secret: set colluding_sites to at most {sites - 1}, or run "
+                "more sites."
+            )
+        self._sites, self._rank = sites, trainer.global_rank
+
+    @property
+    def noise_source(self) -> NoiseSource:
+        """Secret noise when the sites are separate institutions (silo mode), else the
+        simulation's seeded noise (:mod:`lightning_fl.systems.privacy_noise`)."""
+        secret = self.view is not None and self.view.config.silos
+        return noise_source(secret, self.seed)
 
     def _check_budget(self) -> None:
         if self.adaptive and self.noise_multiplier > 0:  # refuses σ_b ≤ z/2 before training
@@ -260,7 +317,7 @@ class DPFedAvg(Aggregator):
     def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
         """Local noise: the client clips its update and adds its share of the noise,
         N(0, σ²/K)/ω_k, so that the weighted sum carries N(0, σ²)."""
-        if self.noise == "central":
+        if self.noise != "local":
             return update
         update = self._clipped(update, state)
         share = self._noise_std(state) / math.sqrt(len(state.participation.clients))
@@ -271,8 +328,28 @@ class DPFedAvg(Aggregator):
         return update
 
     def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
-        """Central noise: the server clips each update as it arrives (after any attack)."""
-        return self._clipped(update, state) if self.noise == "central" else update
+        """Central and distributed noise: the server clips each update as it arrives
+        (after any attack)."""
+        return update if self.noise == "local" else self._clipped(update, state)
+
+    @torch.no_grad()
+    def on_before_round_sum(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        """Distributed noise: this site adds its share N(0, σ²/(W − t)) to its part of
+        Σ ω_k Δ_k (and N(0, σ_b²/(W − t)) to its count of unclipped updates) before the
+        parts are summed over the sites."""
+        if self.noise != "distributed" or self.noise_multiplier == 0:
+            return
+        shares = self._sites - self.colluding_sites
+        sigma = self._noise_std(state) / math.sqrt(shares)
+        keys = (state.round_idx, self._rank)
+        share = self._gaussian(state.update_sum, sigma, "dp_fedavg_distributed", *keys)
+        add_flat_(state.update_sum, share)
+        if self.adaptive:
+            count = self._count_std() / math.sqrt(shares)
+            draw = self._normal(1, count, "dp_count_distributed", *keys)
+            state.round_sum(self, "unclipped")[0] += float(draw[0])
 
     # ------------------------------------------------------------------ server
     def _noise_std(self, state: RoundState) -> float:
@@ -282,11 +359,11 @@ class DPFedAvg(Aggregator):
         )  # fmt: skip
 
     def _gaussian(self, like: TensorList, std: float, purpose: str, *keys: int) -> torch.Tensor:
-        size = sum(t.numel() for t in like)
-        # host: a CPU generator draws the same noise on every rank and device
-        draw = torch.randn(size, generator=generator(self.seed, purpose, *keys),
-                           dtype=torch.float64)  # fmt: skip
-        return std * draw
+        """N(0, std²) noise of ``like``'s total size, from :attr:`noise_source`."""
+        return self._normal(sum(t.numel() for t in like), std, purpose, *keys)
+
+    def _normal(self, size: int, std: float, purpose: str, *keys: int) -> torch.Tensor:
+        return std * self.noise_source.normal(size, purpose, *keys)
 
     @torch.no_grad()
     def aggregate(
@@ -314,12 +391,10 @@ class DPFedAvg(Aggregator):
 
     def _adapt_clip_norm(self, state: RoundState) -> None:
         unclipped = float(state.round_sum(self, "unclipped")[0])
-        count_noise = 0.0
-        if self.noise_multiplier > 0:
-            gen = generator(self.seed, "dp_count", state.round_idx)
-            # host: a scalar of the server's bookkeeping, the same draw on every rank
-            count_noise = self._count_std() * float(torch.randn(1, generator=gen,
-                                                                dtype=torch.float64))  # fmt: skip
+        count_noise = 0.0  # distributed noise: the sites' shares are in the sum already
+        if self.noise_multiplier > 0 and self.noise != "distributed":
+            draw = self._normal(1, self._count_std(), "dp_count", state.round_idx)
+            count_noise = float(draw[0])
         fraction = (unclipped + count_noise) / self.expected_participants
         self.last["unclipped_fraction"] = fraction
         self.clip_norm = next_clip_norm(self.clip_norm, fraction, self.target_quantile,

@@ -181,7 +181,11 @@ def test_a_federated_task_without_criterion_is_told_to_add_it_not_to_subclass():
 def test_the_refusal_table_has_one_row_per_rule():
     table = composition.refusal_table().splitlines()
     assert table[:2] == ["| plugin | refused with | why | fix |", "|---|---|---|---|"]
-    assert len(table) == 2 + len(REFUSALS)
+    assert len(table) == 2 + len(composition.TRAIT_RULES) + len(REFUSALS)
+    assert table[2].startswith(
+        "| every plugin that draws server-side randomness | every plugin or way of running "
+        "that aggregates the round's sum on every site | every site would hold"
+    )
     assert table[-1] == (
         "| ServerReference | StreamingDataModule | the server's reference data comes from "
         "ReferenceDataModule(reference='server') | use a ReferenceDataModule with "

@@ -6,7 +6,10 @@ how it executes (vectorized clients, several processes). Every combination eithe
 its invariants or is refused at setup, before any training, by :func:`check` with a
 :class:`CompositionError` that names both plugins, the reason and the fix.
 
-The refused pairs are the table :data:`REFUSALS`, one row per reason. The README's
+Two kinds of rule refuse a pair. :data:`TRAIT_RULES` read what plugins declare
+(:meth:`~lightning_fl.engine.plugins.FederatedCallback.add_trait`) and the traits of the
+ways a run executes (:data:`WAY_TRAITS`), so that a new plugin is checked by what it
+declares; the older table :data:`REFUSALS` names classes, one row per reason. The README's
 composition matrix is printed from it (``python -m lightning_fl.engine.composition``), and the
 matrix test (tests/test_composition.py) trains every pair of plugins and checks that
 exactly the pairs of this table, and the vectorization refusals of
@@ -23,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_fl.engine.plugins import Trait
 from lightning_fl.systems.samplers import ClientSampler, SamplerWrapper
 
 #: The names the table gives the ways a run executes, beside the plugins' class names.
@@ -31,6 +35,33 @@ WAYS_OF_RUNNING = ("vectorize", "2 processes", "silos")
 
 class CompositionError(ValueError):
     """Two plugins that cannot work together, refused at setup before any training."""
+
+
+@dataclass(frozen=True)
+class TraitRule:
+    """A plugin with trait ``first`` is refused with any plugin, or way of running, with
+    trait ``second``: ``reason``; the fix is the plugin's own (declared with the trait),
+    else ``fix``."""
+
+    first: str
+    second: str
+    reason: str
+    fix: str
+
+
+#: The traits of the ways a run executes (:data:`WAYS_OF_RUNNING`).
+WAY_TRAITS: dict[str, tuple[str, ...]] = {"silos": (Trait.AGGREGATES_ON_EVERY_SITE,)}
+
+TRAIT_RULES: tuple[TraitRule, ...] = (
+    TraitRule(
+        Trait.DRAWS_SERVER_RANDOMNESS,
+        Trait.AGGREGATES_ON_EVERY_SITE,
+        "every site would hold the round's sum before the server's noise is added, and a "
+        "noise drawn from the recipe's seed can be drawn again, and subtracted, by any "
+        "site that has the recipe",
+        "add the noise on the sites, before the sum",
+    ),
+)
 
 
 #: Samplers that leave clients out of a round (every sampler but FullParticipation).
@@ -302,6 +333,7 @@ def check(
     """Refuse the run's first incompatible pair of plugins (see :data:`REFUSALS`) and
     callbacks or samplers whose needs the module does not meet."""
     names = plugin_names(trainer, sampler, vectorize, world_size, silos)
+    check_traits(declared_traits(trainer, sampler, names))
     for rule in REFUSALS:
         if rule.first not in names:
             continue
@@ -329,6 +361,42 @@ def check(
             )
 
 
+def declared_traits(
+    trainer: pl.Trainer, sampler: ClientSampler, names: dict[str, str]
+) -> dict[str, dict[str, str]]:
+    """What each of the run's plugins declares (by the name a user wrote: its traits and
+    their fixes), and the traits of the ways the run executes (from ``names``, see
+    :func:`plugin_names`)."""
+    declared: dict[str, dict[str, str]] = {}
+    chain = [sampler]
+    while isinstance(chain[-1], SamplerWrapper):
+        chain.append(chain[-1].sampler)
+    for plugin in [*trainer.callbacks, *chain]:
+        traits = getattr(plugin, "declared_traits", dict)()
+        if traits:
+            declared.setdefault(type(plugin).__name__, {}).update(traits)
+    for way, traits in WAY_TRAITS.items():
+        if way in names:
+            declared.setdefault(names[way], {}).update(dict.fromkeys(traits, ""))
+    return declared
+
+
+def check_traits(declared: dict[str, dict[str, str]]) -> None:
+    """Refuse the first pair of plugins (or a plugin and a way of running) that a rule of
+    :data:`TRAIT_RULES` refuses, naming both, the trait, the reason and the fix."""
+    for rule in TRAIT_RULES:
+        for first, traits in declared.items():
+            if rule.first not in traits:
+                continue
+            for second, others in declared.items():
+                if second != first and rule.second in others:
+                    fix = traits[rule.first] or rule.fix
+                    raise CompositionError(
+                        f"{first} cannot be combined with {second}: {first} "
+                        f"{rule.first} and {second} {rule.second}; {rule.reason}. Fix: {fix}."
+                    )
+
+
 #: What a plugin that computes the loss outside ``training_step`` calls (personalization,
 #: evaluation on training data, loss-based samplers): :class:`~lightning_fl.FederatedTask`'s.
 LOSS_AND_METRICS = "loss_and_metrics(batch) -> (loss, {name: value})"
@@ -353,6 +421,10 @@ def method_of(signature: str) -> str:
 def refusal_table() -> str:
     """The README's table of refused pairs: one row per rule of :data:`REFUSALS`."""
     rows = ["| plugin | refused with | why | fix |", "|---|---|---|---|"]
+    for trait_rule in TRAIT_RULES:
+        rows.append(f"| every plugin that {trait_rule.first} | every plugin or way of running "
+                    f"that {trait_rule.second} | {trait_rule.reason} | the plugin's own, else: "
+                    f"{trait_rule.fix} |")  # fmt: skip
     for rule in REFUSALS:
         rows.append(f"| {rule.first} | {', '.join(rule.second)} | {rule.reason} | {rule.fix} |")
     return "\n".join(rows)

@@ -42,6 +42,20 @@ if TYPE_CHECKING:
 CLIENT_UPDATES = "client_updates"
 
 
+class Trait:
+    """The traits a plugin may declare (:meth:`FederatedCallback.add_trait`): facts about
+    what it does that the composition rules read (:mod:`~lightning_fl.engine.composition`),
+    never its class name. A way of running has traits too (silo mode:
+    :data:`AGGREGATES_ON_EVERY_SITE`)."""
+
+    #: It draws randomness that protects privacy where the round's sum is aggregated (a
+    #: server's DP noise): only a trusted aggregator may draw it, from a secret.
+    DRAWS_SERVER_RANDOMNESS = "draws server-side randomness"
+    #: Every site aggregates the same sum itself, and no trusted server exists (silo mode:
+    #: each site holds the round's total before any server-side step).
+    AGGREGATES_ON_EVERY_SITE = "aggregates the round's sum on every site"
+
+
 @dataclass
 class RoundState:
     """What the hooks of one round see.
@@ -155,6 +169,8 @@ class PluginView:
     config: Any
     #: the fit's one aggregator (its target weights p_i, its server step size)
     aggregator: Aggregator
+    #: the recipe's site names in rank order (``FederatedStrategy(silos=[...])``), or None
+    site_names: tuple[str, ...] | None = None
 
 
 class FederatedCallback(pl.Callback):
@@ -281,8 +297,24 @@ class FederatedCallback(pl.Callback):
                 setattr(self, name, state_dict[name])
 
     def _declared_state(self, kind: str) -> dict[str, Any]:
-        """The declarations of one kind ("client", "sum", "server"), by name."""
+        """The declarations of one kind ("client", "sum", "server", "trait"), by name."""
         return self.__dict__.setdefault("_state_declarations", {}).setdefault(kind, {})
+
+    def add_trait(self, trait: str, fix: str) -> None:
+        """Declare ``trait`` (a :class:`Trait`), with ``fix``: how a user keeps this plugin
+        where a composition rule refuses the trait (a refusal names it).
+
+        >>> class Noisy(FederatedCallback):
+        ...     def __init__(self):
+        ...         self.add_trait(Trait.DRAWS_SERVER_RANDOMNESS, "Noisy(where='sites')")
+        >>> Noisy().declared_traits()
+        {'draws server-side randomness': "Noisy(where='sites')"}
+        """
+        self._declared_state("trait")[trait] = fix
+
+    def declared_traits(self) -> dict[str, str]:
+        """The declared traits, each with this plugin's fix."""
+        return dict(self._declared_state("trait"))
 
     def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
         """The fit's sampler as this callback needs it: ``sampler`` itself (default), or a
@@ -325,6 +357,13 @@ class FederatedCallback(pl.Callback):
         state: RoundState,
     ) -> None:
         """After an accepted update is folded into ``state.update_sum``."""
+
+    def on_before_round_sum(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
+    ) -> None:
+        """After this rank's last client of the round, before its part of the round's sums
+        (``state.update_sum``, the declared round sums) is summed over the ranks: a site
+        adds its share of distributed DP noise here."""
 
     def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
         """The round's sums (the weighted update sum, the declared round sums, the count

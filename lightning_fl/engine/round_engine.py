@@ -150,6 +150,7 @@ class RoundEngine:
     def end_round(self) -> RoundState:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
         fit, state = self.fit, self.current_round.state
+        self.call("on_before_round_sum", state)
         dropped = state.dropped_count = self._all_reduce_round(state)
         self.planner.return_states(self.current_round)
         self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0

@@ -320,8 +320,9 @@ class FederatedStrategy(DDPStrategy):
         fit_callbacks.driver(trainer.callbacks).attach(
             self.fit, self.engine, self.vectorized, self.evaluation
         )
+        names = self.sites.names if self.sites is not None else None
         view = PluginView(self.client_store, federation.training_counts, tensors, self.config,
-                          plugins.aggregator)  # fmt: skip
+                          plugins.aggregator, names)  # fmt: skip
         for cb in plugins.callbacks:
             cb.view = view
         if self.config.vectorize_evaluation is True:  # refuses, naming the reason

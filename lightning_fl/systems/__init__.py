@@ -11,5 +11,7 @@ From the engine they use only its seeding (:mod:`lightning_fl.engine.seeding`).
 - personalization: FedEM mixtures :mod:`.mixture`, kNN-Per datastores :mod:`.datastore`;
 - data streams and cache rules: :mod:`.streams`; online mixtures: :mod:`.fem_omd`;
 - federated unlearning (SIFU): :mod:`.unlearning`;
-- reference-data privacy: WERM :mod:`.werm`, membership inference :mod:`.membership`.
+- reference-data privacy: WERM :mod:`.werm`, membership inference :mod:`.membership`;
+- user-level DP's accounting :mod:`.user_dp`, where privacy noise comes from
+  :mod:`.privacy_noise`, and secure aggregation's masks :mod:`.pairwise_masking`.
 """
