@@ -10,9 +10,12 @@ total can be decoded. The total itself is what every rank learns, as before: wit
 each recovers the other's term by subtraction; a sum hides one site among three or more.
 
 Keys are agreed at each fit's start (X25519 public keys cross the network once); the pads
-are ChaCha20 keystreams of (pair key, round). One process: nothing crosses, nothing to
-mask. Not masked: the set-up's sample counts, the training and evaluation metrics, and
-what other plugins gather (those that read each client's update are refused with it).
+are ChaCha20 keystreams of (pair key, round). Where the sites are separate institutions
+(silo mode) each site signs its public key with its site signing key and checks the
+others' against the recipe's ``site_keys`` (:mod:`lightning_fl.systems.key_signatures`):
+a relay that substitutes a key stops the run on every site, naming the site. One
+process: nothing crosses, nothing to mask. Not masked: the set-up's sample counts, the
+training and evaluation metrics, and what other plugins gather (those that read each client's update are refused with it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.systems.key_signatures import SiteSignatures
 from lightning_fl.systems.pairwise_masking import PairwiseMasks
 
 
@@ -33,15 +37,30 @@ class SecureAggregation(FederatedCallback):
     Args:
         fraction_bits: F of the fixed-point encoding round(x · 2^F): a resolution of
             2^−F, for sums of magnitude below 2^(62 − F) (default 32: 2.3e-10, 2.1e9).
+        signing_key: this site's private signing key (Ed25519 or ECDSA, OpenSSH or PEM;
+            ``{silo}`` is replaced by the site's name), e.g. its Flower node key
+            ``creds/{silo}.key``. Needed, with ``site_keys``, in silo mode on several sites.
+        site_keys: every site's public signing key, ``{silo}`` replaced by each site's name
+            (``creds/{silo}.pub``): the keys the sites agreed on out of band (the Flower
+            node keys registered with the SuperLink serve).
     """
 
     keeps_client_state = False
     vectorized_client_hooks = False
 
-    def __init__(self, fraction_bits: int = 32) -> None:
+    def __init__(
+        self, fraction_bits: int = 32, signing_key: str | None = None,
+        site_keys: str | None = None,
+    ) -> None:  # fmt: skip
         if not 0 <= fraction_bits <= 52:
             raise ValueError(f"fraction_bits must be in [0, 52], got {fraction_bits}.")
+        if (signing_key is None) != (site_keys is None):
+            raise ValueError(
+                "SecureAggregation signs keys with both signing_key (this site's private key) "
+                "and site_keys (every site's public key): give both, or neither."
+            )
         self.fraction_bits = fraction_bits
+        self.signing_key, self.site_keys = signing_key, site_keys
         self._masks: PairwiseMasks | None = None
         self._all_reduce: Callable[[torch.Tensor], None] | None = None
 
@@ -51,9 +70,31 @@ class SecureAggregation(FederatedCallback):
         if (group := collectives.across_ranks(trainer.world_size)) is not None:
             self._masks = PairwiseMasks.agree(
                 trainer.global_rank, trainer.world_size, group.all_gather_object,
-                self.fraction_bits,
+                self.fraction_bits, self.signatures(trainer.global_rank, trainer.world_size),
             )  # fmt: skip
             self._all_reduce = group.all_reduce
+
+    def signatures(self, rank: int, world_size: int) -> SiteSignatures | None:
+        """The sites' signing keys, read from ``signing_key`` and ``site_keys``; None
+        without them outside silo mode (a trusted cluster); refused without them, or
+        without site names, where the sites are separate institutions."""
+        silos = self.view is not None and self.view.config.silos
+        names = self.view.site_names if self.view is not None else None
+        if self.signing_key is None:
+            if silos and world_size > 1:
+                raise ValueError(
+                    "SecureAggregation between separate sites (silo mode) needs signed keys, "
+                    "or whoever relays them can unmask a site: set signing_key="
+                    "'creds/{silo}.key' and site_keys='creds/{silo}.pub' (each site's node "
+                    "key pair: python -m lightning_fl.flower.credentials creds --sites ...)."
+                )
+            return None
+        if names is None:
+            raise ValueError(
+                "SecureAggregation(signing_key=..., site_keys=...) finds each site's key by "
+                "its name: list the sites, FederatedStrategy(silos=[...names])."
+            )
+        return SiteSignatures.from_files(self.signing_key, self.site_keys, names, rank)
 
     def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
         if self._masks is None:

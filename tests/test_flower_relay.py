@@ -57,8 +57,9 @@ class Federation:
 
         def one(node):
             path = str(self.tmp / f"{NAMES[self.nodes[node]]}.sock")
+            frame = self.request_for(self.nodes[node], request)
             try:
-                return node, wire.decode(_through_mailbox(path, request, timeout,
+                return node, wire.decode(_through_mailbox(path, frame, timeout,
                                                           10.0 if first else 0.0))  # fmt: skip
             except OSError as err:
                 return node, str(err)
@@ -67,6 +68,11 @@ class Federation:
             answers = dict(pool.map(one, nodes))
         self.received.append(answers)
         return answers
+
+    def request_for(self, rank: int, request: bytes) -> bytes:
+        """What the server sends site ``rank`` for ``request``: the request itself (an
+        honest server; a malicious relay overrides this)."""
+        return request
 
     def run(self) -> int:
         threads = [threading.Thread(target=self._site, args=(r,)) for r in range(len(NAMES))]
@@ -259,3 +265,124 @@ def test_the_mailbox_is_the_users_alone_replaces_a_stale_one_and_times_out_clear
         os.chdir(cwd)
     with pytest.raises(ValueError, match="timeout must be positive"):
         FlowerSite(timeout=0)
+
+
+class KeySwappingRelay(Federation):
+    """A server that relays the key agreement dishonestly: to ``victims`` it hands its own
+    X25519 public key in place of site ``swapped``'s (to ``swapped`` itself, in place of
+    every other site's: a man in the middle), keeping the signatures that came with the
+    real keys."""
+
+    def __init__(self, tmp: Path, programs, swapped: int, victims: tuple[int, ...]) -> None:
+        super().__init__(tmp, programs)
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+        self.private = X25519PrivateKey.generate()
+        raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        self.public = self.private.public_key().public_bytes(*raw)
+        self.swapped, self.victims, self.swaps = swapped, victims, 0
+
+    def request_for(self, rank: int, request: bytes) -> bytes:
+        value = wire.decode(request)
+        offers = value.get("result")
+        is_keys = (
+            isinstance(offers, list)
+            and len(offers) == len(NAMES)
+            and all(
+                isinstance(o, bytes) or (isinstance(o, tuple) and isinstance(o[0], bytes))
+                for o in offers
+            )
+        )
+        if not is_keys or rank not in self.victims:
+            return request
+        self.swaps += 1
+        for other, offer in enumerate(offers):  # the victim's view of the others' keys
+            if (other == self.swapped) != (rank == self.swapped):
+                offers[other] = (self.public, offer[1]) if isinstance(offer, tuple) else self.public
+        return wire.encode(value)
+
+    def unmask(self, sent: torch.Tensor, site_public: bytes, round_idx: int) -> torch.Tensor:
+        """Site ``swapped``'s values from what it sent: the relay holds the keys the site
+        believes it shares with the other sites, so it subtracts the site's whole mask."""
+        from lightning_fl.systems.pairwise_masking import (
+            PairwiseMasks,
+            add,
+            carry_sum,
+            decode,
+            negate,
+            pair_key,
+        )
+
+        keys = {other: pair_key(self.private, site_public, other, self.swapped)
+                for other in range(len(NAMES)) if other != self.swapped}  # fmt: skip
+        size = sent.numel() // 2
+        mask = PairwiseMasks(self.swapped, keys).mask(torch.zeros(size), round_idx)
+        return decode(*add(carry_sum((sent[:size], sent[size:])), negate(mask)), 32)
+
+
+def _masked_sum_program(values, signatures=None):
+    from lightning_fl.systems.pairwise_masking import PairwiseMasks
+
+    def program(site: FlowerSite, rank: int):
+        signed = signatures(rank) if signatures else None
+        masks = PairwiseMasks.agree(rank, 3, site.all_gather_object, signatures=signed)
+        return masks.sum(values[rank].clone(), 2, site.all_reduce)
+
+    return program
+
+
+def _values():
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randn(30, generator=generator, dtype=torch.float64) for _ in NAMES]
+
+
+def test_unsigned_a_relay_that_swaps_keys_reads_a_sites_values(tmp_path):
+    """The fault of issue 76 shown: with unsigned keys a relay that hands its own key to
+    the sites in hungary's place and to hungary in theirs (a man in the middle) subtracts
+    hungary's mask from what hungary sends and reads its values exactly."""
+    pytest.importorskip("cryptography")
+    values = _values()
+    relay = KeySwappingRelay(tmp_path, [_masked_sum_program(values)] * 3, swapped=1,
+                             victims=(0, 1, 2))  # fmt: skip
+    relay.run()
+    gathers = [s for s in relay.received if next(iter(s.values()))["op"] == "gather"]
+    sums = [s for s in relay.received if next(iter(s.values()))["op"] == "sum"]
+    node = next(n for n, r in relay.nodes.items() if r == 1)
+    hungary_public = gathers[0][node]["payload"]
+    read = relay.unmask(sums[0][node]["payload"].flatten(), hungary_public, 2)
+    assert torch.allclose(read, values[1], atol=2.0**-32)
+
+
+def test_signed_a_swapped_key_stops_every_site_naming_it(tmp_path):
+    """With site signing keys (the Flower node keys of the credentials command) the same
+    relay, swapping hungary's key towards usa and switzerland only, is detected: every
+    site stops with one error naming hungary, before any value is masked."""
+    pytest.importorskip("cryptography")
+    from lightning_fl.flower.credentials import write_credentials
+    from lightning_fl.systems.key_signatures import KeyAuthenticationError, SiteSignatures
+
+    write_credentials(tmp_path / "creds", NAMES)
+
+    def signatures(rank):
+        creds = tmp_path / "creds"
+        return SiteSignatures.from_files(str(creds / "{silo}.key"), str(creds / "{silo}.pub"),
+                                         NAMES, rank)  # fmt: skip
+
+    values = _values()
+    honest = Federation(tmp_path, [_masked_sum_program(values, signatures)] * 3)
+    honest.run()
+    assert not honest.errors, honest.errors
+    assert torch.allclose(honest.results["usa"], sum(values), atol=3 * 2.0**-32)
+
+    relay = KeySwappingRelay(tmp_path, [_masked_sum_program(values, signatures)] * 3,
+                             swapped=1, victims=(0, 2))  # fmt: skip
+    with pytest.raises(Exception):  # noqa: B017 (the server's loop stops on the failed sites)
+        relay.run()
+    assert relay.swaps == 2
+    assert set(relay.errors) == set(NAMES), relay.errors
+    for name, error in relay.errors.items():
+        assert isinstance(error, KeyAuthenticationError), (name, error)
+        assert "key of site 'hungary' (rank 1) is not signed" in str(error)
+        assert "found by usa, switzerland" in str(error)
+    assert not [s for s in relay.received if next(iter(s.values()))["op"] == "sum"]

@@ -11,9 +11,10 @@ the pads cancel in Σ_u y_u = Σ_u x_u.
 
 What this leaves out of the paper's protocol: secret-sharing the keys so that the sum
 survives a site that drops mid-round (its pads would not cancel: the round fails, as a
-plain collective does), and authenticating the public keys (a party that can rewrite the
-process group's messages at key agreement can read the pads; run over authenticated
-channels: a VPN, TLS tunnels).
+plain collective does). The public keys are signed by the sites' signing keys where the
+recipe names them (:mod:`lightning_fl.systems.key_signatures`: a relay that substitutes a
+key is detected); unsigned, a party that can rewrite the messages at key agreement can
+read the pads.
 
 Encoding. A value x becomes q = round(x · 2^F) (``fraction_bits`` F = 32 by default: a
 resolution of 2.3e-10, |sum| < 2^31), a 64-bit two's complement integer held as two 32-bit
@@ -30,10 +31,13 @@ never overflows (W sites' limbs sum to less than W · 2^32).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_fl.systems.key_signatures import SiteSignatures, agree_verdicts
 
 #: One limb: 32 bits, held in int64 so that sums of limbs never overflow.
 LIMB = 2**32
@@ -93,6 +97,19 @@ def pad(key: bytes, round_idx: int, size: int) -> Limbs:
     return low, high
 
 
+def pair_key(private: Any, other_public: bytes, rank: int, other: int) -> bytes:
+    """s_{u,v}: the 32-byte key site ``rank`` (X25519 key ``private``) shares with site
+    ``other`` (public key ``other_public``): HKDF-SHA256 of their Diffie-Hellman secret,
+    bound to the pair of ranks."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    secret = private.exchange(X25519PublicKey.from_public_bytes(other_public))
+    pair = f"lightning_fl pairwise mask {min(rank, other)} {max(rank, other)}"
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=pair.encode()).derive(secret)
+
+
 class PairwiseMasks:
     """Site ``rank``'s pads with each other site: ``keys[v]`` is the 32-byte key it shares
     with site v (derived from their X25519 secret)."""
@@ -102,30 +119,28 @@ class PairwiseMasks:
 
     @classmethod
     def agree(
-        cls, rank: int, world_size: int, exchange: Callable[[bytes], list[bytes]],
-        fraction_bits: int = 32,
+        cls, rank: int, world_size: int, exchange: Callable[[Any], list[Any]],
+        fraction_bits: int = 32, signatures: SiteSignatures | None = None,
     ) -> PairwiseMasks:  # fmt: skip
         """Draw this site's X25519 key pair, send its public key to every site
-        (``exchange``: the public keys of every site, in rank order) and derive the key it
-        shares with each (HKDF-SHA256 of the Diffie-Hellman secret)."""
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric.x25519 import (
-            X25519PrivateKey,
-            X25519PublicKey,
-        )
-        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+        (``exchange``: every site's value, in rank order) and derive the key it shares with
+        each (HKDF-SHA256 of the Diffie-Hellman secret). With ``signatures`` each site
+        sends its key with its signature, checks every other's, and every site stops,
+        naming the site, when one is forged (:func:`~.key_signatures.agree_verdicts`)."""
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
         private = X25519PrivateKey.generate()
         raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        publics = exchange(private.public_key().public_bytes(*raw))
-        keys = {}
-        for other in range(world_size):
-            if other == rank:
-                continue
-            secret = private.exchange(X25519PublicKey.from_public_bytes(publics[other]))
-            pair = f"lightning_fl pairwise mask {min(rank, other)} {max(rank, other)}"
-            kdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=pair.encode())
-            keys[other] = kdf.derive(secret)
+        public = private.public_key().public_bytes(*raw)
+        if signatures is None:
+            publics = exchange(public)
+        else:
+            offers = exchange((public, signatures.sign(rank, public)))
+            agree_verdicts(signatures.forged(offers), signatures.names, rank, exchange)
+            publics = [offer[0] for offer in offers]
+        keys = {other: pair_key(private, publics[other], rank, other)
+                for other in range(world_size) if other != rank}  # fmt: skip
         return cls(rank, keys, fraction_bits)
 
     def mask(self, values: Tensor, round_idx: int) -> Limbs:
