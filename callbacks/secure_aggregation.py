@@ -15,7 +15,8 @@ are ChaCha20 keystreams of (pair key, round). Where the sites are separate insti
 others' against the recipe's ``site_keys`` (:mod:`lightning_fl.systems.key_signatures`):
 a relay that substitutes a key stops the run on every site, naming the site. One
 process: nothing crosses, nothing to mask. Not masked: the set-up's sample counts, the
-training and evaluation metrics, and what other plugins gather (those that read each client's update are refused with it).
+training and evaluation metrics, and what other plugins gather (those that read each
+client's update are refused with it).
 """
 
 from __future__ import annotations
