@@ -33,6 +33,15 @@ round:
    rounds exceed ``epsilon_budget`` is refused before it trains, unless
    ``allow_over_budget``.
 
+**Noise in the integers** (``mechanism="discrete_gaussian"``, with distributed noise and
+full participation): each site rounds each clipped, weighted contribution ω_k clip(Δ_k)
+onto the grid γ = 2^−g by conditional randomized rounding and adds a share of discrete
+Gaussians N_Z(0, (σ/(γ√(W − t)))²) (Kairouz, Liu, Steinke, ICML 2021, Alg. 1, without the
+rotation a small modulus needs: :mod:`lightning_fl.systems.discrete_gaussian`); every
+value is a multiple of γ, so sums over clients and sites, and SecureAggregation's fixed
+point (``fraction_bits`` ≥ g), are exact (no floating-point artefact: Mironov 2012), and ε
+is DDG's accountant (Prop. 14 with Thm 1's τ, over the n = W − t shares).
+
 What the server sees: with central noise, each clipped update (a trusted server, the
 paper's model); with local noise, each update with its share of the noise, which on its
 own is a weak guarantee (σ/√K): use it under secure aggregation, where only the sum is
@@ -52,7 +61,8 @@ import torch
 
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import Aggregator, RoundState, Trait, Weighting
-from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, zeros_like
+from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten, zeros_like
+from lightning_fl.systems.discrete_gaussian import DEFAULT_BETA, DiscreteGaussianShares
 from lightning_fl.systems.privacy_noise import NoiseSource, noise_source
 from lightning_fl.systems.samplers import (
     ClientSampler,
@@ -125,6 +135,11 @@ class DPFedAvg(Aggregator):
         epsilon_budget: the largest ε the planned rounds may spend; None: no limit.
         allow_over_budget: train even when the planned rounds exceed the budget.
         accountant: ``"rdp"`` or ``"pld"`` (Poisson and full participation only).
+        mechanism: ``"gaussian"`` (float noise) or ``"discrete_gaussian"`` (integer noise on
+            the grid 2^−``granularity_bits``: distributed noise and full participation).
+        granularity_bits: g of the discrete mechanism's grid γ = 2^−g (at most
+            SecureAggregation's ``fraction_bits``, so that its encoding is exact).
+        rounding_beta: β of the discrete mechanism's conditional randomized rounding.
         seed: the simulated noise's seed, mixed with a tag and the round (the client for
             local noise, the rank for distributed noise); unused when the sites are
             separate institutions (silo mode), whose noise is secret.
@@ -153,6 +168,9 @@ class DPFedAvg(Aggregator):
         epsilon_budget: float | None = None,
         allow_over_budget: bool = False,
         accountant: Accountant = "rdp",
+        mechanism: Literal["gaussian", "discrete_gaussian"] = "gaussian",
+        granularity_bits: int = 24,
+        rounding_beta: float = DEFAULT_BETA,
         seed: int = 0,
     ) -> None:
         super().__init__(weighting)
@@ -192,6 +210,10 @@ class DPFedAvg(Aggregator):
             require_rate("count_std", count_std, 1.0)
         if example_cap is not None:
             require_rate("example_cap", example_cap, 100.0)
+        self._check_mechanism(mechanism, noise, target_quantile, granularity_bits, rounding_beta)
+        self.mechanism, self.granularity_bits = mechanism, granularity_bits
+        self.rounding_beta = rounding_beta
+        self._grid: DiscreteGaussianShares | None = None
         self.noise, self.estimator, self.min_weight = noise, estimator, min_weight
         self.colluding_sites = colluding_sites
         self.example_cap, self.target_quantile = example_cap, target_quantile
@@ -221,6 +243,33 @@ class DPFedAvg(Aggregator):
         #: What the last round logged: ε, C, σ and the noised unclipped fraction.
         self.last: dict[str, float] = {}
 
+    @staticmethod
+    def _check_mechanism(mechanism, noise, target_quantile, bits, beta) -> None:
+        if mechanism not in ("gaussian", "discrete_gaussian"):
+            raise ValueError(
+                f"mechanism must be 'gaussian' or 'discrete_gaussian', got {mechanism!r}."
+            )
+        if mechanism == "gaussian":
+            return
+        if noise != "distributed":
+            raise ValueError(
+                "mechanism='discrete_gaussian' adds each site's integer share before the sum: "
+                f"set noise='distributed' (got noise={noise!r})."
+            )
+        if target_quantile is not None:
+            raise ValueError(
+                "mechanism='discrete_gaussian' has no integer noise for adaptive clipping's "
+                "count: set target_quantile=None (a fixed clip_norm)."
+            )
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 40:
+            raise ValueError(f"granularity_bits must be an integer in [1, 40], got {bits!r}.")
+        if not 0 <= beta < 1:
+            raise ValueError(f"rounding_beta must be in [0, 1), got {beta}.")
+
+    @property
+    def discrete(self) -> bool:
+        return self.mechanism == "discrete_gaussian"
+
     # ------------------------------------------------------------------ weights and q
     def target_weights(self, sample_counts) -> torch.Tensor:
         """p_k = w_k/W with the bounded weights w_k (McMahan et al. 2018, Alg. 1)."""
@@ -238,6 +287,13 @@ class DPFedAvg(Aggregator):
     ) -> Participation:
         if self.sampling is None:
             self.sampling = sampling_of(sampler, self._eligible)
+            if self.discrete and self.sampling.rate != 1:
+                raise ValueError(
+                    f"DPFedAvg(mechanism='discrete_gaussian') accounts for full participation "
+                    f"only (its accountant has no amplification by sampling), but "
+                    f"{type(sampler).__name__} draws q={self.sampling.rate:.4g}: use "
+                    "FullParticipation, or mechanism='gaussian'."
+                )
             self._check_budget()
         return super().participation(round_idx, seed, p, sampler)
 
@@ -263,6 +319,11 @@ class DPFedAvg(Aggregator):
     def epsilon(self, rounds: int) -> float:
         """ε after ``rounds`` rounds at ``delta``, of the whole mechanism's multiplier z
         (with adaptive clipping, the updates' and the count's noise together)."""
+        if self.discrete:
+            shares = self._sites - self.colluding_sites
+            sensitivity = self.clip_norm / (self.sampling.rate * self._total_weight)
+            share_std = self.noise_multiplier * sensitivity / math.sqrt(shares)
+            return self._grid.epsilon(sensitivity, share_std, shares, rounds, self.delta)
         return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -277,6 +338,10 @@ class DPFedAvg(Aggregator):
                 "more sites."
             )
         self._sites, self._rank = sites, trainer.global_rank
+        if self.discrete:  # the exact grid sum, one flat float64 vector of multiples of γ
+            dim = sum(t.numel() for t in self.view.tensors.clone())
+            self._grid = DiscreteGaussianShares(self.granularity_bits, self.rounding_beta, dim)
+            self.add_round_sum("grid_sum", shape=(dim,), dtype=torch.float64)
 
     @property
     def noise_source(self) -> NoiseSource:
@@ -330,7 +395,18 @@ class DPFedAvg(Aggregator):
     def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
         """Central and distributed noise: the server clips each update as it arrives
         (after any attack)."""
-        return update if self.noise == "local" else self._clipped(update, state)
+        if self.noise == "local":
+            return update
+        clipped = self._clipped(update, state)
+        if not self.discrete:
+            return clipped
+        values = flatten(clipped).double().cpu().numpy() * state.weight_of(client)
+        sensitivity = self.clip_norm / (self.sampling.rate * self._total_weight)
+        uniforms = self.noise_source.uniforms("dp_rounding", state.round_idx, client)
+        on_grid = self._grid.contribution(values, sensitivity, uniforms)
+        grid_sum = state.round_sum(self, "grid_sum")[0]
+        grid_sum += torch.from_numpy(on_grid).to(grid_sum.device)
+        return torch._foreach_mul(update, 0.0)  # its weighted term is in the grid sum
 
     @torch.no_grad()
     def on_before_round_sum(
@@ -344,6 +420,13 @@ class DPFedAvg(Aggregator):
         shares = self._sites - self.colluding_sites
         sigma = self._noise_std(state) / math.sqrt(shares)
         keys = (state.round_idx, self._rank)
+        if self.discrete:
+            uniforms = self.noise_source.uniforms("dp_fedavg_discrete", *keys)
+            grid_sum = state.round_sum(self, "grid_sum")[0]
+            grid_sum += torch.from_numpy(self._grid.noise_share(sigma, uniforms)).to(
+                grid_sum.device
+            )
+            return
         share = self._gaussian(state.update_sum, sigma, "dp_fedavg_distributed", *keys)
         add_flat_(state.update_sum, share)
         if self.adaptive:
@@ -370,6 +453,8 @@ class DPFedAvg(Aggregator):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:
         estimate = [u.double() for u in state.update_sum]
+        if self.discrete:  # the clients' terms and the noise, exact on the grid
+            estimate = unflatten(state.round_sum(self, "grid_sum")[0], estimate)
         if self.estimator == "clipped":
             sampled = sum(state.participation.weights)  # Σ_{k∈C} w_k / (qW)
             torch._foreach_div_(estimate, max(self.min_weight / self._total_weight, sampled))

@@ -362,8 +362,9 @@ class RoundPlanner:
         for plugin in fit.plugins.callbacks:  # the declared round sums, at zero
             for name, shape in plugin.declared_round_sums().items():
                 like = global_tensors[: model.num_params]
+                dtype = plugin.round_sum_dtype(name) or like[0].dtype
                 zeros = zeros_like(like) if shape is None else [
-                    torch.zeros(shape, dtype=like[0].dtype, device=like[0].device)]  # fmt: skip
+                    torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
                 state.extra_sums[plugin.round_sum_key(name)] = zeros
         if fit.plugins.sampler.needs_updates or fit.plugins.aggregator.needs_client_updates:
             size = sum(t.numel() for t in global_tensors) + 1

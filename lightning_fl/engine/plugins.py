@@ -262,13 +262,21 @@ class FederatedCallback(pl.Callback):
         """Keep ``value`` as ``client``'s declared state ``name``."""
         store.set(client, self.client_state_key(name), value)
 
-    def add_round_sum(self, name: str, shape: tuple[int, ...] | None = None) -> None:
+    def add_round_sum(
+        self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """Declare ``name``: a sum over a round's clients that every rank adds to (SCAFFOLD's
         Σ Δc_i, DP-FedAvg's count of clipped updates). The engine creates it at zero before
         ``on_round_start`` (like the model's parameters, or one tensor of ``shape``, in the
-        parameters' dtype, on their device), adds it over the ranks in the round's one
-        all-reduce, and the hooks read it with ``state.round_sum(self, name)``."""
+        parameters' dtype or ``dtype``, on their device), adds it over the ranks in the
+        round's one all-reduce, and the hooks read it with ``state.round_sum(self, name)``."""
         self._declared_state("sum")[name] = shape
+        if dtype is not None:
+            self._declared_state("sum_dtype")[name] = dtype
+
+    def round_sum_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype declared for round sum ``name`` (None: the parameters')."""
+        return self._declared_state("sum_dtype").get(name)
 
     def round_sum_key(self, name: str) -> str:
         """The round state's ``extra_sums`` key of the declared round sum ``name``."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -39,12 +40,15 @@ from lightning_fl.engine.seeding import generator
 
 
 class NoiseSource(Protocol):
-    """Draws standard normal float64 noise for a purpose tag and integer keys."""
+    """Draws standard normal float64 noise, or a stream of uniforms, for a purpose tag and
+    integer keys."""
 
     #: Whether the draws are a function of the recipe (a simulation's).
     reproducible: bool
 
     def normal(self, size: int, purpose: str, *keys: int) -> torch.Tensor: ...
+
+    def uniforms(self, purpose: str, *keys: int) -> Callable[[int], np.ndarray]: ...
 
 
 class SeededNoise:
@@ -61,6 +65,13 @@ class SeededNoise:
         return torch.randn(size, generator=generator(self.seed, purpose, *keys),
                            dtype=torch.float64)  # fmt: skip
 
+    def uniforms(self, purpose: str, *keys: int) -> Callable[[int], np.ndarray]:
+        """A stream of uniforms in [0, 1): successive calls continue one generator of
+        (seed, purpose, keys)."""
+        stream = generator(self.seed, purpose, *keys)
+        # host: uniforms of a CPU generator, for the samplers of the integer mechanism
+        return lambda size: torch.rand(size, generator=stream, dtype=torch.float64).numpy()
+
 
 class SecretNoise:
     """Noise from the operating system's cryptographic generator: the purpose and keys are
@@ -73,6 +84,9 @@ class SecretNoise:
         radius = np.sqrt(-2.0 * np.log1p(-first))  # 1 − u₁ ∈ (0, 1]: no log(0)
         # host: noise drawn on the site's CPU, moved where it is added
         return torch.from_numpy(radius * np.cos(2.0 * math.pi * second))
+
+    def uniforms(self, purpose: str = "", *keys: int) -> Callable[[int], np.ndarray]:
+        return secret_uniforms
 
 
 def secret_uniforms(size: int) -> np.ndarray:
