@@ -405,7 +405,7 @@ class DPFedAvg(Aggregator):
         uniforms = self.noise_source.uniforms("dp_rounding", state.round_idx, client)
         on_grid = self._grid.contribution(values, sensitivity, uniforms)
         grid_sum = state.round_sum(self, "grid_sum")[0]
-        grid_sum += torch.from_numpy(on_grid).to(grid_sum.device)
+        grid_sum += torch.as_tensor(on_grid, device=grid_sum.device)
         return torch._foreach_mul(update, 0.0)  # its weighted term is in the grid sum
 
     @torch.no_grad()
@@ -423,9 +423,8 @@ class DPFedAvg(Aggregator):
         if self.discrete:
             uniforms = self.noise_source.uniforms("dp_fedavg_discrete", *keys)
             grid_sum = state.round_sum(self, "grid_sum")[0]
-            grid_sum += torch.from_numpy(self._grid.noise_share(sigma, uniforms)).to(
-                grid_sum.device
-            )
+            share = self._grid.noise_share(sigma, uniforms)  # drawn on the site's CPU
+            grid_sum += torch.as_tensor(share, device=grid_sum.device)
             return
         share = self._gaussian(state.update_sum, sigma, "dp_fedavg_distributed", *keys)
         add_flat_(state.update_sum, share)

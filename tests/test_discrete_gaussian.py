@@ -52,7 +52,8 @@ def paper_epsilon(c, gamma, s, n, d, rounds, delta, beta):
 
 
 #: Two settings where every term counts: a coarse grid whose τ and rounding inflate ε
-#: (s = 0.8 grid units, 4 parties; the L1 bound below √d), and the paper's regime of many parties and a fine grid.
+#: (s = 0.8 grid units, 4 parties; the L1 bound below √d), and the paper's regime of many
+#: parties and a fine grid.
 SETTINGS = [
     dict(c=0.5, gamma=2.0**-3, s=0.8, n=4, d=1000, rounds=3, delta=1e-5, beta=math.exp(-0.5)),
     dict(c=0.03, gamma=2.0**-16, s=1500.0, n=100, d=10_000, rounds=500, delta=1e-6, beta=0.0),
@@ -147,8 +148,8 @@ def test_each_sites_integer_share_is_algorithm_1_written_by_hand():
     its sum is Σ_k γ·CRR(ω_k clip(Δ_k)/γ) + γ·N_Z(0, (σ/(γ√3))²)^d, every value a multiple
     of γ = 2^−10, with the rounding and noise streams of (seed, tag, round, client|rank)."""
     z, clip, cap, bits, beta = 0.6, 0.2, 12, 10, 0.01
-    dp = SiteOfFour(2, noise_multiplier=z, clip_norm=clip, example_cap=cap, seed=6,
-                    mechanism="discrete_gaussian", granularity_bits=bits, rounding_beta=beta)  # fmt: skip
+    integer = dict(mechanism="discrete_gaussian", granularity_bits=bits, rounding_beta=beta)
+    dp = SiteOfFour(2, noise_multiplier=z, clip_norm=clip, example_cap=cap, seed=6, **integer)
     recorder = GridRecorder(dp)
     fit([dp, recorder], FullParticipation(), rounds=3)
     w = [min(n / cap, 1.0) for n in COUNTS.tolist()]
