@@ -209,3 +209,77 @@ def test_secret_noise_is_standard_normal_and_never_repeats():
     seeded = SeededNoise(7).normal(5, "dp_fedavg", 2)
     by_hand = torch.randn(5, generator=generator(7, "dp_fedavg", 2), dtype=torch.float64)
     assert torch.equal(seeded, by_hand)
+
+
+# ---- on the wire: 3 silos, distributed noise under signed secure aggregation ---------------
+
+
+def test_on_three_silos_the_wire_never_carries_a_noiseless_sum_and_noise_is_secret(tmp_path):
+    """tests/ddp_wire.py, twice with one recipe and seed. What each site sends is masked
+    limbs, none equal to its own encoding; its own buffer already holds its share (its
+    noiseless part never leaves it), of std σ/√(W − t); the total every site decodes is the
+    sum of the noised parts, σ√(W/(W − t)) away from the noiseless sum; the two runs' shares
+    differ, and none is the share any party could draw from the recipe."""
+    pytest.importorskip("cryptography")
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_fl.flower.credentials import write_credentials
+    from lightning_fl.systems.pairwise_masking import encode
+    from tests.test_secure_aggregation import ROOT
+
+    write_credentials(tmp_path / "creds", ["usa", "hungary", "switzerland"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
+         "--master_port", str(port), "-m", "tests.ddp_wire", str(tmp_path),
+         str(tmp_path / "creds")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {
+        (run, rank): torch.load(tmp_path / f"{run}_rank{rank}.pt", weights_only=True)
+        for run in ("first", "second")
+        for rank in range(3)
+    }
+    sigma = runs["first", 0]["sigma"]
+    dim = runs["first", 0]["noiseless"][0].numel()
+    shares: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for (run, rank), saved in runs.items():  # dim: the model's; size: the round's sums
+        assert len(saved["own"]) == len(saved["noiseless"]) == 2  # 2 rounds
+        size = saved["own"][0].numel()
+        masked = [t for t in saved["sent"] if t.dtype == torch.int64 and t.numel() == 2 * size]
+        assert len(masked) == 2
+        assert not [t for t in saved["sent"] if t.numel() in (size, dim)]  # nothing in clear
+        for sent, own in zip(masked, saved["own"]):
+            lo, hi = encode(own, 32)
+            assert not bool((sent[:size] == lo).any() or (sent[size:] == hi).any())
+        shares[run, rank] = [o[:dim] - n for o, n in zip(saved["own"], saved["noiseless"])]
+    for run in ("first", "second"):
+        pooled = torch.cat([s for r in range(3) for s in shares[run, r]])
+        assert float(pooled.std()) == pytest.approx(sigma / math.sqrt(2), rel=0.15)
+        for round_idx in range(2):
+            total = runs[run, 0]["total"][round_idx][:dim]
+            noiseless = sum(runs[run, r]["noiseless"][round_idx] for r in range(3))
+            noise = total - noiseless
+            assert torch.allclose(noise, sum(shares[run, r][round_idx] for r in range(3)),
+                                  atol=1e-6)  # fmt: skip
+            assert float(noise.std()) > sigma  # σ√(3/2): no party decodes a noiseless sum
+            for r in range(3):
+                assert torch.equal(
+                    runs[run, r]["total"][round_idx], runs[run, 0]["total"][round_idx]
+                )
+    for rank in range(3):
+        for round_idx in range(2):
+            first, second = shares["first", rank][round_idx], shares["second", rank][round_idx]
+            assert float((first - second).abs().max()) > sigma / 10
+            seeded = SeededNoise(5).normal(dim, "dp_fedavg_distributed", round_idx, rank)
+            from_recipe = seeded * sigma / math.sqrt(2)
+            assert float((first - from_recipe).abs().max()) > sigma / 10
+            correlation = float(torch.corrcoef(torch.stack([first, seeded]))[0, 1])
+            assert abs(correlation) < 0.5
