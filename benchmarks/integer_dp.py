@@ -64,8 +64,9 @@ def main() -> None:
         "| z | mechanism | ε | test acc | s |",
         "|---|---|---|---|---|",
     ]
-    no_noise = fit_and_test(module("digits", LR), federation("digits", CLIENTS), [],
-                            args.rounds, sampler=FullParticipation(), local_epochs=EPOCHS)  # fmt: skip
+    data = federation("digits", CLIENTS)
+    no_noise = fit_and_test(module("digits", LR), data, [], args.rounds,
+                            sampler=FullParticipation(), local_epochs=EPOCHS)  # fmt: skip
     lines.append(f"| — | FedAvg, no noise | ∞ | {no_noise['test_acc']:.3f} | — |")
     for z in (1.0, 4.0, 16.0):
         for name, arguments in MECHANISMS:

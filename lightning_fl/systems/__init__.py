@@ -13,5 +13,7 @@ From the engine they use only its seeding (:mod:`lightning_fl.engine.seeding`).
 - federated unlearning (SIFU): :mod:`.unlearning`;
 - reference-data privacy: WERM :mod:`.werm`, membership inference :mod:`.membership`;
 - user-level DP's accounting :mod:`.user_dp`, where privacy noise comes from
-  :mod:`.privacy_noise`, and secure aggregation's masks :mod:`.pairwise_masking`.
+  :mod:`.privacy_noise`, the distributed discrete Gaussian :mod:`.discrete_gaussian`;
+  secure aggregation's masks :mod:`.pairwise_masking`, signed keys :mod:`.key_signatures`,
+  and the protocol that survives dropped sites :mod:`.double_masking`.
 """
