@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import functools
 import os
+import secrets
 from collections import defaultdict
 from typing import Any
 
@@ -260,6 +261,12 @@ class DPSGD(FederatedCallback):
     row's noise drawn from that client's generator, seeded with (seed, round, client) as
     the sequential path seeds the global one, in the same order (parameter by parameter):
     the result equals the sequential run's. WERM's two-source batches are refused there.
+
+    Where the sites are separate institutions (``FederatedStrategy(silos=...)``) the
+    noise comes from a generator of the site's own, seeded at each fit with 63 bits of
+    the operating system's entropy (``secrets``), not from the recipe's seed: no other
+    party can draw it again (torch's generator is not a cryptographic one; its seed never
+    leaves the site). A simulation's noise is its seed's, reproducible by anyone with it.
     """
 
     client_state_in_store = True  # it moves with the client (several processes)
@@ -283,9 +290,14 @@ class DPSGD(FederatedCallback):
         )
         self._batch: Any = None
         self._sizes: dict[tuple[int, str], int] = {}
+        self._secret: torch.Generator | None = None  # silo mode's noise generator
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._sizes.clear()
+        self._secret = None
+        if self.view is not None and self.view.config.silos:
+            self._secret = torch.Generator(device=pl_module.device)
+            self._secret.manual_seed(secrets.randbits(63))
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
             raise ValueError(
                 "DPSGD cannot clip per-sample gradients through BatchNorm: use GroupNorm."
@@ -331,7 +343,8 @@ class DPSGD(FederatedCallback):
         grads = self.per_sample_gradients(module, x, y)
         out = {}
         for name, summed in zip(grads, self.clipped_sum(list(grads.values()))):
-            noise = torch.normal(0.0, sigma * self.clip, size=summed.shape, device=summed.device)
+            noise = torch.normal(0.0, sigma * self.clip, size=summed.shape, device=summed.device,
+                                 generator=self._secret)  # fmt: skip
             out[name] = (summed + noise) / len(x)
         return out
 
@@ -377,8 +390,8 @@ class DPSGD(FederatedCallback):
         for row, gen in enumerate(step.generators):
             for total in summed:
                 noise = torch.normal(
-                    0.0, self.sigma * self.clip, size=total[row].shape, generator=gen,
-                    device=total.device,
+                    0.0, self.sigma * self.clip, size=total[row].shape,
+                    generator=self._secret or gen, device=total.device,
                 )  # fmt: skip
                 total[row] += noise
         for j, total in enumerate(summed):

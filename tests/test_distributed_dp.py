@@ -283,3 +283,21 @@ def test_on_three_silos_the_wire_never_carries_a_noiseless_sum_and_noise_is_secr
             assert float((first - from_recipe).abs().max()) > sigma / 10
             correlation = float(torch.corrcoef(torch.stack([first, seeded]))[0, 1])
             assert abs(correlation) < 0.5
+
+
+def _dpsgd_run(silos: bool) -> list[torch.Tensor]:
+    from lightning_fl.callbacks import DPSGD
+
+    trainer = make_trainer(FederatedStrategy(silos=silos, local_steps=2, seed=3), 2,
+                           [DPSGD(noise_multiplier=1.0, max_grad_norm=0.5)])  # fmt: skip
+    module = tiny_module()
+    trainer.fit(module, datamodule=tiny_datamodule())
+    return params_of(module)
+
+
+def test_dp_sgds_noise_in_a_silo_is_its_own_and_a_simulations_is_its_seeds():
+    first, second = _dpsgd_run(True), _dpsgd_run(True)
+    simulated, again = _dpsgd_run(False), _dpsgd_run(False)
+    assert all(torch.equal(a, b) for a, b in zip(simulated, again))
+    assert not any(torch.equal(a, b) for a, b in zip(first, second))
+    assert not any(torch.equal(a, b) for a, b in zip(first, simulated))
