@@ -36,6 +36,8 @@ cross-silo's rounds).
 12.0
 >>> tau(3.0, 1)  # one party adds noise: its sum is a discrete Gaussian
 0.0
+>>> tau(0.5, 3) > tau(1.0, 3) > 0  # shares of small scale are far from a discrete Gaussian
+True
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def rounded_l2_norm_bound(l2_bound: float, beta: float, dim: int) -> float:
 def tau(local_std: float, parties: int) -> float:
     """τ = 10 Σ_{k=1}^{n−1} exp(−2π² s² k/(k+1)): how far the sum of n discrete Gaussians
     N_Z(0, s²) is from N_Z(0, ns²) (DDG Thm 1)."""
-    return 10 * sum(
+    return 10 * math.fsum(
         math.exp(-2 * (math.pi * local_std) ** 2 * k / (k + 1)) for k in range(1, parties)
     )
 
