@@ -243,6 +243,7 @@ def open_federation(folder: str | os.PathLike) -> dict[str, ClientArrays]:
                     f"{path}: {len(column)} rows, but {index.name} says {spec['rows']}: "
                     "the index disagrees with the data; write the federation again."
                 )
+        _check_offsets(offsets, [len(c) for c in columns], str(folder / f"{split}.offsets.npy"))
         splits[split] = ClientArrays(columns, offsets, source=str(folder / f"{split}.*.npy"))
     if not splits:
         raise FederationFormatError(f"{index}: no splits. Write the federation again.")

@@ -7,7 +7,9 @@
         --dataset femnist --out data/femnist_fed
     lightning-fl data info data/sent140_like
 
-``generate`` writes a generated LEAF-shaped population straight into the on-disk format;
+``generate`` writes a generated LEAF-shaped population straight into the on-disk format
+(train, validation and test splits: ``--val-fraction`` 0.1 and ``--test-fraction`` 0.2 of
+each client's samples, so that ``eval_clients`` has clients to evaluate);
 ``generate-leaf`` writes the same population as LEAF JSON files; ``convert-leaf`` reads
 LEAF JSON (files or folders) user by user and writes the on-disk format once; ``info``
 opens a folder (checking every file) and prints its shape. A recipe then reads the folder
@@ -37,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--classes", type=int, default=2)
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--out", required=True, help="the folder to write")
+        if name == "generate":
+            sub.add_argument("--val-fraction", type=float, default=0.1,
+                             help="each client's share of validation samples")  # fmt: skip
+            sub.add_argument("--test-fraction", type=float, default=0.2,
+                             help="each client's share of test samples")  # fmt: skip
     convert = commands.add_parser("convert-leaf", help="LEAF JSON into the on-disk format")
     convert.add_argument("train", nargs="+", help="training .json files or folders of them")
     convert.add_argument("--test", nargs="+", help="test .json files or folders of them")
@@ -57,8 +64,9 @@ def main(argv: list[str]) -> None:
     try:
         if args.command == "generate":
             folder = population.generate_population(
-                args.out, args.clients, args.shape, args.features, args.classes, seed=args.seed
-            )
+                args.out, args.clients, args.shape, args.features, args.classes,
+                test_fraction=args.test_fraction, seed=args.seed, val_fraction=args.val_fraction,
+            )  # fmt: skip
         elif args.command == "generate-leaf":
             files = population.write_leaf_population(
                 args.out, args.clients, args.shape, args.features, args.classes, seed=args.seed

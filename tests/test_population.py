@@ -117,7 +117,7 @@ def test_offsets_past_the_end_name_the_client(tmp_path):
     offsets = np.load(folder / "train.offsets.npy")
     offsets[-1] += 3  # client 4 claims three rows the file does not have
     np.save(folder / "train.offsets.npy", offsets)
-    with pytest.raises(FederationFormatError, match=r"client 4 runs past its end"):
+    with pytest.raises(FederationFormatError, match=r"train\.offsets\.npy: .*client 4 runs past"):
         open_federation(folder)
 
 
@@ -126,7 +126,7 @@ def test_decreasing_offsets_name_the_client(tmp_path):
     offsets = np.load(folder / "train.offsets.npy")
     offsets[2], offsets[3] = offsets[3], offsets[2]
     np.save(folder / "train.offsets.npy", offsets)
-    with pytest.raises(FederationFormatError, match=r"client 2's offsets decrease"):
+    with pytest.raises(FederationFormatError, match=r"train\.offsets\.npy: client 2's offsets dec"):
         open_federation(folder)
 
 
@@ -387,6 +387,25 @@ def test_vectorized_evaluation_true_is_refused_at_set_up_naming_the_reason():
         trainer.fit(tiny_module(), datamodule=_array_datamodule())
 
 
+def test_vectorized_evaluation_true_names_a_module_that_cannot_take_the_columns():
+    """A 3-column federation (x, y and a weight) with a module that unpacks two: the
+    refusal names the plain call's failure and the number of columns, not vmap."""
+    three = {
+        split: ClientArrays.from_clients(
+            [(*c[split], torch.ones(len(c[split][1]))) for c in tiny_clients(4)]
+        )
+        for split in SPLITS
+    }
+    strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)
+    trainer = make_trainer(strategy, 1, [FedAvg()], limit_val_batches=None)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(tiny_module(), datamodule=ArrayFederatedDataModule(splits=three))
+    message = str(refused.value)
+    assert "fails on a batch of the federation's 3 columns even without vmap" in message
+    assert "too many values to unpack" in message and "under torch.func.vmap" not in message
+    assert message.endswith("or set vectorize_evaluation='auto' or False.")
+
+
 def test_cohorts_are_seeded_without_replacement_among_eligible_clients():
     eligible = np.array([1, 4, 5, 8, 11, 12, 20])
     first = draw_cohort(eligible, 4, seed=7, round_idx=3)
@@ -459,6 +478,33 @@ def test_the_data_command_generates_converts_and_checks(tmp_path, capsys):
         "lightning-fl data: info did not complete.",
         err.splitlines()[1],
     ] and err.splitlines()[1].startswith(f"error: {tmp_path / 'fed' / 'train.y.npy'}: unreadable")
+
+
+def test_the_generate_command_writes_a_validation_split_by_default(tmp_path, capsys):
+    """`lightning-fl data generate` writes train, val and test (10% and 20% of each
+    client's samples, the library's own split), so that eval_clients has data to evaluate;
+    --val-fraction 0 leaves validation out."""
+    from lightning_fl.command import main
+    from lightning_fl.datamodules.arrays import open_federation
+    from lightning_fl.datamodules.population import generate_population
+
+    main(["data", "generate", "--clients", "40", "--out", str(tmp_path / "fed")])
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'fed'}: val: 40 clients" in out
+    written = open_federation(tmp_path / "fed")
+    expected = open_federation(generate_population(tmp_path / "lib", 40, val_fraction=0.1,
+                                                   test_fraction=0.2))  # fmt: skip
+    assert set(written) == {"train", "val", "test"}
+    for split in written:
+        assert written[split].counts.tolist() == expected[split].counts.tolist()
+    counts = written["train"].counts + written["val"].counts + written["test"].counts
+    test = np.where(counts >= 2, np.minimum(np.maximum(1, counts // 5), counts - 1), 0)
+    left = counts - test
+    val = np.where(left >= 2, np.minimum(np.maximum(1, counts // 10), left - 1), 0)
+    assert written["val"].counts.tolist() == val.tolist() and val.sum() > 0
+    main(["data", "generate", "--clients", "40", "--val-fraction", "0", "--out",
+          str(tmp_path / "none")])  # fmt: skip
+    assert set(open_federation(tmp_path / "none")) == {"train", "test"}
 
 
 def test_per_client_figures_of_many_clients_are_histograms(tmp_path, monkeypatch):

@@ -193,13 +193,13 @@ class EvalRounds:
         if segments is not None and clients:
             batches = segment_batches(offsets[kept], sizes, datamodule.eval_batch_size)
             evaluator = segments(columns, len(clients))
-            if evaluator.agrees(batches[0]):
+            reason = evaluator.disagreement(batches[0])
+            if reason is None:
                 self.segments, self.batches = evaluator, batches
             elif segments.strict:
                 raise ValueError(
-                    "vectorize_evaluation=True, but the module's loss_and_metrics does not "
-                    "run under torch.func.vmap, or gives other values there than in a "
-                    "plain call: set vectorize_evaluation='auto' or False."
+                    f"vectorize_evaluation=True, but {reason}; or set "
+                    "vectorize_evaluation='auto' or False."
                 )
         if self.segments is None:
             self.loaders = [

@@ -18,7 +18,7 @@ library's (``loss_and_metrics`` of a batch of columns) when no callback acts at 
 clients' evaluation boundaries (personalized models, membership inference); otherwise,
 and for datamodules without arrays, evaluation stays client by client
 (:func:`refusal` says why). The first client's batch is checked against a plain call
-before the pass (:meth:`SegmentEvaluation.agrees`): a loss that cannot run under
+before the pass (:meth:`SegmentEvaluation.disagreement`): a loss that cannot run under
 ``vmap`` falls back, or is refused with ``vectorize_evaluation=True``.
 """
 
@@ -175,22 +175,31 @@ class SegmentEvaluation:
                 self.totals[name] = total
             total.index_add_(0, positions, value.detach().double().reshape(-1) * batch.length)
 
-    def agrees(self, batch: SegmentBatch) -> bool:
-        """Whether the first batch of ``batch`` gives, under ``vmap``, what a plain call of
-        ``loss_and_metrics`` gives (to 1e-5): False when it raises or differs."""
+    def disagreement(self, batch: SegmentBatch) -> str | None:
+        """Why the first batch of ``batch`` cannot be evaluated under ``vmap``, or None when
+        it gives what a plain call of ``loss_and_metrics`` gives (to 1e-5): the plain call
+        fails on the federation's columns, or the vmapped one fails, or they differ."""
         probe = SegmentBatch(batch.positions[:1], batch.starts[:1], batch.length)
         device = self.module.device
-        try:
-            with torch.no_grad():
-                stacked = self._stacked(probe, device)
-                vectorized = self._values(stacked)
+        with torch.no_grad():
+            stacked = self._stacked(probe, device)
+            try:
                 loss, metrics = self.module.loss_and_metrics([c[0] for c in stacked])
-        except Exception:  # noqa: BLE001 - any failure under vmap means: not vectorizable
-            return False
+            except Exception as error:  # noqa: BLE001 - any failure is the reason to give
+                return (
+                    f"the module's loss_and_metrics fails on a batch of the federation's "
+                    f"{len(stacked)} columns even without vmap ({type(error).__name__}: "
+                    f"{error}): make it take every column the federation holds"
+                )
+            try:
+                vectorized = self._values(stacked)
+            except Exception as error:  # noqa: BLE001 - any failure under vmap: not vectorizable
+                return (
+                    "the module's loss_and_metrics does not run under torch.func.vmap "
+                    f"({type(error).__name__}: {error})"
+                )
         plain = {"loss": loss, **metrics}
-        if set(plain) != set(vectorized):
-            return False
-        return all(
+        agree = set(plain) == set(vectorized) and all(
             torch.allclose(
                 vectorized[k].reshape(-1)[0].double(),
                 plain[k].double().reshape(()),
@@ -199,6 +208,11 @@ class SegmentEvaluation:
             )  # fmt: skip
             for k in plain
         )
+        if not agree:
+            return (
+                "the module's loss_and_metrics gives other values under vmap than in a plain call"
+            )
+        return None
 
     def per_client(
         self, stage: str, clients: Sequence[int]
