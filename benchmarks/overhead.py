@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_fl import MLP, Classifier, FederatedStrategy, MnistCNN, UniformSampler
 from lightning_fl.callbacks import FedAvg
 from lightning_fl.datamodules import InMemoryFederatedDataModule
-from lightning_fl.datamodules.base import TensorBatchLoader
+from lightning_fl.engine.data_contract import TensorBatchLoader
 
 CLIENTS, PER_ROUND, ROUNDS, STEPS, BATCH, LR = 100, 10, 20, 10, 32, 0.05
 

@@ -2,7 +2,8 @@
 
 A :class:`FederatedDataModule` gives each client's datasets by split (``client_dataset``),
 the clients' sample counts and the loaders the strategy expands into rounds
-(:mod:`.base`). Constructors store and validate their arguments; data is downloaded in
+(the contract: :mod:`lightning_fl.engine.data_contract`; clients held as tensors:
+:mod:`.in_memory`). Constructors store and validate their arguments; data is downloaded in
 ``prepare_data`` and read in ``setup`` (or at its first use). By source:
 
 - :mod:`.digits`: the embedded UCI digits (no download), the quickstart's;
@@ -28,11 +29,6 @@ from lightning_fl.datamodules.arrays import (
     open_federation,
     save_federation,
 )
-from lightning_fl.datamodules.base import (
-    FederatedDataModule,
-    FederatedLoader,
-    InMemoryFederatedDataModule,
-)
 from lightning_fl.datamodules.cifar import CifarDataModule, load_pickle_batch
 from lightning_fl.datamodules.digits import DigitsDataModule, load_digits
 from lightning_fl.datamodules.emnist import EmnistDataModule, read_emnist, read_idx
@@ -42,6 +38,7 @@ from lightning_fl.datamodules.flamby import (
     FedTcgaBrcaDataModule,
     NaturalSplitDataModule,
 )
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.leaf import (
     GeneratedLeafDataModule,
     LeafDataModule,
@@ -77,6 +74,7 @@ from lightning_fl.datamodules.privacy import (
 from lightning_fl.datamodules.reference import PairedLoader, WERMDataset, paired_loader
 from lightning_fl.datamodules.streaming import LogisticStreamsDataModule, StreamingDataModule
 from lightning_fl.datamodules.synthetic import SyntheticMixtureDataModule, generate_mixture_tasks
+from lightning_fl.engine.data_contract import FederatedDataModule, FederatedLoader
 
 __all__ = [
     "ArrayFederatedDataModule",

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split, arguments
+from lightning_fl.engine.data_contract import FederatedDataModule, Split, arguments
 
 FORMAT = "lightning-fl/federation"
 VERSION = 1

@@ -17,8 +17,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.download import download, require_download_root, verify
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
     dirichlet_partition,
     grouped_dirichlet_partition,
@@ -28,6 +28,7 @@ from lightning_fl.datamodules.partition import (
     split_fractions,
     unbalanced_dirichlet_partition,
 )
+from lightning_fl.engine.data_contract import arguments
 
 CACHE = Path.home() / ".cache" / "lightning_fl"
 

@@ -13,13 +13,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
     check_label_partition,
     label_partition,
     server_split,
     split_fractions,
 )
+from lightning_fl.engine.data_contract import arguments
 
 DIGITS_FILE = "digits.csv.gz"
 

@@ -14,13 +14,14 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.download import download, require_download_root
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
     check_label_partition,
     label_partition,
     split_fractions,
 )
+from lightning_fl.engine.data_contract import arguments
 
 EMNIST_URL = "https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip"
 EMNIST_MD5 = "58c8d27c78d21e728a6bc7b3cc06412e"  # the value torchvision checks

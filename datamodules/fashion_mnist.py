@@ -20,15 +20,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
 from lightning_fl.datamodules.digits import watermarked
 from lightning_fl.datamodules.emnist import CACHE, read_idx
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import (
     label_partition,
     random_subset,
     server_split,
     split_fractions,
 )
+from lightning_fl.engine.data_contract import arguments
 
 DEBIAN_ROOT = Path("/usr/share/datasets/fashion-mnist")
 URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"

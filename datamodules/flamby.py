@@ -17,13 +17,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import (
-    ClientTensors,
-    InMemoryFederatedDataModule,
-    Split,
-    arguments,
-)
 from lightning_fl.datamodules.download import download, require_download_root, verify
+from lightning_fl.datamodules.in_memory import ClientTensors, InMemoryFederatedDataModule
+from lightning_fl.engine.data_contract import Split, arguments
 
 CACHE = Path(os.environ.get("LIGHTNING_FL_CACHE", Path.home() / ".cache" / "lightning_fl"))
 
@@ -224,7 +220,7 @@ class FedHeartDiseaseDataModule(_TabularCenters):
     In silo mode (``FederatedStrategy(silos=True)``), process r holds the centers c with
     c % world_size == r and opens only their files, in ``root`` with ``{rank}`` replaced by
     r and ``{silo}`` by the site's name (``root: data/heart/{silo}`` gives each site its own
-    folder: :meth:`~lightning_fl.datamodules.base.FederatedDataModule.silo_folder`); the
+    folder: :meth:`~lightning_fl.engine.data_contract.FederatedDataModule.silo_folder`); the
     one-hot encoding is :data:`HEART_LEVELS`, the same as the four files give.
     """
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split, arguments
 from lightning_fl.datamodules.partition import split_fractions
+from lightning_fl.engine.data_contract import FederatedDataModule, Split, arguments
 
 LeafName = Literal["femnist", "shakespeare", "sent140", "celeba", "synthetic"]
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch.utils.data import ConcatDataset, Dataset, TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split
 from lightning_fl.datamodules.digits import load_digits
 from lightning_fl.datamodules.download import download
 from lightning_fl.datamodules.partition import (
@@ -24,6 +23,7 @@ from lightning_fl.datamodules.partition import (
     split_fractions,
 )
 from lightning_fl.datamodules.reference import WERMDataset
+from lightning_fl.engine.data_contract import FederatedDataModule, Split
 
 #: Shokri et al.'s published archives (privacytrustlab/datasets). No checksum is published:
 #: pass ``sha256`` to pin the copy you verified.

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_fl.datamodules.base import batch_loader
+from lightning_fl.engine.data_contract import PairedDataset, batch_loader
 from lightning_fl.engine.seeding import derive_seed
 
 
-class WERMDataset(Dataset):
+class WERMDataset(PairedDataset):
     """A client's training data (what ``len`` and indexing see, so sample counts and
     aggregation weights are the training sizes) carrying its reference data."""
 
@@ -27,6 +27,10 @@ class WERMDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.train[index]
+
+    def training_loader(self, batch_size: int, generator: torch.Generator | None) -> PairedLoader:
+        """``{"train", "reference"}`` batch pairs (:func:`paired_loader`)."""
+        return paired_loader(self, batch_size, generator=generator)
 
 
 class PairedLoader:

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule, InMemoryFederatedDataModule, Split
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
+from lightning_fl.engine.data_contract import FederatedDataModule, Split
 from lightning_fl.systems.streams import (
     Cache,
     CurrentBatchCache,

@@ -11,8 +11,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import InMemoryFederatedDataModule, arguments
+from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.datamodules.partition import split_fractions
+from lightning_fl.engine.data_contract import arguments
 
 
 @dataclass

@@ -92,7 +92,7 @@ def test_tensor_batches_are_one_permutation_per_pass(n, shuffle, seeded):
     The batches of a DataLoader without its two thrown-away draws, and no other draw."""
     from torch.utils.data import TensorDataset
 
-    from lightning_fl.datamodules.base import TensorBatchLoader
+    from lightning_fl.engine.data_contract import TensorBatchLoader
 
     x, y = torch.randn(n, 3), torch.arange(n)
     dataset = TensorDataset(x, y)
@@ -274,7 +274,7 @@ def test_the_base_datamodule_at_its_edges():
     from torch.utils.data import TensorDataset
 
     from lightning_fl.datamodules import InMemoryFederatedDataModule
-    from lightning_fl.datamodules.base import SiloError, TensorBatchLoader
+    from lightning_fl.engine.data_contract import SiloError, TensorBatchLoader
 
     data = TensorDataset(torch.arange(3.0), torch.arange(3))
     assert [b[1].tolist() for b in TensorBatchLoader(data, 1)] == [[0], [1], [2]]

@@ -347,7 +347,7 @@ def test_heart_silo_reads_its_own_centers_from_its_own_folder(tmp_path, rank):
     """Silo ``rank`` of 2 holds centers ``rank`` and ``rank + 2``, reads only their files
     from ``root`` with ``{rank}`` replaced, and serves them exactly as the full module
     does; the other centers stay empty."""
-    from lightning_fl.datamodules.base import SiloError
+    from lightning_fl.engine.data_contract import SiloError
 
     mine = [rank, rank + 2]
     _heart_copy(tmp_path / str(rank), [HEART_CENTERS_ALL[c] for c in mine])
@@ -486,7 +486,7 @@ def test_natural_split_regression_targets_and_files_in_sorted_order(tmp_path):
 def test_natural_split_silo_reads_its_own_center_files(tmp_path):
     """In silo mode, silo r of 2 reads ``path`` with ``{rank}`` → r and only its centers'
     files; their tensors equal the full module's on the same files."""
-    from lightning_fl.datamodules.base import SiloError
+    from lightning_fl.engine.data_contract import SiloError
 
     names = ["north", "south", "east"]
     for rank in (0, 1):

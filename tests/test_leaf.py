@@ -196,7 +196,7 @@ def test_hyperparameters_are_saved(tmp_path):
 
 
 def test_a_silo_opens_only_its_own_users(tmp_path):
-    from lightning_fl.datamodules.base import SiloError
+    from lightning_fl.engine.data_contract import SiloError
 
     _write(tmp_path, _femnist_users())
     dm = LeafDataModule(str(tmp_path), "femnist")

@@ -632,8 +632,8 @@ def test_reference_batches_cycle_on_their_own_seeded_order_by_hand():
     empty reference set is refused, one sample is enough."""
     from torch.utils.data import TensorDataset
 
-    from lightning_fl.datamodules.base import batch_loader
     from lightning_fl.datamodules.reference import WERMDataset, paired_loader
+    from lightning_fl.engine.data_contract import batch_loader
     from lightning_fl.engine.seeding import derive_seed
 
     train = TensorDataset(torch.arange(20.0)[:, None], torch.arange(20))
@@ -864,7 +864,7 @@ def test_reference_datamodule_splits_by_hand_and_holds_the_reference_where_asked
     ]
     with pytest.raises(ValueError, match="Unknown partition 'shardz'"):
         ReferenceDataModule(x, y, partition="shardz")
-    from lightning_fl.datamodules.base import SiloError
+    from lightning_fl.engine.data_contract import SiloError
 
     client.enter_silo(1, 2)
     assert client.client_dataset(1, "test") is not None

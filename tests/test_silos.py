@@ -21,10 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import SCAFFOLD, FedAvg, Pooled
 from lightning_fl.datamodules import DigitsDataModule, FedHeartDiseaseDataModule
-from lightning_fl.datamodules.base import SiloError
 from lightning_fl.datamodules.flamby import HEART_CENTERS, HEART_LEVELS, heart_disease_tables
 from lightning_fl.engine import silo_checkpoints
 from lightning_fl.engine.composition import CompositionError
+from lightning_fl.engine.data_contract import SiloError
 from lightning_fl.engine.federated_state import CheckpointReadError
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
 from tests.recipes_distributed import run_file

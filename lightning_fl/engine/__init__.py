@@ -14,6 +14,9 @@ Read top-down:
   federation (the one owner of every client's sample count), the fit's plugins;
 - :mod:`.plugins`: the plugin contract (``FederatedCallback``, ``Aggregator``,
   ``RoundState``, ``FedAvg``): the engine never imports ``lightning_fl.callbacks``;
+- :mod:`.data_contract`: the datamodule contract (``FederatedDataModule``,
+  ``FederatedLoader``, ``PairedDataset``, the splits): the engine never imports
+  ``lightning_fl.datamodules``;
 - :mod:`.planning`: who trains this round (sampler, clients without data, CA-Fed's
   loss probes), their loaders, this rank's schedule of steps and vectorized chunks;
 - :mod:`.round_engine`: the client life cycle (start, fold in the update, drop a NaN

@@ -29,9 +29,9 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.divergence import DivergenceMonitor
 from lightning_fl.engine.packed import PackedFederation
 from lightning_fl.engine.plugins import Aggregator, FederatedCallback

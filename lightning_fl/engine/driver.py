@@ -16,10 +16,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine import collectives
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.context import FitContext
+from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
 from lightning_fl.engine.outputs import append_csv, run_dir
 from lightning_fl.engine.plugins import RoundState

@@ -17,8 +17,8 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_fl.datamodules.base import Split
 from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.data_contract import PairedDataset, Split
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import FederatedTensors, TensorList, flatten, unflatten
 
@@ -82,13 +82,11 @@ def client_loader(
     evaluation loader (fixed order). Training data that carries WERM reference data gives
     plain batches of the training data.
     """
-    from lightning_fl.datamodules.reference import WERMDataset
-
     dm = trainer.datamodule
     dataset = dm.client_dataset(client, split)
     if dataset is None or len(dataset) == 0:
         return None
-    if isinstance(dataset, WERMDataset):  # plain (x, y) batches of the training data
+    if isinstance(dataset, PairedDataset):  # plain (x, y) batches of the training data
         dataset = dataset.train
     if shuffle_seed is None:
         return dm.client_dataloader(dataset, "val")

@@ -8,7 +8,7 @@ batch of its clients' local steps with one index computation per chunk and one g
 column and step: no per-client Python iterator, no host-to-device copy per step.
 
 The batches are exactly those of the client's loader on the sequential path
-(:class:`~lightning_fl.datamodules.base.TensorBatchLoader` shuffled by the generator
+(:class:`~lightning_fl.engine.data_contract.TensorBatchLoader` shuffled by the generator
 seeded with (seed, "data", round, client)): pass p over the client's data is the p-th
 ``randperm(n)`` of that generator, and batch j of the round is samples
 ``perm_p[b·B : (b+1)·B]`` of pass p = j // ⌈n/B⌉, b = j mod ⌈n/B⌉. What stays per client
@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from lightning_fl.datamodules.base import FederatedDataModule
+from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.seeding import derive_seeds
 
 #: The share of the device's free memory a packed federation may take.
@@ -171,7 +171,7 @@ def _permutations(seeds: np.ndarray, sizes: np.ndarray, passes: np.ndarray) -> T
     """``[rows, max(passes), max(sizes)]``: row r's permutation of its ``sizes[r]``
     samples in each of its ``passes[r]`` passes, one ``randperm`` per pass from a
     generator seeded with ``seeds[r]``, as
-    :class:`~lightning_fl.datamodules.base.TensorBatchLoader` draws them; unused
+    :class:`~lightning_fl.engine.data_contract.TensorBatchLoader` draws them; unused
     entries are zeros. Host-side bookkeeping (a CPU generator): two C calls per client and
     a call per pass, each written in place (about 9 µs a client and pass on a CPU)."""
     # host: a CPU generator gives the same permutations whatever the device

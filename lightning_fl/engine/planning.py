@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import move_client_states
 from lightning_fl.engine.context import FitContext
+from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT, RoundState
 from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
 from lightning_fl.engine.seeding import generator

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_fl.datamodules.base import FederatedDataModule, Split
 from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.context import Federation, FitContext, Ranks
+from lightning_fl.engine.data_contract import FederatedDataModule, Split
 from lightning_fl.engine.packed import PackedFederation
 from lightning_fl.engine.planning import RoundPlan
 from lightning_fl.engine.schedule import ClientSchedule, PackedLocalSteps, cycle_batches

@@ -7,8 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_fl.datamodules.base import FederatedDataModule
 from lightning_fl.engine.context import Federation
+from lightning_fl.engine.data_contract import FederatedDataModule
 
 
 def check_trainer(trainer: pl.Trainer) -> None:

@@ -29,7 +29,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_fl.datamodules.base import FederatedLoader
 from lightning_fl.engine import (
     collectives,
     fit_callbacks,
@@ -41,6 +40,7 @@ from lightning_fl.engine.client_evaluation import ClientEvaluation
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.cohort import fit_cohort
 from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Ranks
+from lightning_fl.engine.data_contract import FederatedLoader
 from lightning_fl.engine.divergence import DivergenceMonitor
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError

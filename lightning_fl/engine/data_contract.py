@@ -1,4 +1,8 @@
-"""FederatedDataModule: per-client datasets, built lazily, and the loaders the strategy uses."""
+"""The datamodule contract the engine reads: :class:`FederatedDataModule` (per-client
+datasets, built lazily, and the loaders the strategy uses), :class:`FederatedLoader` and
+the split names. It lives in the engine, as the plugin contract does
+(:mod:`lightning_fl.engine.plugins`), so that the engine never imports
+``lightning_fl.datamodules``; users import these names from ``lightning_fl.datamodules``."""
 
 from __future__ import annotations
 
@@ -72,6 +76,20 @@ def arguments(values: dict[str, Any]) -> SimpleNamespace:
     the data at set-up. Not ``hparams``: under LightningCLI, a datamodule nested in another
     (a stream's ``source``) gets the outer one's configuration there."""
     return SimpleNamespace(**{k: v for k, v in values.items() if k not in ("self", "__class__")})
+
+
+class PairedDataset(Dataset):
+    """A client's training data carrying other data beside it (WERM's reference data:
+    :class:`~lightning_fl.datamodules.reference.WERMDataset`): ``len`` and indexing are
+    the training data's, and the engine's plain batches (local training of a personal
+    model, evaluation on training data) read ``train`` alone."""
+
+    train: Dataset
+
+    def training_loader(self, batch_size: int, generator: torch.Generator | None) -> Any:
+        """The loader of the paired batches a client trains on (shuffled by
+        ``generator``)."""
+        raise NotImplementedError
 
 
 class FederatedLoader:
@@ -248,14 +266,12 @@ class FederatedDataModule(pl.LightningDataModule):
         self, dataset: Dataset, split: Split, generator: torch.Generator | None = None
     ) -> DataLoader:
         """The loader for one client's dataset; training loaders shuffle with ``generator``.
-        Training data that carries reference data (:class:`WERMDataset`) gets a loader of
-        ``{"train", "reference"}`` batch pairs."""
-        from lightning_fl.datamodules.reference import WERMDataset, paired_loader
-
+        Training data that carries other data (a :class:`PairedDataset`: WERM's) gets its
+        own loader of batch pairs."""
         shuffle = split == "train"
         batch_size = self.training_batch_size(dataset) if shuffle else self.eval_batch_size
-        if shuffle and isinstance(dataset, WERMDataset):
-            return paired_loader(dataset, batch_size, generator=generator)  # type: ignore[return-value]
+        if shuffle and isinstance(dataset, PairedDataset):
+            return dataset.training_loader(batch_size, generator)
         return batch_loader(dataset, batch_size, shuffle, generator)
 
     def train_dataloader(self) -> FederatedLoader:
@@ -266,62 +282,6 @@ class FederatedDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> FederatedLoader:
         return FederatedLoader(self, "test")
-
-
-#: One client's tensors per split: ``{"train": (x, y), "val": (x, y), "test": (x, y)}``.
-ClientTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-class InMemoryFederatedDataModule(FederatedDataModule):
-    """Clients as tensors: ``clients[c][split] = (x, y)``, given (tests and benchmarks) or
-    read by a subclass's :meth:`read_clients`, once, at ``setup`` or the first use."""
-
-    def __init__(
-        self,
-        clients: Sequence[ClientTensors] | None = None,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        server: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__(batch_size, eval_batch_size)
-        self._given = None if clients is None else (list(clients), server)
-        self._loaded: tuple[list[ClientTensors], tuple | None] | None = None
-
-    def read_clients(self) -> tuple[list[ClientTensors], tuple[torch.Tensor, ...] | None]:
-        """Every client's tensors and the server's own data (or None): what the constructor
-        was given; a subclass reads and partitions its dataset here."""
-        if self._given is None:
-            raise NotImplementedError(
-                f"{type(self).__name__} gives no clients: pass clients=[...] or override "
-                "read_clients()."
-            )
-        return self._given
-
-    def setup(self, stage: str | None = None) -> None:
-        """Read the clients' data (once)."""
-        self._data()
-
-    def _data(self) -> tuple[list[ClientTensors], tuple | None]:
-        if self._loaded is None:
-            self._loaded = self.read_clients()
-        return self._loaded
-
-    @property
-    def _clients(self) -> list[ClientTensors]:
-        return self._data()[0]
-
-    def server_dataset(self) -> Dataset | None:
-        server = self._data()[1]
-        return None if server is None else TensorDataset(*server)
-
-    @property
-    def num_clients(self) -> int:
-        return len(self._clients)
-
-    def client_dataset(self, client: int, split: Split) -> Dataset | None:
-        self.check_owned(client)
-        data = self._clients[client].get(split)
-        return None if data is None else TensorDataset(*data)
 
 
 def _size(dataset: Dataset | None) -> int:
