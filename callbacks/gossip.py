@@ -203,7 +203,7 @@ class GossipAveraging(Aggregator):
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         if self.step_scale == "samples":
             scale = [self._step_factor(c, state) for c in clients]
-            state.vectorized_step.optimizer.lr_scale = scale  # host: one Python factor per row
+            state.scale_local_lr(scale)  # one Python factor per row
 
     def _hook_optimizers(self, trainer) -> None:
         """Scale the learning rate only inside each optimizer step (torch step pre- and

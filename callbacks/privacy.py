@@ -101,7 +101,7 @@ class MembershipInference(FederatedCallback):
             self._attack(pl_module, trainer, client, "mia")
 
     def on_client_evaluation_end(self, trainer, pl_module, client: int) -> None:
-        if self._active(trainer) and trainer.strategy.evaluation.global_tensors is not None:
+        if self._active(trainer) and self.view.evaluation.personalizes:
             self._attack(pl_module, trainer, client, "mia_personal")
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
@@ -134,7 +134,7 @@ class MembershipInference(FederatedCallback):
         )
 
     def _report(self, trainer, pl_module) -> None:
-        trainer.strategy.evaluation.end_client()
+        self.view.evaluation.end_client()
         self._server_attack(trainer, pl_module)
         results = dict(self.results)
         if (group := collectives.across_ranks(trainer.world_size)) is not None:

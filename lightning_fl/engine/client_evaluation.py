@@ -97,6 +97,12 @@ class ClientEvaluation:
             self.end_client()
         return output
 
+    @property
+    def personalizes(self) -> bool:
+        """Whether a callback personalizes the evaluated model (the global one is kept
+        and restored after each client)."""
+        return self.global_tensors is not None
+
     def end_client(self) -> None:
         """Capture the open client's metrics, run ``on_client_evaluation_end`` and restore
         the global model."""

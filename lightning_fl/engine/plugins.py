@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import numpy as np
@@ -54,6 +54,39 @@ class Trait:
     #: Every site aggregates the same sum itself, and no trusted server exists (silo mode:
     #: each site holds the round's total before any server-side step).
     AGGREGATES_ON_EVERY_SITE = "aggregates the round's sum on every site"
+
+
+class ChunkView(Protocol):
+    """The chunk of vectorized clients training now (``RoundState.chunk``)."""
+
+    #: client ids, one per row
+    clients: list[int]
+    #: whether every row started from the same model (θ^t)
+    shared_start: bool
+
+    @property
+    def params(self) -> TensorList:
+        """The rows' parameters, stacked (dimension 0: the rows)."""
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """Each row's generator, seeded with (seed, round, client)."""
+
+
+class StepView(Protocol):
+    """The step that trains the chunk (``RoundState.vectorized_step``)."""
+
+    #: the rows' stacked batch of this local step
+    batch: Any
+    #: each stepped row's generator (DP noise: the sequential path's draws)
+    generators: list[torch.Generator]
+
+    def gradients_at(self, chunk: ChunkView, rows: list[int], params: TensorList) -> TensorList:
+        """The rows' gradients at ``params``, with the dropout masks the sequential path
+        would draw next (a second gradient per local step)."""
+
+    def scale_lr(self, factors: list[float]) -> None:
+        """Multiply row i's learning rate by ``factors[i]`` in this chunk's steps."""
 
 
 @dataclass
@@ -99,8 +132,8 @@ class RoundState:
     #: their starting ``params``, ``generators``, ``shared_start``) and the step that
     #: trains it (its ``optimizer`` and ``lr_scale``, the stacked ``batch``,
     #: ``gradients_at``); the last chunk's after it.
-    chunk: Any = field(default=None, init=False, repr=False, compare=False)
-    vectorized_step: Any = field(default=None, init=False, repr=False, compare=False)
+    chunk: ChunkView | None = field(default=None, init=False, repr=False, compare=False)
+    vectorized_step: StepView | None = field(default=None, init=False, repr=False, compare=False)
     _rows: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -110,6 +143,14 @@ class RoundState:
     @property
     def global_params(self) -> TensorList:
         return self.global_tensors[: self.num_params]
+
+    def scale_local_lr(self, factors: Sequence[float]) -> None:
+        """Vectorized clients, in ``on_vectorized_clients_start``: multiply the local
+        learning rate of the chunk's row i by ``factors[i]`` in its optimizer steps (gossip's
+        T·n_t/n), as a sequential client's optimizer hook would."""
+        if self.vectorized_step is None:
+            raise RuntimeError("scale_local_lr is for vectorized clients' chunks only.")
+        self.vectorized_step.scale_lr([float(f) for f in factors])
 
     def round_sum(self, plugin: FederatedCallback, name: str) -> TensorList:
         """``plugin``'s declared round sum ``name`` (:meth:`FederatedCallback.add_round_sum`)."""
@@ -153,6 +194,20 @@ class RoundState:
         return self._rows
 
 
+class EvaluationView(Protocol):
+    """What a plugin may ask of the per-client evaluation in progress
+    (``PluginView.evaluation``)."""
+
+    @property
+    def personalizes(self) -> bool:
+        """Whether clients are evaluated with personalized models (the global model is
+        restored after each)."""
+
+    def end_client(self) -> None:
+        """Close the open client: its metrics, ``on_client_evaluation_end``, the global
+        model restored (nothing when no client is open)."""
+
+
 @dataclass(frozen=True)
 class PluginView:
     """What a plugin reads of its fit outside a round's state (the evaluation hooks, the
@@ -171,6 +226,9 @@ class PluginView:
     aggregator: Aggregator
     #: the recipe's site names in rank order (``FederatedStrategy(silos=[...])``), or None
     site_names: tuple[str, ...] | None = None
+    #: the per-client evaluation (membership inference asks whether it personalizes, and
+    #: closes the open client before its report)
+    evaluation: EvaluationView | None = None
 
 
 class FederatedCallback(pl.Callback):

@@ -322,7 +322,7 @@ class FederatedStrategy(DDPStrategy):
         )
         names = self.sites.names if self.sites is not None else None
         view = PluginView(self.client_store, federation.training_counts, tensors, self.config,
-                          plugins.aggregator, names)  # fmt: skip
+                          plugins.aggregator, names, self.evaluation)  # fmt: skip
         for cb in plugins.callbacks:
             cb.view = view
         if self.config.vectorize_evaluation is True:  # refuses, naming the reason

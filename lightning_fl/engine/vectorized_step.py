@@ -226,6 +226,11 @@ class VectorizedStep:
         )  # fmt: skip
         return self.dropout.masks(calls, self.generators, params[0].dtype, params[0].device)
 
+    def scale_lr(self, factors: list[float]) -> None:
+        """Multiply row i's learning rate by ``factors[i]`` in the chunk's optimizer steps
+        (``RoundState.scale_local_lr``)."""
+        self.optimizer.lr_scale = factors
+
     def gradients_at(self, chunk: ClientChunk, rows: list[int], params: TensorList) -> TensorList:
         """The vectorized ``grads_at``: ∇ of each row's loss at its own stacked ``params``
         (every parameter), on the batch being stepped, with the rows' per-client state and
