@@ -55,6 +55,7 @@ class TensorBatchLoader:
             for start in range(0, n, size):
                 yield [t[start : start + size].clone() for t in tensors]
             return
+        # host: the shuffle's order comes from the loader's CPU generator, then moves
         order = torch.randperm(n, generator=self.generator).to(tensors[0].device)
         for start in range(0, n, size):
             index = order[start : start + size]
