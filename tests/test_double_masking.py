@@ -37,6 +37,7 @@ def test_any_t_shares_rebuild_the_secret_and_fewer_do_not():
         assert shamir_join({h: shares[h] for h in (0, 1)}) != secret or secret == 0
     with pytest.raises(ValueError, match=r"threshold must be in \[1, 2\]"):
         shamir_split(5, 3, [0, 1])
+    assert shamir_split(7, 1, [0, 1, 2]) == {0: 7, 1: 7, 2: 7}  # t = 1: the secret itself
 
 
 def _values():
@@ -123,6 +124,20 @@ def test_too_few_sites_and_requests_that_would_unmask_are_refused():
         lonely.share_keys({0: lonely.advertise(), 1: adverts[1]})
     with pytest.raises(ValueError, match=r"min_sites must be in \[1, 5\]"):
         DoubleMaskingSite(0, SITES, 6)
+    assert DoubleMaskingSite(0, SITES, 1).min_sites == 1
+
+
+def test_exactly_min_sites_complete_a_round():
+    """Three of five sites (the threshold) share keys, mask and unmask: the boundary of
+    every count check."""
+    values = _values()
+    sites, adverts, masked = _instance(3, values, shared=[0, 2, 4], sent=[0, 2, 4])
+    three = {u: adverts[u] for u in (0, 2, 4)}
+    assert set(DoubleMaskingSite(1, SITES, MIN_SITES).share_keys(three)) == {0, 2, 4}
+    answers = {w: sites[w].unmask([0, 2, 4]) for w in (0, 2, 4)}
+    publics = {u: adverts[u][1] for u in (0, 2, 4)}
+    total = unmasked_total(masked, answers, publics, 3, MIN_SITES)
+    assert torch.allclose(total, values[0] + values[2] + values[4], atol=3 * 2.0**-32)
 
 
 def test_a_dropped_site_takes_part_in_the_next_rounds_instance():
