@@ -57,6 +57,8 @@ def paper_epsilon(c, gamma, s, n, d, rounds, delta, beta):
 SETTINGS = [
     dict(c=0.5, gamma=2.0**-3, s=0.8, n=4, d=1000, rounds=3, delta=1e-5, beta=math.exp(-0.5)),
     dict(c=0.03, gamma=2.0**-16, s=1500.0, n=100, d=10_000, rounds=500, delta=1e-6, beta=0.0),
+    # few coordinates: Prop. 14's first bound (α Δ₂²/(2ns²) + τd) is the least
+    dict(c=0.5, gamma=2.0**-3, s=0.8, n=4, d=10, rounds=1, delta=1e-5, beta=math.exp(-0.5)),
 ]
 
 
@@ -87,6 +89,15 @@ def test_on_a_fine_grid_the_epsilon_is_the_gaussians():
     assert coarse > 1.5 * fine
 
 
+def test_the_accountants_ends():
+    assert ddg_epsilon(1.0, 0.5, 2.0, 3, 10, 0, 1e-5) == 0.0  # no round spends nothing
+    assert ddg_epsilon(1.0, 0.5, 0.0, 3, 10, 5, 1e-5) == math.inf  # no noise: no privacy
+    assert rounded_l2_norm_bound(0.5, 0.0, 1) == 1.5  # one coordinate, a norm below 1
+    for bad in ((0.0, 0.0, 4), (1.0, 0.0, 0), (1.0, -0.1, 4)):
+        with pytest.raises(ValueError, match="rounded_l2_norm_bound needs"):
+            rounded_l2_norm_bound(*bad)
+
+
 def test_rounded_norm_bound_both_cases():
     assert rounded_l2_norm_bound(3.0, 0.0, 16) == 7.0  # c + √d
     beta = 1e-3
@@ -115,6 +126,9 @@ def test_the_sampler_draws_the_discrete_gaussian(scale):
     variance = float((pmf * support**2).sum())
     assert float(draws.var()) == pytest.approx(variance, rel=0.02)
     assert sample_discrete_gaussian(0.0, 3, SeededNoise(1).uniforms("t")).tolist() == [0, 0, 0]
+    stream = SeededNoise(2).uniforms("one")
+    singles = [int(sample_discrete_gaussian(scale, 1, stream)[0]) for _ in range(400)]
+    assert len(set(singles)) > 2  # one draw at a time is drawn too
 
 
 def test_conditional_randomized_rounding_is_unbiased_and_bounded():
