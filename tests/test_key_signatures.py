@@ -78,6 +78,10 @@ def test_ed25519_and_pem_keys_sign_too(tmp_path):
     site = SiteSignatures.from_files(str(tmp_path / "{silo}.key"), str(tmp_path / "{silo}.pub"),
                                      ["a"], 0)  # fmt: skip
     assert site.forged([(b"k" * 32, site.sign(0, b"k" * 32))]) == []
+    assert site.forged([(b"j" * 32, site.sign(0, b"k" * 32))]) == [0]  # another key
+    other = ed25519.Ed25519PrivateKey.generate()
+    assert site.forged([(b"k" * 32, other.sign(b"k" * 32))]) == [0]  # another signer
+    assert site.forged([(b"k" * 32, "a string")]) == [0]  # not a signature at all
 
 
 def test_keys_that_cannot_serve_are_refused_naming_the_file_and_the_fix(creds, tmp_path):
@@ -92,6 +96,10 @@ def test_keys_that_cannot_serve_are_refused_naming_the_file_and_the_fix(creds, t
         serialization.NoEncryption()))  # fmt: skip
     with pytest.raises(ValueError, match="RSAPrivateKey: use an Ed25519 or ECDSA key"):
         load_private_key(tmp_path / "rsa.key")
+    (tmp_path / "rsa.pub").write_bytes(rsa_key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))  # fmt: skip
+    with pytest.raises(ValueError, match="site_keys .*rsa.pub is a .*RSAPublicKey"):
+        load_public_key(tmp_path / "rsa.pub")
     with pytest.raises(ValueError, match=r"site 'hungary': its signing key does not match"):
         SiteSignatures.from_files(str(creds / "usa.key"), str(creds / "{silo}.pub"), NAMES, 1)
 
