@@ -100,6 +100,22 @@ class ArrayFederatedDataModule(FederatedDataModule):
     c's dataset is a ``TensorDataset`` of its rows, built when it is asked for. Every split
     must have the same number of clients; a split may be absent (no validation data).
 
+    The batch the module receives (``training_step``, ``validation_step``,
+    ``loss_and_metrics``) is a list with one tensor per column, in the columns' order:
+    ``[x, y]`` for two columns, ``[x, y, w]`` for three. Row b of every tensor is the same
+    sample, the first dimension is the batch (a short last batch included) and the rest is
+    the column's row shape and dtype (``float32`` features of shape ``(F,)``, ``int64``
+    labels of shape ``()``: what :func:`save_federation` wrote). A module that unpacks
+    ``x, y = batch`` takes two columns only; vectorized clients stack one more leading
+    dimension, the clients.
+
+    >>> arrays = ClientArrays.from_clients([(np.zeros((3, 2), "float32"), np.arange(3)),
+    ...                                     (np.ones((2, 2), "float32"), np.arange(2))])
+    >>> dm = ArrayFederatedDataModule(splits={"train": arrays}, batch_size=2)
+    >>> batch = next(iter(dm.client_dataloader(dm.client_dataset(1, "train"), "val")))
+    >>> [tuple(column.shape) for column in batch], batch[1].tolist()
+    ([(2, 2), (2,)], [0, 1])
+
     Args:
         path: a federation folder (:func:`save_federation`, ``lightning-fl data``).
         splits: ``{"train": ClientArrays, "val": ..., "test": ...}`` instead of ``path``.

@@ -27,6 +27,10 @@ REQUIRED = {
     "lightning_fl.systems.user_dp": [],
     "lightning_fl.systems.robust": [],
     "lightning_fl.systems.pairwise_masking": [],
+    "lightning_fl.systems.discrete_gaussian": [],
+    "lightning_fl.systems.privacy_noise": [],
+    "lightning_fl.systems.double_masking": [],
+    "lightning_fl.datamodules.arrays": ["ArrayFederatedDataModule"],
 }
 
 
