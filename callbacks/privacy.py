@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import functools
 import os
-import secrets
 from collections import defaultdict
 from typing import Any
 
@@ -23,6 +22,7 @@ from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, generator, seed_global_rng
 from lightning_fl.systems.membership import ATTACKS, membership_inference
+from lightning_fl.systems.privacy_noise import secret_generator
 
 
 def predict_proba(module: pl.LightningModule, loader: DataLoader | None) -> tuple[Tensor, Tensor]:
@@ -263,10 +263,10 @@ class DPSGD(FederatedCallback):
     the result equals the sequential run's. WERM's two-source batches are refused there.
 
     Where the sites are separate institutions (``FederatedStrategy(silos=...)``) the
-    noise comes from a generator of the site's own, seeded at each fit with 63 bits of
-    the operating system's entropy (``secrets``), not from the recipe's seed: no other
-    party can draw it again (torch's generator is not a cryptographic one; its seed never
-    leaves the site). A simulation's noise is its seed's, reproducible by anyone with it.
+    noise comes from a generator of the site's own, seeded at each fit from the operating
+    system's entropy (:func:`~lightning_fl.systems.privacy_noise.secret_generator`), not
+    from the recipe's seed: no other party can draw it again. A simulation's noise is its
+    seed's, reproducible by anyone with it.
     """
 
     client_state_in_store = True  # it moves with the client (several processes)
@@ -296,8 +296,7 @@ class DPSGD(FederatedCallback):
         self._sizes.clear()
         self._secret = None
         if self.view is not None and self.view.config.silos:
-            self._secret = torch.Generator(device=pl_module.device)
-            self._secret.manual_seed(secrets.randbits(63))
+            self._secret = secret_generator(pl_module.device)
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
             raise ValueError(
                 "DPSGD cannot clip per-sample gradients through BatchNorm: use GroupNorm."

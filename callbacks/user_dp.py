@@ -321,10 +321,14 @@ class DPFedAvg(Aggregator):
         (with adaptive clipping, the updates' and the count's noise together)."""
         if self.discrete:
             shares = self._sites - self.colluding_sites
-            sensitivity = self.clip_norm / (self.sampling.rate * self._total_weight)
-            share_std = self.noise_multiplier * sensitivity / math.sqrt(shares)
-            return self._grid.epsilon(sensitivity, share_std, shares, rounds, self.delta)
+            share_std = self.noise_multiplier * self._sensitivity / math.sqrt(shares)
+            return self._grid.epsilon(self._sensitivity, share_std, shares, rounds, self.delta)
         return epsilon(self.noise_multiplier, self.sampling, rounds, self.delta, self.accountant)
+
+    @property
+    def _sensitivity(self) -> float:
+        """C/(qW): the largest norm of one client's term ω_k clip(Δ_k) of the sum."""
+        return self.clip_norm / (self.sampling.rate * self._total_weight)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
@@ -339,7 +343,7 @@ class DPFedAvg(Aggregator):
             )
         self._sites, self._rank = sites, trainer.global_rank
         if self.discrete:  # the exact grid sum, one flat float64 vector of multiples of γ
-            dim = sum(t.numel() for t in self.view.tensors.clone())
+            dim = sum(t.numel() for t in self.view.tensors.tensors)
             self._grid = DiscreteGaussianShares(self.granularity_bits, self.rounding_beta, dim)
             self.add_round_sum("grid_sum", shape=(dim,), dtype=torch.float64)
 
@@ -401,9 +405,8 @@ class DPFedAvg(Aggregator):
         if not self.discrete:
             return clipped
         values = flatten(clipped).double().cpu().numpy() * state.weight_of(client)
-        sensitivity = self.clip_norm / (self.sampling.rate * self._total_weight)
         uniforms = self.noise_source.uniforms("dp_rounding", state.round_idx, client)
-        on_grid = self._grid.contribution(values, sensitivity, uniforms)
+        on_grid = self._grid.contribution(values, self._sensitivity, uniforms)
         grid_sum = state.round_sum(self, "grid_sum")[0]
         grid_sum += torch.as_tensor(on_grid, device=grid_sum.device)
         return torch._foreach_mul(update, 0.0)  # its weighted term is in the grid sum

@@ -83,8 +83,10 @@ def make_trainer(strategy: FederatedStrategy, rounds: int, callbacks=(), **kw) -
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(module: str, *args: str, timeout: int, env: dict[str, str] | None = None):
-    """``python -m torch.distributed.run --nproc_per_node 2 -m module args`` from the
+def torchrun(
+    module: str, *args: str, timeout: int, env: dict[str, str] | None = None, nproc: int = 2
+):
+    """``python -m torch.distributed.run --nproc_per_node nproc -m module args`` from the
     repository root, on a free port, one thread a rank: the completed process (its output
     captured), asserted to have succeeded."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -92,7 +94,7 @@ def torchrun(module: str, *args: str, timeout: int, env: dict[str, str] | None =
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
          "--master_port", str(port), "-m", module, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip

@@ -14,7 +14,6 @@ import torch
 
 from lightning_fl import FullParticipation, UniformSampler
 from lightning_fl.callbacks import DPFedAvg
-from lightning_fl.engine.seeding import generator
 from lightning_fl.systems.discrete_gaussian import (
     DiscreteGaussianShares,
     conditional_randomized_round,
@@ -218,4 +217,3 @@ def test_a_simulated_integer_mechanism_is_its_seeds_and_settings_are_checked():
     with pytest.raises(ValueError, match=r"full participation only .* UniformSampler draws q=0.5"):
         fit([DPFedAvg(noise="distributed", mechanism="discrete_gaussian")], UniformSampler(3),
             rounds=1)  # fmt: skip
-    assert generator  # the tags are the module's (documented in privacy_noise)

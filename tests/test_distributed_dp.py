@@ -221,27 +221,12 @@ def test_on_three_silos_the_wire_never_carries_a_noiseless_sum_and_noise_is_secr
     sum of the noised parts, σ√(W/(W − t)) away from the noiseless sum; the two runs' shares
     differ, and none is the share any party could draw from the recipe."""
     pytest.importorskip("cryptography")
-    import os
-    import socket
-    import subprocess
-    import sys
-
     from lightning_fl.flower.credentials import write_credentials
     from lightning_fl.systems.pairwise_masking import encode
-    from tests.test_secure_aggregation import ROOT
+    from tests.helpers import torchrun
 
     write_credentials(tmp_path / "creds", ["usa", "hungary", "switzerland"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
-         "--master_port", str(port), "-m", "tests.ddp_wire", str(tmp_path),
-         str(tmp_path / "creds")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun("tests.ddp_wire", str(tmp_path), str(tmp_path / "creds"), timeout=300, nproc=3)
     runs = {
         (run, rank): torch.load(tmp_path / f"{run}_rank{rank}.pt", weights_only=True)
         for run in ("first", "second")

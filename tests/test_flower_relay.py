@@ -275,12 +275,12 @@ class KeySwappingRelay(Federation):
 
     def __init__(self, tmp: Path, programs, swapped: int, victims: tuple[int, ...]) -> None:
         super().__init__(tmp, programs)
-        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+        from lightning_fl.systems.pairwise_masking import public_bytes
+
         self.private = X25519PrivateKey.generate()
-        raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        self.public = self.private.public_key().public_bytes(*raw)
+        self.public = public_bytes(self.private)
         self.swapped, self.victims, self.swaps = swapped, victims, 0
 
     def request_for(self, rank: int, request: bytes) -> bytes:

@@ -5,12 +5,7 @@ the same model either way."""
 
 from __future__ import annotations
 
-import os
 import random
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +22,8 @@ from lightning_fl.systems.pairwise_masking import (
     negate,
     pad,
 )
+from tests.helpers import torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 TWO_64 = 2**64
 
 
@@ -143,16 +138,7 @@ def test_on_three_processes_the_wire_carries_masked_limbs_and_the_model_is_the_s
     of them verbatim); with it, each rank sends 2 int64 limbs a value, none equal to its
     own terms' encoding, spread over the ring; the sum of what the ranks sent decodes to
     the sum of their terms; and the model equals the plain run's to float round-off."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3",
-         "--master_port", str(port), "-m", "tests.secure_wire", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun("tests.secure_wire", str(tmp_path), timeout=300, nproc=3)
     runs = {
         (name, rank): torch.load(tmp_path / f"{name}_rank{rank}.pt", weights_only=True)
         for name in ("plain", "secure")

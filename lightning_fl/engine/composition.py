@@ -287,6 +287,14 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
+def sampler_chain(sampler: ClientSampler) -> list[ClientSampler]:
+    """``sampler`` and the samplers it wraps, outermost first."""
+    chain = [sampler]
+    while isinstance(chain[-1], SamplerWrapper):
+        chain.append(chain[-1].sampler)
+    return chain
+
+
 def plugin_names(
     trainer: pl.Trainer,
     sampler: ClientSampler,
@@ -298,11 +306,8 @@ def plugin_names(
     datamodule and module, and ``sampler`` with the samplers it wraps), mapped to the name
     of the plugin that carries it (the class a user wrote), and the ways the run executes
     (``vectorize``, ``world_size`` processes)."""
-    chain = []
-    while sampler is not None:
-        if not type(sampler).__name__.startswith("_"):  # internal wrappers (unlearning's)
-            chain.append(sampler)
-        sampler = sampler.sampler if isinstance(sampler, SamplerWrapper) else None
+    # internal wrappers (unlearning's) are not shown
+    chain = [s for s in sampler_chain(sampler) if not type(s).__name__.startswith("_")]
     sampler_name = "(".join(type(s).__name__ for s in chain) + ")" * (len(chain) - 1)
     objects: list[tuple[Any, str]] = [(s, sampler_name) for s in chain]
     objects += [
@@ -368,10 +373,7 @@ def declared_traits(
     their fixes), and the traits of the ways the run executes (from ``names``, see
     :func:`plugin_names`)."""
     declared: dict[str, dict[str, str]] = {}
-    chain = [sampler]
-    while isinstance(chain[-1], SamplerWrapper):
-        chain.append(chain[-1].sampler)
-    for plugin in [*trainer.callbacks, *chain]:
+    for plugin in [*trainer.callbacks, *sampler_chain(sampler)]:
         traits = getattr(plugin, "declared_traits", dict)()
         if traits:
             declared.setdefault(type(plugin).__name__, {}).update(traits)

@@ -44,7 +44,16 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_fl.systems.pairwise_masking import Limbs, add, decode, encode, negate, pad, pair_key
+from lightning_fl.systems.pairwise_masking import (
+    Limbs,
+    add,
+    decode,
+    encode,
+    negate,
+    pad,
+    pair_key,
+    public_bytes,
+)
 
 #: The field of the shares: GF(P), P = 2^521 − 1 (a Mersenne prime above any 256-bit key).
 PRIME = 2**521 - 1
@@ -80,12 +89,6 @@ def shamir_join(shares: dict[int, int]) -> int:
                 denominator = denominator * (x - (other + 1)) % PRIME
         secret = (secret + share * numerator * pow(denominator, -1, PRIME)) % PRIME
     return secret
-
-
-def _raw(public_key: Any) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
 def _private_from_int(value: int) -> Any:
@@ -132,7 +135,7 @@ class DoubleMaskingSite:
 
     def advertise(self) -> tuple[bytes, bytes]:
         """Round 0: (c_u^PK, s_u^PK)."""
-        return _raw(self._channel.public_key()), _raw(self._mask.public_key())
+        return public_bytes(self._channel), public_bytes(self._mask)
 
     def _cipher(self, other: int) -> Any:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM

@@ -97,6 +97,14 @@ def pad(key: bytes, round_idx: int, size: int) -> Limbs:
     return low, high
 
 
+def public_bytes(private: Any) -> bytes:
+    """The 32 raw bytes of an X25519 private key's public key (what crosses the network)."""
+    from cryptography.hazmat.primitives import serialization
+
+    raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
+    return private.public_key().public_bytes(*raw)
+
+
 def pair_key(private: Any, other_public: bytes, rank: int, other: int) -> bytes:
     """s_{u,v}: the 32-byte key site ``rank`` (X25519 key ``private``) shares with site
     ``other`` (public key ``other_public``): HKDF-SHA256 of their Diffie-Hellman secret,
@@ -127,12 +135,10 @@ class PairwiseMasks:
         each (HKDF-SHA256 of the Diffie-Hellman secret). With ``signatures`` each site
         sends its key with its signature, checks every other's, and every site stops,
         naming the site, when one is forged (:func:`~.key_signatures.agree_verdicts`)."""
-        from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
         private = X25519PrivateKey.generate()
-        raw = serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        public = private.public_key().public_bytes(*raw)
+        public = public_bytes(private)
         if signatures is None:
             publics = exchange(public)
         else:

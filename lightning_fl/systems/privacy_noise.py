@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from collections.abc import Callable
 from typing import Protocol
 
@@ -95,10 +96,25 @@ def secret_uniforms(size: int) -> np.ndarray:
     return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def secret_generator(device: torch.device | str) -> torch.Generator:
+    """A torch generator on ``device`` seeded with 63 bits of the operating system's
+    entropy, for noise drawn where a :class:`NoiseSource` cannot serve (DP-SGD's per-step
+    noise on the model's device). torch's generator is not a cryptographic one; its seed
+    never leaves the site."""
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
 def noise_source(secret: bool, seed: int) -> NoiseSource:
     """:class:`SecretNoise` for sites that are separate parties (``secret``), else the
     simulation's :class:`SeededNoise` of ``seed``."""
     return SecretNoise() if secret else SeededNoise(seed)
 
 
-__all__ = ["NoiseSource", "SecretNoise", "SeededNoise", "noise_source", "secret_uniforms"]
+__all__ = [
+    "NoiseSource",
+    "SecretNoise",
+    "SeededNoise",
+    "noise_source",
+    "secret_generator",
+    "secret_uniforms",
+]
