@@ -248,17 +248,22 @@ def test_on_three_silos_the_wire_never_carries_a_noiseless_sum_and_noise_is_secr
     for run in ("first", "second"):
         pooled = torch.cat([s for r in range(3) for s in shares[run, r]])
         assert float(pooled.std()) == pytest.approx(sigma / math.sqrt(2), rel=0.15)
+        noises = []
         for round_idx in range(2):
             total = runs[run, 0]["total"][round_idx][:dim]
             noiseless = sum(runs[run, r]["noiseless"][round_idx] for r in range(3))
-            noise = total - noiseless
-            assert torch.allclose(noise, sum(shares[run, r][round_idx] for r in range(3)),
+            noises.append(total - noiseless)
+            assert torch.allclose(noises[-1], sum(shares[run, r][round_idx] for r in range(3)),
                                   atol=1e-6)  # fmt: skip
-            assert float(noise.std()) > sigma  # σ√(3/2): no party decodes a noiseless sum
             for r in range(3):
                 assert torch.equal(
                     runs[run, r]["total"][round_idx], runs[run, 0]["total"][round_idx]
                 )
+        # σ√(3/2): no party decodes a noiseless sum. Pooled over both rounds, the sample
+        # std's relative spread is 1/√(4·dim); rel=0.25 is more than 4.5 of them, so a
+        # secret (unseeded) draw fails this less than once in 10⁵ runs.
+        pooled_noise = torch.cat(noises)
+        assert float(pooled_noise.std()) == pytest.approx(sigma * math.sqrt(1.5), rel=0.25)
     for rank in range(3):
         for round_idx in range(2):
             first, second = shares["first", rank][round_idx], shares["second", rank][round_idx]
