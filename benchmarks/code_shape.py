@@ -3,7 +3,9 @@
 Prints the counts the issue sets targets for: reads of ``trainer.strategy`` in
 ``callbacks/`` and the attributes they read, hand-written ``state_dict`` pairs there, the
 length of ``FederatedStrategy`` and of the longest functions in ``lightning_fl/``, of
-``Unlearning``, ``engine/vectorized.py`` and the datamodules' ``__init__``, and the doctests.
+``Unlearning``, ``engine/vectorized.py`` and the datamodules' ``__init__``, and the doctests;
+and those of issue 79: capability flags assigned by hand in ``callbacks/`` and plugin class
+names quoted in ``engine/composition.py``.
 """
 
 from __future__ import annotations
@@ -63,6 +65,44 @@ def _init_lengths(folder: str) -> list[tuple[int, str]]:
     return [(n, name) for n, name in _functions(folder) if name.endswith(":__init__")]
 
 
+#: The flags issue 79 derives from declarations: assigning one by hand is what it forbids.
+DERIVED_FLAGS = ("keeps_client_state", "client_state_in_store")
+
+
+def _flags_set_by_hand(folder: str) -> list[str]:
+    """``path:line`` of every assignment to a derived flag (class attribute or ``self.``)."""
+    found = []
+    for path in _sources(folder):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    name = getattr(target, "id", None) or getattr(target, "attr", None)
+                    if name in DERIVED_FLAGS:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def _class_names_in_rules() -> list[str]:
+    """The package's plugin class names quoted as strings in engine/composition.py."""
+    classes = {
+        node.name
+        for folder in ("callbacks", "datamodules", "lightning_fl/systems")
+        for path in _sources(folder)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+    }
+    tree = ast.parse((ROOT / "lightning_fl/engine/composition.py").read_text())
+    return sorted(
+        {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and node.value in classes
+        }
+    )  # fmt: skip
+
+
 def main() -> None:
     reads, names = _strategy_reads()
     print(f"trainer.strategy reads in callbacks/: {reads}, attributes: {sorted(names)}")
@@ -92,6 +132,10 @@ def main() -> None:
         p.read_text().count(">>> ") for p in _sources("lightning_fl") + _sources("callbacks")
     )
     print(f"doctest lines (>>>): {doctests}")
+    flags = _flags_set_by_hand("callbacks")
+    print(f"capability flags set by hand in callbacks/: {len(flags)} {flags}")
+    names = _class_names_in_rules()
+    print(f"plugin class names in engine/composition.py's rules: {len(names)} {names}")
 
 
 if __name__ == "__main__":

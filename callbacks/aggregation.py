@@ -15,6 +15,7 @@ import torch
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import Aggregator, FedAvg, RoundState, Weighting
 from lightning_fl.engine.tensors import TensorList, zeros_like
+from lightning_fl.engine.traits import Trait
 
 __all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedYogi"]
 
@@ -23,7 +24,7 @@ class _StatefulServerOptimizer(Aggregator):
     """Server optimizer state (``_state_names``, declared server state) is kept across
     rounds and saved in checkpoints."""
 
-    keeps_client_state = False  # server-side state only
+    traits = {Trait.STEPS_OTHERWISE_THAN_FEDAVG: ""}
 
     supports_vectorized_clients = True
 

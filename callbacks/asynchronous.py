@@ -14,6 +14,7 @@ from lightning_fl.checks import require_rate
 from lightning_fl.engine.outputs import append_csv, run_dir
 from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.asynchrony import Aggregation, Schedule, exact
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
@@ -47,6 +48,16 @@ class AsynchronousFL(Aggregator):
     aggregated updates). Clients are the datamodule's clients with training data, in
     order; use the default FullParticipation sampler (the schedule decides who returns).
     """
+
+    traits = {
+        Trait.NEEDS_FULL_PARTICIPATION: (
+            "drop the sampler (FullParticipation, the default), without Unlearning"
+        ),
+        Trait.AGGREGATES_OUTSIDE_SYNCHRONOUS_ROUNDS: "",
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG: "",
+    }
+    #: each client's model version and pending update, kept in the callback
+    undeclared_client_state = "owner"
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 

@@ -9,6 +9,7 @@ import torch
 from lightning_fl.callbacks.aggregation import FedAvg
 from lightning_fl.engine.local_training import PersonalModels
 from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
+from lightning_fl.engine.traits import Trait
 
 STORE_KEY = "local_model"
 
@@ -22,6 +23,8 @@ class Local(Aggregator):
     clients (which never train) are evaluated with the untrained initial model: their
     ``*/unseen/*`` metrics are chance level, not a Local result.
     """
+
+    traits = {Trait.STEPS_OTHERWISE_THAN_FEDAVG: "", Trait.IGNORES_THE_UPDATE_SUM: ""}
 
     supports_vectorized_clients = True
 
@@ -84,6 +87,8 @@ class Local(Aggregator):
 class Pooled(FedAvg):
     """Centralized training: one virtual client holds the union of all clients' training
     data, takes part in every round and its model becomes the global model (ω = 1)."""
+
+    traits = {Trait.STEPS_OTHERWISE_THAN_FEDAVG: "", Trait.NEEDS_EVERY_CLIENTS_DATA: ""}
 
     pools_clients = True
 

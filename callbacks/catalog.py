@@ -1,13 +1,17 @@
-"""The README's table of the main plugins (README, "Your own module"), generated from the
-plugins themselves: ``python -m lightning_fl.callbacks.catalog``."""
+"""The README's tables generated from the plugins themselves: the main plugins (README,
+"Your own module"; ``python -m lightning_fl.callbacks.catalog``) and the refused pairs, by
+the traits the package's plugins declare (README, "Plugins compose";
+``python -m lightning_fl.callbacks.catalog refusals``)."""
 
 from __future__ import annotations
 
 import inspect
 import re
 
-from lightning_fl import callbacks
+from lightning_fl import callbacks, datamodules
+from lightning_fl.engine import composition
 from lightning_fl.engine.composition import module_needs
+from lightning_fl.systems import samplers
 
 #: The plugins of the README's table (README, "Your own module"), in its order.
 MAIN_PLUGINS = (
@@ -54,5 +58,24 @@ def _summary(docstring: str | None, longest: int = 160) -> str:
     return first.replace("|", "∣")
 
 
+def package_plugins() -> list[type]:
+    """The plugin classes the package exports: callbacks, samplers and datamodules, each
+    family by name."""
+    return [
+        value
+        for module in (callbacks, samplers, datamodules)
+        for _, value in sorted(vars(module).items())
+        if isinstance(value, type) and value.__module__.startswith("lightning_fl")
+    ]
+
+
+def refusal_table() -> str:
+    """The README's table of refused pairs: each composition rule, with the package's
+    plugins that declare its traits (:func:`~lightning_fl.engine.composition.refusal_table`)."""
+    return composition.refusal_table(package_plugins())
+
+
 if __name__ == "__main__":
-    print(plugin_table())
+    import sys
+
+    print(refusal_table() if sys.argv[1:] == ["refusals"] else plugin_table())

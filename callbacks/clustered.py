@@ -9,6 +9,7 @@ from torch import Tensor
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode, task_loss
 from lightning_fl.engine.plugins import Aggregator, RoundState
 from lightning_fl.engine.tensors import flatten, unflatten
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.samplers import FullParticipation
 
 
@@ -56,6 +57,17 @@ class ClusteredFL(Aggregator):
     Needs full participation and one process: the split compares every client's update.
     Cluster models live in this callback's checkpoint state (4·d bytes per cluster).
     """
+
+    traits = {
+        Trait.READS_EACH_UPDATE: "",
+        Trait.IGNORES_THE_UPDATE_SUM: "",
+        Trait.NEEDS_FULL_PARTICIPATION: "",
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG: "",
+        Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (ClusteredFL or the other)",
+        Trait.COMPARES_UPDATES_IN_ONE_PLACE: "",
+    }
+    #: each client's cluster and update of the round, kept in the callback
+    undeclared_client_state = "owner"
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_fl.engine.local_training import batches, client_loader, evaluation_mode
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.mixture import MixtureClassifier
 
 #: π_t's client store key (kept from the first release: its checkpoints resume)
@@ -56,6 +57,8 @@ class FedEM(FederatedCallback):
     keeps the components frozen, starts from the uniform π and runs one E-step and one π
     update on its training data (§3.5.6, Table 3.3).
     """
+
+    traits = {Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (FedEM or the other)"}
 
     module_type = "MixtureClassifier"
     supports_vectorized_clients = True

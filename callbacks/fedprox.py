@@ -34,8 +34,6 @@ class FedProx(FederatedCallback):
         mu: μ ≥ 0 (0 is FedAvg).
     """
 
-    keeps_client_state = False  # the anchor is the client's starting model of the round
-
     def __init__(self, mu: float = 0.01) -> None:
         require_rate("mu", mu, 0.01, allow_zero=True)
         self.mu = mu

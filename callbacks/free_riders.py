@@ -11,6 +11,7 @@ import torch
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import add_flat_, flatten
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.samplers import FullParticipation
 
 #: The disguised free-rider's noise scale in round 0, before any global increment exists
@@ -43,6 +44,14 @@ class FreeRiders(FederatedCallback):
             ``"mean_abs"`` is mean |Δ| (the authors' code). Their first round uses 10⁻³.
         seed: the noise's seed, mixed with the round and the free-rider's id.
     """
+
+    traits = {
+        Trait.ADDS_TO_THE_UPDATE_SUM: (
+            "aggregate with FedAvg or a server optimizer (the thesis's FedAvg and FedProx)"
+        ),
+        Trait.NEEDS_FULL_PARTICIPATION: "",
+        Trait.NEEDS_SYNCHRONOUS_ROUNDS: "",
+    }
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
@@ -158,6 +167,8 @@ class FreeRiderDetector(FederatedCallback):
     Needs :class:`FreeRiders` in the same run (it reads the free-riders' updates there);
     single process.
     """
+
+    traits = {Trait.READS_EACH_UPDATE: "", Trait.COMPARES_UPDATES_IN_ONE_PLACE: ""}
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 

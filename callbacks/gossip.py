@@ -15,6 +15,7 @@ from lightning_fl.engine.local_training import PersonalModels
 from lightning_fl.engine.plugins import Aggregator, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import flatten, unflatten
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.topology import MaxPlusClock, SiloTopology
 
 STORE_KEY = "gossip_model"
@@ -99,6 +100,16 @@ class GossipAveraging(Aggregator):
     and steps with its client's learning-rate factor (the stacked optimizer's
     ``lr_scale``), so a vectorized round equals the sequential one.
     """
+
+    traits = {
+        Trait.READS_EACH_UPDATE: "",
+        Trait.IGNORES_THE_UPDATE_SUM: "",
+        Trait.NEEDS_FULL_PARTICIPATION: "",
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG: "",
+    }
+    #: the clients' personal models, in the store under its own key, written for every
+    #: client at the round's end: each client stays on its owner
+    undeclared_client_state = "owner"
 
     supports_vectorized_clients = True
 

@@ -27,6 +27,7 @@ from lightning_fl.engine.local_training import (
 )
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten
+from lightning_fl.engine.traits import Trait
 
 #: The round key of the data-order seeds of an unseen client's adaptation.
 UNSEEN_ROUND = -1
@@ -55,6 +56,8 @@ class FineTune(FederatedCallback):
     client's training data; the global model itself is never changed. Seen and unseen
     clients are treated alike. ``stages`` says when: the paper fine-tunes once, after
     training (``("test",)``)."""
+
+    traits = {Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (FineTune or the other)"}
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
@@ -99,6 +102,8 @@ class Ditto(FederatedCallback):
         personal_lr: η_p. personal_epochs: passes per participation.
         log_global: also evaluate the global model on each client.
     """
+
+    traits = {Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (Ditto or the other)"}
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 
@@ -202,6 +207,8 @@ class APFL(_BatchHook):
     and every vectorized step takes each row's v (and α) step at its own v̄ on its own
     batch, with the dropout masks the sequential path would draw next.
     """
+
+    traits = {Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (APFL or the other)"}
 
     supports_vectorized_clients = True
 
@@ -345,6 +352,11 @@ class FedRep(FederatedCallback):
         head: names of the head's modules (default: the last ``nn.Linear``).
     """
 
+    traits = {
+        Trait.FREEZES_PART_OF_THE_MODEL: "",
+        Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (FedRep or the other)",
+    }
+
     requires_task_loss = True
     supports_vectorized_clients = True
 
@@ -441,6 +453,11 @@ class PFedMe(_BatchHook):
     (``VectorizedStep.gradients_at``, new dropout masks at each, as the sequential path
     draws them), and each row's gradient is replaced by λ(w − θ̂).
     """
+
+    traits = {
+        Trait.DECIDES_THE_EVALUATED_MODEL: "keep one of them (PFedMe or the other)",
+        Trait.STEPS_FROM_NON_PRIVATE_GRADIENTS: "",
+    }
 
     supports_vectorized_clients = True
 

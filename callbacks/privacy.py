@@ -21,6 +21,7 @@ from lightning_fl.engine.local_training import batches, client_loader, evaluatio
 from lightning_fl.engine.outputs import run_dir
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, generator, seed_global_rng
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.membership import ATTACKS, membership_inference
 from lightning_fl.systems.privacy_noise import secret_generator
 
@@ -182,6 +183,13 @@ class ServerReference(FederatedCallback):
     ``server_reference()``.
     """
 
+    traits = {
+        Trait.ADDS_TO_THE_UPDATE_SUM: (
+            "aggregate with FedAvg or a server optimizer, or drop ServerReference"
+        ),
+        Trait.READS_THE_SERVER_REFERENCE: "",
+    }
+
     supports_vectorized_clients = True  # the server trains at round start, sequentially
 
     requires_task_loss = True
@@ -269,7 +277,9 @@ class DPSGD(FederatedCallback):
     seed's, reproducible by anyone with it.
     """
 
-    client_state_in_store = True  # it moves with the client (several processes)
+    traits = {Trait.PRIVATIZES_EACH_GRADIENT: ""}
+
+    undeclared_client_state = "store"  # its accounting, under keys per source: it moves
 
     replaces_gradient = True
     module_methods = ("forward(x) -> logits", "criterion(logits, target) -> loss")

@@ -18,6 +18,7 @@ import torch
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import Aggregator, RoundState, Weighting
 from lightning_fl.engine.tensors import add_flat_
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.robust import (
     centered_clipping,
     coordinate_median,
@@ -31,7 +32,8 @@ class RobustAggregator(Aggregator):
     """Base class: θ^{t+1} = θ^t + η_g · :meth:`robust_update` of the round's accepted
     updates (rows) and weights. Rounds whose updates were all dropped leave θ unchanged."""
 
-    keeps_client_state = False  # server-side state only
+    traits = {Trait.IGNORES_THE_UPDATE_SUM: "", Trait.STEPS_OTHERWISE_THAN_FEDAVG: ""}
+
     supports_vectorized_clients = True
     needs_client_updates = True
 
@@ -95,6 +97,8 @@ class Krum(RobustAggregator):
         num_byzantine: f, the attackers tolerated in a round.
         num_selected: m of Multi-Krum (1: Krum).
     """
+
+    traits = {Trait.NEEDS_MORE_THAN_2F_PLUS_2_CLIENTS: ""}
 
     def __init__(
         self,

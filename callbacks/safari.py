@@ -10,6 +10,7 @@ import torch
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import SERVER_CLIENT, Aggregator, RoundState, Weighting
 from lightning_fl.engine.seeding import generator
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.samplers import ClientSampler, Participation
 
 
@@ -30,6 +31,12 @@ class SAFARI(Aggregator):
 
     Combine with :class:`~lightning_fl.ExcludedClients` for incomplete participation.
     """
+
+    traits = {
+        Trait.AGGREGATES_OUTSIDE_SYNCHRONOUS_ROUNDS: "",
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG: "",
+        Trait.TRAINS_ON_SERVER_DATA: "",
+    }
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 

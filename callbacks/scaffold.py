@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
+from lightning_fl.engine.traits import Trait
 
 #: c_i's client store key (kept from the first release: its checkpoints resume)
 STORE_KEY = "scaffold_c"
@@ -52,6 +53,8 @@ class SCAFFOLD(FederatedCallback):
     control_weighting: ``"uniform"`` for the paper's c ← c + (1/N) Σ_{i∈S} Δc_i, or
         ``"target"`` for c ← c + Σ_{i∈S} p_i Δc_i with the aggregator's weights p_i.
     """
+
+    traits = {Trait.STEPS_OTHERWISE_THAN_FEDAVG: "", Trait.CORRECTS_EVERY_GRADIENT: ""}
 
     def __init__(self, control_weighting: Literal["uniform", "target"] = "uniform") -> None:
         if control_weighting not in ("uniform", "target"):

@@ -28,6 +28,7 @@ import torch
 
 from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.key_signatures import SiteSignatures
 from lightning_fl.systems.pairwise_masking import PairwiseMasks
 
@@ -46,7 +47,8 @@ class SecureAggregation(FederatedCallback):
             node keys registered with the SuperLink serve).
     """
 
-    keeps_client_state = False
+    traits = {Trait.HIDES_EACH_UPDATE: ""}
+
     vectorized_client_hooks = False
 
     def __init__(

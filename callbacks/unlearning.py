@@ -14,6 +14,7 @@ from lightning_fl.callbacks.objective import client_training_metrics
 from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.forgetting import SHARED_TRAINING, ForgettingRequest, forgetting_method
 from lightning_fl.systems.samplers import ClientSampler, Participation, SamplerWrapper
 from lightning_fl.systems.unlearning import (
@@ -181,6 +182,14 @@ class Unlearning(FederatedCallback):
     training data), ``unlearning/forgotten_acc`` (on the removed clients' training data;
     lower is better, SCRATCH is the reference), ``unlearning/branch``.
     """
+
+    traits = {
+        Trait.LEAVES_CLIENTS_OUT: "",
+        Trait.NEEDS_THE_FEDAVG_STEP: "",
+        Trait.CHANGES_TARGET_WEIGHTS: "",
+    }
+    #: each client's contributions and removal records, kept in the callback
+    undeclared_client_state = "owner"
 
     supports_vectorized_clients = True  # no per-step hook: clients start and end as sequentially
 

@@ -145,7 +145,17 @@ class DPFedAvg(Aggregator):
             separate institutions (silo mode), whose noise is secret.
     """
 
-    keeps_client_state = False  # server-side state only
+    traits = {
+        Trait.NEEDS_INCLUSION_PROBABILITY: "",
+        Trait.BOUNDS_THE_SUMS_SENSITIVITY: "",
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG: "",
+        Trait.DRAWS_SERVER_RANDOMNESS: (
+            "DPFedAvg(noise='distributed'): each site adds its share of the noise to its part "
+            "of the round's sum before it leaves the site (with SecureAggregation, no party "
+            "decodes a noiseless sum)"
+        ),
+    }
+
     supports_vectorized_clients = True
     aggregates_empty_rounds = True  # a Poisson round without participants is still noised
 
@@ -226,15 +236,6 @@ class DPFedAvg(Aggregator):
         self.add_server_state("momentum")  # the server momentum's buffer
         if target_quantile is not None:
             self.add_round_sum("unclipped", shape=(1,))  # b_t's count, over every rank
-        if noise_multiplier > 0 and (
-            noise == "central" or (noise == "local" and target_quantile is not None)
-        ):
-            self.add_trait(
-                Trait.DRAWS_SERVER_RANDOMNESS,
-                "DPFedAvg(noise='distributed'): each site adds its share of the noise to its "
-                "part of the round's sum before it leaves the site (with SecureAggregation, "
-                "no party decodes a noiseless sum)",
-            )
         self._total_weight = 0.0
         self._eligible = 0
         self._planned_rounds: int | None = None
@@ -242,6 +243,16 @@ class DPFedAvg(Aggregator):
         self.sampling: Sampling | None = None
         #: What the last round logged: ε, C, σ and the noised unclipped fraction.
         self.last: dict[str, float] = {}
+
+    def declared_traits(self) -> dict[str, str]:
+        """The class's traits; server-side randomness only where the server draws noise
+        (central noise, or adaptive clipping's count noise with local noise)."""
+        traits = super().declared_traits()
+        if self.noise_multiplier == 0 or not (
+            self.noise == "central" or (self.noise == "local" and self.target_quantile is not None)
+        ):
+            del traits[Trait.DRAWS_SERVER_RANDOMNESS]
+        return traits
 
     @staticmethod
     def _check_mechanism(mechanism, noise, target_quantile, bits, beta) -> None:

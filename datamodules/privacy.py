@@ -24,6 +24,7 @@ from lightning_fl.datamodules.partition import (
 )
 from lightning_fl.datamodules.reference import WERMDataset
 from lightning_fl.engine.data_contract import FederatedDataModule, Split
+from lightning_fl.engine.traits import Trait
 
 #: Shokri et al.'s published archives (privacytrustlab/datasets). No checksum is published:
 #: pass ``sha256`` to pin the copy you verified.
@@ -108,6 +109,8 @@ class ReferenceDataModule(FederatedDataModule):
             ``"none"``: plain training data, the reference parts are only evaluated.
         partition: ``"iid"`` or ``"dirichlet"`` (label skew ``alpha``) over clients.
     """
+
+    traits = {Trait.HAS_NO_SERVER_DATA: ""}
 
     def __init__(
         self,

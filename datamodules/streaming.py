@@ -15,6 +15,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from lightning_fl.datamodules.in_memory import InMemoryFederatedDataModule
 from lightning_fl.engine.data_contract import FederatedDataModule, Split
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.streams import (
     Cache,
     CurrentBatchCache,
@@ -120,6 +121,12 @@ class StreamingDataModule(FederatedDataModule):
             training; ``local_steps`` is the number of GD steps). Default: minibatches of
             the source's ``batch_size`` (P1).
     """
+
+    traits = {
+        Trait.NEEDS_EVERY_CLIENTS_DATA: "",
+        Trait.HAS_NO_SERVER_DATA: "",
+        Trait.HAS_NO_SERVER_REFERENCE: "",
+    }
 
     def __init__(
         self,

@@ -77,6 +77,7 @@ from lightning_fl.datamodules import (
     ReferenceDataModule,
     StreamingDataModule,
 )
+from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.asynchrony import ClientTimes, FedBuffSchedule
 from lightning_fl.systems.samplers import ExcludedClients
 from tests.helpers import ACCELERATOR
@@ -249,6 +250,68 @@ PLUGINS: list[Plugin] = [
     Plugin("resume", "execution", _resume),
 ]  # fmt: skip
 BY_NAME = {p.name: p for p in PLUGINS}
+
+T = Trait
+PARTIAL = {T.LEAVES_CLIENTS_OUT, T.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS,
+           T.UNKNOWN_INCLUSION_PROBABILITY}  # fmt: skip
+ROBUST = {T.READS_EACH_UPDATE, T.IGNORES_THE_UPDATE_SUM, T.STEPS_OTHERWISE_THAN_FEDAVG}
+FREE_RIDERS = {T.ADDS_TO_THE_UPDATE_SUM, T.NEEDS_FULL_PARTICIPATION, T.NEEDS_SYNCHRONOUS_ROUNDS}
+#: The traits of each plugin of the matrix (tests/composition.py), every object its set-up
+#: adds together, written from the papers and the code's behaviour, not from the
+#: declarations: a trait dropped from a plugin, or added to one, fails here.
+TRAITS_BY_HAND: dict[str, set[str]] = {
+    "FullParticipation": set(),
+    "UniformSampler": {T.LEAVES_CLIENTS_OUT},
+    "MDSampler": PARTIAL,
+    "SampleSizeClusteredSampler": PARTIAL,
+    "SimilarityClusteredSampler": PARTIAL | {T.READS_EACH_UPDATE},
+    "FixedClustersSampler": PARTIAL | {T.FIXED_TO_ITS_TARGET_WEIGHTS},
+    "AvailableClients(ca_fed)": PARTIAL,
+    "ExcludedClients": {T.LEAVES_CLIENTS_OUT, T.UNKNOWN_INCLUSION_PROBABILITY},
+    "PoissonSampler": {T.LEAVES_CLIENTS_OUT, T.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS},
+    "FedAvg": set(),
+    "FedAvgM": {T.STEPS_OTHERWISE_THAN_FEDAVG},
+    "FedAdam": {T.STEPS_OTHERWISE_THAN_FEDAVG},
+    "FedYogi": {T.STEPS_OTHERWISE_THAN_FEDAVG},
+    "FedAdagrad": {T.STEPS_OTHERWISE_THAN_FEDAVG},
+    "SCAFFOLD": {T.STEPS_OTHERWISE_THAN_FEDAVG, T.CORRECTS_EVERY_GRADIENT},
+    "FedProx": set(),
+    "AsynchronousFL": {T.NEEDS_FULL_PARTICIPATION, T.AGGREGATES_OUTSIDE_SYNCHRONOUS_ROUNDS,
+                       T.STEPS_OTHERWISE_THAN_FEDAVG},
+    "GossipAveraging": ROBUST | {T.NEEDS_FULL_PARTICIPATION},
+    "SAFARI": {T.AGGREGATES_OUTSIDE_SYNCHRONOUS_ROUNDS, T.STEPS_OTHERWISE_THAN_FEDAVG,
+               T.TRAINS_ON_SERVER_DATA},
+    "Pooled": {T.STEPS_OTHERWISE_THAN_FEDAVG, T.NEEDS_EVERY_CLIENTS_DATA},
+    "Local": {T.STEPS_OTHERWISE_THAN_FEDAVG, T.IGNORES_THE_UPDATE_SUM},
+    "DPFedAvg": {T.NEEDS_INCLUSION_PROBABILITY, T.BOUNDS_THE_SUMS_SENSITIVITY,
+                 T.STEPS_OTHERWISE_THAN_FEDAVG, T.DRAWS_SERVER_RANDOMNESS},
+    "CoordinateMedian": ROBUST,
+    "TrimmedMean": ROBUST,
+    "Krum": ROBUST | {T.NEEDS_MORE_THAN_2F_PLUS_2_CLIENTS},
+    "CenteredClipping": ROBUST,
+    "FedEM": {T.DECIDES_THE_EVALUATED_MODEL},
+    "KNNPer": set(),
+    "Ditto": {T.DECIDES_THE_EVALUATED_MODEL},
+    "APFL": {T.DECIDES_THE_EVALUATED_MODEL},
+    "FedRep": {T.DECIDES_THE_EVALUATED_MODEL, T.FREEZES_PART_OF_THE_MODEL},
+    "PFedMe": {T.DECIDES_THE_EVALUATED_MODEL, T.STEPS_FROM_NON_PRIVATE_GRADIENTS},
+    "ClusteredFL": ROBUST | {T.NEEDS_FULL_PARTICIPATION, T.DECIDES_THE_EVALUATED_MODEL,
+                             T.COMPARES_UPDATES_IN_ONE_PLACE},
+    "FineTune": {T.DECIDES_THE_EVALUATED_MODEL},
+    "DPSGD": {T.PRIVATIZES_EACH_GRADIENT},
+    "ServerReference": {T.ADDS_TO_THE_UPDATE_SUM, T.READS_THE_SERVER_REFERENCE,
+                        T.HAS_NO_SERVER_DATA},  # the ReferenceDataModule's
+    "MembershipInference": set(),
+    "Unlearning": {T.LEAVES_CLIENTS_OUT, T.NEEDS_THE_FEDAVG_STEP, T.CHANGES_TARGET_WEIGHTS},
+    "FreeRiders": FREE_RIDERS,
+    "FreeRiderDetector": FREE_RIDERS | {T.READS_EACH_UPDATE, T.COMPARES_UPDATES_IN_ONE_PLACE},
+    "SignFlipping": set(),
+    "SecureAggregation": {T.HIDES_EACH_UPDATE},
+    "StreamingDataModule": {T.NEEDS_EVERY_CLIENTS_DATA, T.HAS_NO_SERVER_DATA,
+                            T.HAS_NO_SERVER_REFERENCE},
+    "vectorize": set(),
+    "resume": set(),
+}  # fmt: skip
 #: Runs of tests/composition_distributed.py: every plugin alone, and each plugin whose
 #: client state moves to the rank that trains the client, with a sampler that makes ranks
 #: train clients they do not own (alone, every plugin trains all 6 clients for 2 steps,

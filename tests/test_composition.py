@@ -24,13 +24,10 @@ from lightning_fl import (
     UniformSampler,
 )
 from lightning_fl.callbacks import Ditto, FedAvg, Unlearning
-from lightning_fl.engine.composition import (
-    REFUSALS,
-    WAYS_OF_RUNNING,
-    CompositionError,
-    refusal_table,
-)
+from lightning_fl.callbacks.catalog import package_plugins, refusal_table
+from lightning_fl.engine.composition import TRAIT_RULES, WAY_TRAITS, CompositionError
 from lightning_fl.engine.federated_state import FederationMismatchError
+from lightning_fl.engine.traits import Trait, traits_of_class
 from lightning_fl.systems.samplers import ExcludedClients
 from tests import composition
 from tests.helpers import make_trainer, max_abs_diff, params_of, tiny_datamodule, tiny_module
@@ -63,59 +60,35 @@ def test_every_pair_trains_or_is_refused_at_setup_naming_both_plugins():
             assert len(outcome.message.splitlines()) == 1, outcome.message
 
 
-def test_every_refusal_rule_refuses_some_pair_of_the_matrix():
-    """(The rules about 2 processes are checked by the 2-process test below, silo mode's
-    by tests/test_silos.py.)"""
+#: The traits only ways of running have (their rules are checked on 2 processes below, and
+#: in silo mode by tests/test_silos.py and tests/test_distributed_dp.py).
+WAYS_ONLY = {trait for traits in WAY_TRAITS.values() for trait in traits}
+
+
+def test_every_rule_refuses_some_pair_of_the_matrix():
     messages = [o.message for o in _matrix().values() if o.status == "refused"]
-    for rule in REFUSALS:
-        if rule.second != ("2 processes",) and rule.first != "silos":
+    for rule in TRAIT_RULES:
+        if not WAYS_ONLY & {rule.first, rule.second}:
             assert any(rule.reason in m for m in messages), rule
 
 
-def test_every_name_in_the_refusal_table_is_a_plugin_class_or_a_way_of_running():
-    """The table names plugins by class name (the engine does not import the callbacks):
-    each name must be a class the package exports, or one of the ways a run executes, so
-    that a misspelt or renamed plugin fails here instead of never being refused."""
-    import lightning_fl
-    import lightning_fl.callbacks as callbacks
-    import lightning_fl.datamodules as datamodules
-    import lightning_fl.systems.samplers as samplers
-
-    exported = {
-        name
-        for module in (lightning_fl, callbacks, datamodules, samplers)
-        for name, value in vars(module).items()
-        if isinstance(value, type)
-    }
-    for rule in REFUSALS:
-        for name in (rule.first, *rule.second):
-            assert name in exported | set(WAYS_OF_RUNNING), (name, rule.reason)
+def test_every_trait_is_read_by_a_rule_and_declared_by_a_plugin_or_a_way_of_running():
+    """A trait no rule reads, or one that no plugin of the package (nor a way of running)
+    declares, is a misspelt or forgotten rule."""
+    traits = {value for name, value in vars(Trait).items() if name.isupper()}
+    read = {trait for rule in TRAIT_RULES for trait in (rule.first, rule.second)}
+    assert read == traits
+    declared = set().union(*(traits_of_class(cls) for cls in package_plugins()))
+    assert traits <= declared | WAYS_ONLY
 
 
-#: The class names a matrix plugin carries besides its own name, written out from the
-#: class hierarchy and from what its set-up adds (tests/composition.py).
-CARRIES = {
-    "SampleSizeClusteredSampler": {"ClusteredSampler"},
-    "SimilarityClusteredSampler": {"ClusteredSampler"},
-    "FixedClustersSampler": {"ClusteredSampler"},
-    "AvailableClients(ca_fed)": {"AvailableClients"},
-    "ExcludedClients": {"UniformSampler"},
-    "ServerReference": {"ReferenceDataModule"},
-    "FreeRiderDetector": {"FreeRiders"},
-    "Pooled": {"FedAvg"},
-}
-
-
-def test_every_plugin_named_by_a_refusal_rule_is_refused_by_it_and_no_other_pair_is():
-    """Each rule against every plugin of its kind, not one of each: a pair is refused with
-    the reason of the first rule (in the table's order) that names one plugin as ``first``
-    and the other in ``second``, and a pair no rule names is never refused with a rule's
-    reason (vectorized pairs, refused by the vectorization rules, aside)."""
-
-    def carried(name):
-        return {name} | CARRIES.get(name, set())
-
-    reasons = {rule.reason for rule in REFUSALS}
+def test_every_pair_the_rules_refuse_is_refused_by_them_and_no_other_pair_is():
+    """Each rule against every plugin of the matrix by the traits written by hand
+    (tests/composition.py): a pair is refused with the reason of the first rule (in
+    :data:`TRAIT_RULES`' order) that one plugin's and the other's traits meet, and a pair
+    no rule meets is never refused with a rule's reason (vectorized pairs, refused by the
+    vectorization rules, aside)."""
+    reasons = {rule.reason for rule in TRAIT_RULES}
     predicted = 0
     for (a, b), outcome in _matrix().items():
         if "vectorize" in (a, b):
@@ -123,9 +96,10 @@ def test_every_plugin_named_by_a_refusal_rule_is_refused_by_it_and_no_other_pair
         rule = next(
             (
                 r
-                for r in REFUSALS
+                for r in TRAIT_RULES
                 for one, other in ((a, b), (b, a))
-                if r.first in carried(one) and carried(other) & set(r.second)
+                if r.first in composition.TRAITS_BY_HAND[one]
+                and r.second in composition.TRAITS_BY_HAND[other]
             ),
             None,
         )
@@ -195,7 +169,9 @@ def test_the_readme_shows_the_refusal_table():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert refusal_table() in readme, "regenerate it: python -m lightning_fl.engine.composition"
+    assert refusal_table() in readme, (
+        "regenerate it: python -m lightning_fl.callbacks.catalog refusals"
+    )
 
 
 # ---- the defects of issue 24 -----------------------------------------------------------
@@ -461,9 +437,9 @@ def test_every_plugin_on_two_processes_equals_one_process_or_is_refused(tmp_path
             two = outcome["metrics"][key]
             assert two == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (name, key)
     assert sorted(refused) == ["ClusteredFL", "FreeRiderDetector"]
-    for rule in REFUSALS:
-        if rule.second == ("2 processes",):
-            assert rule.reason in outcomes[rule.first]["message"]
+    splits = next(r for r in TRAIT_RULES if r.second == Trait.SPLITS_CLIENTS_OVER_PROCESSES)
+    for name in refused:
+        assert splits.reason in outcomes[name]["message"]
 
 
 # ---- torchmetrics per client -----------------------------------------------------------

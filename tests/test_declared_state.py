@@ -78,3 +78,40 @@ def test_scaffold_declares_its_state_and_keeps_its_first_releases_store_key():
     assert scaffold.client_state_key("control") == "scaffold_c"
     assert list(scaffold.declared_round_sums()) == ["control_delta"]
     assert scaffold.state_dict() == {"server_control": None}
+
+
+# ---- flags derived from the declarations (issue 79) -------------------------------------
+
+#: Where each callback of the composition matrix keeps per-client state between rounds,
+#: written by hand from the code: "store" (it moves with the client), "owner" (the client
+#: stays on its owner), absent (none).
+CLIENT_STATE_BY_HAND = {
+    "SCAFFOLD": "store", "FedEM": "store", "Local": "store", "Ditto": "store",
+    "APFL": "store", "FedRep": "store", "PFedMe": "store", "DPSGD": "store",
+    "GossipAveraging": "owner", "AsynchronousFL": "owner", "ClusteredFL": "owner",
+    "Unlearning": "owner",
+}  # fmt: skip
+
+
+def test_the_client_state_flags_are_derived_from_declarations_and_an_explicit_opt_in():
+    from lightning_fl.engine.plugins import FederatedCallback
+    from tests import composition
+
+    class Plain(FederatedCallback):
+        pass
+
+    class Owned(FederatedCallback):
+        undeclared_client_state = "owner"
+
+    class Stored(FederatedCallback):
+        undeclared_client_state = "store"
+
+    flags = [(p.keeps_client_state, p.client_state_in_store) for p in
+             (Plain(), Owned(), Stored(), Visits())]  # fmt: skip
+    assert flags == [(False, False), (True, False), (True, True), (True, True)]
+    for plugin in composition.PLUGINS:
+        for callback in composition.build((plugin.name,)).callbacks:
+            name = type(callback).__name__
+            expected = CLIENT_STATE_BY_HAND.get(name)
+            assert callback.keeps_client_state == (expected is not None), name
+            assert callback.client_state_in_store == (expected == "store"), name

@@ -632,7 +632,8 @@ def test_clustered_fl_refuses_a_negative_threshold(eps):
 
 
 def test_clustered_fl_refuses_partial_participation():
-    """A sampler of the user's own, which the composition rules do not name."""
+    """A sampler of the user's own, which declares nothing: assumed to leave clients out,
+    it is refused at set-up by the trait rule."""
     from lightning_fl.systems.samplers import ClientSampler
 
     class FirstThree(ClientSampler):
@@ -641,7 +642,9 @@ def test_clustered_fl_refuses_partial_participation():
 
     strategy = FederatedStrategy(sampler=FirstThree(), local_steps=1, seed=SEED)
     trainer = make_trainer(strategy, 1, [ClusteredFL()])
-    with pytest.raises(ValueError, match="ClusteredFL needs full participation"):
+    with pytest.raises(ValueError, match="ClusteredFL cannot be combined with FirstThree: "
+                       "ClusteredFL needs every client of a fixed federation in every round "
+                       "and FirstThree leaves clients out"):  # fmt: skip
         trainer.fit(tiny_module(LR), datamodule=tiny_datamodule(BATCH))
 
 

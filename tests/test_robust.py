@@ -303,7 +303,7 @@ def test_robust_aggregators_refuse_plugins_that_add_to_the_update_sum():
     for aggregator, other in itertools.product(
         (CoordinateMedian(), TrimmedMean(), Krum(0), CenteredClipping()), (FreeRiders(1),)
     ):
-        with pytest.raises(CompositionError, match="does not read"):
+        with pytest.raises(CompositionError, match="never reads the round.s update sum"):
             fit([aggregator, other], rounds=1)
     with pytest.raises(CompositionError, match="Krum cannot be combined with MDSampler"):
         from lightning_fl import MDSampler

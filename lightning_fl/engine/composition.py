@@ -2,31 +2,29 @@
 
 A run is made of plugins: a sampler (and the wrappers around it), federated callbacks
 (the aggregator, personalization, privacy, robustness), the module, the datamodule, and
-how it executes (vectorized clients, several processes). Every combination either keeps
-its invariants or is refused at setup, before any training, by :func:`check` with a
+how it executes (vectorized clients, several processes, silos). Every combination either
+keeps its invariants or is refused at setup, before any training, by :func:`check` with a
 :class:`CompositionError` that names both plugins, the reason and the fix.
 
-Two kinds of rule refuse a pair. :data:`TRAIT_RULES` read what plugins declare
-(:meth:`~lightning_fl.engine.plugins.FederatedCallback.add_trait`) and the traits of the
-ways a run executes (:data:`WAY_TRAITS`), so that a new plugin is checked by what it
-declares; the older table :data:`REFUSALS` names classes, one row per reason. The README's
-composition matrix is printed from it (``python -m lightning_fl.engine.composition``), and the
-matrix test (tests/test_composition.py) trains every pair of plugins and checks that
-exactly the pairs of this table, and the vectorization refusals of
-:mod:`lightning_fl.engine.vectorized`, are refused.
-
-Plugins are matched by class name along the MRO, so a subclass of a plugin is refused
-where its base is.
+The rules read what plugins declare, never their class names: each plugin declares its
+traits (:mod:`lightning_fl.engine.traits`), the ways a run executes have traits too
+(:data:`WAY_TRAITS`), and a rule of :data:`TRAIT_RULES` refuses any plugin with one trait
+beside any plugin, or way of running, with another. A new plugin is checked by what it
+declares. The README's table is printed from the rules and the package's declarations
+(``python -m lightning_fl.callbacks.catalog refusals``), and the matrix test
+(tests/test_composition.py) trains every pair of plugins and checks that exactly the pairs
+these rules predict from a hand-written list of each plugin's traits, and the
+vectorization refusals of :mod:`lightning_fl.engine.vectorized`, are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_fl.engine.plugins import Trait
+from lightning_fl.engine.traits import Trait, traits_of, traits_of_class
 from lightning_fl.systems.samplers import ClientSampler, SamplerWrapper
 
 #: The names the table gives the ways a run executes, beside the plugins' class names.
@@ -39,9 +37,9 @@ class CompositionError(ValueError):
 
 @dataclass(frozen=True)
 class TraitRule:
-    """A plugin with trait ``first`` is refused with any plugin, or way of running, with
-    trait ``second``: ``reason``; the fix is the plugin's own (declared with the trait),
-    else ``fix``."""
+    """A plugin with trait ``first`` is refused with any other plugin, or way of running,
+    with trait ``second``: ``reason``. The fix is the one the first plugin declared with
+    its trait, else ``fix``."""
 
     first: str
     second: str
@@ -50,8 +48,13 @@ class TraitRule:
 
 
 #: The traits of the ways a run executes (:data:`WAYS_OF_RUNNING`).
-WAY_TRAITS: dict[str, tuple[str, ...]] = {"silos": (Trait.AGGREGATES_ON_EVERY_SITE,)}
+WAY_TRAITS: dict[str, tuple[str, ...]] = {
+    "2 processes": (Trait.SPLITS_CLIENTS_OVER_PROCESSES,),
+    "silos": (Trait.AGGREGATES_ON_EVERY_SITE, Trait.KEEPS_DATA_ON_ITS_SITE),
+}
 
+#: The composition rules, in the order they are checked (the first that refuses a pair
+#: answers).
 TRAIT_RULES: tuple[TraitRule, ...] = (
     TraitRule(
         Trait.DRAWS_SERVER_RANDOMNESS,
@@ -61,226 +64,117 @@ TRAIT_RULES: tuple[TraitRule, ...] = (
         "site that has the recipe",
         "add the noise on the sites, before the sum",
     ),
-)
-
-
-#: Samplers that leave clients out of a round (every sampler but FullParticipation).
-PARTIAL_SAMPLERS = (
-    "UniformSampler",
-    "PoissonSampler",
-    "MDSampler",
-    "ClusteredSampler",
-    "AvailableClients",
-    "ExcludedClients",
-)
-#: Aggregators that step by a robust statistic of the round's updates, not their sum.
-ROBUST = ("CoordinateMedian", "TrimmedMean", "Krum", "CenteredClipping")
-#: Samplers whose rounds have a random number of distinct clients.
-RANDOM_SIZE_SAMPLERS = ("MDSampler", "PoissonSampler", "ClusteredSampler", "AvailableClients")
-#: Callbacks that decide which model a client is evaluated with (its personalized model).
-PERSONAL_MODELS = ("FedEM", "Ditto", "APFL", "FedRep", "PFedMe", "FineTune", "ClusteredFL")
-#: Aggregators whose server step is not FedAvg's θ + η_g Σ ω_i Δ_i.
-NON_FEDAVG = (
-    "FedAvgM",
-    "FedAdam",
-    "FedYogi",
-    "FedAdagrad",
-    "SCAFFOLD",
-    "AsynchronousFL",
-    "GossipAveraging",
-    "SAFARI",
-    "Pooled",
-    "Local",
-    "ClusteredFL",
-    "DPFedAvg",
-    *ROBUST,
-)
-#: Aggregators that never read the round's update sum Σ_i ω_i Δ_i, where the strategy and
-#: other callbacks put what they add to a round (a free-rider's update, the server's WERM
-#: step): gossip mixes the clients' trained models, local training never aggregates, and
-#: clustered FL averages each cluster's own client updates.
-WITHOUT_UPDATE_SUM = ("GossipAveraging", "Local", "ClusteredFL")
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """``first`` is refused with any plugin of ``second``: ``reason``; ``fix``."""
-
-    first: str
-    second: tuple[str, ...]
-    reason: str
-    fix: str
-
-
-#: Plugins that read each client's update (or model) on every rank, which
-#: SecureAggregation exists to hide.
-READ_EACH_UPDATE = (*ROBUST, "SimilarityClusteredSampler", "GossipAveraging", "ClusteredFL",
-                    "FreeRiderDetector")  # fmt: skip
-
-REFUSALS: tuple[Refusal, ...] = (
-    Refusal(
-        "SecureAggregation",
-        READ_EACH_UPDATE,
-        "it reads each client's update or model, which secure aggregation hides: the "
-        "round's sum would carry them one by one, or they would cross unmasked",
+    TraitRule(
+        Trait.HIDES_EACH_UPDATE,
+        Trait.READS_EACH_UPDATE,
+        "the round's sum would carry each client's update one by one, or the updates would "
+        "cross unmasked",
         "drop SecureAggregation (and say what crosses the network), or aggregate with "
         "FedAvg, a server optimizer or DPFedAvg",
     ),
-    Refusal(
-        "DPFedAvg",
-        ("MDSampler", "ClusteredSampler", "AvailableClients", "ExcludedClients"),
+    TraitRule(
+        Trait.NEEDS_INCLUSION_PROBABILITY,
+        Trait.UNKNOWN_INCLUSION_PROBABILITY,
         "DP-FedAvg's noise and ε need one known inclusion probability q per client and "
-        "round (McMahan et al. 2018, Alg. 1), which this sampler does not have",
+        "round (McMahan et al. 2018, Alg. 1)",
         "use UniformSampler, PoissonSampler or FullParticipation",
     ),
-    Refusal(
-        "DPFedAvg",
-        ("FreeRiders", "ServerReference"),
-        "it adds updates to the round's sum that are neither clipped nor counted by the "
-        "sensitivity bound, and rescales the clients' weights",
-        "drop it, or aggregate with FedAvg",
+    TraitRule(
+        Trait.BOUNDS_THE_SUMS_SENSITIVITY,
+        Trait.ADDS_TO_THE_UPDATE_SUM,
+        "the updates it adds are neither clipped nor counted by the sensitivity bound, and "
+        "it rescales the clients' weights",
+        "drop the plugin that adds updates, or aggregate with FedAvg",
     ),
-    Refusal(
-        "Krum",
-        RANDOM_SIZE_SAMPLERS,
-        "this sampler's rounds have a random number of distinct clients, which may fall to "
-        "2f + 2 or fewer, where Krum is undefined (Blanchard et al. 2017, Prop. 1)",
+    TraitRule(
+        Trait.NEEDS_MORE_THAN_2F_PLUS_2_CLIENTS,
+        Trait.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS,
+        "a round may fall to 2f + 2 clients or fewer, where Krum is undefined (Blanchard "
+        "et al. 2017, Prop. 1)",
         "use FullParticipation or UniformSampler with clients_per_round > 2f + 2",
     ),
-    *(
-        Refusal(
-            robust,
-            ("FreeRiders", "ServerReference"),
-            "it adds to the round's update sum, which a robust aggregator does not read "
-            "(it reads each client's update)",
-            "aggregate with FedAvg or a server optimizer",
-        )
-        for robust in ROBUST
+    TraitRule(
+        Trait.ADDS_TO_THE_UPDATE_SUM,
+        Trait.IGNORES_THE_UPDATE_SUM,
+        "what it adds (a free-rider's update, the server's step) would never be read: the "
+        "aggregator steps by each client's update, mixes the clients' trained models, "
+        "never aggregates, or averages each cluster's own updates, so the addition would "
+        "silently do nothing",
+        "aggregate with FedAvg or a server optimizer",
     ),
-    Refusal(
-        "silos",
-        ("Pooled", "StreamingDataModule"),
-        "silo mode keeps each client's data in its own process: the pooled baseline trains on "
-        "every client's data in one process, and a stream's schedule is decided over every "
-        "client's arrival window",
+    TraitRule(
+        Trait.KEEPS_DATA_ON_ITS_SITE,
+        Trait.NEEDS_EVERY_CLIENTS_DATA,
+        "the pooled baseline trains on every client's data in one process, and a stream's "
+        "schedule is decided over every client's arrival window",
         "set silos=False for this run",
     ),
-    Refusal(
-        "GossipAveraging",
-        (*PARTIAL_SAMPLERS, "Unlearning"),
-        "gossip mixes every client's model with its neighbours' in every round, over a "
-        "mixing matrix of all clients",
-        "use the default FullParticipation sampler",
-    ),
-    Refusal(
-        "ClusteredFL",
-        (*PARTIAL_SAMPLERS, "Unlearning"),
-        "a split compares the updates of every client of a cluster in the same round, and "
-        "the cluster models keep what removed clients contributed",
+    TraitRule(
+        Trait.NEEDS_FULL_PARTICIPATION,
+        Trait.LEAVES_CLIENTS_OUT,
+        "what it computes each round (gossip's mixing matrix, a cluster's split, the "
+        "asynchronous clock, the free-rider attack) is defined over every client of the "
+        "federation",
         "use the default FullParticipation sampler, without Unlearning",
     ),
-    Refusal(
-        "AsynchronousFL",
-        (*PARTIAL_SAMPLERS, "Unlearning"),
-        "the simulated clock chooses who returns in each aggregation",
-        "drop the sampler (FullParticipation, the default), without Unlearning",
+    TraitRule(
+        Trait.NEEDS_SYNCHRONOUS_ROUNDS,
+        Trait.AGGREGATES_OUTSIDE_SYNCHRONOUS_ROUNDS,
+        "the free-riders add their update to every aggregation at the share they would "
+        "hold in a synchronous round, which asynchronous aggregations (each fair client "
+        "returns now and then) and SAFARI's server rounds (no clients) do not have",
+        "attack synchronous rounds: FedAvg or a server optimizer",
     ),
-    Refusal(
-        "FreeRiders",
-        (*PARTIAL_SAMPLERS, "Unlearning"),
-        "the attack and its detector follow the paper's full participation of a fixed federation",
-        "use the default FullParticipation sampler, without Unlearning",
-    ),
-    Refusal(
-        "FreeRiders",
-        WITHOUT_UPDATE_SUM,
-        "the free-riders' updates and the fair clients' rescaled weights go into the round's "
-        "update sum, which this aggregator never reads: the attack would silently do nothing",
-        "aggregate with FedAvg or a server optimizer (the thesis's FedAvg and FedProx)",
-    ),
-    Refusal(
-        "FreeRiders",
-        ("AsynchronousFL",),
-        "the free-riders add their update to every aggregation, while each fair client "
-        "returns only now and then, so their share is no longer the declared one (the "
-        "thesis's attack is on synchronous rounds)",
-        "use synchronous rounds: FedAvg or a server optimizer",
-    ),
-    Refusal(
-        "FreeRiders",
-        ("SAFARI",),
-        "SAFARI's server rounds have no clients, yet the free-riders would add their update "
-        "to them and rescale the server's SGD step by the fair clients' share",
-        "attack FedAvg or a server optimizer, or run SAFARI without FreeRiders",
-    ),
-    Refusal(
-        "Unlearning",
-        NON_FEDAVG,
+    TraitRule(
+        Trait.NEEDS_THE_FEDAVG_STEP,
+        Trait.STEPS_OTHERWISE_THAN_FEDAVG,
         "SIFU's sensitivity bound (thesis eq. 5.8, Thm 5.1) is for FedAvg's server step "
         "θ + η_g Σ ω_i Δ_i; server state (momentum, control variates, clusters, a clock, "
         "server rounds) would keep what a removed client contributed",
         "aggregate with FedAvg",
     ),
-    Refusal(
-        "Unlearning",
-        ("FixedClustersSampler",),
+    TraitRule(
+        Trait.CHANGES_TARGET_WEIGHTS,
+        Trait.FIXED_TO_ITS_TARGET_WEIGHTS,
         "removing clients changes the target weights, and fixed clusters are unbiased only "
         "at the weights they were built for",
         "use SampleSizeClusteredSampler, which rebuilds its clusters from the weights",
     ),
-    Refusal(
-        "FedRep",
-        ("SCAFFOLD",),
-        "FedRep freezes the head during the body's steps, and SCAFFOLD corrects the "
-        "gradient of every parameter",
+    TraitRule(
+        Trait.FREEZES_PART_OF_THE_MODEL,
+        Trait.CORRECTS_EVERY_GRADIENT,
+        "FedRep freezes the head during the body's steps, and SCAFFOLD's correction "
+        "c − c_i moves every parameter",
         "use FedRep with FedAvg, or SCAFFOLD without FedRep",
     ),
-    *(
-        Refusal(
-            first,
-            PERSONAL_MODELS[i + 1 :],
-            "each decides the personalized model a client is evaluated with",
-            f"keep one of them ({first} or the other)",
-        )
-        for i, first in enumerate(PERSONAL_MODELS[:-1])
+    TraitRule(
+        Trait.DECIDES_THE_EVALUATED_MODEL,
+        Trait.DECIDES_THE_EVALUATED_MODEL,
+        "a client is evaluated with one personalized model",
+        "keep one of them",
     ),
-    Refusal(
-        "DPSGD",
-        ("PFedMe",),
+    TraitRule(
+        Trait.PRIVATIZES_EACH_GRADIENT,
+        Trait.STEPS_FROM_NON_PRIVATE_GRADIENTS,
         "pFedMe's local step uses the personalized model θ̂ found with non-private "
         "gradients of the batch, so the update a client sends would not be private",
         "use DP-SGD with FedAvg, FedProx, SCAFFOLD, Ditto, APFL or FedRep",
     ),
-    Refusal(
-        "ClusteredFL",
-        ("2 processes",),
-        "a split compares every client's update of the round in one place",
+    TraitRule(
+        Trait.COMPARES_UPDATES_IN_ONE_PLACE,
+        Trait.SPLITS_CLIENTS_OVER_PROCESSES,
+        "each process holds only its own clients' updates",
         "use devices=1",
     ),
-    Refusal(
-        "FreeRiderDetector",
-        ("2 processes",),
-        "the detector compares every client's update of the round in one place",
-        "use devices=1",
-    ),
-    Refusal(
-        "SAFARI",
-        ("StreamingDataModule", "ReferenceDataModule"),
-        "the server's own training data comes from the datamodule's server_dataset(), "
-        "which this datamodule does not provide",
+    TraitRule(
+        Trait.TRAINS_ON_SERVER_DATA,
+        Trait.HAS_NO_SERVER_DATA,
+        "the server's own training data comes from the datamodule's server_dataset()",
         "use a datamodule with server data (DigitsDataModule(server_samples=...))",
     ),
-    Refusal(
-        "ServerReference",
-        WITHOUT_UPDATE_SUM,
-        "the server's steps go into the round's update sum, which this aggregator never "
-        "reads: gossip mixes the clients' trained models, local training never aggregates, "
-        "and clustered FL averages each cluster's client updates",
-        "aggregate with FedAvg or a server optimizer, or drop ServerReference",
-    ),
-    Refusal(
-        "ServerReference",
-        ("StreamingDataModule",),
+    TraitRule(
+        Trait.READS_THE_SERVER_REFERENCE,
+        Trait.HAS_NO_SERVER_REFERENCE,
         "the server's reference data comes from ReferenceDataModule(reference='server')",
         "use a ReferenceDataModule with reference='server'",
     ),
@@ -295,37 +189,29 @@ def sampler_chain(sampler: ClientSampler) -> list[ClientSampler]:
     return chain
 
 
-def plugin_names(
-    trainer: pl.Trainer,
-    sampler: ClientSampler,
-    vectorize: bool,
-    world_size: int,
-    silos: bool = False,
-) -> dict[str, str]:
-    """Every class name (along the MRO) of the run's plugins (the Trainer's callbacks,
-    datamodule and module, and ``sampler`` with the samplers it wraps), mapped to the name
-    of the plugin that carries it (the class a user wrote), and the ways the run executes
-    (``vectorize``, ``world_size`` processes)."""
-    # internal wrappers (unlearning's) are not shown
+def named_plugins(trainer: pl.Trainer, sampler: ClientSampler) -> list[tuple[object, str]]:
+    """The run's plugins (``sampler`` and the samplers it wraps, the Trainer's callbacks,
+    datamodule and module), each with the name a user wrote: a sampler chain is shown as
+    written (``ExcludedClients(UniformSampler)``); internal wrappers (a leading
+    underscore, as unlearning's) are left out."""
     chain = [s for s in sampler_chain(sampler) if not type(s).__name__.startswith("_")]
     sampler_name = "(".join(type(s).__name__ for s in chain) + ")" * (len(chain) - 1)
-    objects: list[tuple[Any, str]] = [(s, sampler_name) for s in chain]
-    objects += [
+    named: list[tuple[object, str]] = [(s, sampler_name) for s in chain]
+    named += [
         (obj, type(obj).__name__)
         for obj in [*trainer.callbacks, trainer.datamodule, trainer.lightning_module]
         if obj is not None
     ]
-    names: dict[str, str] = {}
-    for obj, shown in objects:
-        for cls in type(obj).__mro__:
-            if cls.__module__.split(".")[0] not in ("builtins", "torch", "lightning"):
-                names.setdefault(cls.__name__, shown)
+    return named
+
+
+def ways_of_running(vectorize: bool, world_size: int, silos: bool) -> dict[str, str]:
+    """The ways the run executes (:data:`WAYS_OF_RUNNING`), each with how a refusal shows
+    it."""
     shown = ("FederatedStrategy(vectorize=True)", f"{world_size} processes",
              "FederatedStrategy(silos=True)")  # fmt: skip
-    for way, shown_as, used in zip(WAYS_OF_RUNNING, shown, (vectorize, world_size > 1, silos)):
-        if used:
-            names[way] = shown_as
-    return names
+    used = (vectorize, world_size > 1, silos)
+    return {way: name for way, name, on in zip(WAYS_OF_RUNNING, shown, used) if on}
 
 
 def check(
@@ -335,19 +221,10 @@ def check(
     world_size: int = 1,
     silos: bool = False,
 ) -> None:
-    """Refuse the run's first incompatible pair of plugins (see :data:`REFUSALS`) and
-    callbacks or samplers whose needs the module does not meet."""
-    names = plugin_names(trainer, sampler, vectorize, world_size, silos)
-    check_traits(declared_traits(trainer, sampler, names))
-    for rule in REFUSALS:
-        if rule.first not in names:
-            continue
-        for other in rule.second:
-            if other in names and names[other] != names[rule.first]:
-                raise CompositionError(
-                    f"{names[rule.first]} cannot be combined with {names[other]}: "
-                    f"{rule.reason}. Fix: {rule.fix}."
-                )
+    """Refuse the run's first pair of plugins that a rule of :data:`TRAIT_RULES` refuses,
+    and callbacks or samplers whose needs the module does not meet."""
+    named = named_plugins(trainer, sampler)
+    check_traits(declared_traits(named, ways_of_running(vectorize, world_size, silos)))
     module = trainer.lightning_module
     for plugin in [*trainer.callbacks, sampler]:
         missing = [need for need in module_needs(plugin) if not hasattr(module, method_of(need))]
@@ -367,25 +244,25 @@ def check(
 
 
 def declared_traits(
-    trainer: pl.Trainer, sampler: ClientSampler, names: dict[str, str]
+    named: Iterable[tuple[object, str]], ways: dict[str, str]
 ) -> dict[str, dict[str, str]]:
-    """What each of the run's plugins declares (by the name a user wrote: its traits and
-    their fixes), and the traits of the ways the run executes (from ``names``, see
-    :func:`plugin_names`)."""
+    """What the run's plugins declare, by the name a user wrote (a sampler chain's
+    samplers together), each trait with its fix, and the traits of the ways the run
+    executes (``ways``: :func:`ways_of_running`)."""
     declared: dict[str, dict[str, str]] = {}
-    for plugin in [*trainer.callbacks, *sampler_chain(sampler)]:
-        traits = getattr(plugin, "declared_traits", dict)()
+    for plugin, shown in named:
+        traits = traits_of(plugin)
         if traits:
-            declared.setdefault(type(plugin).__name__, {}).update(traits)
-    for way, traits in WAY_TRAITS.items():
-        if way in names:
-            declared.setdefault(names[way], {}).update(dict.fromkeys(traits, ""))
+            declared.setdefault(shown, {}).update(traits)
+    for way, shown in ways.items():
+        for trait in WAY_TRAITS.get(way, ()):
+            declared.setdefault(shown, {})[trait] = ""
     return declared
 
 
 def check_traits(declared: dict[str, dict[str, str]]) -> None:
     """Refuse the first pair of plugins (or a plugin and a way of running) that a rule of
-    :data:`TRAIT_RULES` refuses, naming both, the trait, the reason and the fix."""
+    :data:`TRAIT_RULES` refuses, naming both, their traits, the reason and the fix."""
     for rule in TRAIT_RULES:
         for first, traits in declared.items():
             if rule.first not in traits:
@@ -420,17 +297,20 @@ def method_of(signature: str) -> str:
     return signature.split("(")[0].strip()
 
 
-def refusal_table() -> str:
-    """The README's table of refused pairs: one row per rule of :data:`REFUSALS`."""
-    rows = ["| plugin | refused with | why | fix |", "|---|---|---|---|"]
-    for trait_rule in TRAIT_RULES:
-        rows.append(f"| every plugin that {trait_rule.first} | every plugin or way of running "
-                    f"that {trait_rule.second} | {trait_rule.reason} | the plugin's own, else: "
-                    f"{trait_rule.fix} |")  # fmt: skip
-    for rule in REFUSALS:
-        rows.append(f"| {rule.first} | {', '.join(rule.second)} | {rule.reason} | {rule.fix} |")
+def refusal_table(plugins: Iterable[type]) -> str:
+    """The README's table of refused pairs: one row per rule of :data:`TRAIT_RULES`,
+    naming the public classes of ``plugins`` (and the ways of running) that declare each
+    trait."""
+
+    def holders(trait: str) -> str:
+        names = [cls.__name__ for cls in plugins
+                 if trait in traits_of_class(cls) and not cls.__name__.startswith("_")]  # fmt: skip
+        names += [way for way, traits in WAY_TRAITS.items() if trait in traits]
+        return ", ".join(names) or "(declared by settings only)"
+
+    rows = ["| plugins that … | refused with plugins that … | why | fix |", "|---|---|---|---|"]
+    for rule in TRAIT_RULES:
+        rows.append(f"| {rule.first}: {holders(rule.first)} | {rule.second}: "
+                    f"{holders(rule.second)} | {rule.reason} | the plugin's own, else: "
+                    f"{rule.fix} |")  # fmt: skip
     return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(refusal_table())

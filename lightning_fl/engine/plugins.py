@@ -5,8 +5,8 @@
   steps);
 - :class:`FederatedCallback`: a Lightning ``Callback`` plus the round hooks the engine
   calls, and the capability flags the engine and the composition check read
-  (``supports_vectorized_clients``, ``keeps_client_state``, ``client_state_in_store``,
-  ``requires_task_loss``, ``replaces_gradient``, ...);
+  (``supports_vectorized_clients``, ``requires_task_loss``, ``replaces_gradient``, ...;
+  ``keeps_client_state`` and ``client_state_in_store`` derived from the declarations);
 - :class:`Aggregator`: the one callback that writes θ^{t+1}, and :class:`FedAvg`, the
   default one;
 - the pseudo-clients :data:`POOLED_CLIENT` and :data:`SERVER_CLIENT`.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import lightning.pytorch as pl
 import numpy as np
@@ -29,6 +29,7 @@ import torch
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.tensors import TensorList
+from lightning_fl.engine.traits import Trait, Traits, traits_of_class  # noqa: F401 (Trait: re-exported)
 from lightning_fl.systems.samplers import ClientSampler, Participation
 
 if TYPE_CHECKING:
@@ -40,20 +41,6 @@ if TYPE_CHECKING:
 #: sampler (``needs_updates``) or the aggregator (``needs_client_updates``) reads them; each
 #: rank fills its own clients' rows and the round's all-reduce gathers them by summing.
 CLIENT_UPDATES = "client_updates"
-
-
-class Trait:
-    """The traits a plugin may declare (:meth:`FederatedCallback.add_trait`): facts about
-    what it does that the composition rules read (:mod:`~lightning_fl.engine.composition`),
-    never its class name. A way of running has traits too (silo mode:
-    :data:`AGGREGATES_ON_EVERY_SITE`)."""
-
-    #: It draws randomness that protects privacy where the round's sum is aggregated (a
-    #: server's DP noise): only a trusted aggregator may draw it, from a secret.
-    DRAWS_SERVER_RANDOMNESS = "draws server-side randomness"
-    #: Every site aggregates the same sum itself, and no trusted server exists (silo mode:
-    #: each site holds the round's total before any server-side step).
-    AGGREGATES_ON_EVERY_SITE = "aggregates the round's sum on every site"
 
 
 class ChunkView(Protocol):
@@ -239,6 +226,10 @@ class FederatedCallback(pl.Callback):
 
     #: the fit's read-only view, set at the strategy's set-up (None before)
     view: PluginView | None = None
+    #: What it does that the composition rules read (:mod:`lightning_fl.engine.traits`):
+    #: ``{Trait.X: fix}``, inherited, ``None`` withdrawing a base's; settings add more
+    #: with :meth:`add_trait`.
+    traits: ClassVar[Traits] = {}
 
     #: An observer only measures the model in the client evaluation hooks (membership
     #: inference): it runs first there, seeing the global model at the start and the
@@ -252,16 +243,13 @@ class FederatedCallback(pl.Callback):
     #: Why a callback that does not support vectorized clients cannot: the refusal at
     #: setup says it.
     not_vectorized_because: str = ""
-    #: Whether the callback keeps per-client state between rounds (in the client store,
-    #: on the rank that owns the client). Only when no callback does may several
-    #: processes split each round's participants by their steps instead of by owner.
-    keeps_client_state: bool = True
-    #: Whether all of that per-client state lives in the client store, read when a client
-    #: starts and written when it ends (nothing kept in the callback itself): then a
-    #: client may train on another rank than its owner, and the strategy moves its
-    #: entries there for the round and back at the round's end, so that several
-    #: processes still split the participants by their steps.
-    client_state_in_store: bool = False
+    #: Per-client state the callback keeps between rounds without declaring it
+    #: (:meth:`add_client_state`), an explicit opt-in: ``"store"`` (all of it in the client
+    #: store, under keys it writes itself, read when a client starts and written when it
+    #: ends: it moves with the client, as declared state does) or ``"owner"`` (some of it
+    #: in the callback itself: each client trains on the rank that owns it). None: the
+    #: callback keeps no per-client state but what it declares.
+    undeclared_client_state: Literal["store", "owner"] | None = None
     #: Whether the callback computes the module's loss outside ``training_step`` (local
     #: training of a personal model, evaluation on training data) through its
     #: ``loss_and_metrics(batch)``; a module without it is refused at setup.
@@ -305,8 +293,22 @@ class FederatedCallback(pl.Callback):
         (True, 'counts_seen')
         """
         self._declared_state("client")[name] = key or f"{type(self).__name__}.{name}"
-        self.keeps_client_state = True
-        self.client_state_in_store = True
+
+    @property
+    def keeps_client_state(self) -> bool:
+        """Whether the callback keeps per-client state between rounds (on the rank that
+        owns the client): declared (:meth:`add_client_state`) or opted into
+        (:attr:`undeclared_client_state`). Only when no callback does may several
+        processes split each round's participants by their steps instead of by owner."""
+        return bool(self._declared_state("client")) or self.undeclared_client_state is not None
+
+    @property
+    def client_state_in_store(self) -> bool:
+        """Whether all of that state lives in the client store, so that a client may
+        train on another rank than its owner: the strategy moves its entries there for
+        the round and back at the round's end, and several processes still split the
+        participants by their steps."""
+        return self.keeps_client_state and self.undeclared_client_state != "owner"
 
     def client_state_key(self, name: str) -> str:
         """The client store key of the declared client state ``name``."""
@@ -379,8 +381,9 @@ class FederatedCallback(pl.Callback):
         self._declared_state("trait")[trait] = fix
 
     def declared_traits(self) -> dict[str, str]:
-        """The declared traits, each with this plugin's fix."""
-        return dict(self._declared_state("trait"))
+        """The declared traits, each with this plugin's fix: its class's (``traits``) and
+        those its settings added (:meth:`add_trait`)."""
+        return {**traits_of_class(type(self)), **self._declared_state("trait")}
 
     def wrap_sampler(self, sampler: ClientSampler) -> ClientSampler:
         """The fit's sampler as this callback needs it: ``sampler`` itself (default), or a
@@ -579,8 +582,6 @@ class FedAvg(Aggregator):
 
     With η_g = 1 and Σ ω_i = 1 this is θ^{t+1} = Σ ω_i θ_i^{t+1} (Fraboni thesis Alg. 9).
     """
-
-    keeps_client_state = False  # server-side state only
 
     supports_vectorized_clients = True
 

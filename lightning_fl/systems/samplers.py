@@ -15,7 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -25,6 +25,7 @@ from lightning_fl.engine.seeding import (
     multinomial_draws,
     randperm_prefix,
 )
+from lightning_fl.engine.traits import Trait, Traits
 from lightning_fl.systems.ca_fed import AvailabilityEstimator, LossFilter, truncate
 
 
@@ -42,6 +43,15 @@ class Participation:
 
 class ClientSampler:
     """Base class. Subclasses implement :meth:`_draw` returning ``{client: ω_i}``."""
+
+    #: What it does that the composition rules read (:mod:`lightning_fl.engine.traits`).
+    #: A sampler is assumed to leave clients out, a random number of them, with no known
+    #: inclusion probability, until it withdraws the trait (``None``).
+    traits: ClassVar[Traits] = {
+        Trait.LEAVES_CLIENTS_OUT: "",
+        Trait.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS: "",
+        Trait.UNKNOWN_INCLUSION_PROBABILITY: "",
+    }
 
     def __init__(self, renormalize: bool = False) -> None:
         #: Opt-in for the biased "original FedAvg" weights ω_i / Σ_j ω_j.
@@ -111,6 +121,12 @@ class ClientSampler:
 class FullParticipation(ClientSampler):
     """Every client with p_i > 0 takes part, with ω_i = p_i (Tab. 2.1, first row)."""
 
+    traits = {
+        Trait.LEAVES_CLIENTS_OUT: None,
+        Trait.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS: None,
+        Trait.UNKNOWN_INCLUSION_PROBABILITY: None,
+    }
+
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         return {i: float(p[i]) for i in torch.nonzero(p > 0).flatten().tolist()}
 
@@ -143,6 +159,11 @@ class UniformSampler(_FixedSizeSampler):
     >>> UniformSampler(2).sample(0, seed=0, p=p)
     Participation(clients=(1, 3), weights=(0.4, 0.8))
     """
+
+    traits = {
+        Trait.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS: None,
+        Trait.UNKNOWN_INCLUSION_PROBABILITY: None,
+    }
 
     def _draw(self, p: torch.Tensor, gen: torch.Generator) -> dict[int, float]:
         eligible = self._derived_from(p, "eligible", lambda w: torch.nonzero(w > 0).flatten())
@@ -191,6 +212,8 @@ class PoissonSampler(ClientSampler):
     Participation(clients=(0,), weights=(0.5,))
     """
 
+    traits = {Trait.UNKNOWN_INCLUSION_PROBABILITY: None}
+
     def __init__(self, rate: float, renormalize: bool = False) -> None:
         super().__init__(renormalize)
         if not 0 < rate <= 1:
@@ -208,6 +231,12 @@ class SamplerWrapper(ClientSampler):
     """A sampler that changes who may be drawn and asks ``sampler`` for the draw; its
     checks, narrow inputs (``needs_updates`` and :meth:`observe`, ``needs_losses`` and
     :attr:`losses`), per-round metrics and state are ``sampler``'s."""
+
+    traits = {  # the wrapped sampler's hold (the chain is checked together)
+        Trait.LEAVES_CLIENTS_OUT: None,
+        Trait.DRAWS_A_RANDOM_NUMBER_OF_CLIENTS: None,
+        Trait.UNKNOWN_INCLUSION_PROBABILITY: None,
+    }
 
     def __init__(self, sampler: ClientSampler) -> None:
         super().__init__(sampler.renormalize)
@@ -251,6 +280,8 @@ class ExcludedClients(SamplerWrapper):
     weights renormalized over them. ``excluded`` is a list of client ids, or a number s of
     clients drawn once from the run's seed.
     """
+
+    traits = {Trait.LEAVES_CLIENTS_OUT: "", Trait.UNKNOWN_INCLUSION_PROBABILITY: ""}
 
     def __init__(self, sampler: ClientSampler, excluded: int | list[int] = 0) -> None:
         super().__init__(sampler)
@@ -557,6 +588,8 @@ class FixedClustersSampler(ClusteredSampler):
     clustered-sampling experiments (thesis §3.4: one client per digit). Unbiased (eq. 3.8)
     exactly when every cluster carries weight P_k = 1/m, which is checked.
     """
+
+    traits = {Trait.FIXED_TO_ITS_TARGET_WEIGHTS: ""}
 
     def __init__(self, clusters: list[list[int]], renormalize: bool = False) -> None:
         super().__init__(len(clusters), renormalize)
