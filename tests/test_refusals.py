@@ -106,6 +106,10 @@ def test_traits_are_inherited_withdrawn_with_none_and_derived_from_the_update_fl
     inner = SimilarityClusteredSampler(2)
     assert T.READS_EACH_UPDATE in traits_of(ExcludedClients(inner, [0]))  # the instance's
     assert T.READS_EACH_UPDATE not in traits_of(ExcludedClients(UniformSampler(2), [0]))
+    # a wrapper that leaves clients out says so itself, whatever it wraps
+    with pytest.raises(CompositionError, match=r"ExcludedClients\(FullParticipation\) leaves"):
+        check(_trainer(GossipAveraging("complete")), ExcludedClients(FullParticipation(), [1]))
+    check(_trainer(GossipAveraging("complete")), FullParticipation())
     assert traits_of(SimpleNamespace(needs_client_updates=True)) == {T.READS_EACH_UPDATE: ""}
     assert traits_of(object()) == {}
 
