@@ -77,14 +77,14 @@ class AsynchronousFL(Aggregator):
         require_rate("server_lr", server_lr, 1.0)
         if time_budget is not None and not time_budget > 0:
             raise ValueError(f"time_budget must be > 0 time units, got {time_budget}.")
-        self.schedule, self.weights, self.server_lr = schedule, weights, server_lr
+        self.weights, self.server_lr = weights, server_lr
+        self.add_server_state("schedule", schedule, stateful=True)  # the simulated clock
+        self.add_server_state("models", {})  # version -> θ^v, the versions still training
         self.time_budget = time_budget
         self.clients: list[int] = []
         self.d = np.zeros(0)
-        self.models: dict[int, Tensor] = {}
         self._event: Aggregation | None = None
         self._start_model: Tensor | None = None
-        self._loaded = False
         self._surrogate: np.ndarray | None = None
 
     # ---- set-up ----------------------------------------------------------------------
@@ -98,7 +98,7 @@ class AsynchronousFL(Aggregator):
             )
         counts = self.view.sample_counts
         self.clients = [c for c, n in enumerate(counts) if n > 0]
-        if not self._loaded:
+        if not self.restored:  # a fresh fit: a resumed one loaded its schedule and versions
             self.schedule.reset(len(self.clients), self.view.config.seed)
             self.models = {0: flatten([t.detach() for t in self.view.tensors.tensors])}
         p = self.target_weights(counts).numpy()[self.clients]
@@ -193,15 +193,3 @@ class AsynchronousFL(Aggregator):
             q = self.schedule.participation_frequency() * self.d
             self._surrogate = q / q.sum()
         return self._surrogate
-
-    # ---- checkpoint ------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "schedule": self.schedule.state_dict(),
-            "models": {int(v): m for v, m in self.models.items()},
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.schedule.load_state_dict(state_dict["schedule"])
-        self.models = {int(v): m for v, m in state_dict["models"].items()}
-        self._loaded = True

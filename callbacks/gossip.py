@@ -16,7 +16,7 @@ from lightning_fl.engine.plugins import Aggregator, RoundState
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import flatten, unflatten
 from lightning_fl.engine.traits import Trait
-from lightning_fl.systems.topology import MaxPlusClock, SiloTopology
+from lightning_fl.systems.topology import SiloTopology
 
 STORE_KEY = "gossip_model"
 
@@ -135,10 +135,9 @@ class GossipAveraging(Aggregator):
         self.models = PersonalModels(STORE_KEY)
         self._lr_scale = 1.0
         self._hooked: weakref.WeakSet = weakref.WeakSet()
-        self.mixing: Tensor | None = None
-        self.nodes: list[int] = []
-        self.clock: MaxPlusClock | None = None
-        self._clock_state: dict | None = None
+        self.add_server_state("mixing")  # W (host), built at the first fit's start
+        self.add_server_state("nodes", [])  # the clients W's rows stand for
+        self.add_server_state("clock", stateful=True)  # the topology's max-plus clock
 
     def on_fit_start(self, trainer, pl_module) -> None:
         counts = self.view.sample_counts
@@ -154,9 +153,7 @@ class GossipAveraging(Aggregator):
                 self.mixing = self._mixing_matrix()
         if self.topology is not None and self.clock is None:  # resumed: W is in the state
             _, self.clock = self._topology(trainer)
-        if self._clock_state is not None:
-            self.clock.load_state_dict(self._clock_state)
-            self._clock_state = None
+            self.restore_server_state("clock")
         self._hook_optimizers(trainer)
 
     def _mixing_matrix(self) -> Tensor:
@@ -272,13 +269,3 @@ class GossipAveraging(Aggregator):
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         self.models.load(self.view.store, client, self.view.tensors)
-
-    def state_dict(self) -> dict:
-        clock = None if self.clock is None else self.clock.state_dict()
-        return {"mixing": self.mixing, "nodes": self.nodes, "clock": clock}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.mixing, self.nodes = state_dict["mixing"], list(state_dict["nodes"])
-        self._clock_state = state_dict.get("clock")
-        if self.clock is not None and self._clock_state is not None:
-            self.clock.load_state_dict(self._clock_state)

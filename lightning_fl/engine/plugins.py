@@ -346,23 +346,70 @@ class FederatedCallback(pl.Callback):
         """The declared round sums and their shapes (None: like the parameters)."""
         return dict(self._declared_state("sum"))
 
-    def add_server_state(self, name: str, default: Any = None) -> None:
+    def add_server_state(self, name: str, default: Any = None, stateful: bool = False) -> None:
         """Declare attribute ``name`` (set to ``default`` now) as server state: the
         callback's checkpoint entry, saved by :meth:`state_dict` and restored by
-        :meth:`load_state_dict` (SCAFFOLD's c, DP-FedAvg's clip norm)."""
+        :meth:`load_state_dict` (SCAFFOLD's c, DP-FedAvg's clip norm).
+
+        ``stateful``: the attribute holds an object with its own ``state_dict`` and
+        ``load_state_dict`` (an asynchronous schedule, a simulated clock): its state is
+        saved, and loaded into the object in place. An object the callback builds only at
+        set-up (None when the checkpoint is loaded) gets the loaded state from
+        :meth:`restore_server_state`, called once it exists.
+
+        >>> class Clocked(FederatedCallback):
+        ...     def __init__(self):
+        ...         self.add_server_state("rounds", 0)
+        ...         self.add_server_state("clock", stateful=True)  # built at set-up
+        >>> saved = Clocked()
+        >>> saved.rounds, saved.clock = 3, torch.optim.SGD([torch.zeros(1)], lr=0.5)
+        >>> resumed = Clocked()
+        >>> resumed.load_state_dict(saved.state_dict())
+        >>> resumed.rounds, resumed.clock
+        (3, None)
+        >>> resumed.clock = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+        >>> resumed.restore_server_state("clock").param_groups[0]["lr"]
+        0.5
+        """
         setattr(self, name, default)
-        self._declared_state("server")[name] = default
+        self._declared_state("server")[name] = stateful
 
     def state_dict(self) -> dict[str, Any]:
-        """The declared server state (:meth:`add_server_state`)."""
-        return {name: getattr(self, name) for name in self._declared_state("server")}
+        """The declared server state (:meth:`add_server_state`); a stateful object's own
+        ``state_dict()``."""
+        saved = {}
+        for name, stateful in self._declared_state("server").items():
+            value = getattr(self, name)
+            saved[name] = value.state_dict() if stateful and value is not None else value
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the declared server state; a name missing from ``state_dict`` (a
-        checkpoint of an earlier release) keeps its value."""
-        for name in self._declared_state("server"):
-            if name in state_dict:
+        checkpoint of an earlier release) keeps its value, and the state of a stateful
+        object not built yet waits for :meth:`restore_server_state`."""
+        self._restored = True
+        for name, stateful in self._declared_state("server").items():
+            if name not in state_dict:
+                continue
+            if not stateful:
                 setattr(self, name, state_dict[name])
+            elif getattr(self, name) is None:
+                self._declared_state("loaded")[name] = state_dict[name]
+            elif state_dict[name] is not None:
+                getattr(self, name).load_state_dict(state_dict[name])
+
+    @property
+    def restored(self) -> bool:
+        """Whether a checkpoint's state was loaded into this callback (a resumed fit)."""
+        return self.__dict__.get("_restored", False)
+
+    def restore_server_state(self, name: str) -> Any:
+        """Stateful server state ``name``, built now, with the state a checkpoint loaded
+        before it existed (if any); returns it."""
+        loaded = self._declared_state("loaded").pop(name, None)
+        if loaded is not None:
+            getattr(self, name).load_state_dict(loaded)
+        return getattr(self, name)
 
     def _declared_state(self, kind: str) -> dict[str, Any]:
         """The declarations of one kind ("client", "sum", "server", "trait"), by name."""
