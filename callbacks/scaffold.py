@@ -38,7 +38,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
-from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
+from lightning_fl.engine.tensors import TensorList
 from lightning_fl.engine.traits import Trait
 
 #: c_i's client store key (kept from the first release: its checkpoints resume)
@@ -62,25 +62,24 @@ class SCAFFOLD(FederatedCallback):
                 f"control_weighting must be 'uniform' or 'target', got {control_weighting!r}."
             )
         self.control_weighting = control_weighting
-        self.add_client_state("control", key=STORE_KEY)  # c_i
+        self.add_client_state("control", key=STORE_KEY, like="params")  # c_i, 0 at first
         self.add_round_sum("control_delta")  # Σ_{i∈S} Δc_i (weighted by p_i: "target")
-        self.add_server_state("server_control")  # c
+        self.add_server_state("server_control", like="params")  # c, 0 at first
         self._correction: TensorList | None = None
         self._stacked_correction: TensorList | None = None
 
-    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if self.server_control is None:
-            self.server_control = zeros_like(state.global_params)
-
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
-        self._correction = torch._foreach_sub(self.server_control, self._control_of(client, state))
+        control = self.client_state(state.store, client, "control")
+        self._correction = torch._foreach_sub(self.server_control, control)
 
     supports_vectorized_clients = True
 
     def on_vectorized_clients_start(self, trainer, pl_module, clients, state: RoundState) -> None:
         """The corrections c − c_i of every client of the chunk, stacked by row."""
         corrections = [
-            torch._foreach_sub(self.server_control, self._control_of(client, state))
+            torch._foreach_sub(
+                self.server_control, self.client_state(state.store, client, "control")
+            )
             for client in clients
         ]
         self._stacked_correction = [torch.stack(column) for column in zip(*corrections)]
@@ -97,13 +96,6 @@ class SCAFFOLD(FederatedCallback):
         index = torch.tensor(rows, device=grads[0].device)
         for g, correction in zip(grads, self._stacked_correction):
             g.add_(correction.index_select(0, index))
-
-    def _control_of(self, client: int, state: RoundState) -> TensorList:
-        """c_i: the client's stored control variate (zero before its first round)."""
-        stored = self.client_state(state.store, client, "control")
-        if stored is None:
-            return zeros_like(self.server_control)
-        return unflatten(stored, self.server_control)
 
     @torch.no_grad()
     def on_before_optimizer_step(
@@ -133,8 +125,8 @@ class SCAFFOLD(FederatedCallback):
         torch._foreach_sub_(delta_c, self.server_control)
         weight = float(state.target_weights[client]) if self.control_weighting == "target" else 1.0
         torch._foreach_add_(state.round_sum(self, "control_delta"), delta_c, alpha=weight)
-        new_control = torch._foreach_add(self._control_of(client, state), delta_c)
-        self.set_client_state(state.store, client, "control", flatten(new_control))
+        new_control = torch._foreach_add(self.client_state(state.store, client, "control"), delta_c)
+        self.set_client_state(state.store, client, "control", new_control)
 
     @torch.no_grad()
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:

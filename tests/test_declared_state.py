@@ -115,3 +115,68 @@ def test_the_client_state_flags_are_derived_from_declarations_and_an_explicit_op
             expected = CLIENT_STATE_BY_HAND.get(name)
             assert callback.keeps_client_state == (expected is not None), name
             assert callback.client_state_in_store == (expected == "store"), name
+
+
+class Drift(FederatedCallback):
+    """Per client: the sum of its updates (client state like θ); on the server: the sum of
+    every round's Σ ω_i Δ_i (server state like θ), both zero before their first one."""
+
+    def __init__(self) -> None:
+        self.add_client_state("drift", like="params")
+        self.add_server_state("total", like="params")
+        self.first_reads: dict[int, list[torch.Tensor]] = {}
+
+    def on_round_start(self, trainer, pl_module, state) -> None:
+        assert [t.shape for t in self.total] == [p.shape for p in state.global_params]
+
+    def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+        drift = self.client_state(state.store, client, "drift")
+        self.first_reads.setdefault(client, [t.clone() for t in drift])
+        new = torch._foreach_add(drift, update[: state.num_params])
+        self.set_client_state(state.store, client, "drift", new)
+
+    def on_round_end(self, trainer, pl_module, state) -> None:
+        torch._foreach_add_(self.total, state.update_sum[: state.num_params])
+
+
+def test_state_like_the_parameters_starts_at_zero_and_sums_as_declared():
+    """Three rounds of 3 of 10 clients: each client's first read is zero, its stored state
+    is the sum of its updates, by hand (flattened in the store), and the server's is the
+    sum of the rounds' update sums; a checkpoint's value is not reset at zero."""
+    from lightning_fl.engine.tensors import flatten
+
+    updates: dict[int, torch.Tensor] = {}
+    sums: list[torch.Tensor] = []
+
+    class Recorded(Drift):
+        def on_client_end(self, trainer, pl_module, client, update, state) -> None:
+            updates[client] = updates.get(client, 0) + flatten(update[: state.num_params])
+            super().on_client_end(trainer, pl_module, client, update, state)
+
+        def on_round_end(self, trainer, pl_module, state) -> None:
+            sums.append(flatten(state.update_sum[: state.num_params]).clone())
+            super().on_round_end(trainer, pl_module, state)
+
+    plugin = Recorded()
+    assert plugin.total is None and plugin.server_state_like_params() == ["total"]
+    strategy = FederatedStrategy(sampler=UniformSampler(3), local_steps=2, seed=5)
+    trainer = make_trainer(strategy, 3, [plugin, FedAvg()])
+    trainer.fit(tiny_module(), datamodule=tiny_datamodule())
+    assert set(plugin.first_reads) == set(updates) and len(updates) > 3
+    for first in plugin.first_reads.values():
+        assert all(bool((t == 0).all()) for t in first)
+    store = trainer.strategy.client_store
+    for client, total in updates.items():
+        stored = store.get(client, "Recorded.drift")
+        assert stored.dim() == 1 and torch.allclose(stored, total, atol=1e-6), client
+    assert torch.allclose(flatten(plugin.total), sum(sums), atol=1e-6)
+    resumed = Drift()
+    resumed.load_state_dict({"total": [torch.ones(2)]})
+    assert [t.tolist() for t in resumed.total] == [[1.0, 1.0]]  # not zeroed by the engine
+
+
+def test_like_takes_only_params():
+    import pytest
+
+    with pytest.raises(ValueError, match="like must be 'params'"):
+        Drift().add_client_state("x", like="buffers")

@@ -18,7 +18,10 @@ PACKAGES = {"lightning_fl": ROOT / "lightning_fl", "lightning_fl.callbacks": ROO
 #: module → the objects whose examples must be there
 REQUIRED = {
     "lightning_fl.systems.samplers": ["UniformSampler", "MDSampler", "PoissonSampler"],
-    "lightning_fl.engine.plugins": ["Aggregator.target_weights"],
+    "lightning_fl.engine.plugins": [
+        "Aggregator.target_weights",
+        "FederatedCallback.add_server_state",
+    ],
     "lightning_fl.systems.unlearning": ["BranchHistory.fork_point"],
     "lightning_fl.systems.forgetting": ["DPBaseline.round_noise_std"],
     "lightning_fl.systems.ca_fed": ["estimated_error", "truncate", "AvailabilityEstimator"],

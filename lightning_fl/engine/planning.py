@@ -359,6 +359,10 @@ class RoundPlanner:
             target_weights=p,
             local_steps=local_steps,
         )
+        for plugin in fit.plugins.callbacks:  # declared server state like θ, at zero once
+            for name in plugin.server_state_like_params():
+                if getattr(plugin, name) is None:
+                    setattr(plugin, name, zeros_like(global_tensors[: model.num_params]))
         for plugin in fit.plugins.callbacks:  # the declared round sums, at zero
             for name, shape in plugin.declared_round_sums().items():
                 like = global_tensors[: model.num_params]

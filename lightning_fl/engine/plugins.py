@@ -28,7 +28,7 @@ import torch
 
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.client_store import ClientStore
-from lightning_fl.engine.tensors import TensorList
+from lightning_fl.engine.tensors import TensorList, flatten, unflatten, zeros_like
 from lightning_fl.engine.traits import Trait, Traits, traits_of_class  # noqa: F401 (Trait: re-exported)
 from lightning_fl.systems.samplers import ClientSampler, Participation
 
@@ -276,7 +276,9 @@ class FederatedCallback(pl.Callback):
 
     # -- declared state (issue 68), on the model of torchmetrics' ``Metric.add_state`` --
 
-    def add_client_state(self, name: str, key: str | None = None) -> None:
+    def add_client_state(
+        self, name: str, key: str | None = None, like: Literal["params"] | None = None
+    ) -> None:
         """Declare ``name``: a tensor each client that has taken part keeps between rounds
         (SCAFFOLD's c_i), read and written in the client hooks with :meth:`client_state`
         and :meth:`set_client_state`. It lives in the engine's client store under ``key``
@@ -284,6 +286,10 @@ class FederatedCallback(pl.Callback):
         rest: the flags (``keeps_client_state``, ``client_state_in_store``: the entry
         moves to the rank that trains the client and back), its silo shard and its
         checkpoint entries (the store's, participants only).
+
+        ``like="params"``: the state is a list of tensors shaped like the model's
+        parameters, zero for a client that has none yet; it is kept flattened (one
+        tensor) and handed back as the list.
 
         >>> class Counts(FederatedCallback):
         ...     def __init__(self):
@@ -293,6 +299,8 @@ class FederatedCallback(pl.Callback):
         (True, 'counts_seen')
         """
         self._declared_state("client")[name] = key or f"{type(self).__name__}.{name}"
+        if like is not None:
+            self._declared_state("client like")[name] = _check_like(like)
 
     @property
     def keeps_client_state(self) -> bool:
@@ -315,11 +323,19 @@ class FederatedCallback(pl.Callback):
         return self._declared_state("client")[name]
 
     def client_state(self, store: ClientStore, client: int, name: str) -> Any:
-        """``client``'s declared state ``name``, or None before it has one."""
-        return store.get(client, self.client_state_key(name))
+        """``client``'s declared state ``name``, or None before it has one (zeros like the
+        parameters, on their device, for state declared ``like="params"``)."""
+        stored = store.get(client, self.client_state_key(name))
+        if name not in self._declared_state("client like"):
+            return stored
+        params = self.view.tensors.params
+        return zeros_like(params) if stored is None else unflatten(stored, params)
 
     def set_client_state(self, store: ClientStore, client: int, name: str, value: Any) -> None:
-        """Keep ``value`` as ``client``'s declared state ``name``."""
+        """Keep ``value`` as ``client``'s declared state ``name`` (a list of tensors,
+        flattened, for state declared ``like="params"``)."""
+        if name in self._declared_state("client like"):
+            value = flatten(value)
         store.set(client, self.client_state_key(name), value)
 
     def add_round_sum(
@@ -346,10 +362,20 @@ class FederatedCallback(pl.Callback):
         """The declared round sums and their shapes (None: like the parameters)."""
         return dict(self._declared_state("sum"))
 
-    def add_server_state(self, name: str, default: Any = None, stateful: bool = False) -> None:
+    def add_server_state(
+        self,
+        name: str,
+        default: Any = None,
+        stateful: bool = False,
+        like: Literal["params"] | None = None,
+    ) -> None:
         """Declare attribute ``name`` (set to ``default`` now) as server state: the
         callback's checkpoint entry, saved by :meth:`state_dict` and restored by
         :meth:`load_state_dict` (SCAFFOLD's c, DP-FedAvg's clip norm).
+
+        ``like="params"``: a list of tensors shaped like the model's parameters, which the
+        engine sets to zeros on their device before the first round (unless a checkpoint
+        restored it).
 
         ``stateful``: the attribute holds an object with its own ``state_dict`` and
         ``load_state_dict`` (an asynchronous schedule, a simulated clock): its state is
@@ -373,6 +399,12 @@ class FederatedCallback(pl.Callback):
         """
         setattr(self, name, default)
         self._declared_state("server")[name] = stateful
+        if like is not None:
+            self._declared_state("server like")[name] = _check_like(like)
+
+    def server_state_like_params(self) -> list[str]:
+        """The declared server state shaped like the parameters (``like="params"``)."""
+        return list(self._declared_state("server like"))
 
     def state_dict(self) -> dict[str, Any]:
         """The declared server state (:meth:`add_server_state`); a stateful object's own
@@ -412,7 +444,8 @@ class FederatedCallback(pl.Callback):
         return getattr(self, name)
 
     def _declared_state(self, kind: str) -> dict[str, Any]:
-        """The declarations of one kind ("client", "sum", "server", "trait"), by name."""
+        """The declarations of one kind ("client", "client like", "sum", "server",
+        "server like", "loaded", "trait"), by name."""
         return self.__dict__.setdefault("_state_declarations", {}).setdefault(kind, {})
 
     def add_trait(self, trait: str, fix: str) -> None:
@@ -641,3 +674,9 @@ class FedAvg(Aggregator):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:
         torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)
+
+
+def _check_like(like: str) -> str:
+    if like != "params":
+        raise ValueError(f"like must be 'params' (or None), got {like!r}.")
+    return like
