@@ -19,7 +19,7 @@ import torch
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
-from lightning_fl.engine.tensors import TensorList, unflatten
+from lightning_fl.engine.tensors import TensorList, flat_size, unflatten
 
 
 def attackers(num_clients: int, fraction: float, seed: int) -> frozenset[int]:
@@ -102,7 +102,7 @@ class GaussianUpdates(ByzantineClients):
         self.std = require_rate("std", std, 1.0)
 
     def corrupt(self, update, client, state):
-        size = sum(t.numel() for t in update)
+        size = flat_size(update)
         gen = generator(self.seed, "byzantine_gaussian", state.round_idx, client)
         # host: a CPU generator draws the same noise on every rank and device
         draw = self.std * torch.randn(size, generator=gen, dtype=torch.float64)

@@ -10,7 +10,7 @@ import torch
 
 from lightning_fl.engine.plugins import FederatedCallback, RoundState
 from lightning_fl.engine.seeding import generator
-from lightning_fl.engine.tensors import add_flat_, flatten
+from lightning_fl.engine.tensors import add_flat_, flat_size, flatten
 from lightning_fl.engine.traits import Trait
 from lightning_fl.systems.samplers import FullParticipation
 
@@ -136,7 +136,7 @@ class FreeRiders(FederatedCallback):
             participation.clients, tuple(w * fair_scale for w in participation.weights)
         )
         self.updates = {}
-        size = sum(t.numel() for t in state.global_tensors)
+        size = flat_size(state.global_tensors)
         like = state.global_tensors[0]
         weight = self._declared / (self._fair_total + self.num_free_riders * self._declared)
         for rider in self.ids:

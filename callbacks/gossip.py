@@ -135,6 +135,7 @@ class GossipAveraging(Aggregator):
         self.models = PersonalModels(STORE_KEY)
         self._lr_scale = 1.0
         self._hooked: weakref.WeakSet = weakref.WeakSet()
+        self.add_round_rows("half_steps")  # θ_t^{k−½} of every client, summed over ranks
         self.add_server_state("mixing")  # W (host), built at the first fit's start
         self.add_server_state("nodes", [])  # the clients W's rows stand for
         self.add_server_state("clock", stateful=True)  # the topology's max-plus clock
@@ -181,7 +182,7 @@ class GossipAveraging(Aggregator):
         return self.topology.build(len(self.nodes), bits, self.view.config.local_steps)
 
     def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
-        if sorted(state.participation.clients) != self.nodes:
+        if list(state.participation.clients) != self.nodes:  # the rows' order is W's
             raise ValueError(
                 "GossipAveraging needs every client with training data in every round: use "
                 "the default FullParticipation sampler."
@@ -189,13 +190,11 @@ class GossipAveraging(Aggregator):
         # every client's half-step model, filled by the rank that trains it (its own model
         # stays if its update is dropped) and summed over ranks by the round's all-reduce
         global_flat = flatten(state.global_tensors)
-        rows = torch.zeros(len(self.nodes), global_flat.numel(), dtype=global_flat.dtype,
-                           device=global_flat.device)  # fmt: skip
+        rows = state.round_rows(self, "half_steps")  # row t: client nodes[t]'s
         for row, client in enumerate(self.nodes):
             if trainer.strategy.owner(client) == trainer.global_rank:
                 own = state.store.get(client, STORE_KEY)
                 rows[row] = global_flat if own is None else own
-        state.extra_sums[STORE_KEY] = [rows]
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self.models.load(state.store, client, state.model)
@@ -241,13 +240,14 @@ class GossipAveraging(Aggregator):
         return self.models.own_update(state.store, client, update, state.global_tensors)
 
     def on_client_end(self, trainer, pl_module, client: int, update, state: RoundState) -> None:
-        row = self.nodes.index(client)
         model = state.model.tensors
-        state.extra_sums[STORE_KEY][0][row] = flatten([t.detach() for t in model])
+        state.round_rows(self, "half_steps")[state.row_of(client)] = flatten(
+            [t.detach() for t in model]
+        )
 
     def aggregate(self, trainer, pl_module, state: RoundState) -> None:
         self._lr_scale = 1.0
-        half = state.extra_sums[STORE_KEY][0].double()
+        half = state.round_rows(self, "half_steps").double()
         mixed = (self.mixing.T.to(half) @ half).to(state.global_tensors[0].dtype)
         for row, client in enumerate(self.nodes):  # row t: Σ_s W_st θ_s
             if trainer.strategy.owner(client) == trainer.global_rank:

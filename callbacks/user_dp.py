@@ -61,7 +61,14 @@ import torch
 
 from lightning_fl.checks import require_rate
 from lightning_fl.engine.plugins import Aggregator, RoundState, Trait, Weighting
-from lightning_fl.engine.tensors import TensorList, add_flat_, flatten, unflatten, zeros_like
+from lightning_fl.engine.tensors import (
+    TensorList,
+    add_flat_,
+    flat_size,
+    flatten,
+    unflatten,
+    zeros_like,
+)
 from lightning_fl.systems.discrete_gaussian import DEFAULT_BETA, DiscreteGaussianShares
 from lightning_fl.systems.privacy_noise import NoiseSource, noise_source
 from lightning_fl.systems.samplers import (
@@ -354,7 +361,7 @@ class DPFedAvg(Aggregator):
             )
         self._sites, self._rank = sites, trainer.global_rank
         if self.discrete:  # the exact grid sum, one flat float64 vector of multiples of γ
-            dim = sum(t.numel() for t in self.view.tensors.tensors)
+            dim = flat_size(self.view.tensors.tensors)
             self._grid = DiscreteGaussianShares(self.granularity_bits, self.rounding_beta, dim)
             self.add_round_sum("grid_sum", shape=(dim,), dtype=torch.float64)
 
@@ -456,7 +463,7 @@ class DPFedAvg(Aggregator):
 
     def _gaussian(self, like: TensorList, std: float, purpose: str, *keys: int) -> torch.Tensor:
         """N(0, std²) noise of ``like``'s total size, from :attr:`noise_source`."""
-        return self._normal(sum(t.numel() for t in like), std, purpose, *keys)
+        return self._normal(flat_size(like), std, purpose, *keys)
 
     def _normal(self, size: int, std: float, purpose: str, *keys: int) -> torch.Tensor:
         return std * self.noise_source.normal(size, purpose, *keys)

@@ -9,6 +9,7 @@ import torch
 from lightning_fl import FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import SCAFFOLD, FedAvg
 from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.tensors import flatten
 from tests.helpers import make_trainer, tiny_datamodule, tiny_module
 
 
@@ -124,19 +125,25 @@ class Drift(FederatedCallback):
     def __init__(self) -> None:
         self.add_client_state("drift", like="params")
         self.add_server_state("total", like="params")
+        self.add_round_rows("updates")  # each participant's update, in its row
         self.first_reads: dict[int, list[torch.Tensor]] = {}
+        self.rows: list[tuple[tuple[int, ...], torch.Tensor]] = []
 
     def on_round_start(self, trainer, pl_module, state) -> None:
         assert [t.shape for t in self.total] == [p.shape for p in state.global_params]
+        assert not state.round_rows(self, "updates").any()  # created at zero
 
     def on_client_end(self, trainer, pl_module, client, update, state) -> None:
         drift = self.client_state(state.store, client, "drift")
         self.first_reads.setdefault(client, [t.clone() for t in drift])
         new = torch._foreach_add(drift, update[: state.num_params])
         self.set_client_state(state.store, client, "drift", new)
+        state.round_rows(self, "updates")[state.row_of(client)] = flatten(update)
 
     def on_round_end(self, trainer, pl_module, state) -> None:
         torch._foreach_add_(self.total, state.update_sum[: state.num_params])
+        rows = state.round_rows(self, "updates").clone()
+        self.rows.append((tuple(state.participation.clients), rows))
 
 
 def test_state_like_the_parameters_starts_at_zero_and_sums_as_declared():
@@ -147,10 +154,12 @@ def test_state_like_the_parameters_starts_at_zero_and_sums_as_declared():
 
     updates: dict[int, torch.Tensor] = {}
     sums: list[torch.Tensor] = []
+    by_round: dict[int, dict[int, torch.Tensor]] = {}
 
     class Recorded(Drift):
         def on_client_end(self, trainer, pl_module, client, update, state) -> None:
             updates[client] = updates.get(client, 0) + flatten(update[: state.num_params])
+            by_round.setdefault(state.round_idx, {})[client] = flatten(update).clone()
             super().on_client_end(trainer, pl_module, client, update, state)
 
         def on_round_end(self, trainer, pl_module, state) -> None:
@@ -170,6 +179,11 @@ def test_state_like_the_parameters_starts_at_zero_and_sums_as_declared():
         stored = store.get(client, "Recorded.drift")
         assert stored.dim() == 1 and torch.allclose(stored, total, atol=1e-6), client
     assert torch.allclose(flatten(plugin.total), sum(sums), atol=1e-6)
+    assert len(plugin.rows) == 3
+    for (clients, rows), updates_of in zip(plugin.rows, by_round.values(), strict=True):
+        assert rows.shape[0] == len(clients) == 3
+        for row, client in enumerate(clients):  # participation order
+            assert torch.equal(rows[row], updates_of[client]), client
     resumed = Drift()
     resumed.load_state_dict({"total": [torch.ones(2)]})
     assert [t.tolist() for t in resumed.total] == [[1.0, 1.0]]  # not zeroed by the engine

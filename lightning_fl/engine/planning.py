@@ -23,7 +23,7 @@ from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT, RoundState
 from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
 from lightning_fl.engine.seeding import generator
-from lightning_fl.engine.tensors import zeros_like
+from lightning_fl.engine.tensors import flat_size, zeros_like
 from lightning_fl.systems.samplers import Participation
 
 #: Pseudo-client of the idle batches that give every rank a round of the same length.
@@ -370,8 +370,12 @@ class RoundPlanner:
                 zeros = zeros_like(like) if shape is None else [
                     torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
                 state.extra_sums[plugin.round_sum_key(name)] = zeros
+            for name in plugin.declared_round_rows():  # a row per participant, at zero
+                rows = torch.zeros(len(participation.clients), flat_size(global_tensors),
+                                   dtype=global_tensors[0].dtype, device=fit.device)  # fmt: skip
+                state.extra_sums[plugin.round_sum_key(name)] = [rows]
         if fit.plugins.sampler.needs_updates or fit.plugins.aggregator.needs_client_updates:
-            size = sum(t.numel() for t in global_tensors) + 1
+            size = flat_size(global_tensors) + 1
             rows = torch.zeros(len(participation.clients), size, device=fit.device,
                                dtype=global_tensors[0].dtype)  # fmt: skip
             state.extra_sums[CLIENT_UPDATES] = [rows]

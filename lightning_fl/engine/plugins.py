@@ -143,6 +143,11 @@ class RoundState:
         """``plugin``'s declared round sum ``name`` (:meth:`FederatedCallback.add_round_sum`)."""
         return self.extra_sums[plugin.round_sum_key(name)]
 
+    def round_rows(self, plugin: FederatedCallback, name: str) -> torch.Tensor:
+        """``plugin``'s declared per-participant rows ``name``
+        (:meth:`FederatedCallback.add_round_rows`): row :meth:`row_of` is the client's."""
+        return self.extra_sums[plugin.round_sum_key(name)][0]
+
     def weight_of(self, client: int) -> float:
         """ω of ``client`` (its first draw, for a client drawn several times)."""
         return self.participation.weights[self.row_of(client)]
@@ -350,12 +355,26 @@ class FederatedCallback(pl.Callback):
         if dtype is not None:
             self._declared_state("sum_dtype")[name] = dtype
 
+    def add_round_rows(self, name: str) -> None:
+        """Declare ``name``: one row per participant of the round (in participation order,
+        ``state.row_of(client)``), each as long as the flattened global tensors (gossip's
+        half-step models). The engine creates the rows at zero before ``on_round_start``;
+        each rank fills its own clients' rows, and the round's all-reduce adds them, so
+        that every rank holds every row after it. Hooks read them with
+        ``state.round_rows(self, name)``."""
+        self._declared_state("rows")[name] = None
+
+    def declared_round_rows(self) -> list[str]:
+        """The declared per-participant rows (:meth:`add_round_rows`)."""
+        return list(self._declared_state("rows"))
+
     def round_sum_dtype(self, name: str) -> torch.dtype | None:
         """The dtype declared for round sum ``name`` (None: the parameters')."""
         return self._declared_state("sum_dtype").get(name)
 
     def round_sum_key(self, name: str) -> str:
-        """The round state's ``extra_sums`` key of the declared round sum ``name``."""
+        """The round state's ``extra_sums`` key of the declared round sum (or rows)
+        ``name``."""
         return f"{type(self).__name__}.{name}"
 
     def declared_round_sums(self) -> dict[str, tuple[int, ...] | None]:
@@ -444,7 +463,7 @@ class FederatedCallback(pl.Callback):
         return getattr(self, name)
 
     def _declared_state(self, kind: str) -> dict[str, Any]:
-        """The declarations of one kind ("client", "client like", "sum", "server",
+        """The declarations of one kind ("client", "client like", "sum", "rows", "server",
         "server like", "loaded", "trait"), by name."""
         return self.__dict__.setdefault("_state_declarations", {}).setdefault(kind, {})
 

@@ -21,7 +21,7 @@ from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.planning import RoundPlan, RoundPlanner
 from lightning_fl.engine.plugins import CLIENT_UPDATES, Aggregator, FederatedCallback, RoundState
 from lightning_fl.engine.seeding import derive_seed, seed_global_rng
-from lightning_fl.engine.tensors import TensorList, all_finite, flatten, unflatten
+from lightning_fl.engine.tensors import TensorList, all_finite, flat_size, flatten, unflatten
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -186,7 +186,7 @@ class RoundEngine:
             buffer = secure
         offset = 0
         for part in sums:
-            size = sum(t.numel() for t in part)
+            size = flat_size(part)
             torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
             offset += size
         return int(buffer[-1].item())

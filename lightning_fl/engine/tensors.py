@@ -49,6 +49,11 @@ def flatten(tensors: TensorList) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def flat_size(tensors: TensorList) -> int:
+    """The length of :func:`flatten` of ``tensors``."""
+    return sum(t.numel() for t in tensors)
+
+
 def unflatten(flat: Tensor, like: TensorList) -> TensorList:
     out, offset = [], 0
     for t in like:
