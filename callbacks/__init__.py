@@ -14,7 +14,8 @@ round hooks and capability flags); exactly one is the :class:`Aggregator` that w
   :mod:`.safari` (server-assisted FedAvg), :mod:`.objective` (the federated objective
   measured on the training data);
 - privacy and robustness: :mod:`.privacy` (DP-SGD, membership inference, WERM's server
-  reference), :mod:`.user_dp` (DP-FedAvg with adaptive clipping), :mod:`.robust`
+  reference), :mod:`.user_dp` (DP-FedAvg with adaptive clipping), :mod:`.secure_aggregation`
+  (pairwise masks), :mod:`.robust`
   (median, trimmed mean, Krum, centered clipping), :mod:`.attacks` (sign flipping, scaled
   and Gaussian updates), :mod:`.unlearning` (SIFU and its baselines; the methods are
   :mod:`lightning_fl.systems.forgetting`), :mod:`.free_riders` (attacks and their detector);
@@ -46,6 +47,15 @@ from lightning_fl.callbacks.unlearning import StopAtTarget, Unlearning
 from lightning_fl.callbacks.user_dp import DPFedAvg
 from lightning_fl.engine.plugins import Aggregator, FederatedCallback, RoundState
 from lightning_fl.plots import FederatedPlots
+
+#: The families above, by module (the API reference groups the plugins by them).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "Aggregation": ("aggregation", "fedprox", "scaffold", "baselines", "streams"),
+    "Personalization": ("personalized", "fedem", "knn_per", "clustered", "gossip"),
+    "Participation and time": ("asynchronous", "safari", "objective"),
+    "Privacy and robustness": ("privacy", "user_dp", "secure_aggregation", "robust", "attacks",
+                               "unlearning", "free_riders"),
+}  # fmt: skip
 
 __all__ = [
     "Aggregator",

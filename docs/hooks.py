@@ -103,11 +103,25 @@ def own_docstring(obj: object) -> str | None:
 
 
 def names_page(package: str) -> str:
+    """One ``:::`` block per public name of ``package``; a package with ``FAMILIES``
+    (family -> its modules, as ``lightning_fl.callbacks`` lists them) in one section per
+    family, the names of no family's module (the contract, the figures) first."""
     lines = [f"# `{package}`", ""]
+    families: dict[str, tuple[str, ...]] = getattr(importlib.import_module(package),
+                                                   "FAMILIES", {})  # fmt: skip
+    first = "The contract, FedAvg and the figures" if families else ""
+    sections: dict[str, list[str]] = {first: [], **{family: [] for family in families}}
     for name, obj in public_names(package):
         if not (own_docstring(obj) or "").strip():
             log.warning(f"{package}.{name} has no docstring: write one (docs/hooks.py checks).")
-        lines += [f"::: {getattr(obj, '__module__', package)}.{name}", ""]
+        module = getattr(obj, "__module__", package)
+        family = next((f for f, modules in families.items()
+                       if module.rsplit(".", 1)[-1] in modules), first)  # fmt: skip
+        sections[family] += [f"::: {module}.{name}", ""]
+    for family, blocks in sections.items():
+        if family and blocks:
+            lines += [f"## {family}", ""]
+        lines += blocks
     return "\n".join(lines)
 
 
@@ -160,8 +174,9 @@ def source_tree() -> Path:
     """``build/docs_src/lightning_fl``: a copy of the package's Python files in its
     installed layout (``callbacks/`` and ``datamodules/`` inside ``lightning_fl``, as
     pyproject's package-dir maps them), for mkdocstrings to read statically. The Sphinx
-    roles of the docstrings (``:class:`~lightning_fl.FedAvg```) become code, and each
-    target must import: a role naming nothing is a broken cross-reference (a warning)."""
+    roles of the docstrings (``:class:`~lightning_fl.FedAvg```) become links to where the
+    site renders the object (plain code where it renders none), and each target must
+    import: a role naming nothing is a broken cross-reference (a warning)."""
     tree = ROOT / "build" / "docs_src"
     shutil.rmtree(tree, ignore_errors=True)
     sources = {"lightning_fl": ROOT / "lightning_fl", "lightning_fl/callbacks": ROOT /
@@ -204,7 +219,49 @@ def _role(match: re.Match, module: str, path: Path) -> str:
         log.warning(f"{where}: {match.group(0)} names nothing importable: "
                     "fix the cross-reference.")  # fmt: skip
     shown = target.rsplit(".", 1)[-1] if short else target.lstrip(".")
-    return f"`{shown}`"
+    identifier = canonical(target, module)
+    if identifier is None:
+        return f"`{shown}`"
+    # a link where the object is rendered (autorefs; optional: plain code where it is not)
+    return f'<autoref identifier="{identifier}" optional><code>{shown}</code></autoref>'
+
+
+def canonical(target: str, module: str) -> str | None:
+    """The dotted path under which the site renders the object a role names (its
+    defining module and qualified name), or None when it names no class, function,
+    module or attribute of one (a relative target is read as :func:`resolves` reads it)."""
+    name = target.lstrip(".")
+    parts = module.split(".")
+    prefixes = ["", *(".".join(parts[:i]) + "." for i in range(len(parts), 0, -1))]
+    for candidate in (f"{prefix}{name}" for prefix in prefixes):
+        found = _object_path(candidate)
+        if found is not None:
+            return found
+    return None
+
+
+def _object_path(dotted: str) -> str | None:
+    """``dotted``'s canonical path: the longest importable module prefix, then the
+    attributes, re-rooted at each class or function's own ``__module__.__qualname__``."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        path = obj.__name__
+        for part in parts[split:]:
+            if not hasattr(obj, part):
+                return None
+            obj = getattr(obj, part)
+            owner = getattr(obj, "__module__", None)
+            qualname = getattr(obj, "__qualname__", None)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and owner and qualname:
+                path = f"{owner}.{qualname}"
+            else:
+                path = f"{path}.{part}"
+        return path
+    return None
 
 
 def resolves(target: str, module: str) -> bool:

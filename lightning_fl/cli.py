@@ -24,13 +24,49 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning_utilities.core.imports import RequirementCache
 
 from lightning_fl.engine.outputs import RunSummary, run_dir
 from lightning_fl.engine.resume import last_checkpoint
 from lightning_fl.engine.silo_sites import SILO_ENV
+
+#: A Sphinx role of a docstring (``:class:`~lightning_fl.callbacks.FedAvg```), and RST's inline
+#: literal (````x````): the help prints them as plain text.
+_ROLE = re.compile(r":(?:class|mod|func|meth|attr|data|exc|obj):`(~?)([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str) -> str:
+    """``text`` (a docstring's words) without its markup: a role becomes the name it
+    shows (the last part after ``~``), an inline literal its content.
+
+    >>> plain_text("Σ of :class:`~lightning_fl.callbacks.FedAvg` (``x='y'``), :func:`sorted`")
+    "Σ of FedAvg (x='y'), sorted"
+    """
+    text = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], text)
+    return _LITERAL.sub(r"\1", text)
+
+
+class PlainHelpFormatter(DefaultHelpFormatter):
+    """``--help`` and ``--<group>.help CLASS`` as plain text (:func:`plain_text`)."""
+
+    def _get_help_string(self, action) -> str | None:
+        help_string = super()._get_help_string(action)
+        return None if help_string is None else plain_text(help_string)
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain_text(text))
+
+
+class PlainArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser with :class:`PlainHelpFormatter`, kept by the parsers
+    jsonargparse makes from it (a class's ``--<group>.help``)."""
+
+    def __init__(self, *args: Any, formatter_class=PlainHelpFormatter, **kwargs: Any) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
 
 
 class RunFolderSaveConfig(SaveConfigCallback):
@@ -172,6 +208,7 @@ def run(
         args=args,
         auto_configure_optimizers=False,
         parser_kwargs=parser_kwargs,
+        parser_class=PlainArgumentParser,
         on_start=on_start,
     )
 

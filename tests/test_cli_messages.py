@@ -5,6 +5,7 @@ without a run: tests/test_cli_and_logging.py drives the same messages through ``
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -304,3 +305,29 @@ def test_a_rank_stopped_by_another_ranks_failure_says_so_in_one_line(capsys, mon
     wrapped = RuntimeError("the round's all-reduce failed")
     wrapped.__cause__ = gloo
     assert cli.peer_failed(wrapped) and not cli.peer_failed(ValueError("closed"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["fit", "--help"],
+        ["fit", "--trainer.callbacks.help", "lightning_fl.callbacks.DPFedAvg"],
+        ["fit", "--data.help", "lightning_fl.datamodules.ReferenceDataModule"],
+    ],
+)
+def test_help_prints_plain_text_not_docstring_markup(args, capsys):
+    """Sphinx roles and RST literals of the docstrings print as the names they show:
+    DPFedAvg's ``noise`` help reads "central" (the server clips ...), not ````"central"````."""
+    with pytest.raises(SystemExit):
+        run(args, exit_on_error=False)
+    out = capsys.readouterr().out
+    assert "--" in out and not re.search(r":(class|func|meth|mod|data|attr):`|``", out), out
+    if "DPFedAvg" in args[-1]:
+        assert '"central" (the server clips and adds the noise)' in " ".join(out.split())
+
+
+def test_plain_text_shows_what_a_role_shows():
+    from lightning_fl.cli import plain_text
+
+    assert plain_text(":class:`~a.b.C` and :meth:`a.b.C.d`, ``x = 1``") == "C and a.b.C.d, x = 1"
+    assert plain_text("no markup: `x`") == "no markup: `x`"

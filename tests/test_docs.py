@@ -39,6 +39,10 @@ def test_the_site_builds_strictly_with_every_page(tmp_path):
     assert 'id="lightning_fl.systems.samplers.UniformSampler"' in api
     callbacks = (site / "api" / "callbacks" / "index.html").read_text()
     assert 'id="lightning_fl.callbacks.user_dp.DPFedAvg"' in callbacks
+    # a role is a link to where the object is rendered (DPFedAvg's noise_source names
+    # lightning_fl.systems.privacy_noise, on the systems page)
+    assert 'href="../systems/#lightning_fl.systems.privacy_noise"' in callbacks
+    assert ":class:`" not in callbacks and ":mod:`" not in callbacks
     systems = (site / "api" / "systems" / "index.html").read_text()
     assert 'id="lightning_fl.systems.robust.krum_scores"' in systems
     assert 'id="lightning_fl.systems.samplers.UniformSampler"' not in systems  # once only
@@ -73,6 +77,16 @@ def test_cross_references_resolve_or_warn(caplog, tmp_path):
     assert hooks.resolves("ForgettingMethod.restart", "lightning_fl.systems.forgetting")
     assert not hooks.resolves("lightning_fl.engine.tensors.flattened", "lightning_fl.engine")
     assert not hooks.resolves("NoSuchClass", "lightning_fl.systems.samplers")
+    assert hooks.canonical("lightning_fl.callbacks.FedAvg", "lightning_fl.cli") == (
+        "lightning_fl.engine.plugins.FedAvg"  # where it is defined, and rendered
+    )
+    assert hooks.canonical(".personalized", "lightning_fl.callbacks") == (
+        "lightning_fl.callbacks.personalized"
+    )
+    assert hooks.canonical("ForgettingMethod.restart", "lightning_fl.systems.forgetting") == (
+        "lightning_fl.systems.forgetting.ForgettingMethod.restart"
+    )
+    assert hooks.canonical("NoSuchClass", "lightning_fl.systems.samplers") is None
     source = tmp_path / "module.py"
     source.write_text('"""See :class:`~lightning_fl.NoSuch` and :func:`sorted`."""\n')
     with caplog.at_level(logging.WARNING, logger="mkdocs.hooks.lightning_fl"):
@@ -92,3 +106,29 @@ def test_doctests_are_fenced_and_readme_links_stay_inside_the_site():
     assert "](architecture.md#repository-files)" in page  # another file: read it in a clone
     assert "](benchmarks/" not in page and "](tests/" not in page
     assert "](#large-populations)" in page
+
+
+def test_the_callbacks_page_groups_the_plugins_by_family():
+    """Each plugin under its family's heading (lightning_fl.callbacks.FAMILIES), every
+    public name once, the contract first; a package without families is one list."""
+    hooks = _hooks()
+    page = hooks.names_page("lightning_fl.callbacks").splitlines()
+    headings = [line for line in page if line.startswith("## ")]
+    assert headings == ["## The contract, FedAvg and the figures", "## Aggregation",
+                        "## Personalization", "## Participation and time",
+                        "## Privacy and robustness"]  # fmt: skip
+
+    def section_of(name: str) -> str:
+        row = next(i for i, line in enumerate(page) if line.endswith(f".{name}"))
+        return next(line for line in reversed(page[:row]) if line.startswith("## "))
+
+    assert section_of("FederatedCallback") == headings[0]
+    assert section_of("SCAFFOLD") == section_of("IterateAverage") == "## Aggregation"
+    assert section_of("FedEM") == section_of("GossipAveraging") == "## Personalization"
+    assert section_of("SAFARI") == "## Participation and time"
+    assert section_of("SecureAggregation") == section_of("Krum") == "## Privacy and robustness"
+    import lightning_fl.callbacks as callbacks
+
+    blocks = [line for line in page if line.startswith("::: ")]
+    assert sorted(b.rsplit(".", 1)[-1] for b in blocks) == sorted(callbacks.__all__)
+    assert not [line for line in hooks.names_page("lightning_fl").splitlines() if line[:3] == "## "]
