@@ -245,6 +245,11 @@ class _Cycled:
         return cycle_batches(self.loader, self.steps)
 
 
+#: The data sources DP-SGD accounts for, each client's separately: its own training data,
+#: and WERM's reference data (thesis §6.3).
+ACCOUNTED_SOURCES = ("train", "reference")
+
+
 class DPSGD(FederatedCallback):
     """DP-SGD (Abadi et al., CCS 2016) for every client's local steps: per-sample gradients
     clipped to norm C, Gaussian noise N(0, σ²C²) added to their sum, divided by the batch
@@ -279,8 +284,6 @@ class DPSGD(FederatedCallback):
 
     traits = {Trait.PRIVATIZES_EACH_GRADIENT: ""}
 
-    undeclared_client_state = "store"  # its accounting, under keys per source: it moves
-
     replaces_gradient = True
     module_methods = ("forward(x) -> logits", "criterion(logits, target) -> loss")
     supports_vectorized_clients = True
@@ -298,6 +301,9 @@ class DPSGD(FederatedCallback):
         self.sigma_reference = (
             noise_multiplier if reference_noise_multiplier is None else reference_noise_multiplier
         )
+        for source in ACCOUNTED_SOURCES:  # each client's accounting, per data source
+            for fact in ("steps", "rate", "sigma"):  # noisy steps, max q, min z
+                self.add_client_state(f"{source}_{fact}", key=f"dp_{source}_{fact}")
         self._batch: Any = None
         self._sizes: dict[tuple[int, str], int] = {}
         self._secret: torch.Generator | None = None  # silo mode's noise generator
@@ -424,24 +430,29 @@ class DPSGD(FederatedCallback):
                 len(dataset.reference) if source == "reference" else len(dataset)
             )
         store = self.view.store
-        key = f"dp_{source}"
-        store.set(client, f"{key}_steps", store.get(client, f"{key}_steps", 0) + 1)
-        rate = min(1.0, batch_size / max(n, 1))
-        store.set(client, f"{key}_rate", max(rate, store.get(client, f"{key}_rate", 0.0)))
-        previous = store.get(client, f"{key}_sigma")
+
+        def fact(name: str, default: Any = None) -> Any:
+            value = self.client_state(store, client, f"{source}_{name}")
+            return default if value is None else value
+
+        self.set_client_state(store, client, f"{source}_steps", fact("steps", 0) + 1)
+        rate = max(min(1.0, batch_size / max(n, 1)), fact("rate", 0.0))
+        self.set_client_state(store, client, f"{source}_rate", rate)
         # the smallest noise seen: a changed multiplier never makes ε look smaller
-        store.set(
-            client, f"{key}_sigma", float(sigma if previous is None else min(previous, sigma))
-        )
+        previous = fact("sigma")
+        smallest = float(sigma if previous is None else min(previous, sigma))
+        self.set_client_state(store, client, f"{source}_sigma", smallest)
 
     def epsilon(self, store, client: int, source: str = "train") -> float:
-        steps = store.get(client, f"dp_{source}_steps", 0)
-        sigma = store.get(client, f"dp_{source}_sigma")
+        """``client``'s ε at ``delta`` for its data ``source`` (its declared accounting)."""
+        steps = self.client_state(store, client, f"{source}_steps")
+        sigma = self.client_state(store, client, f"{source}_sigma")
         if not steps or sigma is None:
             return 0.0
         if sigma == 0:
             return float("inf")
-        return rdp_epsilon(sigma, store.get(client, f"dp_{source}_rate"), steps, self.delta)
+        rate = self.client_state(store, client, f"{source}_rate")
+        return rdp_epsilon(sigma, rate, steps, self.delta)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Logs the largest ε over the clients that trained so far (``dp/epsilon``, and
@@ -449,7 +460,7 @@ class DPSGD(FederatedCallback):
         its own clients: on several processes the ranks' maxima are gathered first (one
         ``all_gather_object`` a round), so every rank logs the largest over all clients."""
         store = self.view.store
-        sources = (("train", "dp/epsilon"), ("reference", "dp/epsilon_reference"))
+        sources = tuple(zip(ACCOUNTED_SOURCES, ("dp/epsilon", "dp/epsilon_reference")))
         largest: list[float | None] = []
         for source, _ in sources:
             values = [v for v in (self.epsilon(store, c, source) for c in store.clients()) if v > 0]
