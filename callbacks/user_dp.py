@@ -53,6 +53,7 @@ decoded, by anyone.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import lightning.pytorch as pl
@@ -109,6 +110,17 @@ def sampling_of(sampler: ClientSampler, eligible: int) -> Sampling:
         "known inclusion probability q per round. Use UniformSampler, PoissonSampler or "
         "FullParticipation."
     )
+
+
+@dataclass(frozen=True)
+class Population:
+    """What DP-FedAvg's noise and ε read of a fit's users (McMahan et al. 2018, Alg. 1):
+    the bounded weights' total W = Σ_k w_k, the users with w_k > 0, and how a round draws
+    them (``sampling``: q)."""
+
+    total_weight: float
+    eligible: int
+    sampling: Sampling
 
 
 class DPFedAvg(Aggregator):
@@ -243,11 +255,11 @@ class DPFedAvg(Aggregator):
         self.add_server_state("momentum")  # the server momentum's buffer
         if target_quantile is not None:
             self.add_round_sum("unclipped", shape=(1,))  # b_t's count, over every rank
-        self._total_weight = 0.0
-        self._eligible = 0
         self._planned_rounds: int | None = None
         self._sites, self._rank = 1, 0  # W and this site's rank, read at the fit's start
-        self.sampling: Sampling | None = None
+        #: W, the eligible users and q of this fit, read from its counts and sampler at
+        #: its first round (None before)
+        self.population: Population | None = None
         #: What the last round logged: ε, C, σ and the noised unclipped fraction.
         self.last: dict[str, float] = {}
 
@@ -289,22 +301,27 @@ class DPFedAvg(Aggregator):
         return self.mechanism == "discrete_gaussian"
 
     # ------------------------------------------------------------------ weights and q
-    def target_weights(self, sample_counts) -> torch.Tensor:
-        """p_k = w_k/W with the bounded weights w_k (McMahan et al. 2018, Alg. 1)."""
+    def user_weights(self, sample_counts) -> np.ndarray:
+        """w_k: 1 for each user with data (``weighting="uniform"``), else the bounded
+        min(n_k/ŵ, 1) (McMahan et al. 2018, Alg. 1). Host bookkeeping of the counts."""
         counts = np.asarray(sample_counts)
         if self.weighting == "uniform":
-            w = (counts > 0).astype(np.float64)
-        else:
-            w = bounded_weights(counts, self.example_cap)
-        self._total_weight, self._eligible = float(w.sum()), int(np.count_nonzero(w))
+            return (counts > 0).astype(np.float64)
+        return bounded_weights(counts, self.example_cap)
+
+    def target_weights(self, sample_counts) -> torch.Tensor:
+        """p_k = w_k/W (McMahan et al. 2018, Alg. 1)."""
+        w = self.user_weights(sample_counts)
         # host: p is bookkeeping of the sample counts, read by the samplers on the host
         return torch.from_numpy(w / w.sum())
 
     def participation(
         self, round_idx: int, seed: int, p: torch.Tensor, sampler: ClientSampler
     ) -> Participation:
-        if self.sampling is None:
-            self.sampling = sampling_of(sampler, self._eligible)
+        if self.population is None:
+            w = self.user_weights(self.view.sample_counts)
+            eligible = int(np.count_nonzero(w))
+            self.population = Population(float(w.sum()), eligible, sampling_of(sampler, eligible))
             if self.discrete and self.sampling.rate != 1:
                 raise ValueError(
                     f"DPFedAvg(mechanism='discrete_gaussian') accounts for full participation "
@@ -318,7 +335,12 @@ class DPFedAvg(Aggregator):
     @property
     def expected_participants(self) -> float:
         """qn: the clients a round draws on average."""
-        return self.sampling.rate * self._eligible
+        return self.sampling.rate * self.population.eligible
+
+    @property
+    def sampling(self) -> Sampling:
+        """q: how this fit's sampler draws the users (the accountant's view of it)."""
+        return self.population.sampling
 
     @property
     def adaptive(self) -> bool:
@@ -346,11 +368,11 @@ class DPFedAvg(Aggregator):
     @property
     def _sensitivity(self) -> float:
         """C/(qW): the largest norm of one client's term ω_k clip(Δ_k) of the sum."""
-        return self.clip_norm / (self.sampling.rate * self._total_weight)
+        return self.clip_norm / (self.sampling.rate * self.population.total_weight)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
-        self.sampling = None  # read again from this fit's sampler at its first round
+        self.population = None  # read again from this fit's counts and sampler
         sites = trainer.world_size
         if self.colluding_sites >= sites:
             raise ValueError(
@@ -458,7 +480,7 @@ class DPFedAvg(Aggregator):
     def _noise_std(self, state: RoundState) -> float:
         return noise_std(
             self.update_noise_multiplier, self.clip_norm, self.sampling.rate,
-            self._total_weight, self.estimator, self.min_weight,
+            self.population.total_weight, self.estimator, self.min_weight,
         )  # fmt: skip
 
     def _gaussian(self, like: TensorList, std: float, purpose: str, *keys: int) -> torch.Tensor:
@@ -477,7 +499,8 @@ class DPFedAvg(Aggregator):
             estimate = unflatten(state.round_sum(self, "grid_sum")[0], estimate)
         if self.estimator == "clipped":
             sampled = sum(state.participation.weights)  # Σ_{k∈C} w_k / (qW)
-            torch._foreach_div_(estimate, max(self.min_weight / self._total_weight, sampled))
+            total = self.population.total_weight
+            torch._foreach_div_(estimate, max(self.min_weight / total, sampled))
         sigma = self._noise_std(state)
         if self.noise == "central" and sigma > 0:
             add_flat_(estimate, self._gaussian(estimate, sigma, "dp_fedavg", state.round_idx))

@@ -160,7 +160,7 @@ def test_epsilon_is_the_mechanisms_against_t_colluding_sites():
     dp = SiteOfFour(0, noise_multiplier=0.9)
     fit([dp, recorder], UniformSampler(3), rounds=2)
     central = DPFedAvg(noise_multiplier=0.9)
-    central.sampling = dp.sampling
+    central.population = dp.population
     assert dp.last["epsilon"] == pytest.approx(central.epsilon(2), abs=1e-12)
 
 
