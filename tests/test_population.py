@@ -9,6 +9,7 @@ import math
 from collections import Counter
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -351,6 +352,39 @@ def _evaluated(vectorize_evaluation, stage="validate", **strategy):
     trainer.fit(model, datamodule=dm)
     metrics = getattr(trainer, stage)(model, datamodule=dm, verbose=False)[0]
     return trainer.strategy.evaluation.last_report[1], metrics
+
+
+class _ValidationsDuringFit(pl.Callback):
+    """The metrics every validation of a fit logs (one per round)."""
+
+    def __init__(self) -> None:
+        self.rounds: list[dict[str, float]] = []
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        metrics = trainer.callback_metrics
+        self.rounds.append({k: float(v) for k, v in metrics.items() if k.startswith("val_")})
+
+
+def test_every_rounds_vectorized_validation_is_that_rounds_alone():
+    """Three rounds, each validated during the fit: vectorized evaluation reports each
+    round's own per-client means, equal to client-by-client evaluation's, not the running
+    sums over the rounds so far (a kept loader reuses its segment sums: they are emptied
+    at each epoch's start)."""
+    logged = {}
+    for vectorize in (False, True):
+        dm = _array_datamodule(12, batch_size=4, eval_batch_size=2)
+        strategy = FederatedStrategy(sampler=UniformSampler(4), local_steps=2, seed=3,
+                                     vectorize_evaluation=vectorize)  # fmt: skip
+        record = _ValidationsDuringFit()
+        trainer = make_trainer(strategy, 3, [FedAvg(), record], limit_val_batches=None)
+        trainer.fit(tiny_module(0.1), datamodule=dm)
+        logged[vectorize] = record.rounds
+    assert len(logged[True]) == len(logged[False]) == 3
+    for plain, fast in zip(logged[False], logged[True]):
+        assert plain.keys() == fast.keys() and "val_acc" in plain
+        for key, value in plain.items():
+            assert math.isclose(fast[key], value, rel_tol=1e-6, abs_tol=1e-7), key
+    assert logged[False][0]["val_loss"] != logged[False][2]["val_loss"]  # the rounds differ
 
 
 @pytest.mark.parametrize("stage", ["validate", "test"])

@@ -212,6 +212,8 @@ class EvalRounds:
         return 1 if self.idle else self.total
 
     def __iter__(self) -> Iterator[Any]:
+        if self.segments is not None:
+            self.segments.reset()  # this epoch's sums only
         self.evaluation.begin(self.schedule, self.sizes, self.segments, self.population)
         if self.idle:
             yield ()

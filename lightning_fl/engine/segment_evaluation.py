@@ -137,6 +137,11 @@ class SegmentEvaluation:
         self.totals: dict[str, Tensor] = {}
         self.counts: Tensor | None = None
 
+    def reset(self) -> None:
+        """Empty the per-client sums: an epoch's evaluation starts from none (a loader
+        Lightning keeps across epochs reuses this object)."""
+        self.totals, self.counts = {}, None
+
     def _stacked(self, batch: SegmentBatch, device: torch.device) -> list[Tensor]:
         # host: the indices are cut on the host, next to the (possibly memory-mapped) rows
         index = torch.from_numpy(batch.starts)[:, None] + torch.arange(batch.length)
