@@ -129,6 +129,14 @@ def test_chunk_batches_are_the_loaders_batches(module_cls):
                     assert torch.equal(x[k], ex) and torch.equal(y[k], ey)
 
 
+class _PerClient(InMemoryFederatedDataModule):
+    """Clients as TensorDatasets only (its own ``client_dataset``: no arrays), so that
+    packing takes the per-client path these tests check."""
+
+    def client_dataset(self, client, split):
+        return super().client_dataset(client, split)
+
+
 def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
     class _Wrapped(Dataset):
         def __init__(self, data) -> None:
@@ -148,7 +156,7 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
         def set_round(self, round_idx: int) -> None:
             pass
 
-    dm = tiny_datamodule()
+    dm = _PerClient(tiny_clients(), batch_size=4)
     counts = dm.sample_counts()
     lazy = _Lazy(tiny_clients())
     assert pack_federation(lazy, counts, torch.device("cpu")) == (
@@ -178,7 +186,7 @@ def test_a_federation_that_cannot_be_packed_says_why(monkeypatch):
     strategy = FederatedStrategy(vectorize=True, seed=3, local_steps=2)
     with pytest.warns(UserWarning, match="training data stays with the datamodule's loaders: it"):
         make_trainer(strategy, 1, [FedAvg()]).fit(
-            Classifier(network=MLP(6, (8,), 3)), datamodule=tiny_datamodule()
+            Classifier(network=MLP(6, (8,), 3)), datamodule=_PerClient(tiny_clients())
         )
     assert strategy.fit.packed is None
     monkeypatch.setattr(packed_module, "_free_memory", lambda device: 2 * size)
@@ -359,7 +367,7 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy(monkeypatch):
     gap = [{"train": (x[a:b], y[a:b])} for a, b in ((0, 4), (5, 15), (15, 30))]
     swapped = [adjacent[1], adjacent[0], adjacent[2]]
     for clients, shared in ((adjacent, True), (gap, False), (swapped, False)):
-        dm = InMemoryFederatedDataModule(clients, batch_size=4)
+        dm = _PerClient(clients, batch_size=4)
         packed, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
         expected = [torch.cat([c["train"][k] for c in clients]) for k in range(2)]
         for column, concatenated, base in zip(packed.columns, expected, (x, y)):
@@ -462,3 +470,35 @@ def test_packing_keeps_one_sample_clients_skips_empty_ones_and_counts_its_bytes(
     for c in (1, 2):
         x, y = packed.client_dataset(c).tensors
         assert torch.equal(x, data[c][0]) and torch.equal(y, data[c][1])
+
+
+def test_an_in_memory_federation_packs_each_split_into_arrays_once():
+    """Columns equal to the clients' tensors one after another (a client without the
+    split counts 0), offsets their running sizes, a view of the tensor the clients were cut
+    from in order (no copy), the clients' own tensors then views of the columns, the
+    caller's dicts untouched; None where a subclass gives its own datasets, in silo mode
+    and where the clients' columns differ."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(20, 3, generator=g), torch.arange(20)
+    clients = [{"train": (x[0:4], y[0:4]), "val": (x[13:15], y[13:15])},
+               {"train": (x[4:4], y[4:4])},  # no val split, an empty train split
+               {"train": (x[4:13], y[4:13]), "val": (x[16:20], y[16:20])}]  # fmt: skip
+    given = [dict(c) for c in clients]
+    dm = InMemoryFederatedDataModule(clients, batch_size=4)
+    columns, offsets = dm.split_arrays("train")
+    assert offsets.tolist() == [0, 4, 4, 13]
+    assert torch.equal(columns[0], x[:13]) and columns[0].data_ptr() == x.data_ptr()
+    val_columns, val_offsets = dm.split_arrays("val")
+    assert val_offsets.tolist() == [0, 2, 2, 6]
+    assert torch.equal(val_columns[1], torch.cat([y[13:15], y[16:20]]))
+    assert val_columns[1].data_ptr() != y[13:].data_ptr()  # a gap between clients: a copy
+    third = dm.client_dataset(2, "val").tensors[0]
+    assert torch.equal(third, x[16:20]) and third.data_ptr() == val_columns[0][2:].data_ptr()
+    assert all(c[s] is g_[s] for c, g_ in zip(clients, given) for s in c)  # untouched
+    assert dm.split_arrays("val") is dm.split_arrays("val")  # packed once
+    assert dm.split_arrays("test") is None
+    assert _PerClient(clients).split_arrays("train") is None
+    dm.enter_silo(0, 2)
+    assert dm.split_arrays("train") is None
+    mixed = [{"train": (x[:2], y[:2])}, {"train": (x[2:4].double(), y[2:4])}]
+    assert InMemoryFederatedDataModule(mixed).split_arrays("train") is None

@@ -410,9 +410,13 @@ def test_vectorized_evaluation_equals_client_by_client(stage):
 def test_vectorized_evaluation_true_is_refused_at_set_up_naming_the_reason():
     strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)
     trainer = make_trainer(strategy, 1, [FedAvg()], limit_val_batches=None)
-    dm = InMemoryFederatedDataModule(tiny_clients(4))
-    with pytest.raises(ValueError, match="does not hold its clients as arrays"):
-        trainer.fit(tiny_module(), datamodule=dm)
+
+    class Lazy(InMemoryFederatedDataModule):  # datasets of its own: no arrays
+        def client_dataset(self, client, split):
+            return super().client_dataset(client, split)
+
+    with pytest.raises(ValueError, match="Lazy does not hold its clients as arrays"):
+        trainer.fit(tiny_module(), datamodule=Lazy(tiny_clients(4)))
     from lightning_fl.callbacks import Ditto
 
     strategy = FederatedStrategy(vectorize_evaluation=True, local_steps=1)

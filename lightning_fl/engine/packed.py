@@ -37,6 +37,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.seeding import derive_seeds
+from lightning_fl.engine.tensors import adjacent_view
 
 #: The share of the device's free memory a packed federation may take.
 MEMORY_SHARE = 0.5
@@ -263,7 +264,7 @@ def pack_federation(
     if len(widths) != 1:
         return None, "its clients' datasets have different numbers of tensors"
     parts = [[d.tensors[k] for d in datasets.values()] for k in range(len(first.tensors))]
-    views = [_as_view(column) for column in parts]
+    views = [adjacent_view(column) for column in parts]
     on_host = all(v is not None and v.device == device for v in views)
     nbytes = sum(t.numel() * t.element_size() for d in datasets.values() for t in d.tensors)
     free = _free_memory(device)
@@ -311,30 +312,6 @@ def _pack_arrays(
     columns = [c.to(device) for c in columns]
     starts = np.asarray(offsets[:-1], dtype=np.int64)
     return PackedFederation(columns, starts, sizes, batch_sizes), ""
-
-
-def _as_view(parts: list[Tensor]) -> Tensor | None:
-    """The concatenation of ``parts`` as a view, when they already lie one after another
-    in one contiguous storage (clients cut as slices of one tensor): no copy, and no
-    memory to find. None otherwise."""
-    first = parts[0]
-    rows = sum(len(p) for p in parts)
-    shape, stride = (rows, *first.shape[1:]), first.stride()
-    offset, storage = first.storage_offset(), first.untyped_storage()
-    position, adjacent = offset, first.is_contiguous()
-    for part in parts:
-        adjacent = (
-            adjacent
-            and part.is_contiguous()
-            and part.shape[1:] == first.shape[1:]
-            and part.dtype == first.dtype
-            and part.untyped_storage().data_ptr() == storage.data_ptr()
-            and part.storage_offset() == position
-        )
-        if not adjacent:
-            return None
-        position += part.numel()
-    return first.new_empty(0).set_(storage, offset, shape, stride)
 
 
 def _free_memory(device: torch.device) -> int:

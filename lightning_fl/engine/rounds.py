@@ -146,7 +146,8 @@ class EvalRounds:
                 raise ValueError(
                     f"vectorize_evaluation=True, but {type(datamodule).__name__} does not "
                     f"hold its {split!r} split as arrays (split_arrays): use an "
-                    "ArrayFederatedDataModule, or vectorize_evaluation='auto'."
+                    "ArrayFederatedDataModule or an InMemoryFederatedDataModule of plain "
+                    "tensors, or vectorize_evaluation='auto'."
                 )
             clients, sizes = self._datasets(datamodule, split, candidates)
         else:

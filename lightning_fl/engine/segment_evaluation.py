@@ -76,8 +76,13 @@ def segment_batches(
     return out
 
 
-def refusal(module: object, callbacks: Iterable[object]) -> str | None:
-    """Why the clients of ``module`` cannot be evaluated vectorized, or None."""
+def refusal(
+    module: object, callbacks: Iterable[object], batch_limit: int | float | None = None
+) -> str | None:
+    """Why the clients of ``module`` cannot be evaluated vectorized, or None.
+    ``batch_limit``: the Trainer's ``limit_val_batches`` / ``limit_test_batches``; one
+    that cuts the epoch counts each client's own batches, which a vectorized step (many
+    clients' batches at once) does not have."""
     from lightning_fl.engine.plugins import FederatedCallback
     from lightning_fl.models import FederatedTask
 
@@ -88,6 +93,8 @@ def refusal(module: object, callbacks: Iterable[object]) -> str | None:
             return f"{type(module).__name__} overrides {hook}"
     if module.accepts_reference_batches:
         return f"{type(module).__name__} trains on reference batch pairs"
+    if batch_limit is not None and batch_limit != 1.0:
+        return f"a batch limit ({batch_limit}) cuts the epoch at a client's own batch"
     for cb in callbacks:
         for hook in ("on_client_evaluation_start", "on_client_evaluation_end"):
             if getattr(type(cb), hook, None) not in (None, getattr(FederatedCallback, hook)):
@@ -96,14 +103,17 @@ def refusal(module: object, callbacks: Iterable[object]) -> str | None:
 
 
 def factory(
-    wanted: bool | str, module: torch.nn.Module, callbacks: Iterable[object]
+    wanted: bool | str,
+    module: torch.nn.Module,
+    callbacks: Iterable[object],
+    batch_limit: int | float | None = None,
 ) -> SegmentEvaluationFactory | None:
-    """What ``vectorize_evaluation=wanted`` gives ``module`` with ``callbacks``: a factory
-    (strict for True), or None (False, or "auto" where :func:`refusal` finds a reason);
-    True with a reason is refused, naming it."""
+    """What ``vectorize_evaluation=wanted`` gives ``module`` with ``callbacks`` (and the
+    epoch's ``batch_limit``): a factory (strict for True), or None (False, or "auto" where
+    :func:`refusal` finds a reason); True with a reason is refused, naming it."""
     if wanted is False:
         return None
-    reason = refusal(module, callbacks)
+    reason = refusal(module, callbacks, batch_limit)
     if reason is not None and wanted is True:
         raise ValueError(
             f"vectorize_evaluation=True cannot evaluate clients vectorized: {reason}. "

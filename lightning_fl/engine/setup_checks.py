@@ -34,8 +34,8 @@ def check_federation(
     if vectorize_evaluation is True and datamodule.split_arrays("train") is None:
         raise ValueError(
             f"vectorize_evaluation=True, but {type(datamodule).__name__} does not hold its "
-            "clients as arrays (split_arrays): use an ArrayFederatedDataModule, or "
-            "vectorize_evaluation='auto'."
+            "clients as arrays (split_arrays): use an ArrayFederatedDataModule or an "
+            "InMemoryFederatedDataModule of plain tensors, or vectorize_evaluation='auto'."
         )
     if datamodule.num_clients < world_size:
         raise ValueError(

@@ -388,13 +388,21 @@ class FederatedStrategy(DDPStrategy):
         )  # fmt: skip
         return EvalRounds(
             self.fit.federation, dataloader.split, self.fit.ranks, self.evaluation, cohort,
-            self._segment_evaluation(), population,
+            self._segment_evaluation(dataloader.split), population,
         )  # fmt: skip
 
-    def _segment_evaluation(self) -> Any:
-        """The factory of vectorized evaluation epochs, or None."""
+    def _segment_evaluation(self, split: str | None = None) -> Any:
+        """The factory of vectorized evaluation epochs of ``split`` (None: of any, at
+        set-up, without its batch limit), or None."""
+        trainer = self.lightning_module.trainer
+        limit = None
+        if split is not None:
+            limit = trainer.limit_test_batches if split == "test" else trainer.limit_val_batches
         return segment_evaluation.factory(
-            self.config.vectorize_evaluation, self.lightning_module, self.fit.plugins.callbacks
+            self.config.vectorize_evaluation,
+            self.lightning_module,
+            self.fit.plugins.callbacks,
+            batch_limit=limit,
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

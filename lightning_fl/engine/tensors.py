@@ -80,3 +80,27 @@ def all_finite(tensors: TensorList) -> bool:
 
 def zeros_like(tensors: TensorList) -> TensorList:
     return [torch.zeros_like(t) for t in tensors]
+
+
+def adjacent_view(parts: list[Tensor]) -> Tensor | None:
+    """The concatenation of ``parts`` as a view, when they already lie one after another
+    in one contiguous storage (clients cut as slices of one tensor): no copy, and no
+    memory to find. None otherwise."""
+    first = parts[0]
+    rows = sum(len(p) for p in parts)
+    shape, stride = (rows, *first.shape[1:]), first.stride()
+    offset, storage = first.storage_offset(), first.untyped_storage()
+    position, adjacent = offset, first.is_contiguous()
+    for part in parts:
+        adjacent = (
+            adjacent
+            and part.is_contiguous()
+            and part.shape[1:] == first.shape[1:]
+            and part.dtype == first.dtype
+            and part.untyped_storage().data_ptr() == storage.data_ptr()
+            and part.storage_offset() == position
+        )
+        if not adjacent:
+            return None
+        position += part.numel()
+    return first.new_empty(0).set_(storage, offset, shape, stride)
