@@ -194,3 +194,5 @@ def test_like_takes_only_params():
 
     with pytest.raises(ValueError, match="like must be 'params'"):
         Drift().add_client_state("x", like="buffers")
+    with pytest.raises(ValueError, match="like must be 'params'"):
+        Drift().add_server_state("y", like="buffers")
