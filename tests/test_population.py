@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from types import SimpleNamespace
 
@@ -769,3 +770,30 @@ def test_client_metrics_in_bulk_are_the_csv_writers_rows(tmp_path):
                 for client, (value, count) in sorted(values.items()):
                     writer.writerow([stage, round_idx, name, client, f"{value:.8g}", int(count)])
     assert bulk.read_bytes() == (tmp_path / "rows.csv").read_bytes()
+
+
+def test_the_data_commands_options_their_defaults_and_what_they_print(tmp_path, capsys):
+    """Each subcommand's required options are refused when missing (the subcommand too);
+    ``generate`` defaults to 4 features and 2 classes, ``convert-leaf`` to Sent140's 25
+    words; ``generate-leaf`` says how many files it wrote, and each run ends with its
+    time."""
+    from lightning_fl.command import main
+    from lightning_fl.data_command import parser
+    from lightning_fl.datamodules.arrays import open_federation
+
+    for argv in ([], ["generate", "--out", "x"], ["generate", "--clients", "3"],
+                 ["generate-leaf", "--out", "x"], ["generate-leaf", "--clients", "3"],
+                 ["convert-leaf", "in.json"]):  # fmt: skip
+        with pytest.raises(SystemExit) as refused:
+            parser().parse_args(argv)
+        assert refused.value.code == 2, argv
+    assert parser().parse_args(["convert-leaf", "a.json", "--out", "o"]).max_words == 25
+    main(["data", "generate", "--clients", "30", "--out", str(tmp_path / "fed")])
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"\(\d+\.\d s\)", out[-1]), out
+    train = open_federation(tmp_path / "fed")["train"]
+    assert train.columns[0].shape[1] == 4 and set(np.unique(train.columns[1])) == {0, 1}
+    main(["data", "generate-leaf", "--clients", "12", "--out", str(tmp_path / "json")])
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"\d+ LEAF JSON file\(s\) in {re.escape(str(tmp_path / 'json'))} "
+                        r"\(\d+\.\d s\)", out[-1]), out  # fmt: skip
