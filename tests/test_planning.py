@@ -10,6 +10,7 @@ import math
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -390,3 +391,60 @@ def test_a_resumed_rank_loads_only_the_clients_it_owns_and_that_still_exist():
     assert fit.store.clients() == [1, 4]
     assert [float(fit.store.get(c, "own")) for c in (1, 4)] == [1.0, 4.0]
     assert engine.consecutive_bad_rounds == 2 and restored == [{"drawn": 3}]
+
+
+def test_a_federations_counts_held_out_clients_and_splits_by_hand():
+    """7 clients of unequal sizes, clients 5 and 6 held out (unseen), client 2 without
+    validation data: the training counts zero the unseen, the masks and sets name them, the
+    splits' counts and the clients with data are the datamodule's, read once."""
+    from lightning_fl.datamodules import ArrayFederatedDataModule
+    from lightning_fl.datamodules.arrays import ClientArrays
+    from lightning_fl.engine.context import Federation, client_training_counts
+
+    def arrays(sizes):
+        x = np.zeros((sum(sizes), 2), "float32")
+        return ClientArrays([x, np.zeros(sum(sizes), "int64")], np.cumsum([0, *sizes]))
+
+    train, val = [3, 1, 4, 1, 5, 9, 2], [1, 2, 0, 1, 1, 3, 1]
+    dm = ArrayFederatedDataModule(splits={"train": arrays(train), "val": arrays(val)},
+                                  unseen_fraction=2 / 7)  # fmt: skip
+    fed = Federation(dm)
+    assert fed.training_counts.tolist() == [3, 1, 4, 1, 5, 0, 0]
+    assert not fed.training_counts.flags.writeable
+    assert fed.unseen.tolist() == [5, 6] and fed.unseen_set == frozenset({5, 6})
+    assert fed.unseen_mask.tolist() == [False] * 5 + [True, True]
+    assert fed.split_counts("val").tolist() == val and fed.has_validation_data()
+    assert fed.clients_with_data("val").tolist() == [0, 1, 3, 4, 5, 6]
+    assert fed.clients_with_data("train").tolist() == [0, 1, 2, 3, 4]
+    assert fed.split_counts("val") is fed.split_counts("val")  # read once
+    no_val = ArrayFederatedDataModule(splits={"train": arrays(train)})
+    assert not Federation(no_val).has_validation_data()
+    empty = ArrayFederatedDataModule(splits={"train": arrays([0, 0, 2])}, unseen_fraction=1 / 3)
+    with pytest.raises(ValueError, match="Every client has an empty training set"):
+        Federation(empty)
+    assert client_training_counts(empty, require_data=False).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "refused"),
+    [
+        ({"eval_clients": 1}, None),
+        ({"eval_clients": 0}, "eval_clients must be a number of clients >= 1"),
+        ({"eval_clients": True}, "eval_clients must be a number of clients >= 1"),
+        ({"vectorize_evaluation": True}, None),
+        ({"vectorize_evaluation": False}, None),
+        ({"vectorize_evaluation": "yes"}, "vectorize_evaluation must be True, False or 'auto'"),
+        ({"local_steps_per_training_step": 1}, None),
+        ({"local_steps_per_training_step": 2}, "set vectorize=True as well"),
+        ({"local_steps_per_training_step": 2, "vectorize": True}, None),
+        ({"local_steps_per_training_step": 0, "vectorize": True}, "must be >= 1 or None"),
+    ],
+)
+def test_the_configs_checks_at_both_ends_of_their_ranges(settings, refused):
+    from lightning_fl import FederatedStrategy
+
+    if refused is None:
+        FederatedStrategy(**settings)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            FederatedStrategy(**settings)
