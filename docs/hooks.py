@@ -230,48 +230,58 @@ def canonical(target: str, module: str) -> str | None:
     """The dotted path under which the site renders the object a role names (its
     defining module and qualified name), or None when it names no class, function,
     module or attribute of one (a relative target is read as :func:`resolves` reads it)."""
-    name = target.lstrip(".")
-    parts = module.split(".")
-    prefixes = ["", *(".".join(parts[:i]) + "." for i in range(len(parts), 0, -1))]
-    for candidate in (f"{prefix}{name}" for prefix in prefixes):
+    for candidate in _candidates(target, module):
         found = _object_path(candidate)
         if found is not None:
             return found
     return None
 
 
-def _object_path(dotted: str) -> str | None:
-    """``dotted``'s canonical path: the longest importable module prefix, then the
-    attributes, re-rooted at each class or function's own ``__module__.__qualname__``."""
+def _candidates(target: str, module: str) -> list[str]:
+    """The dotted names a role's target may mean: absolute, then relative to ``module``
+    and to each of its packages, innermost first (a leading dot read as relative)."""
+    name = target.lstrip(".")
+    parts = module.split(".")
+    return [name] + [f"{'.'.join(parts[:i])}.{name}" for i in range(len(parts), 0, -1)]
+
+
+def _longest_module(dotted: str) -> tuple[object, list[str]] | None:
+    """The longest importable module prefix of ``dotted`` and the names after it."""
     parts = dotted.split(".")
     for split in range(len(parts), 0, -1):
         try:
-            obj = importlib.import_module(".".join(parts[:split]))
+            return importlib.import_module(".".join(parts[:split])), parts[split:]
         except ImportError:
             continue
-        path = obj.__name__
-        for part in parts[split:]:
-            if not hasattr(obj, part):
-                return None
-            obj = getattr(obj, part)
-            owner = getattr(obj, "__module__", None)
-            qualname = getattr(obj, "__qualname__", None)
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and owner and qualname:
-                path = f"{owner}.{qualname}"
-            else:
-                path = f"{path}.{part}"
-        return path
     return None
+
+
+def _object_path(dotted: str) -> str | None:
+    """``dotted``'s canonical path: its longest importable module, then the attributes,
+    re-rooted at each class or function's own ``__module__.__qualname__``."""
+    found = _longest_module(dotted)
+    if found is None:
+        return None
+    obj, rest = found
+    path = obj.__name__
+    for part in rest:
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+        owner = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", None)
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and owner and qualname:
+            path = f"{owner}.{qualname}"
+        else:
+            path = f"{path}.{part}"
+    return path
 
 
 def resolves(target: str, module: str) -> bool:
     """Whether a role's target names an object: absolute, relative to ``module`` or one
     of its packages (a leading dot), or a name of ``module`` or of one of its classes."""
     name = target.lstrip(".")
-    parts = module.split(".")
-    prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    candidates = [name] + [f"{prefix}.{name}" for prefix in prefixes]
-    if any(_imports(candidate) for candidate in candidates):
+    if any(_imports(candidate) for candidate in _candidates(target, module)):
         return True
     try:
         namespace = importlib.import_module(module)
@@ -283,14 +293,8 @@ def resolves(target: str, module: str) -> bool:
 
 
 def _imports(dotted: str) -> bool:
-    parts = dotted.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
-        return _attribute(obj, ".".join(parts[split:])) if split < len(parts) else True
-    return False
+    found = _longest_module(dotted)
+    return found is not None and (not found[1] or _attribute(found[0], ".".join(found[1])))
 
 
 def _attribute(obj: object, dotted: str) -> bool:

@@ -186,7 +186,7 @@ def test_state_like_the_parameters_starts_at_zero_and_sums_as_declared():
             assert torch.equal(rows[row], updates_of[client]), client
     resumed = Drift()
     resumed.load_state_dict({"total": [torch.ones(2)]})
-    assert [t.tolist() for t in resumed.total] == [[1.0, 1.0]]  # not zeroed by the engine
+    assert [t.tolist() for t in resumed.total] == [[1.0, 1.0]]  # kept as loaded
 
 
 def test_like_takes_only_params():

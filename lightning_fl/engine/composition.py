@@ -19,7 +19,7 @@ vectorization refusals of :mod:`lightning_fl.engine.vectorized`, are refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
@@ -297,7 +297,7 @@ def method_of(signature: str) -> str:
     return signature.split("(")[0].strip()
 
 
-def refusal_table(plugins: Iterable[type]) -> str:
+def refusal_table(plugins: Sequence[type]) -> str:
     """The README's table of refused pairs: one row per rule of :data:`TRAIT_RULES`,
     naming the public classes of ``plugins`` (and the ways of running) that declare each
     trait."""
@@ -306,7 +306,7 @@ def refusal_table(plugins: Iterable[type]) -> str:
         names = [cls.__name__ for cls in plugins
                  if trait in traits_of_class(cls) and not cls.__name__.startswith("_")]  # fmt: skip
         names += [way for way, traits in WAY_TRAITS.items() if trait in traits]
-        return ", ".join(names) or "(declared by settings only)"
+        return ", ".join(names)
 
     rows = ["| plugins that … | refused with plugins that … | why | fix |", "|---|---|---|---|"]
     for rule in TRAIT_RULES:
