@@ -303,6 +303,16 @@ class FederatedTask(LightningModule):
     def loss_and_metrics(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
+    def sample_losses_and_metrics(self, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Optional: the loss and metrics of each sample of ``batch`` (tensors of shape
+        ``[B]``) whose means are :meth:`loss_and_metrics`'s, for losses that are a mean
+        over the batch's samples (cross-entropy, not a Cox partial likelihood or a
+        BatchNorm's batch statistics). With it, the vectorized path pads a client's short
+        last batch to its step's batch and weights the padding out (one vmapped call a
+        local step instead of one per batch size: :mod:`lightning_fl.engine.vectorized`);
+        the set-up probe checks that its means equal :meth:`loss_and_metrics`."""
+        raise NotImplementedError
+
     @staticmethod
     def batch_size_of(batch) -> int:
         return len(batch[-1])
@@ -528,6 +538,12 @@ class Classifier(FederatedTask):
         acc = (logits.argmax(dim=-1) == y).float().mean()
         return self.criterion(logits, y), {"acc": acc}
 
+    def sample_losses_and_metrics(self, batch):
+        x, y = batch
+        logits = self(x)
+        correct = (logits.argmax(dim=-1) == y).float()
+        return self.criterion(logits, y, reduction="none"), {"acc": correct}
+
 
 class BinaryClassifier(FederatedTask):
     """Binary classification on one logit: BCE-with-logits loss, accuracy at p = 0.5.
@@ -544,6 +560,14 @@ class BinaryClassifier(FederatedTask):
         target = y.reshape(-1).to(logits.dtype)
         acc = ((logits > 0).to(target.dtype) == target).float().mean()
         return F.binary_cross_entropy_with_logits(logits, target), {"acc": acc}
+
+    def sample_losses_and_metrics(self, batch):
+        x, y = batch
+        logits = self(x).reshape(-1)
+        target = y.reshape(-1).to(logits.dtype)
+        correct = ((logits > 0).to(target.dtype) == target).float()
+        losses = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        return losses, {"acc": correct}
 
 
 class CoxRegression(FederatedTask):

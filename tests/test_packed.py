@@ -129,6 +129,39 @@ def test_chunk_batches_are_the_loaders_batches(module_cls):
                     assert torch.equal(x[k], ex) and torch.equal(y[k], ey)
 
 
+def test_padded_chunk_batches_are_the_loaders_batches_then_the_clients_own_samples():
+    """With short batches padded (one group a step): row k's first ``lengths[k]`` samples
+    are its loader's batch, the mask marks exactly them, the padding holds samples of the
+    same client, and a step whose rows all have full batches has no mask. By hand: clients
+    of 9, 14 and 3 samples, batch 4: batches (4, 4, 1), (4, 4, 4, 2), (3)."""
+    sizes = [9, 14, 3]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(sum(sizes), 2, generator=g), torch.arange(sum(sizes))
+    cuts = np.cumsum([0, *sizes])
+    dm = InMemoryFederatedDataModule(
+        [{"train": (x[a:b], y[a:b])} for a, b in zip(cuts[:-1], cuts[1:])], batch_size=4
+    )
+    packed, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
+    clients, num_batches = [0, 1, 2], [3, 4, 1]
+    batches = packed.chunk_batches(3, 2, clients, num_batches, pad_short_batches=True)
+    expected = [_loader_batches(dm, c, 2, n) for c, n in zip(clients, num_batches)]
+    by_hand = [([0, 1, 2], 4, [4, 4, 3]), ([0, 1], 4, [4, 4]), ([0, 1], 4, [1, 4]), ([1], 2, [2])]
+    assert len(batches.steps) == 4
+    for step, (groups, (rows, size, lengths)) in enumerate(zip(batches.steps, by_hand)):
+        (group,) = groups
+        assert (group.rows, group.size) == (rows, size)
+        if lengths == [size] * len(rows):
+            assert group.lengths is None and group.sample_mask is None
+        else:
+            assert group.lengths.tolist() == lengths
+            assert group.sample_mask.tolist() == [[i < n for i in range(size)] for n in lengths]
+        _, labels = batches.batch(step, group, packed)  # y is each sample's global index
+        for k, (row, n) in enumerate(zip(rows, lengths)):
+            assert torch.equal(labels[k, :n], expected[row][step][1])
+            own = (labels[k] >= cuts[row]) & (labels[k] < cuts[row + 1])
+            assert bool(own.all()), (step, row)
+
+
 class _PerClient(InMemoryFederatedDataModule):
     """Clients as TensorDatasets only (its own ``client_dataset``: no arrays), so that
     packing takes the per-client path these tests check."""

@@ -978,3 +978,88 @@ def test_a_parameter_the_loss_does_not_use_is_left_alone_as_sequentially(case):
         max_abs_diff(params_of(vec.network.net), params_of(_spare_module(optimizer).network.net))
         > 1e-3
     )
+
+
+PADDED = {
+    "fedavg": (lambda: [FedAvg()], {}),
+    "fedprox_adam": (lambda: [FedProx(mu=0.5)], {"optimizer": "adam", "lr": 0.01}),
+    "scaffold_momentum": (lambda: [SCAFFOLD()], {"momentum": 0.5}),
+    "apfl": (lambda: [APFL(alpha=0.3, local_lr=0.07, adaptive_alpha=True, alpha_lr=0.05)], {}),
+    "pfedme": (lambda: [PFedMe(lam=5.0, personal_lr=0.05, inner_steps=2)], {}),
+    "ditto": (lambda: [Ditto(lam=0.1, personal_lr=0.05)], {}),
+}
+
+
+@pytest.mark.parametrize("name", list(PADDED))
+def test_padded_short_batches_equal_the_sequential_path(name):
+    """Without dropout a Classifier gives per-sample losses, so a step's short batches
+    (4..40 samples, batch 4, 2 local epochs) are padded into one vmapped call: the global
+    model, every client's stored state and the epoch metrics (the padding weighted out of
+    the loss, the accuracy and the batch sizes) equal the sequential run's over 3 rounds,
+    in chunks of 4, for SCAFFOLD, FedProx and the personalization plugins (APFL and
+    pFedMe take second gradients at the padded batch)."""
+    make_callbacks, optim = PADDED[name]
+    runs = []
+    for vectorize in (False, True):
+        module = _module(0.0, **optim)
+        _, trainer = _fit(vectorize, make_callbacks(), module=module, chunk=4)
+        runs.append((module, trainer))
+    (seq, seq_trainer), (vec, vec_trainer) = runs
+    assert vec_trainer.strategy.vectorized.pads_short_batches
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    seq_store = seq_trainer.strategy.client_store.state_dict()
+    vec_store = vec_trainer.strategy.client_store.state_dict()
+    assert seq_store.keys() == vec_store.keys()
+    for client, entry in seq_store.items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                assert float((value - vec_store[client][key]).abs().max()) <= 1e-5, key
+    expected = _epoch_metrics(seq_trainer)
+    assert expected.keys() == _epoch_metrics(vec_trainer).keys()
+    for key, value in _epoch_metrics(vec_trainer).items():
+        assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+
+
+class _Regularized(Classifier):
+    """A loss with a term of its own: its inherited per-sample losses no longer mean to it."""
+
+    def loss_and_metrics(self, batch):
+        loss, metrics = super().loss_and_metrics(batch)
+        return loss + 0.5 * self.network[0].weight.square().sum(), metrics
+
+
+def test_a_task_whose_sample_losses_disagree_is_not_padded_and_still_exact():
+    """The set-up probe compares the per-sample means with loss_and_metrics: a subclass
+    that adds a term to one of them trains its short batches as steps of their own (and
+    still equals the sequential run); dropout, which draws masks of the batch's shape,
+    turns the padding off too."""
+    runs = []
+    for vectorize in (False, True):
+        torch.manual_seed(1)
+        module = _Regularized(network=_network(0.0), lr=0.1)
+        _, trainer = _fit(vectorize, [FedAvg()], module=module, chunk=4)
+        runs.append((module, trainer))
+    assert not runs[1][1].strategy.vectorized.pads_short_batches
+    assert max_abs_diff(params_of(runs[0][0]), params_of(runs[1][0])) <= 1e-5
+    _, dropout_trainer = _fit(True, [FedAvg()], rounds=1, module=_module(0.3))
+    assert not dropout_trainer.strategy.vectorized.pads_short_batches
+
+
+def test_the_built_in_tasks_per_sample_losses_mean_to_their_loss_and_metrics():
+    """Classifier's and BinaryClassifier's per-sample losses and accuracies, averaged,
+    are their batch's (7 samples, some right and some wrong)."""
+    from lightning_fl import BinaryClassifier
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, IN, generator=g)
+    tasks = [
+        (_module(0.0), torch.randint(0, OUT, (7,), generator=g)),
+        (BinaryClassifier(nn.Linear(IN, 1)), torch.randint(0, 2, (7, 1), generator=g)),
+    ]
+    for task, y in tasks:
+        loss, metrics = task.loss_and_metrics((x, y))
+        losses, per_sample = task.sample_losses_and_metrics((x, y))
+        assert losses.shape == (7,) and per_sample["acc"].shape == (7,)
+        assert float(losses.mean()) == pytest.approx(float(loss), rel=1e-6)
+        assert float(per_sample["acc"].mean()) == pytest.approx(float(metrics["acc"]))
+        assert 0 < float(metrics["acc"]) < 1

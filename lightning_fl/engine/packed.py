@@ -96,10 +96,18 @@ class PackedFederation:
         return min(batch, size - (step % -(-size // batch)) * batch)
 
     def chunk_batches(
-        self, seed: int, round_idx: int, clients: Sequence[int], num_batches: Sequence[int]
+        self,
+        seed: int,
+        round_idx: int,
+        clients: Sequence[int],
+        num_batches: Sequence[int],
+        pad_short_batches: bool = False,
     ) -> ChunkBatches:
         """The sample indices of every local batch of ``clients`` (row r: ``clients[r]``,
-        ``num_batches[r]`` batches) this round, grouped per local step by batch size."""
+        ``num_batches[r]`` batches) this round, grouped per local step by batch size; with
+        ``pad_short_batches``, one group a step: a short batch is padded to the step's
+        widest with other samples of the same client, which the group's
+        :attr:`StepGroup.sample_mask` weights out."""
         # host: index arithmetic on the numpy metadata; the indices cross once, at the end
         index = np.asarray(clients, dtype=np.int64)
         sizes, batch = self.sizes[index], self.batch_sizes[index]
@@ -119,7 +127,8 @@ class PackedFederation:
         position = position.clamp_(max=orders.shape[1] - 1).view(len(index), -1)
         samples = orders.gather(1, position).view(len(index), longest, widest)
         samples += torch.from_numpy(self.offsets[index])[:, None, None]
-        return ChunkBatches(samples.to(self.device), _groups(length))
+        groups = _padded_groups(length) if pad_short_batches else _groups(length)
+        return ChunkBatches(samples.to(self.device), groups)
 
     def gather(self, samples: Tensor) -> list[Tensor]:
         """The batch of sample indices ``samples`` (any shape), one tensor per column
@@ -131,29 +140,28 @@ class PackedFederation:
 
 @dataclass
 class StepGroup:
-    """The rows of a chunk that take a local step on batches of ``size`` samples."""
+    """The rows of a chunk that take a local step on batches of ``size`` samples; where
+    their batches were padded, ``sample_mask[k, i]`` says whether sample i of row k's
+    batch is one of its own (its first ``lengths[k]``), ``lengths`` each row's count."""
 
     rows: list[int]
     rows_index: Tensor | None  # on the device; None: every row of the chunk
     size: int
+    lengths: Tensor | None = None  # on the device; None: every row has ``size`` samples
+    sample_mask: Tensor | None = None
 
 
 class ChunkBatches:
     """A chunk's batches for the round: ``samples[r, j, :size]`` are the indices of row r's
     j-th local batch (on the device); ``steps[j]`` the groups of rows of step j."""
 
-    def __init__(self, samples: Tensor, steps: list[list[tuple[list[int], int]]]) -> None:
+    def __init__(
+        self, samples: Tensor, steps: list[list[tuple[list[int], int, Tensor | None]]]
+    ) -> None:
         self.samples = samples
-        rows_total = samples.shape[0]
+        rows_total, device = samples.shape[0], samples.device
         self.steps: list[list[StepGroup]] = [
-            [
-                StepGroup(
-                    rows,
-                    None if len(rows) == rows_total else torch.tensor(rows, device=samples.device),
-                    size,
-                )
-                for rows, size in groups
-            ]
+            [_step_group(rows, size, lengths, rows_total, device) for rows, size, lengths in groups]
             for groups in steps
         ]
 
@@ -187,7 +195,18 @@ def _permutations(seeds: np.ndarray, sizes: np.ndarray, passes: np.ndarray) -> T
     return out
 
 
-def _groups(length: Tensor) -> list[list[tuple[list[int], int]]]:
+def _step_group(
+    rows: list[int], size: int, lengths: Tensor | None, rows_total: int, device: torch.device
+) -> StepGroup:
+    rows_index = None if len(rows) == rows_total else torch.tensor(rows, device=device)
+    if lengths is None:
+        return StepGroup(rows, rows_index, size)
+    counts = lengths.to(device)
+    mask = torch.arange(size, device=device)[None, :] < counts[:, None]
+    return StepGroup(rows, rows_index, size, counts, mask)
+
+
+def _groups(length: Tensor) -> list[list[tuple[list[int], int, Tensor | None]]]:
     """Per step (column of ``length``, rows × steps): the rows with a batch, grouped by
     its size, larger sizes first; O(distinct sizes) Python per step."""
     out = []
@@ -195,8 +214,23 @@ def _groups(length: Tensor) -> list[list[tuple[list[int], int]]]:
         groups = []
         for size in torch.unique(column).flip(0).tolist():
             if size > 0:
-                groups.append((torch.nonzero(column == size).flatten().tolist(), size))
+                groups.append((torch.nonzero(column == size).flatten().tolist(), size, None))
         out.append(groups)
+    return out
+
+
+def _padded_groups(length: Tensor) -> list[list[tuple[list[int], int, Tensor | None]]]:
+    """Per step: one group, the rows with a batch, padded to the longest of them (their
+    lengths; None where every row's batch is that long); O(1) Python per step."""
+    out = []
+    for column in length.t():
+        rows = torch.nonzero(column > 0).flatten()
+        if len(rows) == 0:
+            out.append([])
+            continue
+        lengths = column[rows]
+        size, shortest = int(lengths.max()), int(lengths.min())
+        out.append([(rows.tolist(), size, None if shortest == size else lengths)])
     return out
 
 

@@ -14,7 +14,10 @@ per-client state. The result equals the sequential path's, client by client:
 - clients with fewer batches (``local_epochs`` with unequal data) stop taking steps: their
   rows are masked out of later steps, never fed fake data;
 - a step whose clients' batches differ in shape (a smaller last batch) runs one vmap per
-  shape;
+  shape; or, on packed data, when the task gives per-sample losses
+  (``sample_losses_and_metrics``, e.g. :class:`~lightning_fl.Classifier`), one vmap: a
+  short batch is padded with other samples of its client, weighted 0 in the loss, its
+  metrics and its logged batch size (:attr:`VectorizedClients.pads_short_batches`);
 - ``nn.Dropout`` draws its masks from a generator per client seeded with (seed, round,
   client), in the order the sequential path draws them from the global generator it seeds
   the same way, so dropout masks are the same on the CPU (on CUDA the sequential path
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from lightning_fl.engine.packed import ChunkBatches
@@ -74,6 +78,8 @@ class VectorizedClients:
         #: whether a chunk's clients start and finish together (set at set-up: no
         #: callback needs its client hooks one client at a time, no kept optimizer state)
         self.batched_lifecycle = False
+        #: whether packed chunks pad short batches to their step's widest (set at set-up)
+        self.pads_short_batches = False
 
     def setup(self) -> None:
         """Check that the module, optimizer and callbacks can train clients together,
@@ -116,7 +122,24 @@ class VectorizedClients:
                 optimizer.trainable,
                 backend,
             )
+        self.pads_short_batches = self._can_pad_short_batches()
         self._check_first_batch_runs()
+
+    def _can_pad_short_batches(self) -> bool:
+        """Whether a padded batch gives each client its own batch's loss, gradient and
+        metrics: the task gives per-sample losses, and nothing else sees the padding
+        (a BatchNorm's batch statistics, dropout masks of the batch's shape, a callback
+        that computes its own gradient from the batch, the compiled step)."""
+        from lightning_fl.models import FederatedTask
+
+        fit = self.fit
+        module = fit.module
+        overridden = getattr(type(module), "sample_losses_and_metrics", None)
+        if overridden is None or overridden is FederatedTask.sample_losses_and_metrics:
+            return False
+        dropout = any(m.p > 0 for m in self.step.dropout.modules)
+        replaces = any(getattr(cb, "replaces_gradient", False) for cb in fit.trainer.callbacks)
+        return not (fit.config.compile or fit.tensors.buffer_names or dropout or replaces)
 
     @property
     def compile_seconds(self) -> float | None:
@@ -135,7 +158,38 @@ class VectorizedClients:
             loader = dm.client_dataloader(
                 dm.client_dataset(first, "train"), "train", generator(fit.config.seed, "probe")
             )
-            self.step.check_runs(fit.to_device(next(iter(loader))))
+            batch = fit.to_device(next(iter(loader)))
+            self.step.check_runs(batch)
+            if self.pads_short_batches:
+                self.pads_short_batches = self._sample_means_agree(batch)
+
+    def _sample_means_agree(self, batch: Any) -> bool:
+        """Whether the task's ``sample_losses_and_metrics`` means equal its
+        ``loss_and_metrics`` on ``batch`` (to float round-off); if not (a subclass that
+        changed one of them, a criterion without ``reduction``), short batches are not
+        padded, and the log says why."""
+        module = self.fit.module
+        with torch.no_grad():
+            loss, metrics = module.loss_and_metrics(batch)
+            try:
+                losses, per_sample = module.sample_losses_and_metrics(batch)
+                means = {"loss": losses.mean(), **{n: v.mean() for n, v in per_sample.items()}}
+            except (TypeError, NotImplementedError) as err:
+                reason = f"it raised {type(err).__name__}: {err}"
+            else:
+                expected = {"loss": loss, **metrics}
+                if means.keys() == expected.keys() and all(
+                    torch.allclose(means[k].float(), expected[k].float(), rtol=1e-5, atol=1e-6)
+                    for k in means
+                ):
+                    return True
+                reason = f"its means {_show(means)} differ from loss_and_metrics' {_show(expected)}"
+        rank_zero_info(
+            f"lightning_fl: short last batches run as steps of their own: "
+            f"{type(module).__name__}.sample_losses_and_metrics does not give "
+            f"loss_and_metrics per sample ({reason}). Fix or remove it to pad them."
+        )
+        return False
 
     def start_chunk(self, index: int) -> None:
         """Start every client of chunk ``index`` as the sequential path does (global
@@ -170,7 +224,7 @@ class VectorizedClients:
         if plan.packed_chunk(index):
             batches = [plan.schedule.num_batches[pos] for pos in positions]
             self.batches = fit.packed.chunk_batches(
-                fit.config.seed, state.round_idx, clients, batches
+                fit.config.seed, state.round_idx, clients, batches, self.pads_short_batches
             )
         self.step.optimizer.reset(self.chunk.params, saved)
         state.chunk, state.vectorized_step = self.chunk, self.step  # the hooks' context
@@ -208,17 +262,20 @@ class VectorizedClients:
         packed, outputs = self.fit.packed, []
         for group in self.batches.steps[step]:
             batch = self.batches.batch(step, group, packed)
-            loss, metrics = self.step.stacked(self.chunk, group.rows, batch, group.rows_index)
-            outputs.append((loss, metrics, group.size))
+            loss, metrics = self.step.stacked(
+                self.chunk, group.rows, batch, group.rows_index, group.sample_mask
+            )
+            sizes = group.lengths
+            if sizes is None:
+                sizes = torch.full((len(loss),), group.size, device=loss.device)
+            outputs.append((loss, metrics, sizes))
         if len(outputs) == 1:
-            loss, metrics, size = outputs[0]
-            return loss, metrics, torch.full((len(loss),), size, device=loss.device)
+            return outputs[0]
         return (
             torch.cat([loss for loss, _, _ in outputs]),
             {name: torch.cat([m[name] for _, m, _ in outputs]) for name in outputs[0][1]},
-            torch.cat([torch.full((len(loss),), size, device=loss.device)
-                       for loss, _, size in outputs]),
-        )  # fmt: skip
+            torch.cat([sizes for _, _, sizes in outputs]),
+        )
 
     def finish_chunk(self, index: int) -> None:
         """Finish every client of chunk ``index`` as the sequential path does, its trained
@@ -237,6 +294,10 @@ class VectorizedClients:
                 optimizer_state = [self.step.optimizer.state_of(row)]
             self.engine.finish_client(pos, optimizer_state)
         self.chunk = None
+
+
+def _show(values: dict[str, Tensor]) -> str:
+    return "{" + ", ".join(f"{k}: {float(v):.6g}" for k, v in values.items()) + "}"
 
 
 __all__ = [

@@ -26,14 +26,27 @@ from lightning_fl.engine.vectorized_checks import not_vmappable, refuse
 
 
 class _TaskLoss(nn.Module):
-    """``functional_call`` target whose forward is the task's ``loss_and_metrics``."""
+    """``functional_call`` target whose forward is the task's ``loss_and_metrics``; on a
+    padded batch (``sample_mask``: which samples are the client's own), the means of its
+    ``sample_losses_and_metrics`` over the client's own samples."""
 
     def __init__(self, task: nn.Module) -> None:
         super().__init__()
         self.task = task
 
-    def forward(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        return self.task.loss_and_metrics(batch)
+    def forward(
+        self, batch: Any, sample_mask: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        if sample_mask is None:
+            return self.task.loss_and_metrics(batch)
+        losses, metrics = self.task.sample_losses_and_metrics(batch)
+        weights = sample_mask.to(losses.dtype)
+        count = weights.sum()
+
+        def mean(values: Tensor) -> Tensor:
+            return (values * weights.to(values.dtype)).sum() / count.to(values.dtype)
+
+        return mean(losses), {name: mean(values) for name, values in metrics.items()}
 
 
 class ClientChunk:
@@ -131,6 +144,8 @@ class VectorizedStep:
         #: stepped and their generators (seeded per client as the sequential path seeds
         #: the global one), for callbacks whose gradient depends on the data (DP-SGD)
         self.batch: Any = None
+        #: the rows' own samples in a padded :attr:`batch` (None: every sample is)
+        self.sample_mask: Tensor | None = None
         self._stepping: tuple[ClientChunk, list[int] | None] | None = None
         #: per-client module state: one context factory per callback that has some, and
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
@@ -158,10 +173,12 @@ class VectorizedStep:
         batch: Any,
         masks: list[Tensor] | None,
         client_state: list[list[Tensor]],
+        sample_mask: Tensor | None = None,
     ):
         """One client's loss and metrics; ``masks``: its dropout masks (None: leave the
         dropout modules as they are, for the shape probe); ``client_state``: its rows of
-        the callbacks' per-client tensors, installed by their contexts."""
+        the callbacks' per-client tensors, installed by their contexts; ``sample_mask``:
+        its own samples in a padded batch (None: every sample is)."""
         tensors = dict(zip(self.param_names, params))
         tensors.update(zip(self.buffer_names, buffers))
         tensors.update(self.other_buffers)
@@ -170,7 +187,7 @@ class VectorizedStep:
                 stack.enter_context(context(rows))
             if masks is not None:
                 stack.enter_context(self.dropout.applying(masks))
-            return functional_call(self.loss_module, tensors, (batch,))
+            return functional_call(self.loss_module, tensors, (batch, sample_mask))
 
     def check_runs(self, batch: Any) -> None:
         """Run the vmapped loss once, at setup, on two copies of the module's parameters
@@ -250,12 +267,13 @@ class VectorizedStep:
         key = batch_shape_key(tree_map(lambda t: t[0], batch))
         masks = self._dropout_masks(key, params, [], batch, client_state)
 
-        def loss(tensors, one_batch, one_masks, one_state):
-            return self._client_loss(tensors, [], one_batch, one_masks, one_state)[0]
+        def loss(tensors, one_batch, one_masks, one_state, *own):
+            return self._client_loss(tensors, [], one_batch, one_masks, one_state, *own)[0]
 
+        own = () if self.sample_mask is None else (self.sample_mask,)  # vmap takes no None
         with torch.enable_grad():
             grads = vmap(torch.func.grad(loss), randomness="error")(
-                [p.detach() for p in params], batch, masks, client_state
+                [p.detach() for p in params], batch, masks, client_state, *own
             )
         return [g.detach() for g in grads]
 
@@ -298,14 +316,20 @@ class VectorizedStep:
         )
 
     def stacked(
-        self, chunk: ClientChunk, rows: list[int], batch: Any, index: Tensor | None
+        self,
+        chunk: ClientChunk,
+        rows: list[int],
+        batch: Any,
+        index: Tensor | None,
+        sample_mask: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Train ``rows`` of ``chunk`` one step on their stacked ``batch`` (row k of every
         tensor: ``rows[k]``'s batch, all of one shape), drawn from the packed federation;
-        ``index``: ``rows`` on the device, None for every row. Returns the per-row losses
-        and metrics."""
+        ``index``: ``rows`` on the device, None for every row; ``sample_mask``: each row's
+        own samples where short batches were padded. Returns the per-row losses and
+        metrics (means over each row's own samples)."""
         key = tuple(t.shape[1:] for t in batch)
-        return self._group_step(chunk, rows, batch, key, index)
+        return self._group_step(chunk, rows, batch, key, index, sample_mask)
 
     @staticmethod
     def _rows_index(chunk: ClientChunk, rows: list[int]) -> Tensor | None:
@@ -314,7 +338,7 @@ class VectorizedStep:
             return None
         return torch.tensor(rows, device=chunk.tensors[0].device)
 
-    def _group_step(self, chunk, group_rows, batch, key, index):
+    def _group_step(self, chunk, group_rows, batch, key, index, sample_mask=None):
         tensors = chunk.tensors if index is None else [t[index] for t in chunk.tensors]
         trainable = set(self.optimizer.stepped)
         params = [
@@ -331,8 +355,9 @@ class VectorizedStep:
             loss, metrics, found = self.compiled(params, buffers, batch, key)
         else:
             try:
+                own = () if sample_mask is None else (sample_mask,)  # vmap takes no None
                 loss, metrics = vmap(self._client_loss, randomness="error")(
-                    params, buffers, batch, masks, client_state
+                    params, buffers, batch, masks, client_state, *own
                 )
             except RuntimeError as err:
                 raise not_vmappable(err) from err
@@ -346,7 +371,7 @@ class VectorizedStep:
             found = [None if j in self.unused else g for j, g in every if j in trainable]
         for j, g in zip(self.optimizer.stepped, found, strict=True):
             grads[j] = g
-        self.batch = batch
+        self.batch, self.sample_mask = batch, sample_mask
         self.gradient_terms(group_rows, [p.detach() for p in params], grads)
         stepped = [grads[j] for j in self.optimizer.stepped]
         if self.clip is not None:
