@@ -23,7 +23,9 @@ The runners:
 - ``vectorized``, ``vectorized_all``: ``FederatedStrategy(vectorize=True)`` with one
   local step per Lightning step (the default) and every local step in one
   (``local_steps_per_training_step=None``);
-- ``sequential``: ``FederatedStrategy()``, one client after another.
+- ``sequential``: ``FederatedStrategy()``, one client after another, one local step per
+  Lightning step; ``sequential_fused``: all of a client's local steps in one Lightning
+  step (``local_steps_per_training_step=None``).
 
 ``--check`` runs every client of a 20-client federation for 3 rounds in each runner, the
 plain loop shuffling with lightning_fl's per-(round, client) generators, and prints the
@@ -53,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
-RUNNERS = ("plain", "vectorized_all", "vectorized", "sequential")
+RUNNERS = ("plain", "vectorized_all", "vectorized", "sequential_fused", "sequential")
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ def run_lightning_fl(shape: Shape, rounds: int, every_client: bool, runner: str)
     options = {
         "plain": {},
         "sequential": {},
+        "sequential_fused": {"local_steps_per_training_step": None},
         "vectorized": {"vectorize": True},
         "vectorized_all": {"vectorize": True, "local_steps_per_training_step": None},
     }[runner]

@@ -159,8 +159,6 @@ def test_plain_datamodule_is_refused():
          r"local_steps_per_training_step must be >= 1 or None, got 0\."),
         ({"vectorize": True, "local_steps_per_training_step": 2.0},
          r"local_steps_per_training_step must be >= 1 or None, got 2\.0\."),
-        ({"local_steps_per_training_step": 2}, "set vectorize=True as well, or leave it at 1"),
-        ({"local_steps_per_training_step": None}, "set vectorize=True as well"),
     ],
 )  # fmt: skip
 def test_impossible_strategy_configs(kwargs, message):

@@ -43,7 +43,7 @@ def _fit(world_size=1, rank=0, sampler=None, callbacks=None, datamodule=None, **
     module = tiny_module()
     dm = datamodule or _datamodule()
     settings = dict(seed=5, local_steps=None, local_epochs=2, vectorize=False,
-                    max_vectorized_clients=None, local_steps_per_training_step=None,
+                    max_vectorized_clients=None, local_steps_per_training_step=1,
                     silos=False, keep_optimizer_state=False)  # fmt: skip
     settings.update(config)
     counts = [len(dm.client_dataset(c, "train")) for c in range(dm.num_clients)]
@@ -182,13 +182,15 @@ def test_the_server_clients_loader_reads_the_server_data():
 def test_vectorized_chunks_fuse_steps_and_pad():
     """Chunks of 2 with every local step in one Lightning step (fused None): one step per
     chunk; a rank with 3 chunks pads a rank with 2 by one idle step."""
-    planner = RoundPlanner(_fit(vectorize=True, max_vectorized_clients=2))
+    planner = RoundPlanner(
+        _fit(vectorize=True, max_vectorized_clients=2, local_steps_per_training_step=None)
+    )
     per_rank = [[4, 1, 6], [2, 2, 9, 3, 5]]
     schedule, steps, chunks = planner._schedules([0, 2, 4], [4, 1, 6], per_rank)
     assert chunks == [(0, 1), (2,)] and schedule == ClientSchedule((0, 2, 4), (4, 1, 6))
     assert steps == ClientSchedule((0, 1, PADDING), (1, 1, 1))
     assert planning._fused(7, None) == 1 and planning._fused(7, 3) == 3
-    assert planning._fused(6, 3) == 2
+    assert planning._fused(6, 3) == 2 and planning._fused(0, None) == planning._fused(0, 3) == 0
     assert planning._chunked_steps([2, 2, 9, 3, 5], 2, 4) == 1 + 3 + 2
     assert planning._chunked_steps([2, 2, 9, 3, 5], None, 4) == 3
     plan = RoundPlan(schedule, [None, object(), None], None, steps, chunks)
@@ -435,9 +437,11 @@ def test_a_federations_counts_held_out_clients_and_splits_by_hand():
         ({"vectorize_evaluation": False}, None),
         ({"vectorize_evaluation": "yes"}, "vectorize_evaluation must be True, False or 'auto'"),
         ({"local_steps_per_training_step": 1}, None),
-        ({"local_steps_per_training_step": 2}, "set vectorize=True as well"),
+        ({"local_steps_per_training_step": 2}, None),
+        ({"local_steps_per_training_step": None}, None),
         ({"local_steps_per_training_step": 2, "vectorize": True}, None),
         ({"local_steps_per_training_step": 0, "vectorize": True}, "must be >= 1 or None"),
+        ({"local_steps_per_training_step": 0}, "must be >= 1 or None"),
     ],
 )
 def test_the_configs_checks_at_both_ends_of_their_ranges(settings, refused):

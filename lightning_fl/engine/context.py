@@ -91,11 +91,6 @@ class FederatedConfig:
         steps = self.local_steps_per_training_step
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"local_steps_per_training_step must be >= 1 or None, got {steps!r}.")
-        if steps != 1 and not self.vectorize:
-            raise ValueError(
-                "local_steps_per_training_step runs several local steps of vectorized clients "
-                "in one Lightning step: set vectorize=True as well, or leave it at 1."
-            )
 
     def _check_evaluation(self) -> None:
         if self.vectorize_evaluation not in (True, False, "auto"):

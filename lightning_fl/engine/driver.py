@@ -88,6 +88,9 @@ class RoundDriver(pl.Callback):
         if plan.chunks is not None:
             self._end_chunk_step(batch_idx)
             return
+        if plan.fused:  # the fused step observed its own losses
+            self._end_fused_step(batch_idx)
+            return
         pos, step = engine.current_client  # located by the strategy's batch start
         padding = plan.is_padding(pos)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -109,6 +112,17 @@ class RoundDriver(pl.Callback):
                 self.vectorized.finish_chunk(chunk)
             if chunk == len(plan.steps.clients) - 1:
                 self._end_round()
+
+    def _end_fused_step(self, batch_idx: int) -> None:
+        """Fused local steps: finish the client after its last, the round after the last
+        Lightning step (a client's, or the rank's idle steps)."""
+        plan = self.engine.current_round
+        if self.engine.current_client is not None:
+            pos, step = self.engine.current_client
+            if step == plan.schedule.num_batches[pos] - 1:
+                self.engine.finish_client(pos)
+        if batch_idx == plan.steps.total - 1:
+            self._end_round()
 
     def _end_round(self) -> None:
         state = self.engine.end_round()

@@ -35,8 +35,9 @@ class RoundPlan:
     """One round of this rank: its clients in order (``schedule``), their loaders, the
     hooks' state and, with vectorized clients, the chunks of schedule positions that train
     together. ``steps`` is the schedule of Lightning steps: one per client batch, or one
-    per ``local_steps_per_training_step`` local steps of a chunk (idle steps for a rank
-    with fewer, as a trailing PADDING entry)."""
+    per ``local_steps_per_training_step`` local steps of a chunk, or of a client on the
+    sequential path (:attr:`fused`; idle steps for a rank with fewer, as a trailing
+    PADDING entry)."""
 
     schedule: ClientSchedule
     loaders: list[DataLoader]
@@ -46,6 +47,12 @@ class RoundPlan:
     #: the participants whose client-store entries came from their owner rank to the rank
     #: that trains them this round: client → (owner, trainer); they go back at its end
     moved: dict[int, tuple[int, int]] | None = None
+
+    @property
+    def fused(self) -> bool:
+        """Whether a Lightning step runs several local steps of one client (the sequential
+        path with ``local_steps_per_training_step`` other than 1)."""
+        return self.chunks is None and self.steps is not self.schedule
 
     def is_padding(self, pos: int) -> bool:
         """Whether schedule position ``pos`` is this rank's idle batches."""
@@ -316,13 +323,22 @@ class RoundPlanner:
         """This rank's client schedule, its schedule of Lightning steps and, with
         vectorized clients, its chunks; padded to the longest rank's number of steps."""
         config = self.fit.config
-        if not config.vectorize:
+        size, fused = config.max_vectorized_clients, config.local_steps_per_training_step
+        if not config.vectorize and fused == 1:
             longest = max(map(sum, per_rank))
             if longest > sum(batches):
                 clients, batches = [*clients, PADDING], [*batches, longest - sum(batches)]
             schedule = ClientSchedule(tuple(clients), tuple(batches))
             return schedule, schedule, None
-        size, fused = config.max_vectorized_clients, config.local_steps_per_training_step
+        if not config.vectorize:  # fused local steps of one client at a time
+            steps = [_fused(n, fused) for n in batches]
+            longest = max(_chunked_steps(counts, 1, fused) for counts in per_rank)
+            step_ids = list(range(len(clients)))
+            if longest > sum(steps):
+                step_ids.append(PADDING)
+                steps.append(longest - sum(steps))
+            schedule = ClientSchedule(tuple(clients), tuple(batches))
+            return schedule, ClientSchedule(tuple(step_ids), tuple(steps)), None
         chunks = chunk_positions(range(len(clients)), size)
         steps = [_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks]
         longest = max(_chunked_steps(counts, size, fused) for counts in per_rank)
@@ -384,7 +400,9 @@ class RoundPlanner:
 
 def _fused(local_steps: int, fused: int | None) -> int:
     """Lightning steps that run ``local_steps`` local steps, ``fused`` at a time (None: all
-    in one)."""
+    in one; none for none)."""
+    if local_steps == 0:
+        return 0
     return 1 if fused is None else -(-local_steps // fused)
 
 

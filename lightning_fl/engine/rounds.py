@@ -55,10 +55,27 @@ class TrainRounds:
             fused = fit.config.local_steps_per_training_step
             yield from self._chunk_batches(plan, fused, fit.packed, fit.device)
             return
+        if plan.fused:
+            yield from self._fused_batches(plan, self.fit.config.local_steps_per_training_step)
+            return
         for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
             yield from cycle_batches(client_loader, count)
         padding = plan.schedule.total - sum(plan.schedule.num_batches[: len(plan.loaders)])
         for _ in range(padding):  # idle batches: this rank has fewer local batches
+            yield ()
+
+    @staticmethod
+    def _fused_batches(plan, fused: int | None) -> Iterator[Any]:
+        """Fused local steps of one client: per Lightning step, the client's next
+        ``fused`` batches (None: all of them), ``{"local_batches": [...]}``; then this
+        rank's idle steps."""
+        for client_loader, count in zip(plan.loaders, plan.schedule.num_batches):
+            stream = cycle_batches(client_loader, count)
+            per_step = fused or count
+            for first in range(0, count, per_step):
+                yield {"local_batches": [next(stream) for _ in range(min(per_step, count - first))]}
+        clients = len(plan.loaders)
+        for _ in range(plan.steps.total - sum(plan.steps.num_batches[:clients])):
             yield ()
 
     @staticmethod

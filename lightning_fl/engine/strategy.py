@@ -32,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_fl.engine import (
     collectives,
     fit_callbacks,
+    fused_steps,
     processes,
     segment_evaluation,
     setup_checks,
@@ -42,13 +43,16 @@ from lightning_fl.engine.cohort import fit_cohort
 from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Ranks
 from lightning_fl.engine.data_contract import FederatedLoader
 from lightning_fl.engine.divergence import DivergenceMonitor
+from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
+from lightning_fl.engine.fused_steps import FusedLocalSteps
 from lightning_fl.engine.outputs import RunSummary
 from lightning_fl.engine.packed import PackedFederation, check_data_on_device, pack_for_fit
 from lightning_fl.engine.planning import RoundPlan
 from lightning_fl.engine.plugins import PluginView
 from lightning_fl.engine.processes import SMALL_MODEL_PARAMETERS
+from lightning_fl.engine.progress import FederatedProgressBar
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
 from lightning_fl.engine.silo_checkpoints import SiloShards
@@ -99,10 +103,15 @@ class FederatedStrategy(DDPStrategy):
         max_vectorized_clients: with ``vectorize``, train at most this many clients
             together (a round is split into chunks) to bound memory; None: all of this
             rank's participants.
-        local_steps_per_training_step: with ``vectorize``, how many local steps of a
-            chunk's clients one Lightning training step runs (None: all), paying
-            Lightning's per-step machinery (about 0.4 ms on a CPU) once for them; the result
-            is the same. ``trainer.global_step`` counts Lightning steps.
+        local_steps_per_training_step: how many local steps of a chunk's clients (with
+            ``vectorize``), or of one client (the sequential path), one Lightning training
+            step runs (None: all), paying Lightning's per-step machinery (about 0.4 ms on a
+            CPU) once for them; the result is the same. ``trainer.global_step`` counts
+            Lightning steps. On the sequential path each local step still runs the module's
+            ``training_step``, Lightning's backward and optimizer step (their hooks and
+            gradient clipping); refused where a callback or the module reads every batch's
+            start or end (``on_train_batch_start``/``_end``), or a learning-rate scheduler
+            steps every Lightning step (:mod:`lightning_fl.engine.fused_steps`).
         num_threads: CPU threads per process (CPU runs only). ``"auto"`` (default): one
             for models under 1M parameters, the cores divided among the processes above,
             ``OMP_NUM_THREADS`` when set (:func:`~lightning_fl.engine.processes.set_cpu_threads`
@@ -316,7 +325,8 @@ class FederatedStrategy(DDPStrategy):
         self.engine = RoundEngine(self.fit)
         self.vectorized = VectorizedClients(self.fit, self.engine)
         self.evaluation = ClientEvaluation(self.fit, self.engine)
-        self.steps = TrainingSteps(self.engine, self.vectorized, self.root_device)
+        fused = FusedLocalSteps(self.backward, self.local_optimizer_step, self.divergence.observe)
+        self.steps = TrainingSteps(self.engine, self.vectorized, self.root_device, fused)
         fit_callbacks.driver(trainer.callbacks).attach(
             self.fit, self.engine, self.vectorized, self.evaluation
         )
@@ -332,6 +342,9 @@ class FederatedStrategy(DDPStrategy):
         )
         if fitting and self.config.vectorize:
             self.vectorized.setup()
+        elif fitting:
+            engine_callbacks = (RoundDriver, FederatedProgressBar)
+            fused_steps.check(trainer, engine_callbacks, self.config.local_steps_per_training_step)
 
     def _prepare_fit(
         self, trainer: pl.Trainer, federation: Federation, pools_clients: bool
@@ -414,15 +427,26 @@ class FederatedStrategy(DDPStrategy):
         """The batch's step (:class:`~lightning_fl.engine.training_steps.TrainingSteps`):
         the user's, a vectorized chunk's, or none on a rank's idle batches."""
         batch = args[0] if args else kwargs["batch"]
-        return self.steps.run(
-            batch, lambda: super(FederatedStrategy, self).training_step(*args, **kwargs)
-        )
+
+        def user_step(one: Any) -> Any:  # the module's training_step on the batch ``one``
+            if args:
+                return super(FederatedStrategy, self).training_step(one, *args[1:], **kwargs)
+            return super(FederatedStrategy, self).training_step(**{**kwargs, "batch": one})
+
+        return self.steps.run(batch, user_step)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; on idle steps (``steps.idle``) only the closure runs,
         with no clipping or ``on_before_optimizer_step`` on gradient-less parameters."""
         if self.steps.idle and self.lightning_module.trainer.training:
             return closure()
+        return self.local_optimizer_step(optimizer, closure, model, **kwargs)
+
+    def local_optimizer_step(
+        self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's optimizer step of a local step (its hooks and clipping); without
+        their dispatch where nothing overrides them."""
         if self._direct_hooks.get("optimizer_step"):
             return optimizer.step(closure=closure, **kwargs)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
