@@ -219,9 +219,8 @@ def test_several_local_steps_per_training_step_equal_one(fused):
     assert max_abs_diff(params_of(seq), params_of(several)) <= 1e-5
 
 
-def test_several_local_steps_per_training_step_need_vectorize_and_round_schedules():
-    with pytest.raises(ValueError, match="set vectorize=True as well"):
-        FederatedStrategy(local_steps_per_training_step=4)
+def test_several_local_steps_per_training_step_need_round_schedules():
+    """(The sequential path's fused steps: tests/test_fused_steps.py.)"""
     with pytest.raises(ValueError, match="must be >= 1 or None"):
         FederatedStrategy(vectorize=True, local_steps_per_training_step=0)
 
