@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -194,10 +195,15 @@ def run(shape: str, runner: str, rounds: int, every_client: bool = False) -> dic
     return run_lightning_fl(SHAPES[shape], rounds, every_client, runner)
 
 
-def in_fresh_process(shape: str, runner: str, rounds: int, every_client: bool) -> dict:
+def in_fresh_process(
+    shape: str, runner: str, rounds: int, every_client: bool, tree: str | None = None
+) -> dict:
+    """``runner`` in a process of its own; ``tree``: a checkout whose lightning_fl it runs
+    (``--before``), in place of this one."""
     command = [sys.executable, __file__, "--one", shape, runner, str(rounds)]
     command += ["--every-client"] if every_client else []
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -215,29 +221,61 @@ def check(rounds: int = 3) -> None:
         print(f"{runner:>16}: largest |Δθ| from the plain loop after {rounds} rounds: {gap:.2e}")
 
 
-def measure(shapes: list[str], repeats: int, rounds: int) -> str:
+def measure(shapes: list[str], repeats: int, rounds: int, before: str | None) -> str:
+    """The table; with ``before`` (a checkout), its runners too, interleaved."""
+    runs = [(runner, None) for runner in RUNNERS]
+    if before:
+        runs += [(runner, before) for runner in RUNNERS[1:] if runner != "sequential_fused"]
     rows = []
     for shape in shapes:
-        ratios: dict[str, list[float]] = {r: [] for r in RUNNERS}
-        seconds: dict[str, list[float]] = {r: [] for r in RUNNERS}
+        ratios: dict[tuple, list[float]] = {r: [] for r in runs}
+        seconds: dict[tuple, list[float]] = {r: [] for r in runs}
         for _ in range(repeats):  # interleaved: the machine's noise falls on every runner
             per_round = {}
-            for runner in RUNNERS:
-                times = in_fresh_process(shape, runner, rounds, every_client=False)["times"]
-                per_round[runner] = statistics.median(times[1:])
-            for runner in RUNNERS:
-                seconds[runner].append(per_round[runner])
-                ratios[runner].append(per_round[runner] / per_round["plain"])
+            for runner, tree in runs:
+                out = in_fresh_process(shape, runner, rounds, every_client=False, tree=tree)
+                per_round[runner, tree] = statistics.median(out["times"][1:])
+            for run in runs:
+                seconds[run].append(per_round[run])
+                ratios[run].append(per_round[run] / per_round["plain", None])
         s = SHAPES[shape]
-        for runner in RUNNERS:
+        for run in runs:
+            label = run[0] if run[1] is None else f"{run[0]} (before)"
             rows.append(
-                f"| {shape} ({s.per_round} of {s.clients}) | {runner} | "
-                f"{statistics.median(seconds[runner]):.4f} | "
-                f"{statistics.median(ratios[runner]):.2f} |"
+                f"| {shape} ({s.per_round} of {s.clients}) | {label} | "
+                f"{statistics.median(seconds[run]):.4f} | "
+                f"{statistics.median(ratios[run]):.2f} |"
             )
             print(rows[-1], flush=True)
     return "\n".join(
         ["| shape | runner | s/round | against the plain loop |", "|---|---|---|---|", *rows]
+    )
+
+
+ISSUE_PEERS = """The peers, as issue 78 measured them on this machine's twin (the issue's workload,
+one CPU, median of 3 interleaved repeats; not rerun here: `pip install pfl-research
+"flwr[simulation]"` belongs in a virtual environment of its own, never in CI):
+
+| framework | s/round | against a plain per-client PyTorch loop |
+|---|---|---|
+| plain per-client loop | 0.0655 | 1.00 |
+| pfl-research 0.6.0 (Apple), SimulatedBackend | 0.1091 | 1.67 |
+| Flower 1.42 simulation (Ray, Message API FedAvg) | 1.2749 | 19.5 |
+"""
+
+
+def report(table: str, args: argparse.Namespace) -> str:
+    command = f"python benchmarks/peers.py --repeats {args.repeats} --rounds {args.rounds}"
+    if args.before:
+        command += " --before <checkout of the earlier commit>"
+    return (
+        "# lightning_fl beside the plain loop (issue 78)\n\n"
+        f"`{command}`: each runner in a fresh process at one CPU thread, the median round "
+        "(the first excluded) of each repeat, the median over repeats interleaved; the "
+        "ratio is to the plain loop of the same repeat. `python benchmarks/peers.py "
+        "--check` shows the runners compute the same update (every client, 3 rounds: "
+        "|Δθ| ≤ 1.5e-8 from the plain loop, 0 for the sequential paths).\n\n"
+        f"{table}\n\n{ISSUE_PEERS}"
     )
 
 
@@ -247,6 +285,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--before", help="a checkout of an earlier commit: its runners too, interleaved"
+    )
     parser.add_argument("--every-client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -256,7 +297,9 @@ def main() -> None:
     elif args.check:
         check()
     else:
-        print(measure(args.shapes, args.repeats, args.rounds))
+        table = measure(args.shapes, args.repeats, args.rounds, args.before)
+        RESULTS.write_text(report(table, args))
+        print(table)
 
 
 if __name__ == "__main__":
