@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch.optim.lr_scheduler import StepLR
@@ -87,6 +88,28 @@ def test_fused_local_steps_keep_gradient_clipping():
     assert not all(torch.equal(a, b) for a, b in zip(models[1], models[2]))
 
 
+class _SkipsEveryStep(Classifier):
+    """A training_step that returns None: Lightning skips the step (no gradient)."""
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+def test_a_skipped_step_is_skipped_as_lightning_skips_it():
+    """A training_step returning None leaves the model as it was, fused or not."""
+    start = params_of(tiny_module())
+    for fused in (1, None):
+        torch.manual_seed(1)
+        module = _SkipsEveryStep(tiny_module().network, lr=0.1)
+        _fit(fused, [FedAvg()], module=module, rounds=1)
+        assert all(torch.equal(a, b) for a, b in zip(start, params_of(module)))
+
+
+class _ZeroGradWatcher(pl.Callback):
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        return None
+
+
 class _EveryBatch(Classifier):
     def on_train_batch_start(self, batch, batch_idx):
         return None
@@ -106,6 +129,8 @@ class _StepSchedule(Classifier):
          "the callback DPSGD overrides on_train_batch_start"),
         ([FedAvg()], _EveryBatch, "_EveryBatch overrides on_train_batch_start"),
         ([FedAvg()], _StepSchedule, "the StepLR learning-rate scheduler steps every Lightning"),
+        ([FedAvg(), _ZeroGradWatcher()], None,
+         "the callback _ZeroGradWatcher overrides on_before_zero_grad"),
     ],
 )  # fmt: skip
 def test_what_reads_every_batch_is_refused_naming_it_and_the_fix(callbacks, module, reason):

@@ -31,9 +31,10 @@ PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 ZERO_GRAD_HOOKS = ("on_before_zero_grad", "optimizer_zero_grad")
 
 
-def refusal(trainer: pl.Trainer, engine_callbacks: tuple[type, ...]) -> str | None:
+def refusal(trainer: pl.Trainer) -> str | None:
     """Why ``trainer``'s module, callbacks or optimization cannot fuse local steps, or
-    None. ``engine_callbacks``: the strategy's own callbacks, which know fused steps."""
+    None. A plugin's per-batch hooks are per local step; any other callback's (the
+    strategy's own, Lightning's progress bars and checkpoints) see Lightning steps."""
     from lightning_fl.engine.plugins import FederatedCallback
 
     module = trainer.lightning_module
@@ -45,10 +46,8 @@ def refusal(trainer: pl.Trainer, engine_callbacks: tuple[type, ...]) -> str | No
         if getattr(type(module), hook) is not getattr(pl.LightningModule, hook):
             return f"{type(module).__name__} overrides {hook}, which runs at every local step"
     for cb in trainer.callbacks:
-        if isinstance(cb, engine_callbacks):
-            continue
         hooks = ZERO_GRAD_HOOKS[:1]
-        if isinstance(cb, FederatedCallback):  # a plugin's per-batch hooks are per local step
+        if isinstance(cb, FederatedCallback):
             hooks = (*PER_BATCH_HOOKS, *hooks)
         for hook in hooks:
             if getattr(type(cb), hook) is not getattr(pl.Callback, hook):
@@ -63,12 +62,12 @@ def refusal(trainer: pl.Trainer, engine_callbacks: tuple[type, ...]) -> str | No
     return None
 
 
-def check(trainer: pl.Trainer, engine_callbacks: tuple[type, ...], fused: int | None) -> None:
+def check(trainer: pl.Trainer, fused: int | None) -> None:
     """Refuse ``local_steps_per_training_step=fused`` on the sequential path where
     :func:`refusal` finds a reason, naming it and the fix."""
     if fused == 1:
         return
-    reason = refusal(trainer, engine_callbacks)
+    reason = refusal(trainer)
     if reason is not None:
         raise ValueError(
             f"local_steps_per_training_step={fused} runs several local steps of a client in "

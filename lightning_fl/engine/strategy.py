@@ -43,7 +43,6 @@ from lightning_fl.engine.cohort import fit_cohort
 from lightning_fl.engine.context import FederatedConfig, Federation, FitContext, Ranks
 from lightning_fl.engine.data_contract import FederatedLoader
 from lightning_fl.engine.divergence import DivergenceMonitor
-from lightning_fl.engine.driver import RoundDriver
 from lightning_fl.engine.fast_paths import direct_hooks, overrides_transfer
 from lightning_fl.engine.federated_state import CheckpointReadError
 from lightning_fl.engine.fused_steps import FusedLocalSteps
@@ -52,7 +51,6 @@ from lightning_fl.engine.packed import PackedFederation, check_data_on_device, p
 from lightning_fl.engine.planning import RoundPlan
 from lightning_fl.engine.plugins import PluginView
 from lightning_fl.engine.processes import SMALL_MODEL_PARAMETERS
-from lightning_fl.engine.progress import FederatedProgressBar
 from lightning_fl.engine.round_engine import NonFiniteUpdateError, RoundEngine
 from lightning_fl.engine.rounds import EvalRounds, TrainRounds
 from lightning_fl.engine.silo_checkpoints import SiloShards
@@ -343,8 +341,7 @@ class FederatedStrategy(DDPStrategy):
         if fitting and self.config.vectorize:
             self.vectorized.setup()
         elif fitting:
-            engine_callbacks = (RoundDriver, FederatedProgressBar)
-            fused_steps.check(trainer, engine_callbacks, self.config.local_steps_per_training_step)
+            fused_steps.check(trainer, self.config.local_steps_per_training_step)
 
     def _prepare_fit(
         self, trainer: pl.Trainer, federation: Federation, pools_clients: bool
