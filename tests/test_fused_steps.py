@@ -7,6 +7,7 @@ the refusals name what reads every batch."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -17,6 +18,7 @@ from lightning_fl import Classifier, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import DPSGD, SCAFFOLD, FedAvg, FedProx
 from lightning_fl.engine.planning import PADDING, RoundPlanner
 from lightning_fl.engine.schedule import ClientSchedule
+from lightning_fl.engine.training_steps import TrainingSteps
 from tests.helpers import make_trainer, params_of, tiny_datamodule, tiny_module
 from tests.test_planning import SIZES
 from tests.test_planning import _fit as _planning_fit
@@ -75,6 +77,29 @@ def test_fused_local_steps_give_the_one_step_models_bit_for_bit(name):
     assert ref_trainer.global_step == sum(map(sum, local))
     assert runs[None][1].global_step == 12
     assert runs[3][1].global_step == sum(math.ceil(n / 3) for r in local for n in r)
+
+
+class _OptimizerSteps(pl.Callback):
+    """Counts the optimizer steps that Lightning's hook sees."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.count += 1
+
+
+def test_every_local_step_and_no_other_calls_the_optimizer_step_hooks():
+    """A fused Lightning step's own optimizer step is idle: the hooks run once per local
+    step (2⌈n/4⌉ per client), as on the one-step path, not once more per Lightning step."""
+    counts = []
+    for fused in (1, None, 3):
+        watcher = _OptimizerSteps()
+        _, trainer = _fit(fused, [FedAvg(), watcher], rounds=2)
+        counts.append(watcher.count)
+    sampler, p = UniformSampler(4), torch.tensor(SIZES, dtype=torch.float64) / sum(SIZES)
+    local = [2 * math.ceil(SIZES[c] / 4) for r in range(2) for c in sampler.sample(r, 3, p).clients]
+    assert counts == [sum(local)] * 3
 
 
 def test_fused_local_steps_keep_gradient_clipping():
@@ -164,3 +189,23 @@ def test_two_ranks_fuse_their_own_clients_and_pad_to_the_longer_rank():
         assert plan.steps == ClientSchedule(tuple(ids), tuple(expected))
         assert plan.steps.total == 12
         assert plan.schedule.num_batches == tuple(math.ceil(SIZES[c] / 4) for c in clients)
+    # rank 1's steps, located: a client's first Lightning step starts it and names its
+    # last local step; the idle steps name no client and start none
+    started = []
+    engine = SimpleNamespace(
+        current_round=plans[1], current_client=None, fit=fits[1],
+        start_client=started.append,
+    )  # fmt: skip
+    steps = TrainingSteps(engine, SimpleNamespace(), torch.device("cpu"), None)
+    located = []
+    for batch_idx in range(12):
+        steps.locate(batch_idx)
+        located.append(engine.current_client)
+        assert steps.idle
+    clients = plans[1].schedule.clients  # 1, 4, 6, 8, 9 in some order; 3 local steps a step
+    by_hand = []
+    for pos, c in enumerate(clients):
+        n = math.ceil(SIZES[c] / 4)
+        by_hand += [(pos, min(3 * (k + 1), n) - 1) for k in range(fused[c])]
+    assert located == by_hand + [None] * 2
+    assert started == list(range(len(clients)))

@@ -81,7 +81,7 @@ class TrainingSteps:
                     raise RuntimeError("a vectorized step raised StopIteration") from err
             return torch.zeros((), device=self.device, requires_grad=True)
         if plan is not None and plan.fused:
-            if isinstance(batch, dict) and "local_batches" in batch:
+            if batch:  # {"local_batches": [...]}; () is one of this rank's idle steps
                 optimizer = self.engine.fit.trainer.optimizers[0]
                 self.fused.run(batch["local_batches"], optimizer, user_step)
             return torch.zeros((), device=self.device, requires_grad=True)
