@@ -150,6 +150,7 @@ def test_padded_chunk_batches_are_the_loaders_batches_then_the_clients_own_sampl
     for step, (groups, (rows, size, lengths)) in enumerate(zip(batches.steps, by_hand)):
         (group,) = groups
         assert (group.rows, group.size) == (rows, size)
+        assert (group.rows_index is None) == (rows == [0, 1, 2])  # every row: no gather
         if lengths == [size] * len(rows):
             assert group.lengths is None and group.sample_mask is None
         else:

@@ -221,13 +221,11 @@ def _groups(length: Tensor) -> list[list[tuple[list[int], int, Tensor | None]]]:
 
 def _padded_groups(length: Tensor) -> list[list[tuple[list[int], int, Tensor | None]]]:
     """Per step: one group, the rows with a batch, padded to the longest of them (their
-    lengths; None where every row's batch is that long); O(1) Python per step."""
+    lengths; None where every row's batch is that long); O(1) Python per step. Every
+    step has a row with a batch: the chunk's steps are its longest client's."""
     out = []
     for column in length.t():
         rows = torch.nonzero(column > 0).flatten()
-        if len(rows) == 0:
-            out.append([])
-            continue
         lengths = column[rows]
         size, shortest = int(lengths.max()), int(lengths.min())
         out.append([(rows.tolist(), size, None if shortest == size else lengths)])
