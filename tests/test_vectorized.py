@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_fl import Classifier, FederatedStrategy, UniformSampler
+from lightning_fl import FederatedTask as FederatedTaskBase
 from lightning_fl.callbacks import (
     APFL,
     DPSGD,
@@ -1027,11 +1028,14 @@ class _Regularized(Classifier):
         return loss + 0.5 * self.network[0].weight.square().sum(), metrics
 
 
-def test_a_task_whose_sample_losses_disagree_is_not_padded_and_still_exact():
+def test_a_task_whose_sample_losses_disagree_is_not_padded_and_still_exact(monkeypatch):
     """The set-up probe compares the per-sample means with loss_and_metrics: a subclass
     that adds a term to one of them trains its short batches as steps of their own (and
-    still equals the sequential run); dropout, which draws masks of the batch's shape,
-    turns the padding off too."""
+    still equals the sequential run), and the log says why."""
+    from lightning_fl.engine import vectorized
+
+    said = []
+    monkeypatch.setattr(vectorized, "rank_zero_info", said.append)
     runs = []
     for vectorize in (False, True):
         torch.manual_seed(1)
@@ -1040,8 +1044,44 @@ def test_a_task_whose_sample_losses_disagree_is_not_padded_and_still_exact():
         runs.append((module, trainer))
     assert not runs[1][1].strategy.vectorized.pads_short_batches
     assert max_abs_diff(params_of(runs[0][0]), params_of(runs[1][0])) <= 1e-5
-    _, dropout_trainer = _fit(True, [FedAvg()], rounds=1, module=_module(0.3))
-    assert not dropout_trainer.strategy.vectorized.pads_short_batches
+    (line,) = [m for m in said if "sample_losses_and_metrics" in m]
+    assert "_Regularized.sample_losses_and_metrics does not give loss_and_metrics" in line
+    assert line.endswith("Fix or remove it to pad them.")
+
+
+class _MeanOnly(FederatedTaskBase):
+    """A task with loss_and_metrics only."""
+
+    def loss_and_metrics(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y), {}
+
+
+def _batchnorm_module() -> Classifier:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, OUT))
+    return Classifier(network=net, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("module", "callbacks"),
+    [
+        (lambda: _module(0.3), lambda: [FedAvg()]),  # dropout: masks of the batch's shape
+        (_batchnorm_module, lambda: [FedAvg()]),  # the batch's statistics
+        (lambda: _module(0.0), lambda: [DPSGD(noise_multiplier=0.5, max_grad_norm=1.0)]),
+        (lambda: _MeanOnly(_network(0.0), lr=0.1), lambda: [FedAvg()]),  # no per-sample loss
+    ],
+    ids=["dropout", "batchnorm", "dpsgd", "no_sample_losses"],
+)
+def test_what_would_see_the_padding_turns_it_off(module, callbacks, monkeypatch):
+    """Turned off at once, before the probe: nothing to log about the task."""
+    from lightning_fl.engine import vectorized
+
+    said = []
+    monkeypatch.setattr(vectorized, "rank_zero_info", said.append)
+    _, trainer = _fit(True, callbacks(), rounds=1, module=module(), datamodule=_no_single_batches)
+    assert not trainer.strategy.vectorized.pads_short_batches
+    assert not [m for m in said if "sample_losses_and_metrics" in m]
 
 
 def test_the_built_in_tasks_per_sample_losses_mean_to_their_loss_and_metrics():
