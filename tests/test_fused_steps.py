@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import StepLR
 from lightning_fl import Classifier, FederatedStrategy, UniformSampler
 from lightning_fl.callbacks import DPSGD, SCAFFOLD, FedAvg, FedProx
 from lightning_fl.engine.planning import PADDING, RoundPlanner
+from lightning_fl.engine.rounds import TrainRounds
 from lightning_fl.engine.schedule import ClientSchedule
 from lightning_fl.engine.training_steps import TrainingSteps
 from tests.helpers import make_trainer, params_of, tiny_datamodule, tiny_module
@@ -209,3 +210,9 @@ def test_two_ranks_fuse_their_own_clients_and_pad_to_the_longer_rank():
         by_hand += [(pos, min(3 * (k + 1), n) - 1) for k in range(fused[c])]
     assert located == by_hand + [None] * 2
     assert started == list(range(len(clients)))
+    # and its batches: each step the client's next 3 (or what is left), then 2 idle steps
+    batches = list(TrainRounds._fused_batches(plans[1], 3))
+    sizes = [len(b["local_batches"]) for b in batches[:10]]
+    assert sizes == [min(3, n - 3 * k) for pos, c in enumerate(clients)
+                     for n in [math.ceil(SIZES[c] / 4)] for k in range(fused[c])]  # fmt: skip
+    assert batches[10:] == [(), ()]
