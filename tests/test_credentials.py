@@ -50,7 +50,9 @@ def test_the_authority_signs_the_superlink_for_exactly_the_hosts_asked(creds):
     assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
     assert names.get_values_for_type(x509.DNSName) == ["superlink.example.org"]
     life = server.not_valid_after_utc - server.not_valid_before_utc
-    assert datetime.timedelta(days=7) < life <= datetime.timedelta(days=7, minutes=6)
+    assert life == datetime.timedelta(days=7, minutes=5)  # valid from 5 minutes ago
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).critical
+    assert not server.extensions.get_extension_for_class(x509.SubjectAlternativeName).critical
     with pytest.raises(InvalidSignature):  # another authority, of the same name, did not sign it
         server.verify_directly_issued_by(_cert(stranger / "ca.crt"))
     key = serialization.load_pem_private_key((out / "server.key").read_bytes(), None)
@@ -118,3 +120,32 @@ def test_the_command_writes_every_file(tmp_path, capsys):
     server = _cert(tmp_path / "c" / "server.pem")
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("10.0.0.5")]
+
+
+def test_a_new_nested_folder_and_a_rewrite_keep_private_files_private(tmp_path):
+    """Written into a folder that does not exist yet (nor its parent), with no umask to
+    hide a wrong mode: private keys 0600 exactly. Written again into the same folder:
+    every key is new (the old files replaced, never opened for writing)."""
+    import os
+
+    out = tmp_path / "deployment" / "creds"
+    old_mask = os.umask(0)
+    try:
+        write_credentials(out, ["usa"])
+        first = (out / "usa.key").read_bytes()
+        write_credentials(out, ["usa"])
+    finally:
+        os.umask(old_mask)
+    for name in ("usa.key", "ca.key", "server.key"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
+    assert (out / "usa.key").read_bytes() != first
+
+
+def test_the_command_needs_the_sites_and_certifies_30_days_by_default(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "none")])
+    assert "--sites" in capsys.readouterr().err
+    main([str(tmp_path / "c"), "--sites", "a"])
+    server = _cert(tmp_path / "c" / "server.pem")
+    life = server.not_valid_after_utc - server.not_valid_before_utc
+    assert life == datetime.timedelta(days=30, minutes=5)
