@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_fl import AvailableClients, FederatedStrategy, MarkovAvailability
+from lightning_fl import (
+    AvailableClients,
+    FederatedStrategy,
+    MarkovAvailability,
+    SojournMarkovAvailability,
+)
 from tests.helpers import (
     make_trainer,
     max_abs_diff,
@@ -716,3 +721,15 @@ def test_the_examples_in_the_availability_docstrings_run():
     for module in (availability, ca_fed):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted >= 1, module.__name__
+
+
+@pytest.mark.parametrize("model", [MarkovAvailability, SojournMarkovAvailability])
+def test_one_shared_pi_with_a_lambda_per_chain_keeps_each_chains_lambda(model):
+    """π shared, λ per chain: the shortcut for one π and one λ must not take the first
+    chain's λ for all. Chain 0 (π = ½, λ = −1: P(leave) = 1) flips at every round; chain 1
+    (λ = 0.9: P(leave) = 0.05) flips rarely: 19 flips in 20 rounds against at most 8
+    (binomial(19, 0.05) exceeds 8 with probability below 1e-7; the draws are seeded)."""
+    chains = model(pi=0.5, lam=[-1.0, 0.9])
+    states = torch.stack([chains.available(t, seed=4, num_clients=2) for t in range(20)])
+    flips = (states[1:] != states[:-1]).sum(dim=0).tolist()
+    assert flips[0] == 19 and flips[1] <= 8
