@@ -79,7 +79,6 @@ class FusedLocalSteps:
     """Runs a Lightning step's local steps of one client as Lightning would one per step.
 
     Args:
-        user_step: the module's ``training_step`` through the strategy, for one batch.
         backward: the strategy's backward of a loss for an optimizer.
         optimizer_step: the strategy's optimizer step of an optimizer with a closure.
         observe: takes each local step's loss (divergence checks).
@@ -94,8 +93,9 @@ class FusedLocalSteps:
         self.backward, self.optimizer_step, self.observe = backward, optimizer_step, observe
 
     def run(self, batches: Sequence[Any], optimizer: Any, user_step: Callable[[Any], Any]) -> None:
-        """One local step per batch of ``batches``: Lightning's closure (training step, zero
-        grad, backward) inside Lightning's optimizer step."""
+        """One local step per batch of ``batches``: Lightning's closure (``user_step``, the
+        module's ``training_step`` of one batch through the strategy; zero grad; backward)
+        inside Lightning's optimizer step."""
         for batch in batches:
             losses: list[torch.Tensor] = []
 

@@ -330,15 +330,8 @@ class RoundPlanner:
                 clients, batches = [*clients, PADDING], [*batches, longest - sum(batches)]
             schedule = ClientSchedule(tuple(clients), tuple(batches))
             return schedule, schedule, None
-        if not config.vectorize:  # fused local steps of one client at a time
-            steps = [_fused(n, fused) for n in batches]
-            longest = max(_chunked_steps(counts, 1, fused) for counts in per_rank)
-            step_ids = list(range(len(clients)))
-            if longest > sum(steps):
-                step_ids.append(PADDING)
-                steps.append(longest - sum(steps))
-            schedule = ClientSchedule(tuple(clients), tuple(batches))
-            return schedule, ClientSchedule(tuple(step_ids), tuple(steps)), None
+        # vectorized chunks of clients, or (fused local steps) one client per "chunk"
+        size = size if config.vectorize else 1
         chunks = chunk_positions(range(len(clients)), size)
         steps = [_fused(max([batches[p] for p in chunk]), fused) for chunk in chunks]
         longest = max(_chunked_steps(counts, size, fused) for counts in per_rank)
@@ -347,7 +340,8 @@ class RoundPlanner:
             step_ids.append(PADDING)
             steps.append(longest - sum(steps))
         schedule = ClientSchedule(tuple(clients), tuple(batches))
-        return schedule, ClientSchedule(tuple(step_ids), tuple(steps)), chunks
+        steps_schedule = ClientSchedule(tuple(step_ids), tuple(steps))
+        return schedule, steps_schedule, chunks if config.vectorize else None
 
     def _round_state(
         self,

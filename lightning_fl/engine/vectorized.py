@@ -133,12 +133,11 @@ class VectorizedClients:
         from lightning_fl.models import FederatedTask
 
         fit = self.fit
-        module = fit.module
-        overridden = getattr(type(module), "sample_losses_and_metrics", None)
-        if overridden is None or overridden is FederatedTask.sample_losses_and_metrics:
+        # a FederatedTask (check_module refused anything else)
+        if type(fit.module).sample_losses_and_metrics is FederatedTask.sample_losses_and_metrics:
             return False
         dropout = any(m.p > 0 for m in self.step.dropout.modules)
-        replaces = any(getattr(cb, "replaces_gradient", False) for cb in fit.trainer.callbacks)
+        replaces = any(cb.replaces_gradient for cb in fit.plugins.callbacks)
         return not (fit.config.compile or fit.tensors.buffer_names or dropout or replaces)
 
     @property
