@@ -13,8 +13,17 @@ Keys are agreed at each fit's start (X25519 public keys cross the network once);
 are ChaCha20 keystreams of (pair key, round). Where the sites are separate institutions
 (silo mode) each site signs its public key with its site signing key and checks the
 others' against the recipe's ``site_keys`` (:mod:`lightning_fl.systems.key_signatures`):
-a relay that substitutes a key stops the run on every site, naming the site. One
-process: nothing crosses, nothing to mask. Not masked: the set-up's sample counts, the
+a relay that substitutes a key stops the run on every site, naming the site.
+
+Where the transport lets sites drop (``FlowerSite(min_sites=m)``, m below the number of
+sites), each round runs instead the protocol that survives them
+(:mod:`lightning_fl.systems.double_masking`, Bonawitz et al. 2017, Fig. 4, threshold m):
+fresh keys, Shamir shares of each site's mask key and self-mask seed, double-masked
+inputs, and an unmasking that rebuilds a dropped site's pairwise masks from the others'
+shares. The round's total is then exactly the sum over the sites whose masked input
+arrived; a site that dropped before sending it is missing from it (its clients' updates
+count as dropped), and its input is never unmasked. Four relay steps a round instead of
+one. One process: nothing crosses, nothing to mask. Not masked: the set-up's sample counts, the
 training and evaluation metrics, and what other plugins gather (those that read each
 client's update are refused with it).
 """
@@ -22,13 +31,15 @@ client's update are refused with it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
 
 from lightning_fl.engine import collectives
-from lightning_fl.engine.plugins import FederatedCallback
+from lightning_fl.engine.plugins import FederatedCallback, RoundTotal
 from lightning_fl.engine.traits import Trait
+from lightning_fl.systems.double_masking import DoubleMaskingSite, sum_surviving_sites
 from lightning_fl.systems.key_signatures import SiteSignatures
 from lightning_fl.systems.pairwise_masking import PairwiseMasks
 
@@ -65,17 +76,24 @@ class SecureAggregation(FederatedCallback):
         self.fraction_bits = fraction_bits
         self.signing_key, self.site_keys = signing_key, site_keys
         self._masks: PairwiseMasks | None = None
+        self._dropping: _DroppingSites | None = None
         self._all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Agree on each pair of ranks' key (several processes; every rank at once)."""
-        self._masks = None
-        if (group := collectives.across_ranks(trainer.world_size)) is not None:
-            self._masks = PairwiseMasks.agree(
-                trainer.global_rank, trainer.world_size, group.all_gather_object,
-                self.fraction_bits, self.signatures(trainer.global_rank, trainer.world_size),
-            )  # fmt: skip
-            self._all_reduce = group.all_reduce
+        """Agree on each pair of ranks' key (several processes; every rank at once), or,
+        where the transport lets sites drop, keep what each round's instance of the
+        protocol that survives them needs."""
+        self._masks = self._dropping = None
+        rank, world_size = trainer.global_rank, trainer.world_size
+        if (group := collectives.across_ranks(world_size)) is None:
+            return
+        signatures = self.signatures(rank, world_size)
+        if (min_sites := group.min_sites(world_size)) < world_size:
+            self._dropping = _DroppingSites(rank, world_size, min_sites, group, signatures)
+            return
+        self._masks = PairwiseMasks.agree(rank, world_size, group.all_gather_object,
+                                          self.fraction_bits, signatures)  # fmt: skip
+        self._all_reduce = group.all_reduce
 
     def signatures(self, rank: int, world_size: int) -> SiteSignatures | None:
         """The sites' signing keys, read from ``signing_key`` and ``site_keys``; None
@@ -99,7 +117,24 @@ class SecureAggregation(FederatedCallback):
             )
         return SiteSignatures.from_files(self.signing_key, self.site_keys, names, rank)
 
-    def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
+    def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> RoundTotal | None:
+        if self._dropping is not None:
+            d = self._dropping
+            site = DoubleMaskingSite(d.rank, d.world_size, d.min_sites, self.fraction_bits)
+            return RoundTotal(*sum_surviving_sites(buffer, round_idx, site, d.group.gather_present,
+                                                   d.group.sum_present, d.signatures))  # fmt: skip
         if self._masks is None:
             return None
-        return self._masks.sum(buffer, round_idx, self._all_reduce)
+        return RoundTotal(self._masks.sum(buffer, round_idx, self._all_reduce))
+
+
+@dataclass(frozen=True)
+class _DroppingSites:
+    """What each round's instance of the double-masking protocol needs (a transport with
+    ``min_sites`` below the number of sites)."""
+
+    rank: int
+    world_size: int
+    min_sites: int
+    group: collectives.Collectives
+    signatures: SiteSignatures | None

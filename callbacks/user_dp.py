@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from lightning_fl.checks import require_rate
+from lightning_fl.engine import collectives
 from lightning_fl.engine.plugins import Aggregator, RoundState, Trait, Weighting
 from lightning_fl.engine.tensors import (
     TensorList,
@@ -138,7 +139,9 @@ class DPFedAvg(Aggregator):
         colluding_sites: t of distributed noise: the shares are scaled so that any W − t
             of the W sites carry the whole σ², and ε (``dp/epsilon``) holds against t
             sites that pool their own shares (0: against the server and outsiders only;
-            a site knows its own share).
+            a site knows its own share). Where the transport lets sites drop
+            (``FlowerSite(min_sites=m)``), W is m: any m − t of the sites that remain
+            carry σ² (a round with more sites carries more noise).
         estimator: ``"fixed"`` (f̃_f, denominator qW) or ``"clipped"`` (f̃_c, denominator
             max(qW_min, Σ_{k∈C} w_k); central noise only).
         min_weight: W_min of the clipped estimator.
@@ -374,12 +377,14 @@ class DPFedAvg(Aggregator):
         self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
         self.population = None  # read again from this fit's counts and sampler
         sites = trainer.world_size
+        if (group := collectives.across_ranks(sites)) is not None:
+            sites = group.min_sites(sites)  # the fewest sites a round completes with
         if self.colluding_sites >= sites:
             raise ValueError(
                 f"DPFedAvg(colluding_sites={self.colluding_sites}) protects against that many "
-                f"sites pooling their shares, but the run has {sites} site(s), and at least one "
-                f"share must stay secret: set colluding_sites to at most {sites - 1}, or run "
-                "more sites."
+                f"sites pooling their shares, but a round of the run may have {sites} site(s), "
+                f"and at least one share must stay secret: set colluding_sites to at most "
+                f"{sites - 1}, or run more sites (or a higher min_sites)."
             )
         self._sites, self._rank = sites, trainer.global_rank
         if self.discrete:  # the exact grid sum, one flat float64 vector of multiples of γ

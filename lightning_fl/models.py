@@ -494,7 +494,7 @@ def _sum_over_ranks(
     """Every rank's round sums added, in rank order; a rank whose clients logged nothing
     this round (it only padded) gets the others' sums, so all ranks log the same keys."""
     mine = {name: (float(total), float(count)) for name, (total, count) in sums.items()}
-    parts = group.all_gather_object(mine)
+    parts = group.gather_present(mine, {})  # a site that dropped logged nothing
     added: dict[str, list[float]] = {}
     for part in parts:
         for name, (total, count) in part.items():

@@ -50,9 +50,9 @@ class _Kept(SecureAggregation):
 
     def sum_over_ranks(self, buffer, round_idx):
         self.own.append(buffer.detach().double().clone())
-        total = super().sum_over_ranks(buffer, round_idx)
-        self.total.append(total.detach().double().clone())
-        return total
+        summed = super().sum_over_ranks(buffer, round_idx)
+        self.total.append(summed.total.detach().double().clone())
+        return summed
 
 
 def main() -> None:

@@ -172,7 +172,7 @@ def test_distributed_settings_are_checked():
             DPFedAvg(noise="distributed", colluding_sites=bad)
     with pytest.raises(ValueError, match="estimator='fixed' with distributed noise"):
         DPFedAvg(noise="distributed", estimator="clipped", min_weight=1.0)
-    with pytest.raises(ValueError, match=r"the run has 1 site\(s\).* at most 0, or run more"):
+    with pytest.raises(ValueError, match=r"may have 1 site\(s\).* at most 0, or run more"):
         fit([DPFedAvg(noise="distributed", colluding_sites=1)], rounds=1)
 
 

@@ -153,12 +153,13 @@ class ClientEvaluation:
         return {"seen": self.population - unseen_share, "unseen": max(unseen_share, 1)}
 
     def _gather(self, trainer: pl.Trainer) -> tuple[PerClient, set[str]]:
-        """Every rank's per-client values and the names of the summed metrics."""
+        """Every rank's per-client values and the names of the summed metrics (a site that
+        dropped evaluates none of its clients)."""
         capture = self.capture
         per_client = {k: dict(v) for k, v in capture.per_client.items() if v}
         summed = set(capture.summed_names)
         if (group := collectives.across_ranks(trainer.world_size)) is not None:
-            parts = group.all_gather_object((per_client, sorted(summed)))
+            parts = group.gather_present((per_client, sorted(summed)), ({}, []))
             per_client = {}
             for part, names in parts:
                 summed |= set(names)

@@ -11,7 +11,10 @@ answers the run's transport, or ``None`` on one process. Two transports implemen
 
 A transport adds tensors in place (:meth:`Collectives.all_reduce`), hands every rank the
 list of all ranks' values, in rank order (:meth:`Collectives.all_gather_object`), and
-copies one rank's tensor to all (:meth:`Collectives.broadcast`). The arithmetic around
+copies one rank's tensor to all (:meth:`Collectives.broadcast`). A transport that lets
+sites drop (Flower's, with ``min_sites``) also completes the collectives of a round
+without them: :meth:`Collectives.sum_present` names who is missing from a sum, and
+:meth:`Collectives.gather_present` lists what a missing site contributes. The arithmetic around
 them is the same in every transport, so a run's model is the same (to float round-off: the
 order of a sum's terms may differ).
 
@@ -44,6 +47,23 @@ class Collectives(ABC):
     @abstractmethod
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Replace ``tensor``, in place, by rank ``src``'s."""
+
+    def min_sites(self, world_size: int) -> int:
+        """The fewest sites a round completes with: every one of the ``world_size`` on a
+        lockstep transport (``torch.distributed``); fewer where the transport lets sites
+        drop (:class:`lightning_fl.flower.site.FlowerSite`'s ``min_sites``)."""
+        return world_size
+
+    def sum_present(self, tensor: torch.Tensor) -> frozenset[int]:
+        """:meth:`all_reduce` over the sites still there: a site that dropped adds nothing.
+        Returns the ranks missing from the sum (none on a lockstep transport)."""
+        self.all_reduce(tensor)
+        return frozenset()
+
+    def gather_present(self, value: Any, absent: Any) -> list[Any]:
+        """:meth:`all_gather_object` over the sites still there: a dropped site's entry is
+        ``absent`` (what a site that took no part contributes, e.g. an empty dict)."""
+        return self.all_gather_object(value)
 
 
 class Transport(Collectives):

@@ -310,6 +310,8 @@ class FitContext:
     #: Lightning's batch transfer to ``device`` (the strategy's ``batch_to_device``)
     to_device: Callable[[Any], Any]
     divergence: DivergenceMonitor
+    #: the recipe's site names in rank order (``FederatedStrategy(silos=[...])``), or None
+    site_names: tuple[str, ...] | None = None
 
     @property
     def datamodule(self) -> FederatedDataModule:

@@ -47,6 +47,8 @@ class RoundPlan:
     #: the participants whose client-store entries came from their owner rank to the rank
     #: that trains them this round: client → (owner, trainer); they go back at its end
     moved: dict[int, tuple[int, int]] | None = None
+    #: the rank that trains each participant (``state.participation.clients``' order)
+    trained_by: list[int] | None = None
 
     @property
     def fused(self) -> bool:
@@ -121,7 +123,7 @@ class RoundPlanner:
             [participation.clients[i] for i in mine], [batches[i] for i in mine], per_rank
         )
         state = self._round_state(round_idx, participation, counts, p, schedule)
-        return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks, moved)
+        return RoundPlan(schedule, [built[i] for i in mine], state, steps, chunks, moved, ranks)
 
     def ranks(self, clients: Sequence[int], batches: Sequence[int]) -> list[int]:
         """The rank that trains each participant this round: its owner (client %

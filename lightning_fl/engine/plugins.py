@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple, Protocol
 
 import lightning.pytorch as pl
 import numpy as np
@@ -74,6 +74,14 @@ class StepView(Protocol):
 
     def scale_lr(self, factors: list[float]) -> None:
         """Multiply row i's learning rate by ``factors[i]`` in this chunk's steps."""
+
+
+class RoundTotal(NamedTuple):
+    """A round's sums added over the ranks (``total``) and the ranks whose part is not in
+    it (``missing``: sites that dropped, on a transport that lets them)."""
+
+    total: torch.Tensor
+    missing: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -533,10 +541,11 @@ class FederatedCallback(pl.Callback):
         (``state.update_sum``, the declared round sums) is summed over the ranks: a site
         adds its share of distributed DP noise here."""
 
-    def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> torch.Tensor | None:
+    def sum_over_ranks(self, buffer: torch.Tensor, round_idx: int) -> RoundTotal | None:
         """The round's sums (the weighted update sum, the declared round sums, the count
         of dropped updates: one flat ``buffer``) summed over the ranks in place of the
-        engine's plain all-reduce, or None to leave that to the engine (every plugin but
+        engine's plain all-reduce, with the ranks whose part is not in it (sites that
+        dropped), or None to leave that to the engine (every plugin but
         :class:`~lightning_fl.callbacks.SecureAggregation`)."""
         return None
 

@@ -172,7 +172,8 @@ class RoundEngine:
     def _all_reduce_round(self, state: RoundState) -> int:
         """Sum the weighted updates, the callbacks' round sums and the number of dropped
         updates over all ranks in one all-reduce (or a plugin's masked one:
-        ``FederatedCallback.sum_over_ranks``); returns the total dropped."""
+        ``FederatedCallback.sum_over_ranks``); returns the total dropped, with the
+        updates of a site that dropped (:meth:`_drop_missing_sites`)."""
         if not self.fit.ranks.distributed:
             return len(state.dropped)
         sums = [state.update_sum, *state.extra_sums.values()]
@@ -181,15 +182,37 @@ class RoundEngine:
         summed = (cb.sum_over_ranks(buffer, state.round_idx) for cb in self.fit.plugins.callbacks)
         secure = next((b for b in summed if b is not None), None)
         if secure is None:
-            collectives.across_ranks(self.fit.ranks.world_size).all_reduce(buffer)
+            missing = collectives.across_ranks(self.fit.ranks.world_size).sum_present(buffer)
         else:
-            buffer = secure
+            buffer, missing = secure
         offset = 0
         for part in sums:
             size = flat_size(part)
             torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
             offset += size
-        return int(buffer[-1].item())
+        return int(buffer[-1].item()) + self._drop_missing_sites(state, missing)
+
+    def _drop_missing_sites(self, state: RoundState, missing: frozenset[int]) -> int:
+        """The participants trained by the ``missing`` ranks (sites that dropped before
+        their part of the round's sum arrived): their updates are not in the sum, so
+        they are dropped updates, as a NaN update is (the others keep their weights ω_i:
+        θ^{t+1} = θ^t + Σ_{i arrived} ω_i Δ_i, not renormalized), listed on every site
+        that remains. Returns how many."""
+        if not missing:
+            return 0
+        plan = self.current_round
+        clients = [c for c, r in zip(state.participation.clients, plan.trained_by or [])
+                   if r in missing]  # fmt: skip
+        state.dropped.extend(clients)
+        names = self.fit.site_names
+        sites = ", ".join(repr(names[r]) if names else f"rank {r}" for r in sorted(missing))
+        warnings.warn(
+            f"Round {state.round_idx}: site {sites} dropped before its part of the round's "
+            f"sum arrived; its {len(clients)} participant(s) {clients} are dropped updates "
+            "and the round goes on with the other sites.",
+            stacklevel=2,
+        )
+        return len(clients)
 
     def call(self, hook: str, *args: Any) -> None:
         """Run ``hook`` on every federated callback, the aggregator first: it decides

@@ -319,6 +319,7 @@ class FederatedStrategy(DDPStrategy):
             tensors=tensors, store=self.client_store, plugins=plugins,
             federation=federation, packed=packed, to_device=self.batch_to_device,
             divergence=self.divergence,
+            site_names=self.sites.names if self.sites is not None else None,
         )  # fmt: skip
         self.engine = RoundEngine(self.fit)
         self.vectorized = VectorizedClients(self.fit, self.engine)
@@ -328,9 +329,8 @@ class FederatedStrategy(DDPStrategy):
         fit_callbacks.driver(trainer.callbacks).attach(
             self.fit, self.engine, self.vectorized, self.evaluation
         )
-        names = self.sites.names if self.sites is not None else None
         view = PluginView(self.client_store, federation.training_counts, tensors, self.config,
-                          plugins.aggregator, names, self.evaluation)  # fmt: skip
+                          plugins.aggregator, self.fit.site_names, self.evaluation)  # fmt: skip
         for cb in plugins.callbacks:
             cb.view = view
         if self.config.vectorize_evaluation is True:  # refuses, naming the reason

@@ -18,6 +18,7 @@ metrics). What it sends back: the sum, or the list. It keeps nothing between run
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -29,6 +30,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from lightning_fl.flower import wire  # torch only when a value is encoded
+
+logger = logging.getLogger(__name__)
 
 server_app = ServerApp()
 client_app = ClientApp()
@@ -67,28 +70,54 @@ class RunSettings:
 
 class StepRelay:
     """What the server does with one step's answers: adds the sites' tensors or lists
-    their values in rank order (:meth:`combine`)."""
+    their values in rank order (:meth:`combine`).
+
+    A site that does not answer a step (its process killed, its SuperNode gone, a
+    timeout) stops the run, naming it, unless every site that answers marks the step as
+    one that may complete without it (``min_sites`` in its answer: the rounds' sums and
+    gathers, ``FlowerSite(min_sites=...)``) and at least ``min_sites`` sites remain. Then
+    the site is dropped for the rest of the run: it is no longer asked, a sum is over
+    the sites that remain, a list holds ``None`` at its rank, and every request names the
+    dropped ranks (``absent``). A later step that needs every site stops the run, naming
+    the dropped one."""
 
     def __init__(self, sites: int) -> None:
         self.sites = sites
         self.names: dict[int, str] = {}  # node id -> site name, learnt from the answers
+        self.ranks: dict[int, int] = {}  # node id -> rank, learnt from the answers
+        self.dropped: dict[int, str] = {}  # node id -> why it was dropped
+
+    @property
+    def absent(self) -> list[int]:
+        """The ranks of the dropped sites."""
+        return sorted(self.ranks[node] for node in self.dropped)
+
+    def present_nodes(self) -> list[int] | None:
+        """The nodes to ask next (None: every node, while no site was dropped)."""
+        if not self.dropped:
+            return None
+        return sorted(node for node in self.ranks if node not in self.dropped)
 
     def combine(self, step: int, answers: Mapping[int, Any]) -> tuple[bool, Any]:
         """``answers``: node id -> the decoded answer, or a string (why it has none).
         Returns (finished, result): finished when every site is done."""
-        for node, answer in answers.items():
-            if isinstance(answer, str):
-                raise SiteFailure(f"{self._label(node)} {answer}")
+        present = {node: a for node, a in answers.items() if not isinstance(a, str)}
+        for node, answer in present.items():
             self.names[node] = answer["site"]
-        for answer in answers.values():
+            self.ranks[node] = answer["rank"]
+        for answer in present.values():
             if answer["op"] == "failed":
                 raise SiteFailure(f"site {answer['site']!r} failed: {answer['payload']}")
-        by_rank = sorted(answers.values(), key=lambda a: a["rank"])
+        silent = {node: a for node, a in answers.items() if isinstance(a, str)}
+        if silent:
+            self._drop(step, silent, list(present.values()))
+        by_rank = sorted(present.values(), key=lambda a: a["rank"])
         ranks = [a["rank"] for a in by_rank]
-        if ranks != list(range(self.sites)):
+        expected = [r for r in range(self.sites) if r not in self.absent]
+        if ranks != expected:
             raise SiteFailure(
                 f"the sites answer as ranks {ranks} ({[a['site'] for a in by_rank]}), not "
-                f"0..{self.sites - 1}: start each site once, under its own name."
+                f"{expected}: start each site once, under its own name."
             )
         ops = {a["op"] for a in by_rank}
         if len(ops) > 1:
@@ -100,10 +129,45 @@ class StepRelay:
         op = ops.pop()
         if op == "done":
             return True, None
+        if self.dropped and not all("min_sites" in a for a in by_rank):
+            raise SiteFailure(
+                f"{self._dropped_sites()} dropped earlier, and step {step} ({op}) needs every "
+                "site (the set-up, or a plugin's own collective): restart it with "
+                "--ckpt_path last and submit the run again."
+            )
         parts = [a["payload"] for a in by_rank]
         if op == "gather":
-            return False, parts
+            listed: list[Any] = [None] * self.sites
+            for rank, part in zip(ranks, parts):
+                listed[rank] = part
+            return False, listed
         return False, self._sum(parts, [a["site"] for a in by_rank])
+
+    def _drop(self, step: int, silent: Mapping[int, str], present: list[dict]) -> None:
+        """Drop the ``silent`` nodes, or stop the run when the step needs them."""
+        node, reason = next(iter(silent.items()))
+        floors = {a["min_sites"] for a in present if "min_sites" in a}
+        may_miss = bool(present) and len(floors) == 1 and all("min_sites" in a for a in present)
+        if not may_miss or any(n not in self.ranks for n in silent):
+            raise SiteFailure(f"{self._label(node)} {reason}")
+        min_sites = floors.pop()
+        left = self.sites - len(self.dropped) - len(silent)
+        if left < min_sites:
+            who = ", ".join(self._label(n) for n in silent)
+            raise SiteFailure(
+                f"{who} {reason}; {left} of {self.sites} sites remain, fewer than "
+                f"min_sites={min_sites}: the run stops. Restart the dropped sites with "
+                "--ckpt_path last and submit the run again."
+            )
+        for n, why in silent.items():
+            self.dropped[n] = why
+            logger.warning(
+                "%s %s: dropped at step %d; the run goes on with %d of %d sites "
+                "(min_sites=%d).", self._label(n), why, step, left, self.sites, min_sites,
+            )  # fmt: skip
+
+    def _dropped_sites(self) -> str:
+        return ", ".join(self._label(node) for node in sorted(self.dropped))
 
     def _sum(self, parts: list[Any], sites: list[str]) -> Any:
         first = parts[0]
@@ -148,8 +212,8 @@ def run_steps(settings: RunSettings, ask: Ask) -> int:
     relay = StepRelay(settings.sites)
     step, result = 0, None
     while True:
-        request = wire.encode({"step": step, "result": result})
-        answers = ask(None, request, settings.step_timeout, step == 0)
+        request = wire.encode({"step": step, "result": result, "absent": relay.absent})
+        answers = ask(relay.present_nodes(), request, settings.step_timeout, step == 0)
         try:
             finished, result = relay.combine(step, answers)
         except SiteFailure as failure:

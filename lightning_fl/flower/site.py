@@ -31,15 +31,29 @@ class FlowerSite(Transport):
             SuperNode is started with ``--node-config 'mailbox="<the same path>"'``.
         timeout: seconds to wait for the server's next message before the site stops
             (a step's wait includes every other site's local training of the round).
+        min_sites: the fewest sites a round completes with (default: every site). With
+            fewer than all, a site that stops answering during the rounds (its process
+            killed, its machine gone) is dropped from the run, and the others go on
+            while at least ``min_sites`` remain: its clients' updates of the round are
+            dropped updates (``fl/dropped_updates``), and ``SecureAggregation`` runs the
+            protocol that survives it (Bonawitz et al. 2017, threshold ``min_sites``).
+            The set-up's steps, and a plugin's own collectives, still need every site.
     """
 
-    def __init__(self, mailbox: str = "flower/{silo}.sock", timeout: float = 600.0) -> None:
+    def __init__(
+        self, mailbox: str = "flower/{silo}.sock", timeout: float = 600.0,
+        min_sites: int | None = None,
+    ) -> None:  # fmt: skip
         if timeout <= 0:
             raise ValueError(f"FlowerSite timeout must be positive seconds, got {timeout}.")
-        self.mailbox, self.timeout = mailbox, float(timeout)
+        if min_sites is not None and (isinstance(min_sites, bool) or min_sites < 1):
+            raise ValueError(f"FlowerSite min_sites must be an integer >= 1, got {min_sites!r}.")
+        self.mailbox, self.timeout, self._min_sites = mailbox, float(timeout), min_sites
+        self._absent: frozenset[int] = frozenset()  # the sites the server dropped
         self._listener: socket.socket | None = None
         self._open: socket.socket | None = None  # the request whose answer is due
         self._identity: dict[str, Any] = {}
+        self._world_size = 1
         self._stopped = False  # the server ended the run: nothing more to answer
         self.path: Path | None = None
 
@@ -47,6 +61,11 @@ class FlowerSite(Transport):
     def open(self, rank: int, world_size: int, site: str) -> None:
         if self._listener is not None:  # a test after the fit: the run goes on
             return
+        if self._min_sites is not None and self._min_sites > world_size:
+            raise ValueError(
+                f"FlowerSite(min_sites={self._min_sites}) on a run of {world_size} sites: "
+                f"set min_sites to at most {world_size}."
+            )
         self.path = Path(wire.check_mailbox(self.mailbox.format(silo=site, rank=rank)))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
@@ -61,6 +80,7 @@ class FlowerSite(Transport):
         listener.settimeout(self.timeout)
         self._listener = listener
         self._identity = {"rank": rank, "site": site}
+        self._world_size = world_size
 
     def close(self, failed: bool = False, reason: str = "") -> None:
         """Answer the pending request with ``done`` (or ``failed``: ``reason``), so the
@@ -89,6 +109,18 @@ class FlowerSite(Transport):
     def all_gather_object(self, value: Any) -> list[Any]:
         return self._exchange("gather", value)
 
+    def min_sites(self, world_size: int) -> int:
+        return world_size if self._min_sites is None else self._min_sites
+
+    def sum_present(self, tensor: torch.Tensor) -> frozenset[int]:
+        total = self._exchange("sum", tensor.detach().cpu(), may_miss=True)
+        tensor.copy_(total.to(tensor.device))
+        return self._absent
+
+    def gather_present(self, value: Any, absent: Any) -> list[Any]:
+        parts = self._exchange("gather", value, may_miss=True)
+        return [absent if rank in self._absent else part for rank, part in enumerate(parts)]
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank ``src``'s tensor: a sum to which every other site adds zeros (exact)."""
         mine = tensor if self._identity["rank"] == src else torch.zeros_like(tensor)
@@ -96,20 +128,25 @@ class FlowerSite(Transport):
         tensor.copy_(mine)
 
     # ------------------------------------------------------------------ the mailbox
-    def _exchange(self, op: str, payload: Any) -> Any:
+    def _exchange(self, op: str, payload: Any, may_miss: bool = False) -> Any:
         """Answer the pending request with this site's part, then wait for the next
-        request, which carries the result; keep it pending for the next collective."""
-        self._answer(op, payload)
+        request, which carries the result (and the sites dropped so far); keep it pending
+        for the next collective. ``may_miss``: the step may complete without a site that
+        drops (at least ``min_sites`` answering)."""
+        self._answer(op, payload, may_miss)
         request = self._next_request()
+        self._absent = frozenset(request.get("absent", ()))
         return request["result"]
 
-    def _answer(self, op: str, payload: Any) -> None:
+    def _answer(self, op: str, payload: Any, may_miss: bool = False) -> None:
         if self._open is None:  # the run's first step: its request carries no result
             self._next_request()
         connection, self._open = self._open, None
+        answer = {**self._identity, "op": op, "payload": payload}
+        if may_miss:
+            answer["min_sites"] = self.min_sites(self._world_size)
         with connection:
-            wire.send_frame(connection, wire.encode({**self._identity, "op": op,
-                                                     "payload": payload}))  # fmt: skip
+            wire.send_frame(connection, wire.encode(answer))
 
     def _next_request(self) -> dict[str, Any]:
         if self._listener is None:

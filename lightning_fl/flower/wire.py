@@ -1,9 +1,11 @@
 """What one step of a Flower run carries, and how it is framed.
 
-A step's request (server → site) is ``{"step": k, "result": R}`` (R: the result of the
-site's previous collective, ``None`` at step 0) or ``{"stop": reason}``; a site's answer
-is ``{"rank": r, "site": name, "op": op, "payload": P}``, ``op`` one of ``"sum"`` (P a
-tensor), ``"gather"`` (P a plain value), ``"done"`` or ``"failed"`` (P the reason).
+A step's request (server → site) is ``{"step": k, "result": R, "absent": [ranks]}`` (R:
+the result of the site's previous collective, ``None`` at step 0; ``absent``: the sites
+the server dropped, see ``FlowerSite(min_sites=...)``) or ``{"stop": reason}``; a site's
+answer is ``{"rank": r, "site": name, "op": op, "payload": P}``, ``op`` one of ``"sum"``
+(P a tensor), ``"gather"`` (P a plain value), ``"done"`` or ``"failed"`` (P the reason),
+with ``"min_sites": m`` where the step may complete without a site that drops.
 Values are encoded with ``torch.save`` and read with ``torch.load(weights_only=True)``:
 tensors, numbers, strings, bytes and containers of them, never code. On the mailbox's
 socket each encoded value is one frame: its length (8 bytes, big-endian), then its bytes.

@@ -39,14 +39,17 @@ protocol is not built: a relay that shows sites different U₃ lists is not dete
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from lightning_fl.systems.key_signatures import SiteSignatures, agree_verdicts
 from lightning_fl.systems.pairwise_masking import (
     Limbs,
     add,
+    carry_sum,
     decode,
     encode,
     negate,
@@ -182,6 +185,11 @@ class DoubleMaskingSite:
                                                    self.rank, other, round_idx, size))  # fmt: skip
         return masked
 
+    @property
+    def shared_with(self) -> list[int]:
+        """U₂ as this site saw it: the sites whose shares it holds."""
+        return sorted(self._held)
+
     def unmask(self, survivors: Sequence[int]) -> dict[str, dict[int, int]]:
         """Round 4: shares of b_u for each u of U₃ (``survivors``) and of s_v^SK for each v
         of U₂ \\ U₃; refused when U₃ is below the threshold, or names a site outside U₂."""
@@ -208,13 +216,24 @@ def unmasked_total(
     U₄ (``unmasking``: at least ``min_sites``) and the sites' mask public keys (U₂'s,
     ``mask_publics``): the survivors' self-masks and the dropped sites' pairwise masks
     rebuilt and taken out (Bonawitz et al. 2017, Fig. 4, Round 4, server side)."""
-    if len(unmasking) < min_sites:
-        raise DroppedSitesError(_too_few(len(unmasking), min_sites, "unmasking answers"))
     survivors = sorted(masked)
-    size = masked[survivors[0]][0].numel()
     total = masked[survivors[0]]
     for u in survivors[1:]:
         total = add(total, masked[u])
+    return unmasked_sum(total, survivors, unmasking, mask_publics, round_idx, min_sites,
+                        fraction_bits)  # fmt: skip
+
+
+def unmasked_sum(
+    total: Limbs, survivors: Sequence[int], unmasking: dict[int, dict[str, dict[int, int]]],
+    mask_publics: dict[int, bytes], round_idx: int, min_sites: int, fraction_bits: int = 32,
+) -> Tensor:  # fmt: skip
+    """:func:`unmasked_total` from Σ_{u ∈ U₃} y_u already added (``total``, e.g. by a relay
+    that only adds) and the list of U₃ (``survivors``)."""
+    if len(unmasking) < min_sites:
+        raise DroppedSitesError(_too_few(len(unmasking), min_sites, "unmasking answers"))
+    survivors = sorted(survivors)
+    size = total[0].numel()
     for u in survivors:
         seed = shamir_join({w: answer["seeds"][u] for w, answer in unmasking.items()})
         total = add(total, negate(self_mask(seed, round_idx, size)))
@@ -224,6 +243,43 @@ def unmasked_total(
             theirs = pairwise_mask(key, mask_publics[u], v, u, round_idx, size)
             total = add(total, theirs)  # v's side of the pair is −(u's side)
     return decode(*total, fraction_bits)
+
+
+def sum_surviving_sites(
+    values: Tensor, round_idx: int, site: DoubleMaskingSite,
+    gather_present: Callable[[Any, Any], list[Any]],
+    sum_present: Callable[[Tensor], frozenset[int]], signatures: SiteSignatures | None = None,
+) -> tuple[Tensor, frozenset[int]]:  # fmt: skip
+    """One round of the protocol through a relay that only adds and lists (the steps of
+    the module's docstring, each a collective of the sites still there): ``gather_present``
+    (every site's value in rank order, ``None`` for one that dropped) and ``sum_present``
+    (a sum over the sites still there, in place, returning the ranks missing). Returns
+    Σ_{u ∈ U₃} x_u in ``values``' dtype and device, and the ranks whose ``values`` are not
+    in it (every rank outside U₃). With ``signatures`` each site signs its two public keys
+    and a key that does not verify stops every site, naming its site."""
+    channel, mask = site.advertise()
+    signature = signatures.sign(site.rank, channel + mask) if signatures is not None else None
+    offers = gather_present((channel + mask, signature), None)
+    if signatures is not None:
+        agree_verdicts(signatures.forged(offers), signatures.names, site.rank,
+                       lambda verdict: gather_present(verdict, []))  # fmt: skip
+    adverts = {r: (o[0][:32], o[0][32:]) for r, o in enumerate(offers) if o is not None}
+    inboxes = gather_present(site.share_keys(adverts), None)
+    site.receive_shares({u: box[site.rank] for u, box in enumerate(inboxes)
+                         if box is not None and site.rank in box})  # fmt: skip
+    lo, hi = site.masked_input(values, round_idx)
+    sent = torch.cat([lo, hi]).to(values.device)
+    missing = sum_present(sent)
+    survivors = sorted(set(site.shared_with) - set(missing))
+    answers = gather_present(site.unmask(survivors), None)
+    unmasking = {w: answer for w, answer in enumerate(answers) if answer is not None}
+    size = values.numel()
+    total = carry_sum((sent[:size].cpu(), sent[size:].cpu()))
+    publics = {u: adverts[u][1] for u in site.shared_with}
+    summed = unmasked_sum(total, survivors, unmasking, publics, round_idx, site.min_sites,
+                          site.fraction_bits)  # fmt: skip
+    outside = frozenset(range(site.world_size)) - frozenset(survivors)
+    return summed.to(device=values.device, dtype=values.dtype).view_as(values), outside
 
 
 def _aad(sender: int, receiver: int) -> bytes:
@@ -243,5 +299,7 @@ __all__ = [
     "DroppedSitesError",
     "shamir_join",
     "shamir_split",
+    "sum_surviving_sites",
+    "unmasked_sum",
     "unmasked_total",
 ]

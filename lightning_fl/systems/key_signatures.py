@@ -156,16 +156,18 @@ class SiteSignatures:
         """This site's signature of its key-agreement key ``public``."""
         return sign(self.own, signed_message(len(self.names), rank, self.names[rank], public))
 
-    def forged(self, offers: Sequence[tuple[bytes, bytes | None]]) -> list[int]:
-        """The ranks whose offered ``(public key, signature)`` does not verify."""
+    def forged(self, offers: Sequence[tuple[bytes, bytes | None] | None]) -> list[int]:
+        """The ranks whose offered ``(public key, signature)`` does not verify (``None``:
+        a site that dropped, which offered nothing)."""
         world = len(self.names)
         return [
             rank
-            for rank, (public, signature) in enumerate(offers)
-            if not verifies(
+            for rank, offer in enumerate(offers)
+            if offer is not None
+            and not verifies(
                 self.site_keys[rank],
-                signature,
-                signed_message(world, rank, self.names[rank], public),
+                offer[1],
+                signed_message(world, rank, self.names[rank], offer[0]),
             )  # fmt: skip
         ]
 
