@@ -29,12 +29,25 @@ from lightning_fl.flower.apps import (  # noqa: E402
 NAMES = ["usa", "hungary", "switzerland"]
 
 
+class SiteKilled(Exception):
+    """Raised by :func:`kill` to end a site's thread as a killed process ends."""
+
+
+def kill(site: FlowerSite) -> None:
+    """What SIGKILL does to a site's process: its sockets close, nothing is answered."""
+    if site._open is not None:
+        site._open.close()
+    site._listener.close()
+    site._listener = None
+    raise SiteKilled
+
+
 class Federation:
     """``programs[r]`` runs as site ``NAMES[r]`` in a thread; the server's loop runs in the
     caller's thread. ``received`` records every answer the server decodes, per step."""
 
-    def __init__(self, tmp: Path, programs, node_order=(2, 0, 1)) -> None:
-        self.tmp, self.programs = tmp, programs
+    def __init__(self, tmp: Path, programs, node_order=(2, 0, 1), min_sites=None) -> None:
+        self.tmp, self.programs, self.min_sites = tmp, programs, min_sites
         self.nodes = {100 + r: r for r in node_order}  # node id -> rank, not in rank order
         self.results: dict[str, object] = {}
         self.errors: dict[str, BaseException] = {}
@@ -42,10 +55,13 @@ class Federation:
 
     def _site(self, rank: int) -> None:
         name = NAMES[rank]
-        site = FlowerSite(mailbox=str(self.tmp / "{silo}.sock"), timeout=20)
+        site = FlowerSite(mailbox=str(self.tmp / "{silo}.sock"), timeout=20,
+                          min_sites=self.min_sites)  # fmt: skip
         site.open(rank, len(self.programs), name)
         try:
             self.results[name] = self.programs[rank](site, rank)
+        except SiteKilled:
+            return
         except BaseException as err:  # a site's failure, as the strategy reports it
             self.errors[name] = err
             site.close(failed=True, reason=f"{type(err).__name__}: {err}")
@@ -386,3 +402,152 @@ def test_signed_a_swapped_key_stops_every_site_naming_it(tmp_path):
         assert "key of site 'hungary' (rank 1) is not signed" in str(error)
         assert "found by usa, switzerland" in str(error)
     assert not [s for s in relay.received if next(iter(s.values()))["op"] == "sum"]
+
+
+# ----------------------------------------------------------------- sites that drop (issue 76)
+def test_a_site_killed_at_a_step_that_may_miss_it_is_dropped_and_the_others_go_on(tmp_path):
+    """min_sites=2 of 3: hungary's process dies at the second sum; that sum is usa's and
+    switzerland's alone and names rank 1 missing, hungary is not asked again, and a
+    gather lists what the caller says a missing site contributes."""
+
+    def program(site: FlowerSite, rank: int):
+        first = torch.tensor([1.0, float(rank)])
+        missing_first = site.sum_present(first)
+        if NAMES[rank] == "hungary":
+            kill(site)
+        second = torch.tensor([10.0**rank])
+        missing = site.sum_present(second)
+        listed = site.gather_present(NAMES[rank], absent="gone")
+        return first, missing_first, second, missing, listed
+
+    federation = Federation(tmp_path, [program] * 3, min_sites=2)
+    assert federation.run() == 3  # two sums, a gather, then done
+    assert not federation.errors, federation.errors
+    assert "hungary" not in federation.results
+    for name in ("usa", "switzerland"):
+        first, missing_first, second, missing, listed = federation.results[name]
+        assert first.tolist() == [3.0, 3.0] and missing_first == frozenset()
+        assert second.tolist() == [101.0] and missing == frozenset({1})
+        assert listed == ["usa", "gone", "switzerland"]
+    hungary = next(node for node, rank in federation.nodes.items() if rank == 1)
+    assert all(hungary not in step for step in federation.received[2:])
+    assert isinstance(federation.received[1][hungary], str)  # why it has no answer
+
+
+def test_after_a_drop_a_step_that_needs_every_site_stops_the_run_naming_the_dropped_one(
+    tmp_path,
+):
+    def program(site: FlowerSite, rank: int):
+        site.sum_present(torch.ones(1))
+        if NAMES[rank] == "hungary":
+            kill(site)
+        site.sum_present(torch.ones(1))
+        site.all_gather_object(rank)  # the set-up's kind: every site needed
+
+    federation = Federation(tmp_path, [program] * 3, min_sites=2)
+    with pytest.raises(SiteFailure, match=r"site 'hungary' .*dropped earlier, and step 2 "
+                                          r"\(gather\) needs every site"):  # fmt: skip
+        federation.run()
+    for name in ("usa", "switzerland"):
+        assert isinstance(federation.errors[name], FlowerRunStopped)
+
+
+def test_a_drop_below_min_sites_or_at_a_step_that_needs_every_site_stops_the_run(tmp_path):
+    def program(site: FlowerSite, rank: int):
+        site.sum_present(torch.ones(1))
+        if NAMES[rank] == "hungary":
+            kill(site)
+        site.sum_present(torch.ones(1))
+
+    federation = Federation(tmp_path, [program] * 3, min_sites=3)
+    with pytest.raises(SiteFailure, match="2 of 3 sites remain, fewer than min_sites=3"):
+        federation.run()
+
+    def strict(site: FlowerSite, rank: int):
+        site.all_reduce(torch.ones(1))
+        if NAMES[rank] == "hungary":
+            kill(site)
+        site.all_reduce(torch.ones(1))
+
+    federation = Federation(tmp_path, [strict] * 3, min_sites=2)
+    with pytest.raises(SiteFailure, match=r"site 'hungary' \(SuperNode 101\) closed its mailbox"):
+        federation.run()
+    with pytest.raises(ValueError, match="min_sites must be an integer >= 1, got 0"):
+        FlowerSite(min_sites=0)
+    with pytest.raises(ValueError, match=r"min_sites=4\) on a run of 3 sites: set min_sites to"):
+        FlowerSite(mailbox=str(tmp_path / "x.sock"), min_sites=4).open(0, 3, "usa")
+
+
+def _surviving_sum_program(values, kill_at, signatures=None):
+    """Two rounds of :func:`sum_surviving_sites` (min_sites=2); hungary's process dies at
+    its ``kill_at``-th collective of the first round (0: it never does)."""
+    from lightning_fl.systems.double_masking import DoubleMaskingSite, sum_surviving_sites
+
+    def program(site: FlowerSite, rank: int):
+        calls = [0]
+
+        def dying(collective):
+            def call(*args):
+                calls[0] += 1
+                if NAMES[rank] == "hungary" and calls[0] == kill_at:
+                    kill(site)
+                return collective(*args)
+
+            return call
+
+        signed = signatures(rank) if signatures else None
+        rounds = []
+        for round_idx in (4, 5):
+            instance = DoubleMaskingSite(rank, 3, 2)
+            rounds.append(sum_surviving_sites(values[rank].clone(), round_idx, instance,
+                                              dying(site.gather_present),
+                                              dying(site.sum_present), signed))  # fmt: skip
+        return rounds
+
+    return program
+
+
+@pytest.mark.parametrize("killed", ["before its masked input", "after its masked input"])
+def test_secure_aggregation_survives_a_killed_site_and_the_relay_sees_only_masked_limbs(
+    tmp_path, killed
+):
+    """Bonawitz et al.'s protocol through the relay, signed keys, min_sites=2 of 3:
+    hungary's process dies before its masked input (4th collective: offers, verdicts,
+    shares, then the sum) or after it (5th: the unmasking shares). The round's total is
+    the exact sum of the sites whose input arrived (usa's and switzerland's; all three
+    when hungary's arrived), the next round (a fresh instance without hungary) completes,
+    and no sum the relay receives is a site's own encoding in any limb."""
+    pytest.importorskip("cryptography")
+    from lightning_fl.flower.credentials import write_credentials
+    from lightning_fl.systems.key_signatures import SiteSignatures
+    from lightning_fl.systems.pairwise_masking import encode
+
+    write_credentials(tmp_path / "creds", NAMES)
+
+    def signatures(rank):
+        creds = tmp_path / "creds"
+        return SiteSignatures.from_files(str(creds / "{silo}.key"), str(creds / "{silo}.pub"),
+                                         NAMES, rank)  # fmt: skip
+
+    values = _values()
+    kill_at = 4 if killed == "before its masked input" else 5
+    federation = Federation(tmp_path, [_surviving_sum_program(values, kill_at, signatures)] * 3,
+                            min_sites=2)  # fmt: skip
+    federation.run()
+    assert not federation.errors, federation.errors
+    first = values[0] + values[2] + (values[1] if kill_at == 5 else 0)
+    for name in ("usa", "switzerland"):
+        (total, missing), (after, missing_after) = federation.results[name]
+        assert torch.allclose(total, first, atol=3 * 2.0**-32), name
+        assert missing == (frozenset({1}) if kill_at == 4 else frozenset())
+        assert torch.allclose(after, values[0] + values[2], atol=2 * 2.0**-32), name
+        assert missing_after == frozenset({1})
+    sums = [s for s in federation.received
+            if any(not isinstance(a, str) and a["op"] == "sum" for a in s.values())]  # fmt: skip
+    assert len(sums) == 2
+    for step in sums:
+        for node, answer in step.items():
+            if isinstance(answer, str):
+                continue
+            own = torch.cat(encode(values[federation.nodes[node]], 32))
+            assert not (answer["payload"].flatten() == own).any(), NAMES[federation.nodes[node]]
