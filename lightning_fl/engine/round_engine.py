@@ -151,7 +151,8 @@ class RoundEngine:
         """Aggregate, load θ^{t+1} into the module, and run the round-end hooks."""
         fit, state = self.fit, self.current_round.state
         self.call("on_before_round_sum", state)
-        dropped = state.dropped_count = self._all_reduce_round(state)
+        dropped, missing = self._all_reduce_round(state)
+        state.dropped_count = dropped + self._drop_missing_sites(state, missing)
         self.planner.return_states(self.current_round)
         self.consecutive_bad_rounds = self.consecutive_bad_rounds + 1 if dropped else 0
         if self.consecutive_bad_rounds >= fit.config.max_consecutive_bad_rounds:
@@ -169,13 +170,13 @@ class RoundEngine:
         self.call("on_round_end", state)
         return state
 
-    def _all_reduce_round(self, state: RoundState) -> int:
+    def _all_reduce_round(self, state: RoundState) -> tuple[int, frozenset[int]]:
         """Sum the weighted updates, the callbacks' round sums and the number of dropped
-        updates over all ranks in one all-reduce (or a plugin's masked one:
-        ``FederatedCallback.sum_over_ranks``); returns the total dropped, with the
-        updates of a site that dropped (:meth:`_drop_missing_sites`)."""
+        (NaN/Inf) updates over all ranks in one all-reduce (or a plugin's masked one:
+        ``FederatedCallback.sum_over_ranks``); returns the total dropped and the ranks
+        missing from the sum (sites that dropped)."""
         if not self.fit.ranks.distributed:
-            return len(state.dropped)
+            return len(state.dropped), frozenset()
         sums = [state.update_sum, *state.extra_sums.values()]
         dropped = torch.tensor([float(len(state.dropped))], device=self.fit.device)
         buffer = torch.cat([flatten(s) for s in sums] + [dropped])
@@ -190,14 +191,15 @@ class RoundEngine:
             size = flat_size(part)
             torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
             offset += size
-        return int(buffer[-1].item()) + self._drop_missing_sites(state, missing)
+        return int(buffer[-1].item()), missing
 
     def _drop_missing_sites(self, state: RoundState, missing: frozenset[int]) -> int:
         """The participants trained by the ``missing`` ranks (sites that dropped before
         their part of the round's sum arrived): their updates are not in the sum, so
         they are dropped updates, as a NaN update is (the others keep their weights ω_i:
         θ^{t+1} = θ^t + Σ_{i arrived} ω_i Δ_i, not renormalized), listed on every site
-        that remains. Returns how many."""
+        that remains, counted in ``fl/dropped_updates`` but not as a bad round (nothing
+        diverged). Returns how many."""
         if not missing:
             return 0
         plan = self.current_round
