@@ -1,9 +1,11 @@
-"""Rounds that complete without a site that drops (issue 76): three sites, each its own
-process running a real fit (tests/flower_dropout_site.py) through ``FlowerSite``, the
-server's loop (:func:`run_steps`, the ServerApp's own) in this process, reaching each
-site through its mailbox as the ClientApp's courier does. Hungary's process SIGKILLs
-itself in round 1; usa and switzerland finish the 4 rounds, and their model equals a
-1-process simulation in which hungary's clients' updates are dropped from round 1 on
+"""Rounds that complete without a site that drops, and the site rejoining (issue 76):
+three sites, each its own process running a real fit (tests/flower_dropout_site.py)
+through ``FlowerSite(min_sites=2)``, the server's loop (:func:`run_steps`, the
+ServerApp's own) in this process, reaching each site through its mailbox as the
+ClientApp's courier does. Hungary's process SIGKILLs itself in round 1; usa and
+switzerland go on; hungary is started again from its last checkpoint and rejoins at the
+end of round 2, without the others restarting. All three end with the model of a
+1-process simulation in which hungary's clients' updates are dropped in rounds 1 and 2
 (θ^{t+1} = θ^t + Σ_{i arrived} ω_i Δ_i, the weights of the others unchanged)."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,21 +27,22 @@ from lightning_fl import FederatedStrategy  # noqa: E402
 from lightning_fl.callbacks import FederatedCallback  # noqa: E402
 from lightning_fl.flower import wire  # noqa: E402
 from lightning_fl.flower.apps import RunSettings, _through_mailbox, run_steps  # noqa: E402
-from tests.flower_dropout_site import CLIENTS, NAMES, ROUNDS  # noqa: E402
+from tests.flower_dropout_site import CLIENTS, KILL_ROUND, NAMES, ROUNDS  # noqa: E402
 from tests.helpers import ROOT, make_trainer, params_of, tiny_datamodule, tiny_module  # noqa: E402
 
-KILLED, KILL_ROUND = 1, 1
+KILLED = 1
+AWAY = {KILL_ROUND, KILL_ROUND + 1}  # the rounds without hungary
 
 
-class DroppedFrom(FederatedCallback):
-    """Simulation's stand-in for a site that is gone: from ``round_idx`` on, the updates of
+class DroppedIn(FederatedCallback):
+    """Simulation's stand-in for a site that is gone: in ``rounds``, the updates of
     ``clients`` are NaN, which the engine drops (not renormalized)."""
 
-    def __init__(self, clients: set[int], round_idx: int) -> None:
-        self.clients, self.round_idx = clients, round_idx
+    def __init__(self, clients: set[int], rounds: set[int]) -> None:
+        self.clients, self.rounds = clients, rounds
 
     def transform_update(self, trainer, pl_module, client, update, state):
-        if client in self.clients and state.round_idx >= self.round_idx:
+        if client in self.clients and state.round_idx in self.rounds:
             return [torch.full_like(u, float("nan")) for u in update]
         return update
 
@@ -46,7 +50,7 @@ class DroppedFrom(FederatedCallback):
 def _simulation_without_the_killed_site() -> list[torch.Tensor]:
     owned = {c for c in range(CLIENTS) if c % len(NAMES) == KILLED}
     strategy = FederatedStrategy(local_steps=3, seed=5, max_consecutive_bad_rounds=ROUNDS + 1)
-    trainer = make_trainer(strategy, ROUNDS, [DroppedFrom(owned, KILL_ROUND)])
+    trainer = make_trainer(strategy, ROUNDS, [DroppedIn(owned, AWAY)])
     module = tiny_module()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the dropped updates' warnings
@@ -75,32 +79,47 @@ def _relay(root: str, nodes: dict[int, int], received: list) -> int:
     return run_steps(RunSettings(sites=len(NAMES), step_timeout=90), ask)
 
 
+def _site(root, rank: int, mode: str, role: str | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.flower_dropout_site", str(root), str(rank), mode,
+               *([role] if role else [])]  # fmt: skip
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["secure", "plain"])
-def test_a_site_killed_mid_run_leaves_the_others_the_simulation_without_it(tmp_path, mode):
+def test_a_killed_site_leaves_the_others_going_and_rejoins_two_rounds_later(tmp_path, mode):
     from lightning_fl.flower.credentials import write_credentials
 
     write_credentials(tmp_path / "creds", NAMES)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    sites = []
-    for rank in range(len(NAMES)):
-        kill = [str(KILL_ROUND)] if rank == KILLED else []
-        command = [sys.executable, "-m", "tests.flower_dropout_site", str(tmp_path), str(rank),
-                   mode, *kill]  # fmt: skip
-        sites.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    sites = [_site(tmp_path, r, mode, "kill" if r == KILLED else None) for r in range(3)]
     received: list = []
-    try:
-        _relay(str(tmp_path), {100 + r: r for r in range(len(NAMES))}, received)
-    finally:
-        outputs = [site.communicate(timeout=120)[0] for site in sites]
-    assert sites[KILLED].returncode == -9
+    with ThreadPoolExecutor(1) as pool:
+        relay = pool.submit(_relay, str(tmp_path), {100 + r: r for r in range(3)}, received)
+        killed_output = sites[KILLED].communicate(timeout=120)[0]
+        assert sites[KILLED].returncode == -9, killed_output[-3000:]
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "waiting").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        sites[KILLED] = _site(tmp_path, KILLED, mode, "rejoin")
+        try:
+            relay.result(timeout=240)
+        finally:
+            outputs = [site.communicate(timeout=120)[0] for site in sites]
+            print("\n\n".join(f"--- {n}\n{o[-4000:]}" for n, o in zip(NAMES, outputs)))
     for rank, site in enumerate(sites):
-        if rank != KILLED:
-            assert site.returncode == 0, outputs[rank][-3000:]
-            assert "site 'hungary' dropped before its part of the round's sum" in outputs[rank]
+        assert site.returncode == 0, (NAMES[rank], outputs[rank][-3000:])
+    for rank in (0, 2):
+        assert "site 'hungary' dropped before its part of the round's sum" in outputs[rank]
+    assert (
+        "site 'hungary' rejoins the run after round 2 (its own checkpoint is of round 0)"
+        in (outputs[KILLED])
+    )
+    assert "site 'hungary' rejoins the run at round 3." in outputs[0]
     expected = _simulation_without_the_killed_site()
-    for name in ("usa", "switzerland"):
+    for name in NAMES:
         final = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert max(float((a - b).abs().max()) for a, b in zip(final, expected)) < 1e-6, name
     dropped_at = next(i for i, step in enumerate(received) if isinstance(step.get(101), str))
-    assert all(101 not in step for step in received[dropped_at + 1 :])
+    back_at = next(i for i, step in enumerate(received) if i > dropped_at and 101 in step)
+    assert back_at > dropped_at + 1  # hungary was not asked while it was away

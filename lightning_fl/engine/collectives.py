@@ -60,6 +60,18 @@ class Collectives(ABC):
         self.all_reduce(tensor)
         return frozenset()
 
+    @property
+    def dropped(self) -> frozenset[int]:
+        """The ranks of the sites dropped so far (and not back); none on a lockstep
+        transport."""
+        return frozenset()
+
+    def rejoining(self) -> list[int]:
+        """At a round's start, while a site is missing: the ranks of the dropped sites
+        that are back (started again with ``--ckpt_path last``), which the others then
+        welcome (:mod:`lightning_fl.engine.rejoin`); none on a lockstep transport."""
+        return []
+
     def gather_present(self, value: Any, absent: Any) -> list[Any]:
         """:meth:`all_gather_object` over the sites still there: a dropped site's entry is
         ``absent`` (what a site that took no part contributes, e.g. an empty dict)."""

@@ -128,6 +128,15 @@ class Ranks:
         return [client % world_size for client in clients]
 
 
+def silo_counts(dm: FederatedDataModule) -> dict[str, dict[int, int]]:
+    """What a silo tells the others of its clients: their training and validation sample
+    counts and their training batches per pass."""
+    train = dm.local_sample_counts("train")
+    batches = {c: len(dm.client_dataloader(dm.client_dataset(c, "train"), "train"))
+               if n else 0 for c, n in train.items()}  # fmt: skip
+    return {"train": train, "val": dm.local_sample_counts("val"), "batches": batches}
+
+
 class Federation:
     """The clients of a fit: the datamodule and every client's training sample count, read
     from it once (``sample_counts("train")``, unseen clients counting 0). ``require_data``:
@@ -207,10 +216,7 @@ class Federation:
     def _gather_silos(self, ranks: Ranks, require_data: bool) -> list[int]:
         """Every silo's counts (one collective), as the lists of all clients."""
         dm = self.datamodule
-        train = dm.local_sample_counts("train")
-        batches = {c: len(dm.client_dataloader(dm.client_dataset(c, "train"), "train"))
-                   if n else 0 for c, n in train.items()}  # fmt: skip
-        local = {"train": train, "val": dm.local_sample_counts("val"), "batches": batches}
+        local = silo_counts(dm)
         parts = [local]
         if (group := collectives.across_ranks(ranks.world_size)) is not None:
             parts = group.all_gather_object(local)

@@ -23,6 +23,7 @@ from lightning_fl.engine.data_contract import FederatedDataModule
 from lightning_fl.engine.federated_state import federated_state_dict, load_federated_state_dict
 from lightning_fl.engine.outputs import append_csv, run_dir
 from lightning_fl.engine.plugins import RoundState
+from lightning_fl.engine.rejoin import Welcome
 from lightning_fl.engine.resume import ResumedRun, next_round
 from lightning_fl.engine.round_engine import RoundEngine
 from lightning_fl.engine.vectorized import VectorizedClients
@@ -44,6 +45,9 @@ class RoundDriver(pl.Callback):
         #: the run's identity, drawn at its first fit and kept by its checkpoints (silo
         #: shards record it: engine/silo_checkpoints.py)
         self.run_id: str | None = None
+        #: the last round's end, kept while a site is missing (a site that is back
+        #: resumes from it at this round's start)
+        self._welcome: Welcome | None = None
 
     def attach(
         self,
@@ -149,6 +153,16 @@ class RoundDriver(pl.Callback):
             pl_module.log("fl/skipped_empty", skipped, on_epoch=True, sync_dist=sync)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
+        group = collectives.across_ranks(trainer.world_size)
+        if group is not None and group.dropped:  # what a site that comes back resumes from
+            self._welcome = Welcome.at_round_end(trainer, self.fit, self.run_id)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Welcome the dropped sites that are back (after the last round's collectives,
+        before this round's): :mod:`lightning_fl.engine.rejoin`."""
+        welcome, self._welcome = self._welcome, None
+        if welcome is not None and (joining := welcome.group.rejoining()):
+            welcome.run(joining)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.evaluation.report(trainer, pl_module, "val")

@@ -142,7 +142,9 @@ class SiloShards:
     the global file, as Lightning does. A site resumes from its shard alone (no folder
     needs to be shared; a shard written before shards held the global part is merged
     with the global file), and the sites then agree, with one ``all_gather_object``, that
-    every one of them could and that they resume the same run at the same round.
+    every one of them could and that they resume the same run at the same round; or,
+    where the others are mid-run and offer the global part, this site rejoins them
+    (:mod:`lightning_fl.engine.rejoin`).
     Outside silo mode the global file is read, and a sharded one refused."""
 
     def __init__(self, silos: bool, rank: int, world_size: int, site: str | None = None):
@@ -192,6 +194,10 @@ class SiloShards:
         sites = [mine]
         if (group := collectives.across_ranks(self.world_size)) is not None:
             sites = group.all_gather_object(mine)
+        from lightning_fl.engine.rejoin import rejoined_checkpoint  # it imports this module
+
+        if (rejoined := rejoined_checkpoint(checkpoint, sites, label)) is not None:
+            return rejoined  # the others are mid-run: this site rejoins them
         agree(sites, label)
         return checkpoint
 

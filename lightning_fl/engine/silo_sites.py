@@ -139,10 +139,17 @@ def join_silos(trainer: pl.Trainer, config: Any, sites: SiloSites | None, ranks:
     check_trainer(trainer)
     site = sites.name if sites is not None else None
     if ranks.distributed:
-        recipe = recipe_digest(trainer, config)
-        recipe["strategy.silos"] = repr(list(sites.names)) if sites is not None else "True"
+        recipe = site_recipe(trainer, config, sites.names if sites is not None else None)
         check_peers(site or f"silo {ranks.rank}", recipe, ranks.world_size)
     trainer.datamodule.enter_silo(ranks.rank, ranks.world_size, site)
+
+
+def site_recipe(trainer: pl.Trainer, config: Any, names: Sequence[str] | None) -> dict[str, str]:
+    """What a site checks against the others' (:func:`recipe_digest`, with the list of the
+    sites' ``names``, or None when they are unnamed)."""
+    recipe = recipe_digest(trainer, config)
+    recipe["strategy.silos"] = repr(list(names)) if names is not None else "True"
+    return recipe
 
 
 def check_peers(name: str, recipe: dict[str, str], world_size: int) -> None:

@@ -51,6 +51,12 @@ class RunSettings:
     step_timeout: float = 600.0
     site_start_timeout: float = 120.0
 
+    @property
+    def probe_timeout(self) -> float:
+        """Seconds the server waits for a dropped site's answer when it probes whether the
+        site is back (at a round's end, while a site is missing)."""
+        return min(self.step_timeout, 30.0)
+
     @classmethod
     def read(cls, run_config: Mapping[str, Any]) -> RunSettings:
         if "sites" not in run_config:
@@ -66,6 +72,11 @@ class RunSettings:
         if settings.sites < 1 or settings.step_timeout <= 0:
             raise SiteFailure(f"sites must be >= 1 and step-timeout > 0, got {settings}.")
         return settings
+
+
+#: What :meth:`StepRelay.combine` returns when the sites ask who rejoins: the server
+#: probes the dropped sites (``run_steps``), and the result is the ranks that came back.
+REJOIN = "rejoin"
 
 
 class StepRelay:
@@ -129,6 +140,8 @@ class StepRelay:
         op = ops.pop()
         if op == "done":
             return True, None
+        if op == "rejoin":
+            return False, REJOIN
         if self.dropped and not all("min_sites" in a for a in by_rank):
             raise SiteFailure(
                 f"{self._dropped_sites()} dropped earlier, and step {step} ({op}) needs every "
@@ -142,6 +155,29 @@ class StepRelay:
                 listed[rank] = part
             return False, listed
         return False, self._sum(parts, [a["site"] for a in by_rank])
+
+    def asked_next(self, held: Mapping[int, Any]) -> list[int] | None:
+        """The nodes to ask at the next step: those not dropped, less those whose answer
+        is ``held`` (a site that rejoined answered its first step when it was probed);
+        None: every node (no site dropped, nothing held)."""
+        present = self.present_nodes()
+        if not held:
+            return present
+        return [n for n in (present or sorted(self.ranks)) if n not in held]
+
+    def admit(self, probed: Mapping[int, Any]) -> dict[int, Any]:
+        """The dropped sites that answered a probe (``probed``: node -> answer, or why it
+        has none), admitted again: node -> its answer, held for the next step. A site
+        that answers as another rank stays dropped."""
+        back = {}
+        for node, answer in probed.items():
+            if isinstance(answer, str) or answer.get("rank") != self.ranks[node]:
+                continue
+            del self.dropped[node]
+            back[node] = answer
+            logger.warning("%s is back: the others welcome it at this round's end.",
+                           self._label(node))  # fmt: skip
+        return back
 
     def _drop(self, step: int, silent: Mapping[int, str], present: list[dict]) -> None:
         """Drop the ``silent`` nodes, or stop the run when the step needs them."""
@@ -210,12 +246,18 @@ def run_steps(settings: RunSettings, ask: Ask) -> int:
     is done (returns the number of steps). A failed step stops the sites that wait for
     the next request, with the reason, and raises it."""
     relay = StepRelay(settings.sites)
-    step, result = 0, None
+    step, result, held = 0, None, {}
     while True:
         request = wire.encode({"step": step, "result": result, "absent": relay.absent})
-        answers = ask(relay.present_nodes(), request, settings.step_timeout, step == 0)
+        answers = {**ask(relay.asked_next(held), request, settings.step_timeout, step == 0),
+                   **held}  # fmt: skip
+        held = {}
         try:
             finished, result = relay.combine(step, answers)
+            if result is REJOIN:  # probe the dropped sites: one started again answers
+                dropped = sorted(relay.dropped)
+                held = relay.admit(ask(dropped, request, settings.probe_timeout, False))
+                result = sorted(relay.ranks[node] for node in held)
         except SiteFailure as failure:
             waiting = [n for n, a in answers.items() if not isinstance(a, str)
                        and a["op"] not in ("failed", "done")]  # fmt: skip

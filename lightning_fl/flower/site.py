@@ -117,6 +117,15 @@ class FlowerSite(Transport):
         tensor.copy_(total.to(tensor.device))
         return self._absent
 
+    @property
+    def dropped(self) -> frozenset[int]:
+        return self._absent
+
+    def rejoining(self) -> list[int]:
+        if not self._absent:
+            return []
+        return list(self._exchange("rejoin", None, may_miss=True))
+
     def gather_present(self, value: Any, absent: Any) -> list[Any]:
         parts = self._exchange("gather", value, may_miss=True)
         return [absent if rank in self._absent else part for rank, part in enumerate(parts)]
