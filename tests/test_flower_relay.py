@@ -551,3 +551,33 @@ def test_secure_aggregation_survives_a_killed_site_and_the_relay_sees_only_maske
                 continue
             own = torch.cat(encode(values[federation.nodes[node]], 32))
             assert not (answer["payload"].flatten() == own).any(), NAMES[federation.nodes[node]]
+
+
+def test_the_server_admits_a_probed_site_only_as_its_own_rank_and_holds_its_answer():
+    """At a step where the sites ask who rejoins, the server probes the dropped sites: one
+    whose process is not back (a string), or that answers as another rank, stays
+    dropped; one that answers as itself is admitted, its answer held for the next step,
+    where only the others are asked."""
+    from lightning_fl.flower.apps import REJOIN
+
+    relay = StepRelay(3)
+
+    def answer(rank, op, payload=None):
+        return {"rank": rank, "site": NAMES[rank], "op": op, "payload": payload,
+                "min_sites": 2}  # fmt: skip
+
+    relay.combine(0, {100 + r: answer(r, "sum", torch.ones(1)) for r in range(3)})
+    relay.combine(1, {100: answer(0, "sum", torch.ones(1)), 101: "closed its mailbox",
+                      102: answer(2, "sum", torch.ones(1))})  # fmt: skip
+    assert relay.absent == [1] and relay.present_nodes() == [100, 102]
+    finished, result = relay.combine(2, {100: answer(0, "rejoin"), 102: answer(2, "rejoin")})
+    assert (finished, result) == (False, REJOIN)
+    assert relay.admit({101: "has no site process"}) == {} and relay.absent == [1]
+    assert relay.admit({101: answer(2, "gather", "x")}) == {} and relay.absent == [1]
+    back = answer(1, "gather", "hungary's first step")
+    held = relay.admit({101: back})
+    assert held == {101: back} and relay.absent == []
+    assert relay.asked_next(held) == [100, 102]
+    _, listed = relay.combine(3, {100: answer(0, "gather", "usa"), 102: answer(2, "gather", "ch"),
+                                  **held})  # fmt: skip
+    assert listed == ["usa", "hungary's first step", "ch"]

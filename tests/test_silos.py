@@ -464,3 +464,34 @@ def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(
     a = torch.load(checkpoints / "last.ckpt", weights_only=True)["state_dict"]
     b = heart_simulation
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is_refused():
+    """Issue 76: the others offer the global part (a fifth value) in the resume agreement;
+    the site that is back keeps its own client store under it. Its shard must be of the
+    run, no later than the others' round, and readable; without an offer, no rejoin."""
+    from lightning_fl.engine.silo_checkpoints import DRIVER_KEY, rejoined_checkpoint
+
+    def global_part(round_idx, store):
+        return {"state_dict": {"w": torch.tensor([float(round_idx)])},
+                "callbacks": {DRIVER_KEY: {"round": round_idx, "client_store": store}}}  # fmt: skip
+
+    own = global_part(0, {1: {"c": torch.ones(2)}})
+    sites = [("usa", None, "run-a", 2, global_part(2, {})),
+             ("hungary", None, "run-a", 0),
+             ("switzerland", None, "run-a", 2, None)]  # fmt: skip
+    rejoined = rejoined_checkpoint(own, sites, "hungary")
+    assert rejoined["state_dict"]["w"].tolist() == [2.0]
+    assert torch.equal(rejoined["callbacks"][DRIVER_KEY]["client_store"][1]["c"], torch.ones(2))
+    together = [("usa", None, "run-a", 2), ("hungary", None, "run-a", 2)]
+    assert rejoined_checkpoint(own, together, "hungary") is None
+    for entry, message in [
+        (("hungary", None, "run-b", 0), "rejoins with a checkpoint of run run-b, the others run"),
+        (("hungary", None, "run-a", 3), "checkpoint of round 3, after the others' round 2"),
+        (("hungary", "shard missing", None, None), "cannot rejoin the run: shard missing"),
+    ]:
+        with pytest.raises(silo_checkpoints.SiloCheckpointError, match=message):
+            rejoined_checkpoint(own, [sites[0], entry, sites[2]], "hungary")
+    # the last round's own checkpoint (round 2, the others' round) is welcome
+    assert rejoined_checkpoint(own, [sites[0], ("hungary", None, "run-a", 2), sites[2]],
+                               "hungary") is not None  # fmt: skip

@@ -17,7 +17,8 @@ round's start, in the same order (:class:`Welcome`):
    last round's end, taken then as ``ModelCheckpoint`` takes it (the model, the
    optimizer and server state, the sampler's state and every callback's server-side
    state: a checkpoint less the client store), and check that its shard is of this run
-   and not of a later round (:func:`rejoined_checkpoint` on its side);
+   and not of a later round (on its side:
+   :func:`~lightning_fl.engine.silo_checkpoints.rejoined_checkpoint`);
 3. the broadcast of the initial model (rank 0's: the same global model on every site);
 4. every site's sample counts.
 
@@ -35,11 +36,7 @@ import lightning.pytorch as pl
 
 from lightning_fl.engine import collectives
 from lightning_fl.engine.context import FitContext, silo_counts
-from lightning_fl.engine.silo_checkpoints import (
-    DRIVER_KEY,
-    SiloCheckpointError,
-    split_off_shard,
-)
+from lightning_fl.engine.silo_checkpoints import DRIVER_KEY, check_joining, split_off_shard
 from lightning_fl.engine.silo_sites import check_peers, site_recipe
 
 
@@ -76,50 +73,8 @@ class Welcome:
         ended = self.checkpoint["callbacks"][DRIVER_KEY]["round"]
         sites = group.all_gather_object((label, None, self.run_id, ended, self.checkpoint))
         for rank in joining:
-            _check_joining(sites[rank], self.run_id, ended)
+            check_joining(sites[rank], self.run_id, ended)
         collectives.broadcast_module(fit.module, group)
         group.all_gather_object(silo_counts(fit.datamodule))
         joined = ", ".join(repr(names[r]) if names else f"rank {r}" for r in joining)
         print(f"site {joined} rejoins the run at round {trainer.current_epoch}.", flush=True)
-
-
-def rejoined_checkpoint(
-    own: dict[str, Any] | None, sites: list[tuple], label: str
-) -> dict[str, Any] | None:
-    """The checkpoint a site resumes from when the others offer the run's global part in
-    the resume agreement (``sites``: every site's entry, in rank order; the others' carry
-    the global part as a fifth value): that part with this site's own client store (from
-    ``own``, its shard's checkpoint); None when nobody offers one (every site resumes
-    together, :func:`~lightning_fl.engine.silo_checkpoints.agree`)."""
-    offers = [site for site in sites if len(site) > 4 and site[4] is not None]
-    if not offers:
-        return None
-    mine = next(site for site in sites if site[0] == label)
-    name, their_round, checkpoint = offers[0][0], offers[0][3], offers[0][4]
-    _check_joining(mine, offers[0][2], their_round)
-    state = checkpoint["callbacks"][DRIVER_KEY]
-    state["client_store"] = own["callbacks"][DRIVER_KEY]["client_store"]
-    print(
-        f"site {label!r} rejoins the run after round {their_round} (its own checkpoint is "
-        f"of round {mine[3]}); the global part comes from site {name!r}.",
-        flush=True,
-    )
-    return checkpoint
-
-
-def _check_joining(entry: tuple, run_id: str | None, round_idx: int) -> None:
-    """Refuse a rejoining site whose shard could not be read, is of another run, or of a
-    round after the others' (``entry``: its (name, problem, run id, round))."""
-    name, problem, theirs, their_round = entry[:4]
-    if problem is not None:
-        raise SiloCheckpointError(f"site {name!r} cannot rejoin the run: {problem}")
-    if theirs != run_id:
-        raise SiloCheckpointError(
-            f"site {name!r} rejoins with a checkpoint of run {theirs}, the others run "
-            f"{run_id}: restart it with this run's checkpoint (--ckpt_path last)."
-        )
-    if their_round is None or their_round > round_idx:
-        raise SiloCheckpointError(
-            f"site {name!r} rejoins with a checkpoint of round {their_round}, after the "
-            f"others' round {round_idx}: restart it with this run's last checkpoint."
-        )

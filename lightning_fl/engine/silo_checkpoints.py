@@ -194,8 +194,6 @@ class SiloShards:
         sites = [mine]
         if (group := collectives.across_ranks(self.world_size)) is not None:
             sites = group.all_gather_object(mine)
-        from lightning_fl.engine.rejoin import rejoined_checkpoint  # it imports this module
-
         if (rejoined := rejoined_checkpoint(checkpoint, sites, label)) is not None:
             return rejoined  # the others are mid-run: this site rejoins them
         agree(sites, label)
@@ -249,3 +247,45 @@ def agree(sites: list[tuple[str, str | None, Any, Any]], mine: str) -> None:
                     f"{what} {ours}: every site resumes from the checkpoint of the same "
                     f"{what}. Give each site the checkpoint of one round (--ckpt_path)."
                 )
+
+
+def rejoined_checkpoint(
+    own: dict[str, Any] | None, sites: list[tuple], label: str
+) -> dict[str, Any] | None:
+    """The checkpoint a site resumes from when the others offer the run's global part in
+    the resume agreement (``sites``: every site's entry, in rank order; the others' carry
+    the global part as a fifth value): that part with this site's own client store (from
+    ``own``, its shard's checkpoint); None when nobody offers one (every site resumes
+    together, :func:`~lightning_fl.engine.silo_checkpoints.agree`)."""
+    offers = [site for site in sites if len(site) > 4 and site[4] is not None]
+    if not offers:
+        return None
+    mine = next(site for site in sites if site[0] == label)
+    name, their_round, checkpoint = offers[0][0], offers[0][3], offers[0][4]
+    check_joining(mine, offers[0][2], their_round)
+    state = checkpoint["callbacks"][DRIVER_KEY]
+    state["client_store"] = own["callbacks"][DRIVER_KEY]["client_store"]
+    print(
+        f"site {label!r} rejoins the run after round {their_round} (its own checkpoint is "
+        f"of round {mine[3]}); the global part comes from site {name!r}.",
+        flush=True,
+    )
+    return checkpoint
+
+
+def check_joining(entry: tuple, run_id: str | None, round_idx: int) -> None:
+    """Refuse a rejoining site whose shard could not be read, is of another run, or of a
+    round after the others' (``entry``: its (name, problem, run id, round))."""
+    name, problem, theirs, their_round = entry[:4]
+    if problem is not None:
+        raise SiloCheckpointError(f"site {name!r} cannot rejoin the run: {problem}")
+    if theirs != run_id:
+        raise SiloCheckpointError(
+            f"site {name!r} rejoins with a checkpoint of run {theirs}, the others run "
+            f"{run_id}: restart it with this run's checkpoint (--ckpt_path last)."
+        )
+    if their_round is None or their_round > round_idx:
+        raise SiloCheckpointError(
+            f"site {name!r} rejoins with a checkpoint of round {their_round}, after the "
+            f"others' round {round_idx}: restart it with this run's last checkpoint."
+        )
