@@ -23,9 +23,10 @@ inputs, and an unmasking that rebuilds a dropped site's pairwise masks from the 
 shares. The round's total is then exactly the sum over the sites whose masked input
 arrived; a site that dropped before sending it is missing from it (its clients' updates
 count as dropped), and its input is never unmasked. Four relay steps a round instead of
-one. One process: nothing crosses, nothing to mask. Not masked: the set-up's sample counts, the
-training and evaluation metrics, and what other plugins gather (those that read each
-client's update are refused with it).
+one. m must exceed half the sites (refused otherwise): m is also the size of a group
+whose shares rebuild a site's secrets. One process: nothing crosses, nothing to mask.
+Not masked: the set-up's sample counts, the training and evaluation metrics, and what
+other plugins gather (those that read each client's update are refused with it).
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ class SecureAggregation(FederatedCallback):
             return
         signatures = self.signatures(rank, world_size)
         if (min_sites := group.min_sites(world_size)) < world_size:
+            if 2 * min_sites <= world_size:
+                raise ValueError(
+                    f"SecureAggregation with min_sites={min_sites} of {world_size} sites: a "
+                    "server that claims sites dropped could then obtain both secrets of a "
+                    "site from two groups of min_sites sites and unmask its input. Set "
+                    f"FlowerSite(min_sites=...) to at least {world_size // 2 + 1}."
+                )
             self._dropping = _DroppingSites(rank, world_size, min_sites, group, signatures)
             return
         self._masks = PairwiseMasks.agree(rank, world_size, group.all_gather_object,

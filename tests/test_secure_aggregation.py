@@ -132,6 +132,41 @@ def test_one_process_masks_nothing():
     assert SecureAggregation().sum_over_ranks(torch.ones(3), 0) is None
 
 
+@pytest.mark.parametrize("min_sites, refused", [(2, True), (3, False), (4, False)])
+def test_min_sites_at_or_below_half_the_sites_is_refused(min_sites, refused):
+    """With sites that may drop, the threshold must exceed half of them (4 sites: 2 is
+    refused, 3 runs the double-masking protocol; 4, every site, the pairwise masks)."""
+    from types import SimpleNamespace
+
+    from lightning_fl.engine import collectives
+
+    class Dropping(collectives.Collectives):
+        def all_reduce(self, tensor):
+            raise AssertionError("no collective at set-up")
+
+        def all_gather_object(self, value):
+            return [value] * 4  # the pairwise masks' key agreement, every site at once
+
+        def broadcast(self, tensor, src=0):
+            raise AssertionError("no collective at set-up")
+
+        def min_sites(self, world_size):
+            return min_sites
+
+    collectives.install(Dropping())
+    trainer = SimpleNamespace(global_rank=1, world_size=4)
+    secure = SecureAggregation()
+    try:
+        if refused:
+            with pytest.raises(ValueError, match=r"min_sites=2 of 4 sites: .*at least 3\."):
+                secure.on_fit_start(trainer, None)
+        else:
+            secure.on_fit_start(trainer, None)
+            assert (secure._dropping is not None) == (min_sites < 4)
+    finally:
+        collectives.install(None)
+
+
 def test_on_three_processes_the_wire_carries_masked_limbs_and_the_model_is_the_same(tmp_path):
     """tests/secure_wire.py: SCAFFOLD on 3 processes for 3 rounds. Without the plugin, each
     rank's round all-reduce sends its own terms (the issue: a ring all-reduce passes chunks
