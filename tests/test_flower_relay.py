@@ -581,3 +581,78 @@ def test_the_server_admits_a_probed_site_only_as_its_own_rank_and_holds_its_answ
     _, listed = relay.combine(3, {100: answer(0, "gather", "usa"), 102: answer(2, "gather", "ch"),
                                   **held})  # fmt: skip
     assert listed == ["usa", "hungary's first step", "ch"]
+
+
+def test_a_killed_site_started_again_is_probed_admitted_and_welcomed(tmp_path, caplog):
+    """min_sites=2 of 3: hungary dies at the second sum; at each round's start the others
+    ask who rejoins (the server probes hungary's mailbox: nobody until hungary's new
+    process opens it); once back, hungary's first collective is answered together with
+    the others' next one, and every site sums again."""
+    back = threading.Event()
+
+    def program(site: FlowerSite, rank: int):
+        site.sum_present(torch.ones(1))
+        if NAMES[rank] == "hungary":
+            kill(site)
+        missing = site.sum_present(torch.ones(1))
+        joining, asked = site.rejoining(), 1
+        back.set()  # hungary's new process may start now
+        while not joining:
+            joining, asked = site.rejoining(), asked + 1
+        listed = site.all_gather_object(f"{NAMES[rank]} welcomes")
+        total = torch.ones(1)
+        site.sum_present(total)
+        return missing, joining, asked, listed, total
+
+    def rejoining_hungary():
+        back.wait(30)
+        site = FlowerSite(mailbox=str(tmp_path / "{silo}.sock"), timeout=20, min_sites=2)
+        site.open(1, 3, "hungary")
+        listed = site.all_gather_object("hungary is back")
+        total = torch.ones(1)
+        site.sum_present(total)
+        site.close()
+        return listed, total
+
+    federation = Federation(tmp_path, [program] * 3, min_sites=2)
+    caplog.set_level("WARNING", logger="lightning_fl.flower.apps")
+    with ThreadPoolExecutor(1) as pool:
+        hungary = pool.submit(rejoining_hungary)
+        federation.run()
+        listed, total = hungary.result(timeout=30)
+    assert not federation.errors, federation.errors
+    everyone = ["usa welcomes", "hungary is back", "switzerland welcomes"]
+    assert listed == everyone and total.tolist() == [3.0]
+    for name in ("usa", "switzerland"):
+        missing, joining, asked, listed, total = federation.results[name]
+        assert missing == frozenset({1}) and joining == [1] and asked >= 2
+        assert listed == everyone and total.tolist() == [3.0]
+    log = caplog.text
+    assert "site 'hungary' (SuperNode 101) closed its mailbox without answering" in log
+    assert "dropped at step 1; the run goes on with 2 of 3 sites (min_sites=2)" in log
+    assert "site 'hungary' (SuperNode 101) is back" in log
+
+
+def test_the_server_counts_the_sites_left_over_several_drops_and_reads_min_sites():
+    relay = StepRelay(3)
+
+    def answer(rank, min_sites=1, **kw):
+        return {"rank": rank, "site": NAMES[rank], "op": "sum", "payload": torch.ones(1),
+                "min_sites": min_sites, **kw}  # fmt: skip
+
+    relay.combine(0, {100 + r: answer(r) for r in range(3)})
+    relay.combine(1, {100: answer(0), 101: "gone", 102: answer(2)})
+    total = relay.combine(2, {100: answer(0), 102: "gone too"})[1]
+    assert relay.absent == [1, 2] and total.tolist() == [1.0]  # usa alone, min_sites=1
+    strict = StepRelay(3)
+    strict.combine(0, {100 + r: answer(r, 2) for r in range(3)})
+    strict.combine(1, {100: answer(0, 2), 101: "gone", 102: answer(2, 2)})
+    with pytest.raises(SiteFailure, match="'switzerland' .* gone too; 1 of 3 sites remain, fewer"):
+        strict.combine(2, {100: answer(0, 2), 102: "gone too"})
+    mixed = StepRelay(3)
+    mixed.combine(0, {100 + r: answer(r) for r in range(3)})
+    plain = {"rank": 2, "site": "switzerland", "op": "sum", "payload": torch.ones(1)}
+    with pytest.raises(SiteFailure, match=r"^site 'hungary' \(SuperNode 101\) gone$"):
+        mixed.combine(1, {100: answer(0), 101: "gone", 102: plain})  # one site needs all
+    assert RunSettings(sites=3, step_timeout=10).probe_timeout == 10
+    assert RunSettings(sites=3).probe_timeout == 30
