@@ -459,7 +459,7 @@ def test_a_drop_below_min_sites_or_at_a_step_that_needs_every_site_stops_the_run
             kill(site)
         site.sum_present(torch.ones(1))
 
-    federation = Federation(tmp_path, [program] * 3, min_sites=3)
+    federation = Federation(tmp_path, [program] * 3)  # min_sites: every site, by default
     with pytest.raises(SiteFailure, match="2 of 3 sites remain, fewer than min_sites=3"):
         federation.run()
 
@@ -472,8 +472,11 @@ def test_a_drop_below_min_sites_or_at_a_step_that_needs_every_site_stops_the_run
     federation = Federation(tmp_path, [strict] * 3, min_sites=2)
     with pytest.raises(SiteFailure, match=r"site 'hungary' \(SuperNode 101\) closed its mailbox"):
         federation.run()
-    with pytest.raises(ValueError, match="min_sites must be an integer >= 1, got 0"):
-        FlowerSite(min_sites=0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=f"min_sites must be an integer >= 1, got {bad}"):
+            FlowerSite(min_sites=bad)
+    assert FlowerSite(min_sites=1).min_sites(3) == 1
+    assert FlowerSite().min_sites(3) == 3  # every site, by default
     with pytest.raises(ValueError, match=r"min_sites=4\) on a run of 3 sites: set min_sites to"):
         FlowerSite(mailbox=str(tmp_path / "x.sock"), min_sites=4).open(0, 3, "usa")
 

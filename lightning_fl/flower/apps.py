@@ -140,14 +140,14 @@ class StepRelay:
         op = ops.pop()
         if op == "done":
             return True, None
-        if op == "rejoin":
-            return False, REJOIN
         if self.dropped and not all("min_sites" in a for a in by_rank):
             raise SiteFailure(
                 f"{self._dropped_sites()} dropped earlier, and step {step} ({op}) needs every "
                 "site (the set-up, or a plugin's own collective): restart it with "
                 "--ckpt_path last and submit the run again."
             )
+        if op == "rejoin":
+            return False, REJOIN
         parts = [a["payload"] for a in by_rank]
         if op == "gather":
             listed: list[Any] = [None] * self.sites
