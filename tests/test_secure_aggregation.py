@@ -162,7 +162,10 @@ def test_min_sites_at_or_below_half_the_sites_is_refused(min_sites, refused):
                 secure.on_fit_start(trainer, None)
         else:
             secure.on_fit_start(trainer, None)
-            assert (secure._dropping is not None) == (min_sites < 4)
+            if min_sites < 4:  # the double-masking protocol's threshold, every round
+                assert secure._dropping.min_sites == 3 and secure._masks is None
+            else:  # every site answers: the pairwise masks, agreed once
+                assert secure._dropping is None and set(secure._masks.keys) == {0, 2, 3}
     finally:
         collectives.install(None)
 

@@ -466,7 +466,9 @@ def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
-def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is_refused():
+def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is_refused(
+    capsys,
+):
     """Issue 76: the others offer the global part (a fifth value) in the resume agreement;
     the site that is back keeps its own client store under it. Its shard must be of the
     run, no later than the others' round, and readable; without an offer, no rejoin."""
@@ -481,6 +483,10 @@ def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is
              ("hungary", None, "run-a", 0),
              ("switzerland", None, "run-a", 2, None)]  # fmt: skip
     rejoined = rejoined_checkpoint(own, sites, "hungary")
+    assert capsys.readouterr().out == (
+        "site 'hungary' rejoins the run after round 2 (its own checkpoint is of round 0); "
+        "the global part comes from site 'usa'.\n"
+    )
     assert rejoined["state_dict"]["w"].tolist() == [2.0]
     assert torch.equal(rejoined["callbacks"][DRIVER_KEY]["client_store"][1]["c"], torch.ones(2))
     together = [("usa", None, "run-a", 2), ("hungary", None, "run-a", 2)]
