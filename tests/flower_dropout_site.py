@@ -16,7 +16,8 @@ clients RANK and RANK + 3) through ``FlowerSite(min_sites=2)``, its mailbox
   ``ROOT/back`` (so that the site rejoins at the end of that round, and trains again from
   round KILL_ROUND + 2 on: a deterministic schedule for the test).
 
-Every site that finishes saves its final model to ``ROOT/<name>.pt``.
+Every site that finishes saves its final model to ``ROOT/<name>.pt``; each logs to
+``ROOT/<name>/logs/version_0`` (usa, rank 0, also writes ``participation.csv`` there).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_fl import FederatedStrategy
 from lightning_fl.callbacks import SecureAggregation
@@ -87,8 +89,9 @@ def main() -> None:
                                            site_keys=f"{creds}/{{silo}}.pub"))  # fmt: skip
     strategy = FederatedStrategy(silos=NAMES, silo=NAMES[rank], transport=AnnouncedSite(root, role),
                                  local_steps=3, seed=5)  # fmt: skip
+    logger = CSVLogger(os.path.join(root, NAMES[rank]), name="logs", version=0)
     trainer = make_trainer(strategy, ROUNDS, callbacks, enable_checkpointing=True,
-                           default_root_dir=os.path.join(root, NAMES[rank]),
+                           default_root_dir=os.path.join(root, NAMES[rank]), logger=logger,
                            num_nodes=len(NAMES), devices=1)  # fmt: skip
     module = tiny_module()
     last = os.path.join(root, "checkpoints", "last.ckpt") if role == "rejoin" else None

@@ -10,6 +10,7 @@ end of round 2, without the others restarting. All three end with the model of a
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -120,6 +121,15 @@ def test_a_killed_site_leaves_the_others_going_and_rejoins_two_rounds_later(tmp_
     for name in NAMES:
         final = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         assert max(float((a - b).abs().max()) for a, b in zip(final, expected)) < 1e-6, name
+    usa = tmp_path / "usa" / "logs" / "version_0"
+    with open(usa / "participation.csv") as f:  # every participant, and whether dropped
+        rows = [(int(r["round"]), int(r["client"]), int(r["dropped"])) for r in csv.DictReader(f)]
+    assert rows == [(t, c, int(c % 3 == KILLED and t in AWAY)) for t in range(ROUNDS)
+                    for c in range(CLIENTS)]  # fmt: skip
+    with open(usa / "metrics.csv") as f:
+        logged = {int(float(r["fl/round"])): float(r["fl/dropped_updates"])
+                  for r in csv.DictReader(f) if r.get("fl/dropped_updates")}  # fmt: skip
+    assert logged == {t: 2.0 * (t in AWAY) for t in range(ROUNDS)}
     dropped_at = next(i for i, step in enumerate(received) if isinstance(step.get(101), str))
     back_at = next(i for i, step in enumerate(received) if i > dropped_at and 101 in step)
     assert back_at > dropped_at + 1  # hungary was not asked while it was away

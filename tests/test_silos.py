@@ -501,3 +501,25 @@ def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is
     # the last round's own checkpoint (round 2, the others' round) is welcome
     assert rejoined_checkpoint(own, [sites[0], ("hungary", None, "run-a", 2), sites[2]],
                                "hungary") is not None  # fmt: skip
+
+
+def test_what_the_others_keep_for_a_site_that_comes_back_holds_no_client_store():
+    """At a round's end while a site is missing, a site keeps the round's checkpoint to
+    hand a site that comes back: its own clients' store is taken out (it never leaves
+    the site), the number of silos recorded, everything else as Lightning dumped it."""
+    from types import SimpleNamespace
+
+    from lightning_fl.engine.context import Ranks
+    from lightning_fl.engine.rejoin import Welcome
+    from lightning_fl.engine.silo_checkpoints import DRIVER_KEY
+
+    dumped = {"state_dict": {"w": torch.ones(2)},
+              "callbacks": {DRIVER_KEY: {"round": 4, "client_store": {2: {"c": torch.ones(1)}},
+                                         "run_id": "run-a"}}}  # fmt: skip
+    connector = SimpleNamespace(dump_checkpoint=lambda weights_only: dumped)
+    trainer = SimpleNamespace(_checkpoint_connector=connector)
+    welcome = Welcome.at_round_end(trainer, SimpleNamespace(ranks=Ranks(3, 2)), "run-a")
+    state = welcome.checkpoint["callbacks"][DRIVER_KEY]
+    assert state == {"round": 4, "client_store": {}, "run_id": "run-a", "silos": 3}
+    assert torch.equal(welcome.checkpoint["state_dict"]["w"], torch.ones(2))
+    assert welcome.run_id == "run-a"
