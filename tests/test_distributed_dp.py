@@ -291,3 +291,32 @@ def test_dp_sgds_noise_in_a_silo_is_its_own_and_a_simulations_is_its_seeds():
     assert all(torch.equal(a, b) for a, b in zip(simulated, again))
     assert not any(torch.equal(a, b) for a, b in zip(first, second))
     assert not any(torch.equal(a, b) for a, b in zip(first, simulated))
+
+
+def test_with_sites_that_may_drop_the_shares_are_scaled_to_min_sites():
+    """FlowerSite(min_sites=2) of 3 sites: any 2 sites must carry σ² against t colluders,
+    so each share is σ/√(2 − t) (W is 2 in the share's scale), and t = 2 is refused."""
+    from types import SimpleNamespace
+
+    from lightning_fl.engine import collectives
+
+    class TwoOfThree(collectives.Collectives):
+        def all_reduce(self, tensor): ...
+
+        def all_gather_object(self, value): ...
+
+        def broadcast(self, tensor, src=0): ...
+
+        def min_sites(self, world_size):
+            return 2
+
+    trainer = SimpleNamespace(max_epochs=3, world_size=3, global_rank=1)
+    collectives.install(TwoOfThree())
+    try:
+        with pytest.raises(ValueError, match=r"may have 2 site\(s\).* at most 1, or run more"):
+            DPFedAvg(noise="distributed", colluding_sites=2).on_fit_start(trainer, None)
+        dp = DPFedAvg(noise="distributed", colluding_sites=1)
+        dp.on_fit_start(trainer, None)
+        assert (dp._sites, dp._rank) == (2, 1)
+    finally:
+        collectives.install(None)
