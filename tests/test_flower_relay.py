@@ -348,6 +348,22 @@ def _masked_sum_program(values, signatures=None):
     return program
 
 
+def _site_signatures(tmp_path):
+    """Each site's signing keys (the credentials command's node keys, written under
+    ``tmp_path/creds``), by rank."""
+    from lightning_fl.flower.credentials import write_credentials
+    from lightning_fl.systems.key_signatures import SiteSignatures
+
+    creds = tmp_path / "creds"
+    write_credentials(creds, NAMES)
+
+    def signatures(rank):
+        return SiteSignatures.from_files(str(creds / "{silo}.key"), str(creds / "{silo}.pub"),
+                                         NAMES, rank)  # fmt: skip
+
+    return signatures
+
+
 def _values():
     generator = torch.Generator().manual_seed(5)
     return [torch.randn(30, generator=generator, dtype=torch.float64) for _ in NAMES]
@@ -375,16 +391,9 @@ def test_signed_a_swapped_key_stops_every_site_naming_it(tmp_path):
     relay, swapping hungary's key towards usa and switzerland only, is detected: every
     site stops with one error naming hungary, before any value is masked."""
     pytest.importorskip("cryptography")
-    from lightning_fl.flower.credentials import write_credentials
-    from lightning_fl.systems.key_signatures import KeyAuthenticationError, SiteSignatures
+    from lightning_fl.systems.key_signatures import KeyAuthenticationError
 
-    write_credentials(tmp_path / "creds", NAMES)
-
-    def signatures(rank):
-        creds = tmp_path / "creds"
-        return SiteSignatures.from_files(str(creds / "{silo}.key"), str(creds / "{silo}.pub"),
-                                         NAMES, rank)  # fmt: skip
-
+    signatures = _site_signatures(tmp_path)
     values = _values()
     honest = Federation(tmp_path, [_masked_sum_program(values, signatures)] * 3)
     honest.run()
@@ -521,17 +530,9 @@ def test_secure_aggregation_survives_a_killed_site_and_the_relay_sees_only_maske
     when hungary's arrived), the next round (a fresh instance without hungary) completes,
     and no sum the relay receives is a site's own encoding in any limb."""
     pytest.importorskip("cryptography")
-    from lightning_fl.flower.credentials import write_credentials
-    from lightning_fl.systems.key_signatures import SiteSignatures
     from lightning_fl.systems.pairwise_masking import encode
 
-    write_credentials(tmp_path / "creds", NAMES)
-
-    def signatures(rank):
-        creds = tmp_path / "creds"
-        return SiteSignatures.from_files(str(creds / "{silo}.key"), str(creds / "{silo}.pub"),
-                                         NAMES, rank)  # fmt: skip
-
+    signatures = _site_signatures(tmp_path)
     values = _values()
     kill_at = 4 if killed == "before its masked input" else 5
     federation = Federation(tmp_path, [_surviving_sum_program(values, kill_at, signatures)] * 3,
