@@ -413,6 +413,27 @@ def test_markov_availability_by_hand_in_order_and_out_of_order():
     assert chain.available(4, 6, 3).tolist() == states[4]
 
 
+def test_one_pi_and_one_lambda_for_every_chain_by_hand():
+    """The shortcut for one π and one λ (two thresholds for the whole population, no pass
+    over it) walks as the rule written out: stay on with λ + (1 − λ)π, turn on with
+    (1 − λ)π, from the draws of (seed, round)."""
+    from lightning_fl.engine.seeding import generator
+
+    pi, lam = 0.3, 0.5
+    chain = MarkovAvailability(pi, lam)
+    states = []
+    for r in range(12):
+        u = torch.rand(4, generator=generator(6, "availability", r), dtype=torch.float64)
+        if r == 0:
+            state = [float(u[k]) < pi for k in range(4)]
+        else:
+            state = [float(u[k]) < (lam + (1 - lam) * pi if state[k] else (1 - lam) * pi)
+                     for k in range(4)]  # fmt: skip
+        states.append(state)
+    assert len({tuple(s) for s in states}) > 4  # the chains move
+    assert [chain.available(r, 6, 4).tolist() for r in range(12)] == states
+
+
 def test_two_class_availability_by_hand():
     """N = 6, g = 0.3, ν = 0.8, ε = 0.05: π = 0.8 for the first half and 0.2 for the
     second; in each half the first quarter (⌊6/4⌋ = 1 client) is correlated (λ = ν), the
@@ -620,7 +641,7 @@ def test_sojourn_walk_edge_cases_frozen_chains_a_new_seed_and_one_shared_pi(tmp_
     start = frozen.active_clients(0, 4, 3).tolist()
     assert all(frozen.active_clients(t, 4, 3).tolist() == start for t in range(1, 6))
     state = frozen.state_dict()
-    assert len(state["change_rounds"]) == 0
+    assert len(state["change_rounds"]) == len(state["change_chains"]) == 0
     again = SojournMarkovAvailability([0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
     again.load_state_dict(state)
     assert again.active_clients(8, 4, 3).tolist() == start
