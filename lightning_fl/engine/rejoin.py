@@ -13,11 +13,11 @@ round's start, in the same order (:class:`Welcome`):
 
 1. the sites' names and recipes, checked together (a site started with another recipe
    is refused, on every site);
-2. the resume agreement, in which the others hand it the run's global part as of the
-   last round's end, taken then as ``ModelCheckpoint`` takes it (the model, the
-   optimizer and server state, the sampler's state and every callback's server-side
-   state: a checkpoint less the client store), and check that its shard is of this run
-   and not of a later round (on its side:
+2. the resume agreement, in which the lowest-ranked of the others hands it the run's
+   global part as of the last round's end, taken then as ``ModelCheckpoint`` takes it
+   (the model, the optimizer and server state, the sampler's state and every callback's
+   server-side state: a checkpoint less the client store), and all check that its shard
+   is of this run and not of a later round (on its side:
    :func:`~lightning_fl.engine.silo_checkpoints.rejoined_checkpoint`);
 3. the broadcast of the initial model (rank 0's: the same global model on every site);
 4. every site's sample counts.
@@ -71,7 +71,11 @@ class Welcome:
         label = names[ranks.rank] if names else f"silo {ranks.rank}"
         check_peers(label, site_recipe(trainer, fit.config, names), ranks.world_size)
         ended = self.checkpoint["callbacks"][DRIVER_KEY]["round"]
-        sites = group.all_gather_object((label, None, self.run_id, ended, self.checkpoint))
+        giver = min(
+            r for r in range(ranks.world_size) if r not in joining and r not in group.dropped
+        )
+        offer = self.checkpoint if ranks.rank == giver else None  # one copy crosses, not W − 1
+        sites = group.all_gather_object((label, None, self.run_id, ended, offer))
         for rank in joining:
             check_joining(sites[rank], self.run_id, ended)
         collectives.broadcast_module(fit.module, group)
