@@ -7,6 +7,7 @@ model equals the 1-process simulation's."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -445,25 +446,50 @@ def test_named_sites_started_in_any_order_hold_their_own_centers_and_resume(
         n: e[-2000:] for n, (_, e) in second.items()
     }
     assert sorted(p.name for p in (sites / "run" / "heart_silos").iterdir()) == ["version_0"]
-    import csv
-
     with open(checkpoints.parent / "metrics.csv") as handle:
         rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
     assert rounds == {0, 1, 2}
     for rank, name in enumerate(HEART_CENTERS):
         own_data = str((sites / "data" / "heart_silos" / name).resolve())
         own_shard = str((checkpoints / name).resolve())
+        own_log = str((checkpoints.parent / "sites" / f"{name}.log").resolve())
         opened = json.loads((out / f"opened_rank{rank}.json").read_text())
         for path in {*opened, *opened_first[rank]}:
             others = [n for n in HEART_CENTERS if n != name]
             assert not any(f"/heart_silos/{n}/" in path or f"/checkpoints/{n}/" in path
-                           for n in others), (name, path)  # fmt: skip
+                           or f"/sites/{n}.log" in path for n in others), (name, path)  # fmt: skip
             if rank > 0:  # no folder shared with another site
-                assert path.startswith((own_data, own_shard)), (name, path)
+                assert path.startswith((own_data, own_shard, own_log)), (name, path)
         assert f"{own_shard}/last.ckpt" in opened  # resumed from its own shard
+    _check_site_logs(checkpoints.parent, HEART_CENTERS, run_id=a_run_id(checkpoints))
     a = torch.load(checkpoints / "last.ckpt", weights_only=True)["state_dict"]
     b = heart_simulation
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+def a_run_id(checkpoints: Path) -> str:
+    return torch.load(checkpoints / "last.ckpt", weights_only=True)["callbacks"][
+        "_RoundDriver"]["run_id"]  # fmt: skip
+
+
+def _check_site_logs(folder: Path, names: list[str], run_id: str) -> None:
+    """Every site's own log (engine/site_log.py) in the run folder: the fresh fit of
+    rounds 0-1, each round with the client it trained and the round's training loss
+    (metrics.csv's, written by the first site alone), then the resumed fit of round 2."""
+    with open(folder / "metrics.csv") as handle:
+        losses = {int(row["epoch"]): float(row["train_loss_epoch"])
+                  for row in csv.DictReader(handle) if row.get("train_loss_epoch")}  # fmt: skip
+    for rank, name in enumerate(names):
+        lines = (folder / "sites" / f"{name}.log").read_text().splitlines()
+        expected = [f"site {name!r}: run {run_id[:12]} starts: rounds 0-1 to train"]
+        for r in (0, 1):
+            expected.append(f"site {name!r}: round {r}/1: trained clients [{rank}] of 4 "
+                            f"participants; train_loss {losses[r]:.4g}")  # fmt: skip
+        expected.append(f"site {name!r}: run {run_id[:12]}, resumed from its checkpoint of "
+                        "round 1: rounds 2-2 to train")  # fmt: skip
+        expected.append(f"site {name!r}: round 2/2: trained clients [{rank}] of 4 "
+                        f"participants; train_loss {losses[2]:.4g}")  # fmt: skip
+        assert lines == expected, (name, lines)
 
 
 def test_a_rejoining_site_takes_the_offered_global_part_with_its_own_store_or_is_refused(

@@ -26,6 +26,7 @@ from lightning_fl.engine.plugins import RoundState
 from lightning_fl.engine.rejoin import Welcome
 from lightning_fl.engine.resume import ResumedRun, next_round
 from lightning_fl.engine.round_engine import RoundEngine
+from lightning_fl.engine.site_log import FinishedRound, SiteLog, trained_here
 from lightning_fl.engine.vectorized import VectorizedClients
 
 
@@ -48,6 +49,8 @@ class RoundDriver(pl.Callback):
         #: the last round's end, kept while a site is missing (a site that is back
         #: resumes from it at this round's start)
         self._welcome: Welcome | None = None
+        #: in silo mode, this site's lines (engine/site_log.py), opened at the fit's start
+        self._site_log: SiteLog | None = None
 
     def attach(
         self,
@@ -78,10 +81,15 @@ class RoundDriver(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.fit.divergence.reset()
-        if self.run_id is None:  # every rank takes rank 0's
+        silos = self.fit.config.silos
+        folder = None  # a resumed fit's sites each adopted the checkpoint's run folder
+        if self.run_id is None:  # every rank takes rank 0's id, and in silo mode its folder
             self.run_id = uuid.uuid4().hex
+            folder = run_dir(trainer) if silos and trainer.is_global_zero else None
             if (group := collectives.across_ranks(trainer.world_size)) is not None:
-                self.run_id = group.all_gather_object(self.run_id)[0]
+                self.run_id, folder = group.all_gather_object((self.run_id, folder))[0]
+        if silos:
+            self._open_site_log(trainer, folder)
         if self._resumed is not None:
             self._resumed.keep_earlier_rounds(trainer)
             self._resumed = None
@@ -153,13 +161,45 @@ class RoundDriver(pl.Callback):
             pl_module.log("fl/skipped_empty", skipped, on_epoch=True, sync_dist=sync)
         if trainer.is_global_zero and trainer.loggers:
             _append_participation(os.path.join(run_dir(trainer), "participation.csv"), state)
+        if self._site_log is not None:
+            plan = self.engine.current_round
+            trained = trained_here(state.participation.clients, plan.trained_by,
+                                   self.fit.ranks.rank)  # fmt: skip
+            self._site_log.round_ended(
+                FinishedRound(
+                    state.round_idx, trained, len(state.participation.clients), state.dropped_count
+                )  # fmt: skip
+            )
         group = collectives.across_ranks(trainer.world_size)
         if group is not None and group.dropped:  # what a site that comes back resumes from
             self._welcome = Welcome.at_round_end(trainer, self.fit, self.run_id)
 
+    def _open_site_log(self, trainer: pl.Trainer, folder: str | None) -> None:
+        """This site's log (silo mode), in the run folder rank 0 chose (a fresh fit's
+        sites agree on it with the run id), else in this site's own (a resumed fit's)."""
+        rank, names = self.fit.ranks.rank, self.fit.site_names
+        site = names[rank] if names else f"silo {rank}"
+        path = os.path.join(folder or run_dir(trainer), "sites", f"{site}.log")
+        echo = getattr(trainer.progress_bar_callback, "print", None) or _say
+        self._site_log = SiteLog(site, path, trainer.max_epochs - 1, echo)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The site's first line: the round it starts at (a resumed fit's, restored
+        after ``on_fit_start``)."""
+        if self._site_log is not None:
+            resumed = trainer.ckpt_path is not None or trainer.current_epoch > 0
+            self._site_log.fit_started(self.run_id, trainer.current_epoch, resumed)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._site_log is not None:
+            self._site_log.flush(trainer.callback_metrics)
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Welcome the dropped sites that are back (after the last round's collectives,
-        before this round's): :mod:`lightning_fl.engine.rejoin`."""
+        """Write the last round's line (its metrics are logged now), then welcome the
+        dropped sites that are back (after the last round's collectives, before this
+        round's): :mod:`lightning_fl.engine.rejoin`."""
+        if self._site_log is not None:
+            self._site_log.flush(trainer.callback_metrics)
         welcome, self._welcome = self._welcome, None
         if welcome is not None and (joining := welcome.group.rejoining()):
             welcome.run(joining)
@@ -176,6 +216,10 @@ class RoundDriver(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._loaded = state_dict  # restored at :meth:`attach`
         self.run_id = state_dict.get("run_id", self.run_id)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _append_participation(path: str, state: RoundState) -> None:
