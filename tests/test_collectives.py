@@ -35,7 +35,7 @@ class _Recording(Transport):
     def open(self, rank: int, world_size: int, site: str) -> None:
         self.calls.append(("open", rank, world_size, site))
 
-    def close(self, failed: bool = False, reason: str = "") -> None:
+    def close(self, failed: bool = False, reason: str = "", at_fault: str | None = None) -> None:
         self.calls.append(("close", failed, reason))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

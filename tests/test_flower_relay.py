@@ -17,7 +17,9 @@ import torch
 
 pytest.importorskip("flwr", reason="lightning-fl[flower] is not installed")
 
-from lightning_fl.flower import FlowerRunStopped, FlowerSite, wire  # noqa: E402
+from lightning_fl.engine import collectives  # noqa: E402
+from lightning_fl.engine.silo_checkpoints import SiloCheckpointError  # noqa: E402
+from lightning_fl.flower import FlowerRunStopped, FlowerSite, apps, wire  # noqa: E402
 from lightning_fl.flower.apps import (  # noqa: E402
     RunSettings,
     SiteFailure,
@@ -64,7 +66,7 @@ class Federation:
             return
         except BaseException as err:  # a site's failure, as the strategy reports it
             self.errors[name] = err
-            site.close(failed=True, reason=f"{type(err).__name__}: {err}")
+            collectives.close_transport(site, err)
             return
         site.close()
 
@@ -150,6 +152,32 @@ def test_a_failing_site_stops_the_run_naming_it_and_the_others_say_why(tmp_path)
         error = federation.errors[name]
         assert isinstance(error, FlowerRunStopped)
         assert "site 'hungary' failed: ValueError: center file unreadable" in str(error)
+
+
+def test_the_server_names_the_site_at_fault_not_the_sites_that_report_it(tmp_path):
+    """Every site compares the sites' recipes (or checkpoints) and stops together; each
+    error names the site at fault (``SiteFault.site``), here switzerland, which the first
+    site reports first: the server names switzerland, with its own report, and every
+    reporter. Sites that fail without naming one keep the first failure's name."""
+
+    def program(site: FlowerSite, rank: int):
+        site.all_gather_object(rank)
+        reason = "switzerland's checkpoint is of round 2" if rank == 2 else "its is of round 2"
+        raise SiloCheckpointError(reason, site="switzerland")
+
+    federation = Federation(tmp_path, [program] * 3)
+    expected = ("site 'switzerland' is at fault (reported by 'usa', 'hungary', 'switzerland'):"
+                " SiloCheckpointError: switzerland's checkpoint is of round 2")  # fmt: skip
+    with pytest.raises(SiteFailure) as failure:
+        federation.run()
+    assert str(failure.value) == expected
+    answers = [{"site": n, "rank": r, "op": "failed", "payload": f"E{r}"}
+               for r, n in enumerate(NAMES)]  # fmt: skip
+    answers[1]["at_fault"] = "usa"
+    assert apps._failure(answers) == "site 'usa' failed: E0"  # only one names a site
+    for answer in answers:
+        answer["at_fault"] = "hungary"
+    assert apps._failure(answers[:1]) == "site 'hungary' is at fault (reported by 'usa'): E0"
 
 
 def test_sites_at_different_collectives_are_refused_naming_each(tmp_path):

@@ -111,6 +111,22 @@ def test_a_name_taken_twice_or_a_differing_recipe_is_refused_naming_the_field():
     missing = {"strategy.seed": "0"}
     with pytest.raises(SiloSiteError, match=r"in model.lr: \(unset\) there, 0.1"):
         check_sites([("st_gallen", recipe), ("bern", missing)])
+    # the site at fault differs from most sites, the first one included (issue 77: the
+    # Flower server names it, not the site that reported it); on a tie, the first's
+    # recipe counts as the common one
+    with pytest.raises(
+        SiloSiteError,
+        match=r"site 'st_gallen''s recipe differs from site "
+        r"'bern''s in model.lr: 0.5 there, 0.1",
+    ) as first:
+        check_sites([("st_gallen", other), ("bern", recipe), ("basel", dict(recipe))])
+    assert first.value.site == "st_gallen"
+    with pytest.raises(SiloSiteError) as middle:
+        check_sites([("st_gallen", recipe), ("bern", other), ("basel", recipe), ("uri", recipe)])
+    assert middle.value.site == "bern"
+    with pytest.raises(SiloSiteError) as tie:
+        check_sites([("st_gallen", other), ("bern", recipe)])
+    assert tie.value.site == "bern"
 
 
 def test_the_recipe_digest_holds_what_sites_must_share_and_not_their_paths(tmp_path):
@@ -197,8 +213,17 @@ def test_sites_that_resume_different_rounds_or_runs_or_one_that_cannot_are_all_r
     with pytest.raises(SiloCheckpointError, match=r"site 'bern' \(and basel\) cannot resume, so "
                                                   r"no site does: x is missing"):  # fmt: skip
         agree(sites, "st_gallen")
-    with pytest.raises(SiloCheckpointError, match=r"site 'basel' \(and bern\) .*y is unreadable"):
+    with pytest.raises(
+        SiloCheckpointError, match=r"site 'basel' \(and bern\) .*y is unreadable"
+    ) as own:
         agree(sites, "basel")  # a failing site names its own problem
+    assert own.value.site == "bern"  # and every site the same one at fault
+    # the first site's shard of an older round, among two of round 4: it is at fault
+    older = r"site 'st_gallen''s checkpoint is of round 2, site 'bern''s of round 4"
+    with pytest.raises(SiloCheckpointError, match=older) as first:
+        agree([("st_gallen", None, "r", 2), ("bern", None, "r", 4), ("basel", None, "r", 4)],
+              "basel")  # fmt: skip
+    assert first.value.site == "st_gallen"
 
 
 def test_a_shard_written_before_shards_held_the_global_part_is_merged_with_it(tmp_path):

@@ -26,6 +26,7 @@ the values the engine logs with ``sync_dist`` are equal on every site by constru
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -78,18 +79,45 @@ class Collectives(ABC):
         return self.all_gather_object(value)
 
 
+class SiteFault(Exception):
+    """A failure that every site raises together after comparing what the sites hold (a
+    recipe, a checkpoint), naming the site at fault (``site``): a transport tells the
+    server that site, rather than its own name, so the server's error names the site to
+    fix, not the one that reported it."""
+
+    def __init__(self, message: str, site: str | None = None) -> None:
+        super().__init__(message)
+        self.site = site
+
+
+def odd_site(values: Sequence[tuple[str, Any]]) -> tuple[str, str] | None:
+    """The first site whose value differs from the most common one, and a site holding
+    that one (``values``: each site's (name, value) in rank order; on a tie, the first
+    site's value counts as the common one); None when every site holds the same."""
+    counts: dict[Any, int] = {}
+    for _, value in values:
+        counts[value] = counts.get(value, 0) + 1
+    common = max(counts, key=counts.__getitem__)  # on a tie, the first seen: the first site's
+    holder = next(name for name, value in values if value == common)
+    odd = next((name for name, value in values if value != common), None)
+    return None if odd is None else (odd, holder)
+
+
 class Transport(Collectives):
     """A transport a recipe chooses in place of ``torch.distributed``
     (``FederatedStrategy(transport=...)``): the strategy opens it at set-up, as this
     process's ``rank`` among ``world_size`` named sites (``site``) and installs it; the
     transport closes itself when the process exits (a test after the fit still uses it),
-    or when the strategy closes it on an error (``failed``, and why: ``reason``)."""
+    or when the strategy closes it on an error (``failed``, and why: ``reason``; the site
+    at fault, when the error names one: ``at_fault``)."""
 
     @abstractmethod
     def open(self, rank: int, world_size: int, site: str) -> None: ...
 
     @abstractmethod
-    def close(self, failed: bool = False, reason: str = "") -> None: ...
+    def close(
+        self, failed: bool = False, reason: str = "", at_fault: str | None = None
+    ) -> None: ...
 
 
 class TorchDistributed(Collectives):
@@ -129,7 +157,9 @@ def close_transport(transport: Transport | None, failure: BaseException) -> None
     """Uninstall ``transport`` (if any) and close it on a fit that raised ``failure``."""
     if transport is not None:
         install(None)
-        transport.close(failed=True, reason=f"{type(failure).__name__}: {failure}")
+        at_fault = failure.site if isinstance(failure, SiteFault) else None
+        reason = f"{type(failure).__name__}: {failure}"
+        transport.close(failed=True, reason=reason, at_fault=at_fault)
 
 
 def across_ranks(world_size: int) -> Collectives | None:

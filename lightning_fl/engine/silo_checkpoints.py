@@ -32,7 +32,7 @@ from lightning_fl.engine.federated_state import CheckpointReadError
 DRIVER_KEY = "_RoundDriver"
 
 
-class SiloCheckpointError(RuntimeError):
+class SiloCheckpointError(collectives.SiteFault, RuntimeError):
     """A silo cannot resume: its shard is missing, or the checkpoint is of another layout."""
 
 
@@ -237,16 +237,23 @@ def agree(sites: list[tuple[str, str | None, Any, Any]], mine: str) -> None:
         name, problem = next(((n, p) for n, p in failed if n == mine), failed[0])
         others = ", ".join(n for n, _ in failed if n != name)
         also = f" (and {others})" if others else ""
-        raise SiloCheckpointError(f"site {name!r}{also} cannot resume, so no site does: {problem}")
-    first = sites[0]
-    for name, _, run_id, round_idx in sites[1:]:
-        for what, theirs, ours in (("run", run_id, first[2]), ("round", round_idx, first[3])):
-            if theirs != ours:
-                raise SiloCheckpointError(
-                    f"site {name!r}'s checkpoint is of {what} {theirs}, site {first[0]!r}'s of "
-                    f"{what} {ours}: every site resumes from the checkpoint of the same "
-                    f"{what}. Give each site the checkpoint of one round (--ckpt_path)."
-                )
+        raise SiloCheckpointError(
+            f"site {name!r}{also} cannot resume, so no site does: {problem}",
+            site=failed[0][0],  # the same site at fault on every site
+        )
+    held = [(name, (run_id, round_idx)) for name, _, run_id, round_idx in sites]
+    odd = collectives.odd_site(held)  # the site at fault differs from most sites
+    if odd is None:
+        return
+    name, holder = odd
+    theirs, ours = dict(held)[name], dict(held)[holder]
+    what, index = ("run", 0) if theirs[0] != ours[0] else ("round", 1)
+    raise SiloCheckpointError(
+        f"site {name!r}'s checkpoint is of {what} {theirs[index]}, site {holder!r}'s of "
+        f"{what} {ours[index]}: every site resumes from the checkpoint of the same {what}. "
+        "Give each site the checkpoint of one round (--ckpt_path).",
+        site=name,
+    )
 
 
 def rejoined_checkpoint(
@@ -278,14 +285,16 @@ def check_joining(entry: tuple, run_id: str | None, round_idx: int) -> None:
     round after the others' (``entry``: its (name, problem, run id, round))."""
     name, problem, theirs, their_round = entry[:4]
     if problem is not None:
-        raise SiloCheckpointError(f"site {name!r} cannot rejoin the run: {problem}")
+        raise SiloCheckpointError(f"site {name!r} cannot rejoin the run: {problem}", site=name)
     if theirs != run_id:
         raise SiloCheckpointError(
             f"site {name!r} rejoins with a checkpoint of run {theirs}, the others run "
-            f"{run_id}: restart it with this run's checkpoint (--ckpt_path last)."
+            f"{run_id}: restart it with this run's checkpoint (--ckpt_path last).",
+            site=name,
         )
     if their_round is None or their_round > round_idx:
         raise SiloCheckpointError(
             f"site {name!r} rejoins with a checkpoint of round {their_round}, after the "
-            f"others' round {round_idx}: restart it with this run's last checkpoint."
+            f"others' round {round_idx}: restart it with this run's last checkpoint.",
+            site=name,
         )

@@ -36,7 +36,7 @@ SILO_ENV = "LIGHTNING_FL_SILO"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
-class SiloSiteError(ValueError):
+class SiloSiteError(collectives.SiteFault, ValueError):
     """A site that cannot take part: no name, a name not in the recipe, a name taken by
     another site, a recipe that differs from the others', or a launcher that fixes ranks."""
 
@@ -161,8 +161,9 @@ def check_peers(name: str, recipe: dict[str, str], world_size: int) -> None:
 
 
 def check_sites(sites: Sequence[tuple[str, dict[str, str]]]) -> None:
-    """The check of :func:`check_peers` on the gathered (name, recipe) pairs,
-    in rank order."""
+    """The check of :func:`check_peers` on the gathered (name, recipe) pairs, in rank
+    order. The site at fault is the one whose recipe differs from most sites' (from the
+    first site's, on a tie)."""
     names = [name for name, _ in sites]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -170,15 +171,18 @@ def check_sites(sites: Sequence[tuple[str, dict[str, str]]]) -> None:
             f"{names.count(twice[0])} sites started as {twice[0]!r}: give each site its own "
             f"name (--silo NAME); the sites started as {', '.join(names)}."
         )
-    first_name, first = sites[0]
-    for name, recipe in sites[1:]:
-        for field in sorted(set(first) | set(recipe)):
-            if first.get(field) != recipe.get(field):
-                raise SiloSiteError(
-                    f"site {name!r}'s recipe differs from site {first_name!r}'s in {field}: "
-                    f"{recipe.get(field, '(unset)')} there, {first.get(field, '(unset)')} at "
-                    f"{first_name!r}. Start every site with the same recipe."
-                )
+    odd = collectives.odd_site([(name, tuple(sorted(recipe.items()))) for name, recipe in sites])
+    if odd is None:
+        return
+    name, holder = odd
+    recipe, common = dict(sites)[name], dict(sites)[holder]
+    field = next(f for f in sorted(set(common) | set(recipe)) if common.get(f) != recipe.get(f))
+    raise SiloSiteError(
+        f"site {name!r}'s recipe differs from site {holder!r}'s in {field}: "
+        f"{recipe.get(field, '(unset)')} there, {common.get(field, '(unset)')} at "
+        f"{holder!r}. Start every site with the same recipe.",
+        site=name,
+    )
 
 
 def recipe_digest(trainer: pl.Trainer, config: Any) -> dict[str, str]:

@@ -116,9 +116,10 @@ class StepRelay:
         for node, answer in present.items():
             self.names[node] = answer["site"]
             self.ranks[node] = answer["rank"]
-        for answer in present.values():
-            if answer["op"] == "failed":
-                raise SiteFailure(f"site {answer['site']!r} failed: {answer['payload']}")
+        failed = sorted((a for a in present.values() if a["op"] == "failed"),
+                        key=lambda a: a["rank"])  # fmt: skip
+        if failed:
+            raise SiteFailure(_failure(failed))
         silent = {node: a for node, a in answers.items() if isinstance(a, str)}
         if silent:
             self._drop(step, silent, list(present.values()))
@@ -221,6 +222,19 @@ class StepRelay:
     def _label(self, node: int) -> str:
         name = self.names.get(node)
         return f"site {name!r} (SuperNode {node})" if name else f"the site of SuperNode {node}"
+
+
+def _failure(failed: list[dict]) -> str:
+    """Why the run stops, from the sites' ``failed`` answers (rank order): the site at
+    fault when the sites that report it agree on one (a site whose recipe or checkpoint
+    differs from the others', named by every site that compared them), with its own
+    report if it sent one; otherwise the first site that failed, and its reason."""
+    blamed = {a.get("at_fault") for a in failed}
+    if len(blamed) == 1 and (site := blamed.pop()) is not None:
+        report = next((a for a in failed if a["site"] == site), failed[0])
+        reporters = ", ".join(repr(a["site"]) for a in failed)
+        return f"site {site!r} is at fault (reported by {reporters}): {report['payload']}"
+    return f"site {failed[0]['site']!r} failed: {failed[0]['payload']}"
 
 
 # ---------------------------------------------------------------------- the server

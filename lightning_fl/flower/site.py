@@ -82,16 +82,18 @@ class FlowerSite(Transport):
         self._identity = {"rank": rank, "site": site}
         self._world_size = world_size
 
-    def close(self, failed: bool = False, reason: str = "") -> None:
-        """Answer the pending request with ``done`` (or ``failed``: ``reason``), so the
-        server ends the run, and remove the mailbox."""
+    def close(self, failed: bool = False, reason: str = "", at_fault: str | None = None) -> None:
+        """Answer the pending request with ``done`` (or ``failed``: ``reason``, and the
+        site at fault when the error names one), so the server ends the run, and remove
+        the mailbox."""
         if self._listener is None:
             return
         try:
             if self._stopped:
                 return
             if failed:
-                self._answer("failed", reason or "the site's fit failed")
+                extra = {"at_fault": at_fault} if at_fault else {}
+                self._answer("failed", reason or "the site's fit failed", extra=extra)
             else:
                 self._answer("done", None)
         except (OSError, FlowerRunStopped):  # ConnectionError and TimeoutError included
@@ -147,11 +149,13 @@ class FlowerSite(Transport):
         self._absent = frozenset(request.get("absent", ()))
         return request["result"]
 
-    def _answer(self, op: str, payload: Any, may_miss: bool = False) -> None:
+    def _answer(
+        self, op: str, payload: Any, may_miss: bool = False, extra: dict | None = None
+    ) -> None:
         if self._open is None:  # the run's first step: its request carries no result
             self._next_request()
         connection, self._open = self._open, None
-        answer = {**self._identity, "op": op, "payload": payload}
+        answer = {**self._identity, "op": op, "payload": payload, **(extra or {})}
         if may_miss:
             answer["min_sites"] = self.min_sites(self._world_size)
         with connection:
