@@ -118,12 +118,14 @@ def test_the_flower_recipe_is_flambys_scaffold_setup():
 
 def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins(tmp_path):
     """The issue's deployment, on localhost: a SuperLink with TLS and node authentication;
-    a SuperNode with a wrong certificate authority and one with an unregistered key are
-    refused; three registered sites (each in its own folder, audited) train the heart
-    recipe; hungary is SIGKILLed in round 1, and the run stops at once with a line naming
-    it on the other sites; all three restarted with ``--ckpt_path last`` and the run
-    submitted again finish round 3, in their run folders, and the model equals the
-    1-process simulation's to 1e-6."""
+    a SuperNode with a wrong certificate authority, one with an unregistered key and one
+    without TLS are refused, each with one last line naming the cause; three registered
+    sites (each in its own folder, audited) train the heart recipe; hungary is SIGKILLed in
+    round 1, and the run stops at once with a line naming it on the other sites; all three
+    restarted with ``--ckpt_path last`` and the run submitted again finish round 3, in
+    their run folders, and the model equals the 1-process simulation's to 1e-6. The failed
+    run's status says so, naming hungary (exit 1), the second's that it completed; every
+    site wrote each round and its resume."""
     from lightning_fl.flower.credentials import write_credentials
 
     tmp = tmp_path
@@ -154,15 +156,18 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
             registered = fed.run([str(BIN / "flwr"), "supernode", "register",
                                   str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
             assert "registered successfully" in registered.stdout, registered.stdout
-        supernode = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}"]
+        # the README's SuperNode: flower-supernode, its refusals said in one line each
+        supernode = [sys.executable, "-m", "lightning_fl.flower.supernode", "--superlink",
+                     f"127.0.0.1:{port}"]  # fmt: skip
         refused = {
             "unregistered": fed.start("unregistered", [*supernode, "--root-certificates",
                 str(creds / "ca.crt"), "--auth-supernode-private-key",
-                str(creds / "stranger.key"), "--port", str(_free_port()),
-                "--max-retries", "1"]),
+                str(creds / "stranger.key"), "--port", str(_free_port())]),
             "wrong_ca": fed.start("wrong_ca", [*supernode, "--root-certificates",
                 str(stranger_ca / "ca.crt"), "--auth-supernode-private-key",
-                str(creds / "usa.key"), "--port", str(_free_port()), "--max-retries", "1"]),
+                str(creds / "usa.key"), "--port", str(_free_port())]),
+            "no_tls": fed.start("no_tls", [*supernode, "--insecure", "--port",
+                str(_free_port())]),
         }  # fmt: skip
         for name in SITES:
             mailbox = mailboxes / f"{name}.sock"
@@ -176,13 +181,19 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
             return fed.start(run, command, cwd=tmp / "sites" / name)
 
         sites = {name: start_site(name, name, []) for name in SITES}
-        for name in refused:  # refused while the sites start
-            assert refused[name].wait(timeout=60) != 0, fed.log(name)
-        assert "Failed to activate SuperNode" in fed.log("unregistered")
-        assert "CERTIFICATE_VERIFY_FAILED" in fed.log("wrong_ca")
+        causes = {
+            "unregistered": "does not admit this SuperNode's key",
+            "wrong_ca": "did not sign (another certificate authority)",
+            "no_tls": "speaks TLS, and this SuperNode was started without it",
+        }
+        for name in refused:  # refused while the sites start, in one last line
+            assert refused[name].wait(timeout=60) == 1, fed.log(name)
+            last = fed.log(name).strip().splitlines()[-1]
+            assert last.startswith("lightning-fl: SuperNode refused: ") and causes[name] in last
         submit = [str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower"), "local",
-                  "--run-config", "sites=3 step-timeout=120 site-start-timeout=60"]  # fmt: skip
-        first_run = fed.start("flwr_run_1", [*submit, "--stream"])
+                  "--run-config", "sites=3 step-timeout=120 site-start-timeout=60",
+                  "--format", "json"]  # fmt: skip
+        first_run = json.loads(fed.run(submit).stdout)["run-id"]
         round_0 = tmp / "sites" / "hungary" / "outputs" / "flamby" / "heart_flower" / "version_0"
         deadline = time.monotonic() + 240
         while not (round_0 / "checkpoints" / "hungary" / "last.ckpt").exists():
@@ -194,13 +205,19 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
         for name in ("usa", "switzerland"):
             assert sites[name].wait(timeout=180) != 0, fed.log(name)
             assert "hungary" in fed.log(name).splitlines()[-1], fed.log(name)[-2000:]
-        assert first_run.wait(timeout=120) != 0 or "hungary" in fed.log("flwr_run_1")
+        status = [sys.executable, "-m", "lightning_fl.flower.run_status"]
+        failed = fed.run([*status, first_run, "local", "--wait", "60"])
+        assert failed.returncode == 1, failed
+        assert failed.stdout.strip() == f"run {first_run}: finished:failed"
+        assert "site 'hungary'" in failed.stderr.strip().splitlines()[-1], failed.stderr
         resumed = {name: start_site(name, f"{name}_resumed", ["--ckpt_path", "last"])
                    for name in SITES}  # fmt: skip
-        second_run = fed.start("flwr_run_2", [*submit, "--stream"])
+        second_run = json.loads(fed.run(submit).stdout)["run-id"]
         for name, process in resumed.items():
             assert process.wait(timeout=300) == 0, fed.log(f"{name}_resumed")[-3000:]
-        second_run.wait(timeout=60)
+        completed = fed.run([*status, second_run, "local", "--wait", "60"])
+        assert (completed.returncode, completed.stdout.strip()) == (
+            0, f"run {second_run}: finished:completed"), completed  # fmt: skip
     finally:
         fed.stop_all()
         shutil.rmtree(mailboxes, ignore_errors=True)
@@ -213,6 +230,17 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
     with open(usa / "metrics.csv") as handle:
         rounds = {int(row["epoch"]) for row in csv.DictReader(handle) if row.get("epoch")}
     assert rounds == {0, 1, 2}
+    for rank, name in enumerate(SITES):  # every site's console and run folder, each round
+        folder = tmp / "sites" / name / "outputs" / "flamby" / "heart_flower" / "version_0"
+        lines = (folder / "sites" / f"{name}.log").read_text().splitlines()
+        trained = [c for c in range(4) if c % 3 == rank]
+        rounds_said = [line for line in lines if ": round " in line]
+        assert [line.split(": round ")[1].split(":")[0] for line in rounds_said][-3:] == [
+            "0/2", "1/2", "2/2"]  # fmt: skip
+        assert all(f"trained clients {trained} of 4 participants; train_loss " in line
+                   for line in rounds_said)  # fmt: skip
+        assert any("resumed from its checkpoint of round" in line for line in lines), lines
+        assert rounds_said[-1] in fed.log(f"{name}_resumed"), name
     flower = torch.load(usa / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     simulated = _simulation(tmp)
     assert max(float((flower[k] - simulated[k]).abs().max()) for k in flower) <= 1e-6
