@@ -13,6 +13,10 @@ from torch import nn
 
 from lightning_fl.checks import require_rate
 from lightning_fl.engine import collectives
+from lightning_fl.engine.round_metrics import RoundMetricSums
+
+#: the checkpoint entry of the training metrics' names agreed by the ranks
+METRIC_NAMES_KEY = "round_metric_names"
 
 
 class MLP(nn.Module):
@@ -286,6 +290,8 @@ class FederatedTask(LightningModule):
         self.network = network
         # the round's step values and batch sizes per metric (see _log_training_step)
         self._training_values = _RoundMeans()
+        # their sums over the ranks, carried by the round's sum (engine/round_metrics.py)
+        self.round_metric_sums = RoundMetricSums(self._training_values.pop_sums)
         self._evaluation_sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,17 +405,25 @@ class FederatedTask(LightningModule):
         self._evaluation_sums.clear()
         return sums
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The training metrics' agreed names (:mod:`lightning_fl.engine.round_metrics`):
+        a resumed fit, or a site that rejoins from the others' checkpoint, shares the
+        round's sum in the same layout as the sites that never stopped."""
+        checkpoint[METRIC_NAMES_KEY] = self.round_metric_sums.names
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        names = checkpoint.get(METRIC_NAMES_KEY)
+        self.round_metric_sums.names = None if names is None else tuple(names)
+
     def on_train_epoch_end(self) -> None:
         """The round's training means. On several processes, every rank's sums are added
-        first (one ``all_gather_object`` a round), so the mean is over all the round's
-        clients, as on one process, and every rank logs the same value (``sync_dist``:
-        a mean of equal values)."""
-        sums = self._training_values.pop_sums()
+        first (inside the round's all-reduce: :mod:`lightning_fl.engine.round_metrics`),
+        so the mean is over all the round's clients, as on one process, and every rank
+        logs the same value (``sync_dist``: a mean of equal values)."""
         trainer = self.trainer
         group = collectives.across_ranks(trainer.world_size)
         synced = group is not None
-        if group is not None:
-            sums = _sum_over_ranks(sums, group, self.device)
+        sums = self.round_metric_sums.totals(group, self.device)
         for name, (total, count) in sums.items():
             mean = total / count
             self.log(f"train_{name}_epoch", mean, on_epoch=True, batch_size=1, sync_dist=synced)
@@ -484,31 +498,6 @@ class _RoundMeans:
             sums[name] = (total, sizes.sum())
         self._values.clear()
         return sums
-
-
-def _sum_over_ranks(
-    sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    group: collectives.Collectives,
-    device: torch.device,
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Every rank's round sums added, in rank order; a rank whose clients logged nothing
-    this round (it only padded) gets the others' sums, so all ranks log the same keys."""
-    mine = {name: (float(total), float(count)) for name, (total, count) in sums.items()}
-    parts = group.gather_present(mine, {})  # a site that dropped logged nothing
-    added: dict[str, list[float]] = {}
-    for part in parts:
-        for name, (total, count) in part.items():
-            entry = added.setdefault(name, [0.0, 0.0])
-            entry[0] += total
-            entry[1] += count
-    dtype = torch.get_default_dtype()
-    return {
-        name: (
-            torch.tensor(t, dtype=dtype, device=device),
-            torch.tensor(c, dtype=dtype, device=device),
-        )
-        for name, (t, c) in added.items()
-    }
 
 
 def _accumulate(sums: dict, key: str, value: torch.Tensor, size: int) -> None:

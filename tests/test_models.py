@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_fl import models
+from lightning_fl.engine.round_metrics import RoundMetricSums, gather_sums
 from lightning_fl.models import (
     MLP,
     BinaryClassifier,
@@ -241,7 +242,7 @@ def test_sums_over_ranks_in_rank_order(monkeypatch):
             return gathered
 
     mine = {"loss": (torch.tensor(3.0), torch.tensor(4.0))}
-    added = models._sum_over_ranks(mine, ThreeRanks(), torch.device("cpu"))
+    added = gather_sums(mine, ThreeRanks(), torch.device("cpu"))
     assert {k: (t.item(), c.item()) for k, (t, c) in added.items()} == {
         "loss": (4.0, 6.0), "acc": (0.5, 1.0),
     }  # fmt: skip
@@ -448,3 +449,55 @@ def test_the_tasks_default_networks():
             if isinstance(m, nn.Linear)] == [(64, 64), (64, 10)]  # fmt: skip
     for task, features in ((BinaryClassifier(), 13), (CoxRegression(), 39)):
         assert (task.network.in_features, task.network.out_features) == (features, 1)
+
+
+class _Ranks:
+    """Three ranks' collectives as rank 0 sees them: a gather returns ``others`` after
+    this rank's value, and records what was gathered."""
+
+    def __init__(self, others: list) -> None:
+        self.others, self.gathered = others, []
+
+    def gather_present(self, mine, absent):
+        self.gathered.append(mine)
+        return [mine, *self.others]
+
+
+def test_training_metrics_ride_the_rounds_sum_after_one_gather_of_their_names():
+    """Round 0 agrees on the names (a gather of names, no values); every later round's
+    part is [flag, Σv·B, ΣB per name in sorted order, zeros for a name this rank did not
+    log], and the round's totals are what the sum brings. A rank that logs a name outside
+    them flags it, and that round is gathered instead; a half-precision sum carries none."""
+    t = torch.tensor
+    rounds = iter([
+        {"loss": (t(3.0), t(4.0))},
+        {"loss": (t(5.0), t(2.0)), "acc": (t(1.0), t(2.0))},
+        {"loss": (t(1.0), t(1.0)), "f1": (t(0.5), t(1.0))},
+        {"loss": (t(7.0), t(7.0))},
+    ])  # fmt: skip
+    sums = RoundMetricSums(lambda: next(rounds))
+    ranks = _Ranks([["acc", "loss"], []])  # rank 1 logged acc too; rank 2 nothing
+    part = sums.part(ranks, torch.device("cpu"), torch.float32)
+    assert ranks.gathered == [["loss"]] and sums.names == ("acc", "loss")
+    assert part.tolist() == [0.0, 0.0, 0.0, 3.0, 4.0]
+    sums.take(torch.tensor([0.0, 0.0, 0.0, 10.0, 12.0]))  # acc: nobody's count
+    totals = sums.totals(ranks, torch.device("cpu"))
+    assert {k: (t.item(), c.item()) for k, (t, c) in totals.items()} == {"loss": (10.0, 12.0)}
+    assert len(ranks.gathered) == 1  # no gather once the names are agreed
+    part = sums.part(ranks, torch.device("cpu"), torch.float32)
+    assert part.tolist() == [0.0, 1.0, 2.0, 5.0, 2.0]
+    sums.take(torch.tensor([0.0, 3.0, 6.0, 9.0, 8.0]))
+    totals = sums.totals(ranks, torch.device("cpu"))
+    assert {k: (t.item(), c.item()) for k, (t, c) in totals.items()} == {
+        "acc": (3.0, 6.0), "loss": (9.0, 8.0)}  # fmt: skip
+    # a name outside the agreed ones: flagged, and the round's values gathered
+    ranks.others = [{"loss": (2.0, 2.0)}, {}]
+    part = sums.part(ranks, torch.device("cpu"), torch.float32)
+    assert part[0].item() == 1.0
+    sums.take(torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0]))
+    totals = sums.totals(ranks, torch.device("cpu"))
+    assert ranks.gathered[-1] == {"loss": (1.0, 1.0), "f1": (0.5, 1.0)}
+    assert {k: (t.item(), c.item()) for k, (t, c) in totals.items()} == {
+        "loss": (3.0, 3.0), "f1": (0.5, 1.0)}  # fmt: skip
+    assert sums.part(ranks, torch.device("cpu"), torch.bfloat16) is None  # gathered instead
+    assert sums.totals(None, torch.device("cpu"))["loss"][0].item() == 7.0  # one process

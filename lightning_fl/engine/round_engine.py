@@ -171,19 +171,25 @@ class RoundEngine:
         return state
 
     def _all_reduce_round(self, state: RoundState) -> tuple[int, frozenset[int]]:
-        """Sum the weighted updates, the callbacks' round sums and the number of dropped
-        (NaN/Inf) updates over all ranks in one all-reduce (or a plugin's masked one:
+        """Sum the weighted updates, the callbacks' round sums, the number of dropped
+        (NaN/Inf) updates and the module's training-metric sums over all ranks in one
+        all-reduce (or a plugin's masked one:
         ``FederatedCallback.sum_over_ranks``); returns the total dropped and the ranks
         missing from the sum (sites that dropped)."""
         if not self.fit.ranks.distributed:
             return len(state.dropped), frozenset()
+        group = collectives.across_ranks(self.fit.ranks.world_size)
         sums = [state.update_sum, *state.extra_sums.values()]
+        flat = [flatten(s) for s in sums]
         dropped = torch.tensor([float(len(state.dropped))], device=self.fit.device)
-        buffer = torch.cat([flatten(s) for s in sums] + [dropped])
+        # a FederatedTask's training metrics ride the same sum (engine/round_metrics.py)
+        metrics = getattr(self.fit.module, "round_metric_sums", None)
+        carried = None if metrics is None else metrics.part(group, dropped.device, flat[0].dtype)
+        buffer = torch.cat([*flat, dropped, *([carried] if carried is not None else [])])
         summed = (cb.sum_over_ranks(buffer, state.round_idx) for cb in self.fit.plugins.callbacks)
         secure = next((b for b in summed if b is not None), None)
         if secure is None:
-            missing = collectives.across_ranks(self.fit.ranks.world_size).sum_present(buffer)
+            missing = group.sum_present(buffer)
         else:
             buffer, missing = secure
         offset = 0
@@ -191,7 +197,9 @@ class RoundEngine:
             size = flat_size(part)
             torch._foreach_copy_(part, unflatten(buffer[offset : offset + size], part))
             offset += size
-        return int(buffer[-1].item()), missing
+        if carried is not None:
+            metrics.take(buffer[offset + 1 :])
+        return int(buffer[offset].item()), missing
 
     def _drop_missing_sites(self, state: RoundState, missing: frozenset[int]) -> int:
         """The participants trained by the ``missing`` ranks (sites that dropped before
