@@ -125,7 +125,8 @@ class FederatedCLI(LightningCLI):
         parser.set_defaults({"trainer.enable_progress_bar": sys.stderr.isatty()})
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand]
+        # run=False (lightning_fl.flower.server_side builds a recipe's objects): no subcommand
+        config = self.config[self.subcommand] if self.subcommand else self.config
         torch.set_float32_matmul_precision(config.get("float32_matmul_precision", "highest"))
         if config.get("silo"):  # the strategy reads it when the recipe names its sites
             os.environ[SILO_ENV] = config["silo"]

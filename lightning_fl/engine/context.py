@@ -61,6 +61,9 @@ class FederatedConfig:
     #: silo mode: client c lives on rank c % world_size for the whole run, and each rank
     #: opens only its own clients' data
     silos: bool = False
+    #: the round index of the fit's first epoch (a fit that trains one round of a longer
+    #: run: a Flower ClientApp's, lightning_fl.flower.server_side)
+    first_round: int = 0
 
     def __post_init__(self) -> None:
         """Check the settings together (one local-work rule, the vectorized options'
@@ -74,6 +77,8 @@ class FederatedConfig:
         for name, value in (("local_steps", steps), ("local_epochs", epochs)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}.")
+        if isinstance(self.first_round, bool) or self.first_round < 0:
+            raise ValueError(f"first_round must be an integer >= 0, got {self.first_round!r}.")
         if self.max_consecutive_bad_rounds < 1:
             raise ValueError("max_consecutive_bad_rounds must be >= 1.")
         chunk = self.max_vectorized_clients

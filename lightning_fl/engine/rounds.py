@@ -44,7 +44,8 @@ class TrainRounds:
         # with "Please call `iter(combined_loader)` first".
         trainer = self.fit.trainer
         try:
-            plan = self.begin_round(trainer.fit_loop.epoch_progress.current.processed)
+            epoch = trainer.fit_loop.epoch_progress.current.processed
+            plan = self.begin_round(epoch + self.fit.config.first_round)
         except Exception as err:  # noqa: BLE001 - re-raised unchanged at the first batch
             return _raise(err)
         return self._batches(plan)

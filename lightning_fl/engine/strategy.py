@@ -137,6 +137,10 @@ class FederatedStrategy(DDPStrategy):
             (:mod:`lightning_fl.engine.segment_evaluation` says when it can). ``"auto"``
             (default): when it can and the first batch agrees with a plain call; True:
             refuse, naming the reason, when it cannot; False: client by client.
+        first_round: the round index of the fit's first epoch (default 0): a fit that
+            trains one round of a longer run, as a Flower ClientApp's fits do in the
+            server-side mode (:mod:`lightning_fl.flower.server_side`); its clients' seeds
+            and batches are those of that round.
     """
 
     strategy_name = "federated"
@@ -172,6 +176,7 @@ class FederatedStrategy(DDPStrategy):
         data_on_device: bool | Literal["auto"] = "auto",
         eval_clients: int | None = None,
         vectorize_evaluation: bool | Literal["auto"] = "auto",
+        first_round: int = 0,
         **lightning_options: Any,
     ) -> None:
         super().__init__(timeout=processes.as_timedelta(timeout), **lightning_options)
@@ -185,6 +190,7 @@ class FederatedStrategy(DDPStrategy):
             local_steps_per_training_step=local_steps_per_training_step,
             allow_new_federation=allow_new_federation, eval_clients=eval_clients,
             vectorize_evaluation=vectorize_evaluation, silos=bool(silos),
+            first_round=first_round,
         )  # fmt: skip
         self.sites = SiloSites.named(silos, silo, transport)
         self.transport = transport  # None: torch.distributed (engine/collectives.py)
