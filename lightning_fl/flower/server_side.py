@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,23 +109,39 @@ def instantiate(settings: Settings, extra: Sequence[str] = ()) -> Any:
 
     from lightning_fl.cli import FederatedCLI, PlainArgumentParser
 
+    _check_recipe(settings.recipe)
     args = ["--config", settings.recipe, *settings.overrides, *extra]
-    cli = FederatedCLI(
-        LightningModule, LightningDataModule, subclass_mode_model=True,
-        subclass_mode_data=True, save_config_callback=None, args=args, run=False,
-        auto_configure_optimizers=False, parser_class=PlainArgumentParser,
-        parser_kwargs={"allow_abbrev": False, "exit_on_error": False},
-    )  # fmt: skip
+    with warnings.catch_warnings():  # a Flower process's own argv is not the recipe's
+        warnings.filterwarnings("ignore", message=".*args parameter is intended")
+        cli = FederatedCLI(
+            LightningModule, LightningDataModule, subclass_mode_model=True,
+            subclass_mode_data=True, save_config_callback=None, args=args, run=False,
+            auto_configure_optimizers=False, parser_class=PlainArgumentParser,
+            parser_kwargs={"allow_abbrev": False, "exit_on_error": False},
+        )  # fmt: skip
     strategy = cli.trainer.strategy
-    if getattr(getattr(strategy, "config", None), "silos", False) or getattr(
-        strategy, "transport", None
-    ):
-        raise ServerSideError(
-            f"{settings.recipe} names silos or a transport: in the server-side mode each "
-            "Flower node trains one client of a plain recipe. Give a recipe without "
-            "strategy.silos and strategy.transport (the relay mode runs silo recipes)."
-        )
+    if hasattr(strategy, "summary"):
+        strategy.summary.automatic = False  # its fits write no run folder to name
     return cli
+
+
+def _check_recipe(recipe: str) -> None:
+    """Refuse a silo recipe (read as data, before anything is built)."""
+    import yaml
+
+    try:
+        with open(recipe) as handle:
+            config = yaml.safe_load(handle) or {}
+    except OSError as err:
+        raise ServerSideError(f"cannot read the recipe {recipe}: {err.strerror}.") from None
+    strategy = (config.get("trainer") or {}).get("strategy") or {}
+    options = strategy.get("init_args") or {} if isinstance(strategy, dict) else {}
+    if options.get("silos") or options.get("transport"):
+        raise ServerSideError(
+            f"{recipe} names silos or a transport: in the server-side mode each Flower node "
+            "trains one client of a plain recipe. Give a recipe without strategy.silos and "
+            "strategy.transport (the relay mode runs silo recipes)."
+        )
 
 
 # ---------------------------------------------------------------------- the clients
@@ -162,9 +179,10 @@ def train_client(
     from lightning.pytorch.callbacks import Checkpoint
 
     sampler = {"class_path": f"{__name__}.OneClient", "init_args": {"client": client}}
-    cli = instantiate(settings, [*_QUIET, "--trainer.max_epochs", "1",
-                                 "--trainer.strategy.init_args.first_round", str(round_idx),
-                                 "--trainer.strategy.init_args.sampler", json.dumps(sampler)])  # fmt: skip
+    one_round = ["--trainer.max_epochs", "1",
+                 "--trainer.strategy.init_args.first_round", str(round_idx),
+                 "--trainer.strategy.init_args.sampler", json.dumps(sampler)]  # fmt: skip
+    cli = instantiate(settings, [*_QUIET, *one_round])
     trainer = cli.trainer
     # the recipe's aggregator and server optimizer run on the server; here FedAvg with
     # weight 1 and server_lr 1 leaves the client's model θ^t + (θ_i − θ^t) in the module
@@ -229,8 +247,8 @@ class FederatedServer(Strategy):
     _round: tuple[int, Participation, dict[str, torch.Tensor]] | None = None
 
     def summary(self) -> None:
-        logger.info("lightning-fl FederatedServer: %s, %s, seed %d",
-                    type(self.aggregator).__name__, type(self.sampler).__name__, self.seed)  # fmt: skip
+        aggregator, sampler = type(self.aggregator).__name__, type(self.sampler).__name__
+        logger.info("lightning-fl FederatedServer: %s, %s, seed %d", aggregator, sampler, self.seed)
 
     def meet(self, grid: Grid) -> None:
         """Wait for the nodes, then ask each which client it trains and its count."""
@@ -330,9 +348,7 @@ class FederatedServer(Strategy):
 
 def _content(reply: Message, key: str) -> Any:
     if reply.has_error():
-        raise ServerSideError(
-            f"the node {reply.metadata.src_node_id} failed: {reply.error.reason}"
-        )
+        raise ServerSideError(f"the node {reply.metadata.src_node_id} failed: {reply.error.reason}")
     return reply.content[key]
 
 

@@ -1,0 +1,185 @@
+"""The server-side mode (issue 77, lightning_fl.flower.server_side): a Flower Strategy
+that runs lightning_fl's sampler, aggregator and server optimizer in the ServerApp, and
+ClientApps that train. Under Flower's simulation engine (Ray) the heart recipes' models
+equal lightning-fl's own 1-process simulation; the Strategy's arithmetic is checked by
+hand with a grid that answers for the nodes."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr", reason="lightning-fl[flower] is not installed")
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from lightning_fl.callbacks import FedAvg  # noqa: E402
+from lightning_fl.flower import server_side  # noqa: E402
+from lightning_fl.flower.server_side import (  # noqa: E402
+    FederatedServer,
+    ServerSideError,
+    Settings,
+)
+from lightning_fl.systems.samplers import FullParticipation  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HEART = ROOT.parent / "shared" / "data" / "fed_heart_disease"
+needs_heart = pytest.mark.skipif(not HEART.exists(), reason=f"real data not found at {HEART}")
+
+
+class Reply:
+    """What the Strategy reads of a node's reply."""
+
+    class Metadata:
+        def __init__(self, node: int) -> None:
+            self.src_node_id = node
+
+    def __init__(self, node: int, content: RecordDict) -> None:
+        self.metadata, self.content = self.Metadata(node), content
+
+    def has_error(self) -> bool:
+        return False
+
+
+class Grid:
+    """Four nodes (100 + client) whose clients hold ``counts`` training samples; a node
+    "trains" by moving every weight by (client + 1)·(round + 1)·0.1; ``silent`` nodes do
+    not answer the train message of ``silent_round``."""
+
+    def __init__(self, counts: list[int], silent: set[int] = frozenset(), silent_round=-1):
+        self.counts, self.silent, self.silent_round = counts, silent, silent_round
+        self.sent: list[tuple[int, str, list[int]]] = []
+
+    def get_node_ids(self) -> list[int]:
+        return [100 + c for c in range(len(self.counts))]
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for message in messages:
+            node, kind = message.metadata.dst_node_id, message.metadata.message_type
+            client = node - 100
+            if kind == "query":
+                metrics = MetricRecord({"client": client, "num-examples": self.counts[client]})
+                replies.append(Reply(node, RecordDict({"metrics": metrics})))
+                continue
+            round_idx = int(message.content["config"]["round"])
+            self.sent.append((round_idx, kind, client))
+            if client in self.silent and round_idx == self.silent_round:
+                continue
+            start = message.content["arrays"].to_torch_state_dict()
+            step = 0.1 * (client + 1) * (round_idx + 1)
+            trained = {k: v + step for k, v in start.items()}
+            metrics = MetricRecord({"client": client, "train_loss": float(client)})
+            replies.append(Reply(node, RecordDict({"arrays": ArrayRecord(torch_state_dict=trained),
+                                                   "metrics": metrics})))  # fmt: skip
+        return replies
+
+
+@pytest.fixture
+def flower_run(monkeypatch):
+    """Flower builds messages only inside a run: a run id for the test's messages."""
+    monkeypatch.setattr(TaskIdentity, "_run_id", 7)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 3)
+
+
+def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_node(flower_run):
+    """FedAvg over 4 clients of 10, 30, 0 and 60 samples, 3 rounds, client 3's node
+    silent in round 1: ω = n_i / Σ n = (0.1, 0.3, 0, 0.6), client 2 (no data) never sent a
+    message, and θ^{t+1} = θ^t + Σ_{i replied} ω_i (θ_i − θ^t), not renormalized."""
+    grid = Grid([10, 30, 0, 60], silent={3}, silent_round=1)
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4)
+    theta = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5]), "steps": torch.tensor(3)}
+    arrays = ArrayRecord(torch_state_dict=theta)
+    expected = {k: v.clone() for k, v in theta.items()}
+    for server_round in (1, 2, 3):
+        messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        assert sorted(m.metadata.dst_node_id for m in messages) == [100, 101, 103]
+        arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
+        r = server_round - 1
+        moved = sum(w * 0.1 * (c + 1) * (r + 1) for c, w in ((0, 0.1), (1, 0.3), (3, 0.6))
+                    if not (c == 3 and r == 1))  # fmt: skip
+        for k in ("w", "b"):
+            expected[k] = expected[k] + moved
+        got = arrays.to_torch_state_dict()
+        for k in ("w", "b"):
+            assert torch.allclose(got[k], expected[k], atol=1e-6), (server_round, k)
+        assert torch.equal(got["steps"], theta["steps"])  # an integer buffer is not averaged
+        assert metrics["dropped_updates"] == (1.0 if r == 1 else 0.0)
+        losses = {0: 0.0, 1: 1.0, 3: 3.0}
+        if r == 1:
+            losses.pop(3)
+        counts = {0: 10, 1: 30, 3: 60}
+        mean = sum(losses[c] * counts[c] for c in losses) / sum(counts[c] for c in losses)
+        assert metrics["train_loss"] == pytest.approx(mean)
+    assert np.array_equal(server.counts, [10, 30, 0, 60])
+    assert server.nodes == {0: 100, 1: 101, 2: 102, 3: 103}
+
+
+def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
+    with pytest.raises(ServerSideError, match="has no 'recipe'"):
+        Settings.read({})
+    settings = Settings.read({"recipe": "r.yaml", "overrides": "--a 1 --b 2", "clients": 3})
+    assert (settings.overrides, settings.clients) == (("--a", "1", "--b", "2"), 3)
+    assert server_side.node_client({"partition-id": 2}) == 2
+    assert server_side.node_client({"client": 5, "partition-id": 2}) == 5
+    with pytest.raises(ServerSideError, match="--node-config 'client="):
+        server_side.node_client({})
+    twice = Grid([10, 30])
+    twice.get_node_ids = lambda: [100, 101, 100]  # two nodes answer as client 0
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=2)
+    with pytest.raises(ServerSideError, match="two nodes train client 0"):
+        server.meet(twice)
+    late = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=5, node_timeout=0.3)
+    with pytest.raises(ServerSideError, match="4 of 5 nodes connected"):
+        late.meet(Grid([1, 1, 1, 1]))
+    with pytest.raises(ServerSideError, match="cannot read the recipe nowhere.yaml"):
+        server_side.instantiate(Settings("nowhere.yaml"))
+    silo = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
+    with pytest.raises(ServerSideError, match="names silos or a transport"):
+        server_side.instantiate(Settings(str(silo)))
+
+
+def _simulated(recipe: Path, rounds: int, folder: Path) -> dict[str, torch.Tensor]:
+    from lightning_fl.cli import run
+
+    cli = run(["fit", "--config", str(recipe), "--data.init_args.root", str(HEART),
+               "--trainer.max_epochs", str(rounds), "--test_after_fit", "false",
+               "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+               "--trainer.default_root_dir", str(folder)], exit_on_error=False)  # fmt: skip
+    return cli.model.state_dict()
+
+
+@needs_heart
+@pytest.mark.parametrize("name", ["fedavg", "fedadam"])
+def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path):
+    """The heart recipe (FLamby's setup: 4 centers, 100 local steps, its learning rates;
+    FedAdam from v = 0) over 3 rounds: the Flower App's ServerApp and ClientApp under
+    ``run_simulation`` (4 SuperNodes, Ray) give lightning-fl's 1-process model to 1e-6."""
+    from flwr.simulation import run_simulation
+
+    pytest.importorskip("ray", reason="flwr[simulation] is not installed")
+    recipe = ROOT / "recipes" / "flamby" / f"heart_{name}.yaml"
+    out = tmp_path / "server"
+    overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "3")
+    settings = Settings(str(recipe), overrides, clients=4, out=str(out))
+    server, client = server_side.make_apps(settings)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # anything a ClientApp's fit writes stays in the test's folder
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_simulation(server, client, num_supernodes=4, backend_config={
+                "client_resources": {"num_cpus": 1},
+                "init_args": {"num_cpus": 2, "include_dashboard": False}})  # fmt: skip
+    finally:
+        os.chdir(cwd)
+    flower = torch.load(out / "final_model.pt", weights_only=True)
+    simulated = _simulated(recipe, 3, tmp_path / "simulation")
+    assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
