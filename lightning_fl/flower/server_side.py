@@ -52,7 +52,8 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
-from lightning_fl.engine.plugins import Aggregator, FedAvg, RoundState
+from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback, RoundState
+from lightning_fl.engine.tensors import zeros_like
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,19 @@ def client_count(settings: Settings, client: int) -> int:
 
 
 def train_client(
-    settings: Settings, client: int, round_idx: int, start: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """``client``'s model after its local training of round ``round_idx`` from ``start``,
-    and its training loss: one lightning_fl fit of that round, the client alone, with the
-    recipe's module, data, local steps, seed and client-side plugins."""
+    settings: Settings,
+    client: int,
+    round_idx: int,
+    start: dict[str, torch.Tensor],
+    server_state: dict[str, torch.Tensor] | None = None,
+    client_state: dict[str, torch.Tensor] | None = None,
+) -> Trained:
+    """``client``'s local training of round ``round_idx`` from ``start``: one lightning_fl
+    fit of that round, the client alone, with the recipe's module, data, local steps,
+    seed and client-side plugins. The plugins' declared server state (SCAFFOLD's c) is
+    ``server_state``'s, and the client's declared state (its c_i) ``client_state``'s;
+    returned: the trained model, the plugins' round sums over this client (Σ Δc_i), its
+    new declared state and its training loss."""
     from lightning.pytorch.callbacks import Checkpoint
 
     sampler = {"class_path": f"{__name__}.OneClient", "init_args": {"client": client}}
@@ -184,17 +193,86 @@ def train_client(
                  "--trainer.strategy.init_args.sampler", json.dumps(sampler)]  # fmt: skip
     cli = instantiate(settings, [*_QUIET, *one_round])
     trainer = cli.trainer
+    aggregator = recipe_aggregator(trainer.callbacks)
+    plugins = client_plugins(trainer.callbacks)
     # the recipe's aggregator and server optimizer run on the server; here FedAvg with
-    # weight 1 and server_lr 1 leaves the client's model θ^t + (θ_i − θ^t) in the module
+    # weight 1 and server_lr 1 leaves the client's model θ^t + (θ_i − θ^t) in the module,
+    # with the recipe's target weights p_i (which SCAFFOLD's "target" weighting reads)
     kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
-    trainer.callbacks = [*kept, FedAvg(weighting="uniform")]
+    trainer.callbacks = [*kept, FedAvg(weighting=aggregator.weighting)]
+    for plugin in plugins:
+        load_server_state(plugin, server_state or {})
+    store = trainer.strategy.client_store
+    for key, value in (client_state or {}).items():
+        store.set(client, key, value)
     cli.model.load_state_dict(start)
     trainer.fit(cli.model, datamodule=cli.datamodule)
+    state = trainer.strategy.engine.current_round.state
+    sums = {f"{key}.{i}": t.detach().cpu() for key, tensors in state.extra_sums.items()
+            for i, t in enumerate(tensors)}  # fmt: skip
+    kept_state = {}
+    for plugin in plugins:
+        for name, key in plugin.declared_client_state().items():
+            value = store.get(client, key)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ServerSideError(
+                    f"{type(plugin).__name__}'s client state {name!r} is not a tensor: "
+                    "the server-side mode keeps tensors in a node's state. Use the relay mode."
+                )
+            if value is not None:
+                kept_state[key] = value.detach().cpu()
     metrics = {
         name: float(value) for name, value in trainer.callback_metrics.items()
         if name == "train_loss"
     }  # fmt: skip
-    return {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}, metrics
+    model = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
+    return Trained(model, sums, kept_state, metrics)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A client's round: its model, its round sums and declared state (flattened to
+    named tensors), and its training loss."""
+
+    model: dict[str, torch.Tensor]
+    round_sums: dict[str, torch.Tensor]
+    client_state: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+
+def recipe_aggregator(callbacks: Sequence[Any]) -> Aggregator:
+    """The recipe's aggregator (FedAvg when it names none)."""
+    return next((cb for cb in callbacks if isinstance(cb, Aggregator)), None) or FedAvg()
+
+
+def client_plugins(callbacks: Sequence[Any]) -> list[FederatedCallback]:
+    """The recipe's plugins other than the aggregator."""
+    return [cb for cb in callbacks
+            if isinstance(cb, FederatedCallback) and not isinstance(cb, Aggregator)]  # fmt: skip
+
+
+def server_state_arrays(plugins: Sequence[FederatedCallback]) -> dict[str, torch.Tensor]:
+    """The plugins' declared server state shaped like the parameters (SCAFFOLD's c), as
+    named tensors ``<Class>.<name>.<i>`` (what the clients need of the server's state)."""
+    arrays = {}
+    for plugin in plugins:
+        for name in plugin.server_state_like_params():
+            for i, tensor in enumerate(getattr(plugin, name) or []):
+                arrays[f"{type(plugin).__name__}.{name}.{i}"] = tensor.detach().cpu()
+    return arrays
+
+
+def load_server_state(plugin: FederatedCallback, arrays: dict[str, torch.Tensor]) -> None:
+    """Set ``plugin``'s declared server state like the parameters from ``arrays``
+    (:func:`server_state_arrays`); a state the server has not set yet stays None (the
+    engine starts it at zero)."""
+    for name in plugin.server_state_like_params():
+        prefix = f"{type(plugin).__name__}.{name}."
+        parts = sorted(
+            (int(k[len(prefix) :]), v) for k, v in arrays.items() if k.startswith(prefix)
+        )
+        if parts:
+            setattr(plugin, name, [v for _, v in parts])
 
 
 #: a ClientApp's fits write nothing and say nothing
@@ -209,16 +287,33 @@ def _answer_query(settings: Settings, message: Message, context: Context) -> Mes
     return Message(RecordDict({"metrics": record}), reply_to=message)
 
 
+#: the node's Context.state entry of its client's declared state (SCAFFOLD's c_i)
+CLIENT_STATE = "lightning_fl.client_state"
+
+
 def _train(settings: Settings, message: Message, context: Context) -> Message:
     client = node_client(context.node_config)
     round_idx = int(message.content["config"]["round"])
     start = message.content["arrays"].to_torch_state_dict()
-    trained, metrics = train_client(settings, client, round_idx, start)
+    server_state = _arrays(message.content, "server_state")
+    client_state = _arrays(context.state, CLIENT_STATE)
+    trained = train_client(settings, client, round_idx, start, server_state, client_state)
+    if trained.client_state:  # kept on the node, never sent
+        context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
     reply = RecordDict({
-        "arrays": ArrayRecord(torch_state_dict=trained),
-        "metrics": MetricRecord({"client": client, **metrics}),
+        "arrays": ArrayRecord(torch_state_dict=trained.model),
+        "metrics": MetricRecord({"client": client, **trained.metrics}),
     })  # fmt: skip
+    if trained.round_sums:
+        reply["round_sums"] = ArrayRecord(torch_state_dict=trained.round_sums)
     return Message(reply, reply_to=message)
+
+
+def _arrays(records: RecordDict, key: str) -> dict[str, torch.Tensor]:
+    """The named tensors of ``records[key]`` (an ArrayRecord), or none."""
+    if key not in records:
+        return {}
+    return dict(records[key].to_torch_state_dict())
 
 
 # ---------------------------------------------------------------------- the server
@@ -238,6 +333,11 @@ class FederatedServer(Strategy):
     sampler: ClientSampler
     aggregator: Aggregator
     seed: int
+    #: the server's instances of the other plugins: their declared server state (sent to
+    #: the participants) and their round-end hooks over the round sums the clients reply
+    plugins: list[FederatedCallback] = field(default_factory=list)
+    #: the model's parameters (the shape of server state declared like them)
+    params: list[torch.Tensor] = field(default_factory=list)
     clients: int | None = None
     out: Path | None = None
     node_timeout: float = 120.0
@@ -290,8 +390,14 @@ class FederatedServer(Strategy):
                 "SuperNode for every client of the recipe."
             )
         self._round = (round_idx, participation, arrays.to_torch_state_dict())
-        content = RecordDict({"arrays": arrays,
-                              "config": ConfigRecord({**config, "round": round_idx})})  # fmt: skip
+        for plugin in self.plugins:  # declared server state like θ, at zero once
+            for name in plugin.server_state_like_params():
+                if getattr(plugin, name) is None:
+                    setattr(plugin, name, zeros_like(self.params))
+        config_record = ConfigRecord({**config, "round": round_idx})
+        content = RecordDict({"arrays": arrays, "config": config_record})
+        if server_state := server_state_arrays(self.plugins):
+            content["server_state"] = ArrayRecord(torch_state_dict=server_state)
         return [Message(content, dst_node_id=self.nodes[c], message_type="train")
                 for c in participation.clients]  # fmt: skip
 
@@ -300,11 +406,13 @@ class FederatedServer(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         round_idx, participation, start = self._round
         trained: dict[int, dict[str, torch.Tensor]] = {}
+        sums: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, float] = {}
         for reply in replies:
             metrics = _content(reply, "metrics")
             client = int(metrics["client"])
             trained[client] = reply.content["arrays"].to_torch_state_dict()
+            sums[client] = _arrays(reply.content, "round_sums")
             if "train_loss" in metrics:
                 losses[client] = float(metrics["train_loss"])
         names = [k for k, v in start.items() if v.is_floating_point()]
@@ -322,9 +430,12 @@ class FederatedServer(Strategy):
             round_idx=round_idx, participation=participation, global_tensors=global_tensors,
             update_sum=update_sum, model=None, store=None, num_clients=len(self.counts),
             sample_counts=self.counts, target_weights=self.aggregator.target_weights(self.counts),
+            extra_sums=self._round_sums(participation.clients, sums),
             dropped=dropped, dropped_count=len(dropped),
         )  # fmt: skip
         self.aggregator.aggregate(None, None, state)
+        for plugin in self.plugins:  # after aggregation, as the engine runs them
+            plugin.on_round_end(None, None, state)
         new = {**start, **dict(zip(names, state.global_tensors))}
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -338,6 +449,25 @@ class FederatedServer(Strategy):
         logger.info("round %d: %d participants, train_loss %s", round_idx,
                     len(participation.clients), summary.get("train_loss"))  # fmt: skip
         return ArrayRecord(torch_state_dict=new), MetricRecord(summary)
+
+    def _round_sums(
+        self, clients: Sequence[int], sums: dict[int, dict[str, torch.Tensor]]
+    ) -> dict[str, list[torch.Tensor]]:
+        """The plugins' declared round sums over the clients that replied, added in the
+        participants' order (the order in which one process adds them)."""
+        totals: dict[str, list[torch.Tensor]] = {}
+        for plugin in self.plugins:
+            for name, shape in plugin.declared_round_sums().items():
+                key = plugin.round_sum_key(name)
+                dtype = plugin.round_sum_dtype(name) or self.params[0].dtype
+                totals[key] = zeros_like(self.params) if shape is None else [
+                    torch.zeros(shape, dtype=dtype)]  # fmt: skip
+        for client in clients:
+            parts = sums.get(client, {})
+            for key, total in totals.items():
+                if f"{key}.0" in parts:
+                    torch._foreach_add_(total, [parts[f"{key}.{i}"] for i in range(len(total))])
+        return totals
 
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # evaluation messages: not built yet (issue 77)
@@ -353,20 +483,17 @@ def _content(reply: Message, key: str) -> Any:
 
 
 def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
-    """The server's run: the recipe's initial model, sampler, seed, aggregator and
-    number of rounds, through :class:`FederatedServer`; returns the final model."""
+    """The server's run: the recipe's initial model, sampler, seed, aggregator, other
+    plugins and number of rounds, through :class:`FederatedServer`; returns the final
+    model."""
     cli = instantiate(settings, _QUIET)
     strategy = cli.trainer.strategy
-    aggregators = [cb for cb in cli.trainer.callbacks if isinstance(cb, Aggregator)]
-    aggregator = aggregators[0] if aggregators else FedAvg()
-    if type(aggregator).aggregate is Aggregator.aggregate or not _server_only(aggregator):
-        raise ServerSideError(
-            f"{type(aggregator).__name__} does not run in the server-side mode yet: it "
-            "has client-side hooks. Use FedAvg, FedAvgM, FedAdam, FedYogi or FedAdagrad, "
-            "or the relay mode."
-        )
+    aggregator = recipe_aggregator(cli.trainer.callbacks)
+    plugins = client_plugins(cli.trainer.callbacks)
+    check_server_side(aggregator, plugins)
     out = Path(settings.out) if settings.out else None
-    server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed,
+    params = [p.detach().cpu().clone() for p in cli.model.parameters()]
+    server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed, plugins, params,
                              settings.clients, out, settings.node_timeout)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     result = server.start(grid, ArrayRecord(torch_state_dict=initial),
@@ -377,12 +504,41 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     return final
 
 
-def _server_only(aggregator: Aggregator) -> bool:
-    """Whether the aggregator does its work in ``aggregate`` alone (the FedAvg family):
-    no client or round hooks of its own, which would need to run on the nodes."""
-    hooks = ("on_client_start", "on_client_end", "transform_update", "receive_update",
-             "on_round_start", "on_round_end")  # fmt: skip
-    return all(getattr(type(aggregator), h) is getattr(Aggregator, h) for h in hooks)
+#: hooks a plugin's server half may not need in the server-side mode (yet): what runs at
+#: a round's start or around its sum needs the relay mode's engine
+SERVER_HOOKS = ("on_round_start", "on_before_round_sum", "sum_over_ranks")
+#: an aggregator's hooks besides ``aggregate``: it then needs its clients (the relay mode)
+CLIENT_HOOKS = ("on_client_start", "on_client_end", "transform_update", "receive_update",
+                "on_round_start", "on_round_end")  # fmt: skip
+
+
+def check_server_side(aggregator: Aggregator, plugins: Sequence[FederatedCallback]) -> None:
+    """Refuse, naming it, an aggregator that needs its clients, or a plugin whose server
+    half needs more than its declared server state, round sums and round-end hook."""
+    own = [h for h in CLIENT_HOOKS if getattr(type(aggregator), h) is not getattr(Aggregator, h)]
+    if own:
+        raise ServerSideError(
+            f"{type(aggregator).__name__} does not run in the server-side mode yet: its "
+            f"{', '.join(own)} run beside the clients. Use FedAvg, FedAvgM, FedAdam, FedYogi "
+            "or FedAdagrad, or the relay mode."
+        )
+    for plugin in plugins:
+        name = type(plugin).__name__
+        hooks = [h for h in SERVER_HOOKS
+                 if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
+        if hooks or plugin.declared_round_rows() or plugin.undeclared_client_state is not None:
+            why = ", ".join(hooks) or "per-participant rows or undeclared client state"
+            raise ServerSideError(
+                f"{name} does not run in the server-side mode yet ({why}): use the relay "
+                "mode, whose sites run every hook."
+            )
+        other = [n for n in plugin.declared_server_state()
+                 if n not in plugin.server_state_like_params()]  # fmt: skip
+        if other:
+            raise ServerSideError(
+                f"{name}'s server state {other} is not shaped like the parameters: the "
+                "server-side mode sends only such state to the clients. Use the relay mode."
+            )
 
 
 def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
