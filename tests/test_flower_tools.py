@@ -6,9 +6,12 @@ both against a real SuperLink."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -84,6 +87,13 @@ def test_the_supernode_wrapper_names_each_refusal_before_flower_starts(creds):
         assert supernode.preflight(plain.address, None, True) is None
         no_tls = supernode.preflight(plain.address, str(federation / "ca.crt"), False)
         assert no_tls.startswith(f"the SuperLink at {plain.address} does not speak TLS")
+        port = tls.address.rsplit(":", 1)[1]
+        named = supernode.preflight(f"localhost:{port}", str(federation / "ca.crt"), False)
+        assert named == (
+            f"the SuperLink's certificate at localhost:{port} does not name "
+            "localhost: connect with the address its certificate was made for."
+        )
+        assert supernode.preflight(f":{port}", str(federation / "ca.crt"), False) is None
         missing = supernode.preflight(tls.address, "/nowhere/ca.crt", False)
         assert missing.startswith("--root-certificates /nowhere/ca.crt is not a readable")
         assert supernode.preflight(tls.address, None, False) is None  # Flower says it
@@ -91,6 +101,64 @@ def test_the_supernode_wrapper_names_each_refusal_before_flower_starts(creds):
         tls.close()
         plain.close()
     assert supernode.preflight(tls.address, str(federation / "ca.crt"), False) is None
+
+
+FAKE = """import signal, sys, time
+print("Starting Flower SuperNode", flush=True)
+mode = sys.argv[sys.argv.index("--mode") + 1]
+if mode == "unregistered":
+    print("[code: 2004] Failed to activate SuperNode.", flush=True)
+    sys.exit(1)
+if mode == "stuck":
+    print("[code: 2004] Failed to activate SuperNode.", flush=True)
+    time.sleep(60)
+if mode == "serve":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    time.sleep(60)
+sys.exit(int(mode))
+"""
+
+
+@pytest.fixture
+def fake_supernode(tmp_path, monkeypatch):
+    """flower-supernode replaced by a script whose ``--mode`` says what it does."""
+    script = tmp_path / "flower-supernode"
+    script.write_text(f"#!{sys.executable}\n{FAKE}")
+    script.chmod(0o755)
+    monkeypatch.setattr(supernode, "supernode_executable", lambda: str(script))
+    monkeypatch.setattr(supernode, "REFUSED_GRACE", 0.5)
+    return script
+
+
+def test_the_supernode_wrapper_passes_flowers_output_and_status_through(
+    fake_supernode, capsys, monkeypatch
+):
+    """Its output passed through; an unregistered key said in one last line (exit 1),
+    also when the SuperNode does not exit by itself; another status kept; SIGTERM passed
+    on (and the handlers given back); no flower-supernode named."""
+    closed = ["--superlink", "127.0.0.1:1", "--auth-supernode-private-key", "k/usa.key"]
+    assert supernode.main([*closed, "--mode", "unregistered"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "Starting Flower SuperNode\n[code: 2004] Failed to activate SuperNode.\n"
+    assert err.strip().splitlines() == [
+        "lightning-fl: SuperNode refused: the SuperLink does not admit this SuperNode's key "
+        "(k/usa.key): register its public key there (flwr supernode register k/usa.pub "
+        "<superlink> --name <site>), or start the SuperNode with the key that was registered."
+    ]
+    assert supernode.main([*closed, "--mode", "stuck"]) == 1  # stopped after the grace
+    assert "does not admit" in capsys.readouterr().err
+    assert supernode.main([*closed, "--mode", "3"]) == 3
+    assert capsys.readouterr().err == ""
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    assert supernode.main([*closed, "--mode", "serve"]) == 0  # it stopped on the signal
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(supernode, "supernode_executable", lambda: None)
+    assert supernode.main(closed) == 1
+    assert "flower-supernode is not installed" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["supernode", "--superlink", "127.0.0.1:1"])
+    assert supernode.main() == 1  # the command line's own arguments
 
 
 def test_the_supernode_wrapper_exits_1_with_one_line_and_names_the_key(creds, capsys):
@@ -131,8 +199,10 @@ def test_a_runs_status_is_its_exit_code_with_the_servers_reason(monkeypatch, cap
            "mailbox without answering\nERROR: Exit Code: 201\n")  # fmt: skip
     fake = FakeFlwr(["running", "running", "finished:failed"], log)
     monkeypatch.setattr(run_status, "_flwr", fake)
-    monkeypatch.setattr(run_status.time, "sleep", lambda _: None)
+    slept: list[float] = []
+    monkeypatch.setattr(run_status.time, "sleep", slept.append)
     assert run_status.main(["42", "local", "--wait", "60"]) == 1
+    assert slept == [2.0, 2.0]
     out, err = capsys.readouterr()
     assert out.strip() == "run 42: finished:failed"
     assert err.strip() == ("lightning-fl: run 42 failed: site 'hungary' (SuperNode 7) closed "
@@ -145,8 +215,10 @@ def test_a_runs_status_is_its_exit_code_with_the_servers_reason(monkeypatch, cap
     assert run_status.main(["42"]) == 0
     assert capsys.readouterr().out.strip() == "run 42: finished:completed"
 
-    monkeypatch.setattr(run_status, "_flwr", FakeFlwr(["running"]))
+    running = FakeFlwr(["running"])
+    monkeypatch.setattr(run_status, "_flwr", running)
     assert run_status.main(["42", "local"]) == 2  # no wait: not finished
+    assert len(running.calls) == 1
     assert "has not finished" in capsys.readouterr().err
 
     stopped = FakeFlwr(["finished:stopped"], "INFO: nothing\n", details="stopped by the user")
@@ -160,3 +232,20 @@ def test_a_runs_status_is_its_exit_code_with_the_servers_reason(monkeypatch, cap
         capsys.readouterr().err.strip()
         == "lightning-fl: run 42 failed: ValueError: the data is gone"
     )
+
+
+def test_a_reason_that_quotes_the_mark_and_an_unreadable_listing(monkeypatch):
+    log = "x SiteFailure: site 'usa' failed: SiteFailure: its own relay stopped\n"
+    monkeypatch.setattr(run_status, "_flwr", FakeFlwr(["finished:failed"], log))
+    assert run_status.reason(42, [], "") == "site 'usa' failed: SiteFailure: its own relay stopped"
+
+    def broken(*args):
+        return subprocess.CompletedProcess(args, 1, "not json", "first\nInvalid SuperLink 'x'\n")
+
+    monkeypatch.setattr(run_status, "_flwr", broken)
+    with pytest.raises(SystemExit, match="flwr ls could not list run 42: Invalid SuperLink 'x'"):
+        run_status.status(42, ["x"])
+    monkeypatch.setattr(run_status, "_flwr",
+                        lambda *a: subprocess.CompletedProcess(a, 2, "", ""))  # fmt: skip
+    with pytest.raises(SystemExit, match="could not list run 42: exit status 2"):
+        run_status.status(42, [])

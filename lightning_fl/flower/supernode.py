@@ -127,8 +127,7 @@ def main(args: Sequence[str] | None = None) -> int:
     if refusal is not None:
         print(f"lightning-fl: SuperNode refused: {refusal}", file=sys.stderr, flush=True)
         return 1
-    beside = os.path.join(os.path.dirname(sys.executable), "flower-supernode")
-    executable = beside if os.access(beside, os.X_OK) else shutil.which("flower-supernode")
+    executable = supernode_executable()
     if executable is None:
         print(
             "lightning-fl: flower-supernode is not installed: pip install 'lightning-fl[flower]'.",
@@ -139,25 +138,46 @@ def main(args: Sequence[str] | None = None) -> int:
     process = subprocess.Popen(
         [executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda number, _: _signal(process, number))
+    handlers = {sig: signal.signal(sig, lambda number, _: _signal(process, number))
+                for sig in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+    try:
+        code, refused = _supervise(process)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if refused:
+        said = unregistered(options.auth_supernode_private_key)
+        print(f"lightning-fl: SuperNode refused: {said}", file=sys.stderr, flush=True)
+        return 1
+    return 128 - code if code < 0 else code  # a signal's number as a shell reports it
+
+
+#: seconds the SuperNode has to exit by itself after refusing an unregistered key
+REFUSED_GRACE = 15.0
+
+
+def supernode_executable() -> str | None:
+    """``flower-supernode`` beside this Python, else on the PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "flower-supernode")
+    return beside if os.access(beside, os.X_OK) else shutil.which("flower-supernode")
+
+
+def _supervise(process: subprocess.Popen) -> tuple[int, bool]:
+    """Pass the SuperNode's output through until it exits (or, after it refused a key,
+    until :data:`REFUSED_GRACE` seconds); its status and whether it refused the key."""
     refused = threading.Event()
     pump = threading.Thread(target=_pass_through, args=(process.stdout, refused), daemon=True)
     pump.start()
-    while process.poll() is None and not refused.wait(0.5):
+    while process.poll() is None and not refused.wait(0.1):
         pass
     if refused.is_set():  # Flower exits by itself after this refusal; do not wait forever
         try:
-            process.wait(timeout=15)
+            process.wait(timeout=REFUSED_GRACE)
         except subprocess.TimeoutExpired:
             _signal(process, signal.SIGTERM)
     code = process.wait()
     pump.join(timeout=2)  # a SuperExec the SuperNode started may hold the pipe: not waited
-    if refused.is_set():
-        said = unregistered(options.auth_supernode_private_key)
-        print(f"lightning-fl: SuperNode refused: {said}", file=sys.stderr, flush=True)
-        return code or 1
-    return code
+    return code, refused.is_set()
 
 
 def _pass_through(output, refused: threading.Event) -> None:
