@@ -36,7 +36,9 @@ Read top-down:
   their summaries;
 - :mod:`.composition`: which plugin pairs are refused at setup;
 - :mod:`.collectives`: every collective of the engine and its plugins, through the run's
-  transport (``torch.distributed``, or a recipe's, as ``lightning_fl.flower``'s);
+  transport (``torch.distributed``, or a recipe's, as ``lightning_fl.flower``'s); with
+  :mod:`.round_metrics` (the training metrics inside the round's sum) and, in silo mode,
+  :mod:`.site_log` (each site's own line per round);
 - helpers shared with the plugins: :mod:`.client_store`, :mod:`.tensors`,
   :mod:`.seeding`, :mod:`.local_training`, :mod:`.divergence`, :mod:`.progress`,
   :mod:`.outputs`.
