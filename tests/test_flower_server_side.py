@@ -58,8 +58,11 @@ class Grid:
         self.sent: list[tuple[int, str, list[int]]] = []
         self.server_states: list[dict[str, torch.Tensor]] = []
 
+    #: nodes not connected (a SuperNode stopped), from the next train message on
+    gone: set[int] = frozenset()
+
     def get_node_ids(self) -> list[int]:
-        return [100 + c for c in range(len(self.counts))]
+        return [100 + c for c in range(len(self.counts)) if 100 + c not in self.gone]
 
     def send_and_receive(self, messages, timeout=None):
         replies = []
@@ -132,6 +135,31 @@ def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_no
     assert server.nodes == {0: 100, 1: 101, 2: 102, 3: 103}
 
 
+def test_a_node_that_leaves_is_not_sent_and_min_available_nodes_stops_the_run(flower_run):
+    """Client 1's SuperNode disconnects after round 0: with min_available_nodes=2 the
+    rounds go on with clients 0 and 3 (client 1 a dropped update, its weight not given
+    to the others); with min_available_nodes=4 the next round refuses, naming client 1."""
+    grid = Grid([10, 30, 0, 60])
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4,
+                             min_available_nodes=2, node_timeout=0.3)  # fmt: skip
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    messages = server.configure_train(1, arrays, ConfigRecord({}), grid)
+    arrays, _ = server.aggregate_train(1, grid.send_and_receive(messages))
+    grid.gone = {101, 102}
+    messages = server.configure_train(2, arrays, ConfigRecord({}), grid)
+    assert sorted(m.metadata.dst_node_id for m in messages) == [100, 103]
+    after, metrics = server.aggregate_train(2, grid.send_and_receive(messages))
+    assert metrics["dropped_updates"] == 1.0
+    moved = 0.1 * 1 * 2 * 0.1 + 0.1 * 4 * 2 * 0.6  # clients 0 and 3, round 1, ω kept
+    start = arrays.to_torch_state_dict()["w"]
+    assert torch.allclose(after.to_torch_state_dict()["w"], start + moved, atol=1e-6)
+    server.min_available_nodes = 4
+    with pytest.raises(ServerSideError, match=r"round 2: 2 nodes are connected, fewer than "
+                                              r"min_available_nodes=4 \(the nodes of clients "
+                                              r"\[1, 2\] are not\)"):  # fmt: skip
+        server.configure_train(3, after, ConfigRecord({}), grid)
+
+
 def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run):
     """SCAFFOLD's server half on the server: c (zero at first) goes to every participant
     with θ^t, and c ← c + Σ_i (p_i Δc_i) of the replies (control_weighting "target": the
@@ -156,8 +184,10 @@ def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run)
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})
-    settings = Settings.read({"recipe": "r.yaml", "overrides": "--a 1 --b 2", "clients": 3})
+    settings = Settings.read({"recipe": "r.yaml", "overrides": "--a 1 --b 2", "clients": 3,
+                              "min-available-nodes": 2, "round-timeout": 30})  # fmt: skip
     assert (settings.overrides, settings.clients) == (("--a", "1", "--b", "2"), 3)
+    assert (settings.min_available_nodes, settings.round_timeout) == (2, 30.0)
     assert server_side.node_client({"partition-id": 2}) == 2
     assert server_side.node_client({"client": 5, "partition-id": 2}) == 5
     with pytest.raises(ServerSideError, match="--node-config 'client="):

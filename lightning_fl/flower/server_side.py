@@ -73,6 +73,11 @@ class Settings:
     clients: int | None = None
     out: str | None = None
     node_timeout: float = 120.0
+    #: the fewest connected nodes a round starts with (default: ``clients``)
+    min_available_nodes: int | None = None
+    #: seconds the server waits for a round's replies (a node that has not replied by
+    #: then is a dropped update)
+    round_timeout: float = 600.0
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -82,9 +87,14 @@ class Settings:
                 "--run-config 'recipe=\"<the recipe's path>\"'."
             )
         overrides = str(run_config.get("overrides", "")).split()
-        clients = run_config.get("clients")
-        return cls(str(run_config["recipe"]), tuple(overrides),
-                   None if clients is None else int(clients), run_config.get("out"))  # fmt: skip
+        clients, least = run_config.get("clients"), run_config.get("min-available-nodes")
+        return cls(
+            str(run_config["recipe"]), tuple(overrides),
+            None if clients is None else int(clients), run_config.get("out"),
+            float(run_config.get("node-timeout", 120.0)),
+            None if least is None else int(least),
+            float(run_config.get("round-timeout", 600.0)),
+        )  # fmt: skip
 
 
 class OneClient(ClientSampler):
@@ -341,6 +351,8 @@ class FederatedServer(Strategy):
     clients: int | None = None
     out: Path | None = None
     node_timeout: float = 120.0
+    #: the fewest connected nodes a round starts with (default: ``clients``, or 1)
+    min_available_nodes: int | None = None
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -389,6 +401,11 @@ class FederatedServer(Strategy):
                 f"round {round_idx} draws clients {missing}, which no node trains: start a "
                 "SuperNode for every client of the recipe."
             )
+        connected = self.available(grid, round_idx)
+        away = [c for c in participation.clients if self.nodes[c] not in connected]
+        if away:  # not sent: dropped updates of this round
+            logger.warning("Round %d: the nodes of clients %s are not connected; their "
+                           "updates are dropped.", round_idx, away)  # fmt: skip
         self._round = (round_idx, participation, arrays.to_torch_state_dict())
         for plugin in self.plugins:  # declared server state like θ, at zero once
             for name in plugin.server_state_like_params():
@@ -399,7 +416,7 @@ class FederatedServer(Strategy):
         if server_state := server_state_arrays(self.plugins):
             content["server_state"] = ArrayRecord(torch_state_dict=server_state)
         return [Message(content, dst_node_id=self.nodes[c], message_type="train")
-                for c in participation.clients]  # fmt: skip
+                for c in participation.clients if c not in away]  # fmt: skip
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -469,6 +486,24 @@ class FederatedServer(Strategy):
                     torch._foreach_add_(total, [parts[f"{key}.{i}"] for i in range(len(total))])
         return totals
 
+    def available(self, grid: Grid, round_idx: int) -> set[int]:
+        """The connected nodes of the run's clients, once at least
+        ``min_available_nodes`` are (waiting up to ``node_timeout`` seconds)."""
+        least = self.min_available_nodes or self.clients or 1
+        deadline = time.monotonic() + self.node_timeout
+        while True:
+            connected = set(grid.get_node_ids()) & set(self.nodes.values())
+            if len(connected) >= least:
+                return connected
+            if time.monotonic() > deadline:
+                gone = sorted(c for c, node in self.nodes.items() if node not in connected)
+                raise ServerSideError(
+                    f"round {round_idx}: {len(connected)} nodes are connected, fewer than "
+                    f"min_available_nodes={least} (the nodes of clients {gone} are not): "
+                    "restart them, or lower min-available-nodes."
+                )
+            time.sleep(0.2)
+
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # evaluation messages: not built yet (issue 77)
 
@@ -494,10 +529,11 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     out = Path(settings.out) if settings.out else None
     params = [p.detach().cpu().clone() for p in cli.model.parameters()]
     server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed, plugins, params,
-                             settings.clients, out, settings.node_timeout)  # fmt: skip
+                             settings.clients, out, settings.node_timeout,
+                             settings.min_available_nodes)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
-    result = server.start(grid, ArrayRecord(torch_state_dict=initial),
-                          num_rounds=cli.trainer.max_epochs)  # fmt: skip
+    rounds, timeout = cli.trainer.max_epochs, settings.round_timeout
+    result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds, timeout)
     final = result.arrays.to_torch_state_dict()
     if out is not None:
         torch.save(final, out / "final_model.pt")
