@@ -161,12 +161,14 @@ def test_the_supernode_wrapper_passes_flowers_output_and_status_through(
     assert supernode.main() == 1  # the command line's own arguments
 
 
-def test_the_supernode_wrapper_exits_1_with_one_line_and_names_the_key(creds, capsys):
+def test_the_supernode_wrapper_exits_1_with_one_line_and_names_the_key(
+    creds, capsys, fake_supernode
+):
     federation, stranger = creds
     tls = Server(b"", _tls(federation))
     try:
         code = supernode.main(["--superlink", tls.address, "--root-certificates",
-                               str(stranger / "ca.crt"), "--port", "1"])  # fmt: skip
+                               str(stranger / "ca.crt"), "--mode", "0"])  # fmt: skip
     finally:
         tls.close()
     assert code == 1
