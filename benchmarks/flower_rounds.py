@@ -1,9 +1,10 @@
 """Seconds a round of the heart recipe across 3 sites on localhost: over Flower (the relay
 mode: SuperLink with TLS and node keys, a SuperNode and a ``lightning-fl fit --silo NAME``
-per site, as the README's "Deploying across hospitals" runs them) against silo mode over
-gloo (the same 3 site processes, torch.distributed), and the 1-process simulation.
+per site, as the README's "Deploying across hospitals" runs them; the server-side mode:
+the same runtime, one SuperNode per client, the ServerApp aggregating) against silo mode
+over gloo (the same 3 site processes, torch.distributed), and the 1-process simulation.
 
-    python benchmarks/flower_rounds.py [--rounds 6] [--modes relay,silo,simulation]
+    python benchmarks/flower_rounds.py [--rounds 6] [--modes relay,server_side,silo,simulation]
         [--repo PATH] [--out benchmarks/results/flower.md]
 
 A round's time is the interval between two of the first site's round lines
@@ -143,6 +144,70 @@ def relay(tmp: Path, repo: Path, rounds: int) -> list[float]:
         shutil.rmtree(mailboxes, ignore_errors=True)
 
 
+def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
+    """The server-side mode on the same runtime (SuperLink with TLS and node keys): one
+    SuperNode per client of the heart recipe (4, ``--node-config client=N``), the
+    ServerApp's FederatedServer aggregating; a round ends when the server writes its
+    model (``server_model.pt``)."""
+    from lightning_fl.flower.credentials import write_credentials
+
+    clients = [f"client{c}" for c in range(4)]
+    creds = tmp / "creds"
+    write_credentials(creds, clients)
+    port = _free_port()
+    env = {**os.environ, "FLWR_HOME": str(tmp / "home"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(repo), "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
+    (tmp / "home").mkdir()
+    (tmp / "home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca.crt"}"\n'
+    )
+    processes = Processes(tmp, env)
+    out = tmp / "server"
+    try:
+        processes.start("superlink", [
+            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
+            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
+            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
+            "--disable-runtime-dependency-installation"], tmp)  # fmt: skip
+        time.sleep(8)
+        nodes = []
+        for c, name in enumerate(clients):
+            subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / f"{name}.pub"),
+                            "local", "--name", name], env=env, cwd=tmp, check=True,
+                           capture_output=True)  # fmt: skip
+            nodes.append(processes.start(f"supernode_{name}", [
+                str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
+                "--root-certificates", str(creds / "ca.crt"), "--auth-supernode-private-key",
+                str(creds / f"{name}.key"), "--port", str(_free_port()), "--node-config",
+                f"client={c}"], tmp))  # fmt: skip
+        recipe = repo / "recipes" / "flamby" / "heart_scaffold.yaml"
+        config = (f'recipe="{recipe}" clients=4 out="{out}" overrides="--data.init_args.root '
+                  f'{HEART} --trainer.max_epochs {rounds}"')  # fmt: skip
+        subprocess.run([str(BIN / "flwr"), "run", str(repo / "recipes" / "flower_server"),
+                        "local", "--run-config", config], env=env, cwd=tmp, check=True,
+                       capture_output=True)  # fmt: skip
+        return _file_times(out / "server_model.pt", rounds, nodes, 120 + 120 * rounds)
+    finally:
+        processes.stop()
+
+
+def _file_times(path: Path, rounds: int, running: list[subprocess.Popen], limit: float):
+    """When ``path`` is written for each of ``rounds`` rounds (monotonic seconds)."""
+    seen: list[float] = []
+    last = None
+    deadline = time.monotonic() + limit
+    while len(seen) < rounds:
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in running):
+            raise RuntimeError(f"{len(seen)} of {rounds} rounds written to {path}")
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        if stamp is not None and stamp != last:
+            seen.append(time.monotonic())
+            last = stamp
+        time.sleep(0.05)
+    return seen
+
+
 def silo(tmp: Path, repo: Path, rounds: int) -> list[float]:
     _prepare_sites(tmp)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo),
@@ -186,13 +251,13 @@ def simulation(tmp: Path, repo: Path, rounds: int) -> list[float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-MODES = {"relay": relay, "silo": silo, "simulation": simulation}
+MODES = {"relay": relay, "server_side": server_side, "silo": silo, "simulation": simulation}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--modes", default="relay,silo,simulation")
+    parser.add_argument("--modes", default="relay,server_side,silo,simulation")
     parser.add_argument("--repo", type=Path, default=HERE, help="the checkout to time")
     parser.add_argument("--label", default="", help="a name for the checkout in the table")
     args = parser.parse_args()

@@ -6,6 +6,7 @@ hand with a grid that answers for the nodes."""
 
 from __future__ import annotations
 
+import csv
 import os
 import warnings
 from pathlib import Path
@@ -73,6 +74,12 @@ class Grid:
                 metrics = MetricRecord({"client": client, "num-examples": self.counts[client]})
                 replies.append(Reply(node, RecordDict({"metrics": metrics})))
                 continue
+            if kind == "evaluate":  # loss c and accuracy 1/(c + 1) on n_c samples
+                metrics = MetricRecord({"client": client, "num-examples": self.counts[client],
+                                        "val_loss": float(client),
+                                        "val_acc": 1.0 / (client + 1)})  # fmt: skip
+                replies.append(Reply(node, RecordDict({"metrics": metrics})))
+                continue
             round_idx = int(message.content["config"]["round"])
             self.sent.append((round_idx, kind, client))
             if client in self.silent and round_idx == self.silent_round:
@@ -133,6 +140,32 @@ def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_no
         assert metrics["train_loss"] == pytest.approx(mean)
     assert np.array_equal(server.counts, [10, 30, 0, 60])
     assert server.nodes == {0: 100, 1: 101, 2: 102, 3: 103}
+
+
+def test_each_rounds_evaluation_is_weighted_by_the_clients_samples(flower_run, tmp_path):
+    """Every connected node gets θ^{t+1}; clients without data are left out; the means are
+    Σ n_c m_c / Σ n_c and the uniform mean, one row a round in evaluation.csv."""
+    grid = Grid([10, 30, 0, 60])
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4, out=tmp_path,
+                             split="val", evaluate_every=2)  # fmt: skip
+    server.meet(grid)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    assert server.configure_evaluate(1, arrays, ConfigRecord({}), grid) == []  # every 2nd
+    grid.gone = {103}
+    messages = server.configure_evaluate(2, arrays, ConfigRecord({}), grid)
+    assert [m.metadata.dst_node_id for m in messages] == [100, 101, 102]
+    assert messages[0].content["config"]["split"] == "val"
+    summary = server.aggregate_evaluate(2, grid.send_and_receive(messages))
+    assert summary["clients"] == 2.0  # client 2 has no samples
+    assert summary["val_loss/weighted"] == pytest.approx((0 * 10 + 1 * 30) / 40)
+    assert summary["val_loss/uniform"] == pytest.approx(0.5)
+    assert summary["val_acc/weighted"] == pytest.approx((1 * 10 + 0.5 * 30) / 40)
+    rows = (tmp_path / "evaluation.csv").read_text().splitlines()
+    header = "round,clients,val_acc/weighted,val_acc/uniform,val_loss/weighted,val_loss/uniform"
+    assert rows[0] == header
+    assert rows[1] == "1,2,0.625,0.75,0.75,0.5"
+    server.split = None
+    assert server.configure_evaluate(2, arrays, ConfigRecord({}), grid) == []
 
 
 def test_a_node_that_leaves_is_not_sent_and_min_available_nodes_stops_the_run(flower_run):
@@ -234,14 +267,16 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
         server_side.instantiate(Settings(str(silo)))
 
 
-def _simulated(recipe: Path, rounds: int, folder: Path) -> dict[str, torch.Tensor]:
+def _simulated(recipe: Path, rounds: int, folder: Path, test: bool):
+    """lightning-fl's fit of ``recipe`` on one process: the model, and its test metrics."""
     from lightning_fl.cli import run
 
     cli = run(["fit", "--config", str(recipe), "--data.init_args.root", str(HEART),
-               "--trainer.max_epochs", str(rounds), "--test_after_fit", "false",
+               "--trainer.max_epochs", str(rounds), "--test_after_fit", str(test).lower(),
                "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
                "--trainer.default_root_dir", str(folder)], exit_on_error=False)  # fmt: skip
-    return cli.model.state_dict()
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    return cli.model.state_dict(), metrics
 
 
 @needs_heart
@@ -259,7 +294,8 @@ def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path
     recipe = ROOT / "recipes" / "flamby" / f"heart_{name}.yaml"
     out = tmp_path / "server"
     overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "3")
-    settings = Settings(str(recipe), overrides, clients=4, out=str(out))
+    split = "test" if name == "fedavg" else ""  # each round's evaluation, on one recipe
+    settings = Settings(str(recipe), overrides, clients=4, out=str(out), evaluate=split)
     server, client = server_side.make_apps(settings)
     cwd = os.getcwd()
     os.chdir(tmp_path)  # anything a ClientApp's fit writes stays in the test's folder
@@ -272,5 +308,11 @@ def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path
     finally:
         os.chdir(cwd)
     flower = torch.load(out / "final_model.pt", weights_only=True)
-    simulated = _simulated(recipe, 3, tmp_path / "simulation")
+    simulated, tested = _simulated(recipe, 3, tmp_path / "simulation", test=bool(split))
     assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
+    if split:  # the last round's evaluation is lightning-fl's test of the final model
+        with open(out / "evaluation.csv") as handle:
+            rows = list(csv.DictReader(handle))
+        assert [row["round"] for row in rows] == ["0", "1", "2"]
+        for key in ("test_acc/weighted", "test_loss/weighted", "test_acc/uniform"):
+            assert float(rows[-1][key]) == pytest.approx(tested[key], abs=1e-6), key

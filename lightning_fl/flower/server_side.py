@@ -29,9 +29,18 @@ number of training samples (a ``query``); each round the server sends each parti
 training loss. The server sees every participant's model: use the relay mode (the server
 sees only sums) where the server is not trusted with them.
 
-Not built yet (issue 77): plugins with client state (SCAFFOLD's c_i) or server state
-read by the clients, the evaluation messages, ``min_available_nodes``, Flower's mods and
-DP wrappers, a server checkpoint to resume from.
+Each round the server also sends θ^{t+1} to every connected node in an ``evaluate``
+message (run config ``evaluate``: the split, ``val`` by default, ``test``, or ``""`` for
+none); each replies its client's loss and metrics and sample count, and the server
+writes their weighted and uniform means to ``<out>/evaluation.csv``. A round starts once
+``min-available-nodes`` of the clients' nodes are connected; a participant whose node is
+not, or does not reply within ``round-timeout`` seconds, is a dropped update.
+
+Not built yet (issue 77): Flower's mods (``secaggplus_mod``) and DP wrappers, central DP
+noise from a secret on the server, a server checkpoint to resume from, a node that opens
+only its own client's data (the recipe's datamodule is built whole on every node), and
+plugins whose server half needs more than declared state, round sums and a round-end
+hook.
 """
 
 from __future__ import annotations
@@ -78,6 +87,8 @@ class Settings:
     #: seconds the server waits for a round's replies (a node that has not replied by
     #: then is a dropped update)
     round_timeout: float = 600.0
+    #: the split the nodes evaluate each round's model on ("val", "test"; "" for none)
+    evaluate: str = "val"
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -94,6 +105,7 @@ class Settings:
             float(run_config.get("node-timeout", 120.0)),
             None if least is None else int(least),
             float(run_config.get("round-timeout", 600.0)),
+            str(run_config.get("evaluate", "val")),
         )  # fmt: skip
 
 
@@ -297,6 +309,50 @@ def _answer_query(settings: Settings, message: Message, context: Context) -> Mes
     return Message(RecordDict({"metrics": record}), reply_to=message)
 
 
+def evaluate_client(
+    settings: Settings, client: int, model: dict[str, torch.Tensor], split: str
+) -> dict[str, float]:
+    """``model`` on ``client``'s ``split`` data (``val``, or ``test`` for a recipe
+    without a validation split): the module's loss and metrics, each the batch-size
+    weighted mean over the client's samples (Σ value·B / Σ B, as lightning_fl sums a
+    client's evaluation), and ``num-examples``."""
+    from lightning_fl.engine.local_training import batches, evaluation_mode
+
+    cli = instantiate(settings, _QUIET)
+    dm, module = cli.datamodule, cli.model
+    dm.prepare_data()
+    dm.setup("fit" if split == "val" else "test")
+    module.load_state_dict(model)
+    dataset = dm.client_dataset(client, split)
+    if dataset is None or len(dataset) == 0:
+        return {"num-examples": 0}
+    if not hasattr(module, "loss_and_metrics"):
+        raise ServerSideError(
+            f"{type(module).__name__} has no loss_and_metrics(batch), which a node's "
+            "evaluation reads: use a lightning_fl.FederatedTask (Classifier, ...), or turn "
+            'evaluation off with the run config\'s evaluate="".'
+        )
+    totals: dict[str, float] = {}
+    count = 0
+    with evaluation_mode(module):
+        for batch in batches(dm.client_dataloader(dataset, "val"), module.device):
+            loss, metrics = module.loss_and_metrics(batch)
+            size = len(batch[-1])
+            for name, value in {"loss": loss, **metrics}.items():
+                totals[name] = totals.get(name, 0.0) + float(value) * size
+            count += size
+    return {"num-examples": count, **{f"{split}_{k}": v / count for k, v in totals.items()}}
+
+
+def _evaluate(settings: Settings, message: Message, context: Context) -> Message:
+    client = node_client(context.node_config)
+    split = str(message.content["config"].get("split", "val"))
+    model = message.content["arrays"].to_torch_state_dict()
+    metrics = evaluate_client(settings, client, model, split)
+    return Message(RecordDict({"metrics": MetricRecord({"client": client, **metrics})}),
+                   reply_to=message)  # fmt: skip
+
+
 #: the node's Context.state entry of its client's declared state (SCAFFOLD's c_i)
 CLIENT_STATE = "lightning_fl.client_state"
 
@@ -353,6 +409,9 @@ class FederatedServer(Strategy):
     node_timeout: float = 120.0
     #: the fewest connected nodes a round starts with (default: ``clients``, or 1)
     min_available_nodes: int | None = None
+    #: the split the nodes evaluate the new model on (None: no evaluation)
+    split: str | None = None
+    evaluate_every: int = 1
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -478,7 +537,7 @@ class FederatedServer(Strategy):
                 key = plugin.round_sum_key(name)
                 dtype = plugin.round_sum_dtype(name) or self.params[0].dtype
                 totals[key] = zeros_like(self.params) if shape is None else [
-                    torch.zeros(shape, dtype=dtype)]  # fmt: skip
+                    torch.zeros(shape, dtype=dtype, device=self.params[0].device)]  # fmt: skip
         for client in clients:
             parts = sums.get(client, {})
             for key, total in totals.items():
@@ -504,11 +563,43 @@ class FederatedServer(Strategy):
                 )
             time.sleep(0.2)
 
-    def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
-        return []  # evaluation messages: not built yet (issue 77)
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """θ^{t+1} to every connected client's node with data of ``split`` (every
+        ``evaluate_every`` rounds; none when ``split`` is None)."""
+        if self.split is None or server_round % self.evaluate_every:
+            return []
+        connected = set(grid.get_node_ids())
+        content = RecordDict({"arrays": arrays,
+                              "config": ConfigRecord({**config, "split": self.split})})  # fmt: skip
+        return [Message(content, dst_node_id=node, message_type="evaluate")
+                for client, node in sorted(self.nodes.items()) if node in connected]  # fmt: skip
 
-    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
-        return None
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The clients' metrics, weighted by their samples (``<m>/weighted``, lightning_fl's
+        weighted mean over clients) and uniform (``<m>/uniform``), written with the round
+        to ``<out>/evaluation.csv``."""
+        reports = [_content(reply, "metrics") for reply in replies]
+        reports = [r for r in reports if int(r["num-examples"]) > 0]
+        if not reports:
+            return None
+        counts = [int(r["num-examples"]) for r in reports]
+        names = sorted({k for r in reports for k in r.keys()} - {"client", "num-examples"})
+        summary: dict[str, float] = {"clients": float(len(reports))}
+        for name in names:
+            values = [float(r[name]) for r in reports]
+            summary[f"{name}/weighted"] = sum(v * n for v, n in zip(values, counts)) / sum(counts)
+            summary[f"{name}/uniform"] = sum(values) / len(values)
+        if self.out is not None:
+            from lightning_fl.engine.outputs import append_csv
+
+            header = ["round", *summary]
+            append_csv(str(self.out / "evaluation.csv"), header,
+                       [[server_round - 1, *(f"{v:.10g}" for v in summary.values())]])  # fmt: skip
+        return MetricRecord(summary)
 
 
 def _content(reply: Message, key: str) -> Any:
@@ -530,7 +621,7 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     params = [p.detach().cpu().clone() for p in cli.model.parameters()]
     server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed, plugins, params,
                              settings.clients, out, settings.node_timeout,
-                             settings.min_available_nodes)  # fmt: skip
+                             settings.min_available_nodes, settings.evaluate or None)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     rounds, timeout = cli.trainer.max_epochs, settings.round_timeout
     result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds, timeout)
@@ -594,6 +685,10 @@ def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
     def _client_train(message: Message, context: Context) -> Message:
         return _train(settings, message, context)
 
+    @client.evaluate()
+    def _client_evaluate(message: Message, context: Context) -> Message:
+        return _evaluate(settings, message, context)
+
     return server, client
 
 
@@ -614,3 +709,8 @@ def _query_run(message: Message, context: Context) -> Message:
 @client_app.train()
 def _train_run(message: Message, context: Context) -> Message:
     return _train(Settings.read(context.run_config), message, context)
+
+
+@client_app.evaluate()
+def _evaluate_run(message: Message, context: Context) -> Message:
+    return _evaluate(Settings.read(context.run_config), message, context)
