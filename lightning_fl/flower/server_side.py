@@ -30,8 +30,9 @@ training loss. The server sees every participant's model: use the relay mode (th
 sees only sums) where the server is not trusted with them.
 
 Each round the server also sends θ^{t+1} to every connected node in an ``evaluate``
-message (run config ``evaluate``: the split, ``val`` by default, ``test``, or ``""`` for
-none); each replies its client's loss and metrics and sample count, and the server
+message (run config ``evaluate``: the split, ``val`` by default unless the recipe
+validates nothing during a fit (``limit_val_batches: 0``, as FLamby's), ``test``, or
+``""`` for none); each replies its client's loss and metrics and sample count, and the server
 writes their weighted and uniform means to ``<out>/evaluation.csv``. A round starts once
 ``min-available-nodes`` of the clients' nodes are connected; a participant whose node is
 not, or does not reply within ``round-timeout`` seconds, is a dropped update.
@@ -623,6 +624,8 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
                              settings.clients, out, settings.node_timeout,
                              settings.min_available_nodes, settings.evaluate or None)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
+    if settings.evaluate == "val" and cli.trainer.limit_val_batches == 0:
+        server.split = None  # the recipe validates nothing during a fit (FLamby's)
     rounds, timeout = cli.trainer.max_epochs, settings.round_timeout
     result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds, timeout)
     final = result.arrays.to_torch_state_dict()
