@@ -104,6 +104,9 @@ def test_the_supernode_wrapper_names_each_refusal_before_flower_starts(creds):
 
 
 FAKE = """import signal, sys, time
+if "--help" in sys.argv:
+    print("usage: flower-supernode [-h] ...", flush=True)
+    sys.exit(0)
 print("Starting Flower SuperNode", flush=True)
 mode = sys.argv[sys.argv.index("--mode") + 1]
 if mode == "unregistered":
@@ -115,6 +118,8 @@ if mode == "stuck":
 if mode == "serve":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print("ready", flush=True)
+    time.sleep(60)
+if mode == "die":  # SIGTERM's default: killed by it
     time.sleep(60)
 sys.exit(int(mode))
 """
@@ -154,11 +159,16 @@ def test_the_supernode_wrapper_passes_flowers_output_and_status_through(
     threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     assert supernode.main([*closed, "--mode", "serve"]) == 0  # it stopped on the signal
     assert signal.getsignal(signal.SIGTERM) is before
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    assert supernode.main([*closed, "--mode", "die"]) == 128 + signal.SIGTERM  # as a shell says
+    capsys.readouterr()
+    assert supernode.main(["--help"]) == 0  # flower-supernode's own help, not the wrapper's
+    assert capsys.readouterr().out == "usage: flower-supernode [-h] ...\n"
+    monkeypatch.setattr(sys, "argv", ["supernode", "--mode", "5"])
+    assert supernode.main() == 5  # the command line's own arguments
     monkeypatch.setattr(supernode, "supernode_executable", lambda: None)
     assert supernode.main(closed) == 1
     assert "flower-supernode is not installed" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["supernode", "--superlink", "127.0.0.1:1"])
-    assert supernode.main() == 1  # the command line's own arguments
 
 
 def test_the_supernode_wrapper_exits_1_with_one_line_and_names_the_key(
@@ -242,7 +252,7 @@ def test_a_reason_that_quotes_the_mark_and_an_unreadable_listing(monkeypatch):
     assert run_status.reason(42, [], "") == "site 'usa' failed: SiteFailure: its own relay stopped"
 
     def broken(*args):
-        return subprocess.CompletedProcess(args, 1, "not json", "first\nInvalid SuperLink 'x'\n")
+        return subprocess.CompletedProcess(args, 1, "not json", "a\nb\nInvalid SuperLink 'x'\n")
 
     monkeypatch.setattr(run_status, "_flwr", broken)
     with pytest.raises(SystemExit, match="flwr ls could not list run 42: Invalid SuperLink 'x'"):
@@ -251,3 +261,9 @@ def test_a_reason_that_quotes_the_mark_and_an_unreadable_listing(monkeypatch):
                         lambda *a: subprocess.CompletedProcess(a, 2, "", ""))  # fmt: skip
     with pytest.raises(SystemExit, match="could not list run 42: exit status 2"):
         run_status.status(42, [])
+
+
+def test_run_status_says_what_it_does(capsys):
+    with pytest.raises(SystemExit):
+        run_status.main(["--help"])
+    assert "A Flower run's outcome as an exit status" in capsys.readouterr().out
