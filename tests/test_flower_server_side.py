@@ -58,6 +58,7 @@ class Grid:
         self.counts, self.silent, self.silent_round = counts, silent, silent_round
         self.sent: list[tuple[int, str, list[int]]] = []
         self.server_states: list[dict[str, torch.Tensor]] = []
+        self.seen_sum = False
 
     #: nodes not connected (a SuperNode stopped), from the next train message on
     gone: set[int] = frozenset()
@@ -90,6 +91,9 @@ class Grid:
             metrics = MetricRecord({"client": client, "train_loss": float(client)})
             content = RecordDict({"arrays": ArrayRecord(torch_state_dict=trained),
                                   "metrics": metrics})  # fmt: skip
+            if self.seen_sum:  # a plugin's round sum of shape (1,), in float64
+                content["round_sums"] = ArrayRecord(torch_state_dict={
+                    "Seen.seen.0": torch.tensor([client + 0.5], dtype=torch.float64)})  # fmt: skip
             if "server_state" in message.content:  # a SCAFFOLD client: its Σ p_i Δc_i
                 self.server_states.append(message.content["server_state"].to_torch_state_dict())
                 sums = {
@@ -145,25 +149,28 @@ def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_no
 def test_each_rounds_evaluation_is_weighted_by_the_clients_samples(flower_run, tmp_path):
     """Every connected node gets θ^{t+1}; clients without data are left out; the means are
     Σ n_c m_c / Σ n_c and the uniform mean, one row a round in evaluation.csv."""
-    grid = Grid([10, 30, 0, 60])
+    grid = Grid([10, 30, 0, 1])
     server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4, out=tmp_path,
                              split="val", evaluate_every=2)  # fmt: skip
     server.meet(grid)
     arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
     assert server.configure_evaluate(1, arrays, ConfigRecord({}), grid) == []  # every 2nd
-    grid.gone = {103}
     messages = server.configure_evaluate(2, arrays, ConfigRecord({}), grid)
-    assert [m.metadata.dst_node_id for m in messages] == [100, 101, 102]
+    assert [m.metadata.dst_node_id for m in messages] == [100, 101, 102, 103]
     assert messages[0].content["config"]["split"] == "val"
     summary = server.aggregate_evaluate(2, grid.send_and_receive(messages))
-    assert summary["clients"] == 2.0  # client 2 has no samples
-    assert summary["val_loss/weighted"] == pytest.approx((0 * 10 + 1 * 30) / 40)
-    assert summary["val_loss/uniform"] == pytest.approx(0.5)
-    assert summary["val_acc/weighted"] == pytest.approx((1 * 10 + 0.5 * 30) / 40)
+    assert summary["clients"] == 3.0  # client 2 has no samples; client 3 has one
+    assert summary["val_loss/weighted"] == pytest.approx((0 * 10 + 1 * 30 + 3 * 1) / 41)
+    assert summary["val_loss/uniform"] == pytest.approx((0 + 1 + 3) / 3)
+    assert summary["val_acc/weighted"] == pytest.approx((1 * 10 + 0.5 * 30 + 0.25) / 41)
+    grid.gone = {103}
+    gone = server.configure_evaluate(2, arrays, ConfigRecord({}), grid)
+    assert [m.metadata.dst_node_id for m in gone] == [100, 101, 102]
     rows = (tmp_path / "evaluation.csv").read_text().splitlines()
     header = "round,clients,val_acc/weighted,val_acc/uniform,val_loss/weighted,val_loss/uniform"
     assert rows[0] == header
-    assert rows[1] == "1,2,0.625,0.75,0.75,0.5"
+    assert rows[1] == ",".join(["1", "3", f"{25.25 / 41:.10g}", f"{1.75 / 3:.10g}",
+                                f"{33 / 41:.10g}", f"{4 / 3:.10g}"])  # fmt: skip
     server.split = None
     assert server.configure_evaluate(2, arrays, ConfigRecord({}), grid) == []
 
@@ -199,7 +206,7 @@ def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run)
     clients applied p_i), added in the participants' order; round 1 then sends that c."""
     grid = Grid([10, 30, 0, 60])
     scaffold = SCAFFOLD(control_weighting="target")
-    params = [torch.zeros(2), torch.zeros(1)]
+    params = [torch.ones(2), torch.ones(1)]  # c starts at zeros shaped like them
     server = FederatedServer(FullParticipation(), FedAvg(), 0, [scaffold], params, clients=4)
     arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2), "b": torch.zeros(1)})
     for server_round in (1, 2):
@@ -214,6 +221,36 @@ def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run)
     assert torch.equal(scaffold.server_control[0], torch.full((2,), 14.0))
 
 
+def test_a_round_sum_of_its_own_shape_and_dtype_and_a_client_without_a_node(flower_run):
+    """A plugin's round sum declared of shape (1,) in float64 is added in that dtype over
+    the replies; a client id that no node trains (1) counts 0 samples and is never
+    drawn; with ``clients`` unset the server waits for one node."""
+
+    class Seen(FederatedCallback):
+        def __init__(self):
+            self.add_round_sum("seen", shape=(1,), dtype=torch.float64)
+            self.totals = []
+
+        def on_round_end(self, trainer, pl_module, state):
+            self.totals.append(state.round_sum(self, "seen")[0].clone())
+
+    grid = Grid([10, 30, 60])
+    grid.seen_sum = True
+    grid.get_node_ids = lambda: [100, 102]  # client 1's node never came
+    seen = Seen()
+    server = FederatedServer(FullParticipation(), FedAvg(), 0, [seen], [torch.zeros(2)])
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    messages = server.configure_train(1, arrays, ConfigRecord({}), grid)
+    assert list(server.counts) == [10, 0, 60]
+    assert [m.metadata.dst_node_id for m in messages] == [100, 102]
+    server.aggregate_train(1, grid.send_and_receive(messages))
+    assert seen.totals[0].dtype == torch.float64 and seen.totals[0].tolist() == [0.5 + 2.5]
+    empty = FederatedServer(FullParticipation(), FedAvg(), 0, node_timeout=0.2)
+    nobody = Grid([])
+    with pytest.raises(ServerSideError, match="0 of 1 nodes connected"):
+        empty.meet(nobody)
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})
@@ -223,6 +260,7 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     assert (settings.min_available_nodes, settings.round_timeout) == (2, 30.0)
     assert server_side.node_client({"partition-id": 2}) == 2
     assert server_side.node_client({"client": 5, "partition-id": 2}) == 5
+    assert server_side.node_client({"client": "3"}) == 3  # a quoted --node-config value
     with pytest.raises(ServerSideError, match="--node-config 'client="):
         server_side.node_client({})
     twice = Grid([10, 30])
@@ -233,6 +271,11 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     late = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=5, node_timeout=0.3)
     with pytest.raises(ServerSideError, match="4 of 5 nodes connected"):
         late.meet(Grid([1, 1, 1, 1]))
+    for options in ("silos: [a, b]", "transport: {class_path: x.Y}"):
+        recipe = tmp_path / "silo.yaml"
+        recipe.write_text(f"trainer:\n  strategy:\n    init_args: {{{options}}}\n")
+        with pytest.raises(ServerSideError, match="names silos or a transport"):
+            server_side.instantiate(Settings(str(recipe)))
     with pytest.raises(ServerSideError, match="cannot read the recipe nowhere.yaml"):
         server_side.instantiate(Settings("nowhere.yaml"))
 

@@ -425,10 +425,11 @@ class FederatedServer(Strategy):
     def meet(self, grid: Grid) -> None:
         """Wait for the nodes, then ask each which client it trains and its count."""
         deadline = time.monotonic() + self.node_timeout
-        while len(nodes := sorted(grid.get_node_ids())) < (self.clients or 1):
+        wanted = self.clients or 1
+        while len(nodes := sorted(grid.get_node_ids())) < wanted:
             if time.monotonic() > deadline:
                 raise ServerSideError(
-                    f"{len(nodes)} of {self.clients} nodes connected within "
+                    f"{len(nodes)} of {wanted} nodes connected within "
                     f"{self.node_timeout:.0f} s: start every site's SuperNode."
                 )
             time.sleep(0.2)
