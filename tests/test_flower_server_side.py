@@ -245,6 +245,9 @@ def test_a_round_sum_of_its_own_shape_and_dtype_and_a_client_without_a_node(flow
     assert [m.metadata.dst_node_id for m in messages] == [100, 102]
     server.aggregate_train(1, grid.send_and_receive(messages))
     assert seen.totals[0].dtype == torch.float64 and seen.totals[0].tolist() == [0.5 + 2.5]
+    alone = FederatedServer(FullParticipation(), FedAvg(), 0, node_timeout=0.2)
+    single = Grid([5])
+    assert len(alone.configure_train(1, arrays, ConfigRecord({}), single)) == 1  # one node
     empty = FederatedServer(FullParticipation(), FedAvg(), 0, node_timeout=0.2)
     nobody = Grid([])
     with pytest.raises(ServerSideError, match="0 of 1 nodes connected"):
