@@ -94,53 +94,73 @@ def _prepare_sites(tmp: Path) -> None:
             shutil.copy(HEART / f"processed.{center}.data", folder)
 
 
-def relay(tmp: Path, repo: Path, rounds: int) -> list[float]:
-    from lightning_fl.flower.credentials import write_credentials
+class SecureLink:
+    """A SuperLink on localhost with TLS and node authentication, and the keys of
+    ``names`` registered (as the README deploys it); the processes it starts are stopped
+    together (:meth:`stop`)."""
 
-    creds = tmp / "creds"
-    write_credentials(creds, list(SITES))
+    def __init__(self, tmp: Path, repo: Path, names: list[str]) -> None:
+        from lightning_fl.flower.credentials import write_credentials
+
+        self.tmp, self.creds, self.port = tmp, tmp / "creds", _free_port()
+        write_credentials(self.creds, names)
+        self.env = {**os.environ, "FLWR_HOME": str(tmp / "home"), "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": str(repo), "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
+        (tmp / "home").mkdir()
+        (tmp / "home" / "config.toml").write_text(
+            f'[superlink]\ndefault = "local"\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.port}"\nroot-certificates = "{self.creds / "ca.crt"}"\n'
+        )
+        self.processes = Processes(tmp, self.env)
+        creds = self.creds
+        try:
+            self.processes.start("superlink", [
+                str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
+                "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
+                str(creds / "server.key"), "--enable-supernode-auth", "--port", str(self.port),
+                "--disable-runtime-dependency-installation"], tmp)  # fmt: skip
+            time.sleep(8)
+            for name in names:
+                self.flwr("supernode", "register", str(creds / f"{name}.pub"), "local",
+                          "--name", name)  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def supernode(self, name: str, node_config: str, cwd: Path) -> subprocess.Popen:
+        return self.processes.start(f"supernode_{name}", [
+            str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
+            "--root-certificates", str(self.creds / "ca.crt"), "--auth-supernode-private-key",
+            str(self.creds / f"{name}.key"), "--port", str(_free_port()), "--node-config",
+            node_config], cwd)  # fmt: skip
+
+    def flwr(self, *args: str) -> None:
+        subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=self.tmp, check=True,
+                       capture_output=True)  # fmt: skip
+
+    def stop(self) -> None:
+        self.processes.stop()
+
+
+def relay(tmp: Path, repo: Path, rounds: int) -> list[float]:
     _prepare_sites(tmp)
-    port = _free_port()
-    env = {**os.environ, "FLWR_HOME": str(tmp / "home"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(repo), "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
-    (tmp / "home").mkdir()
-    (tmp / "home" / "config.toml").write_text(
-        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
-        f'root-certificates = "{creds / "ca.crt"}"\n'
-    )
-    processes = Processes(tmp, env)
+    link = SecureLink(tmp, repo, list(SITES))
     mailboxes = Path(tempfile.mkdtemp(prefix="lflb", dir="/tmp"))
     try:
-        processes.start("superlink", [
-            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
-            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
-            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
-            "--disable-runtime-dependency-installation"], tmp)  # fmt: skip
-        time.sleep(8)
-        for name in SITES:
-            subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / f"{name}.pub"),
-                            "local", "--name", name], env=env, cwd=tmp, check=True,
-                           capture_output=True)  # fmt: skip
+        mailbox_option = ["--trainer.strategy.init_args.transport.init_args.mailbox",
+                          str(mailboxes / "{silo}.sock")]  # fmt: skip
+        recipe = repo / "recipes" / "flamby" / "heart_flower.yaml"
         sites = []
         for name in SITES:
-            mailbox = mailboxes / f"{name}.sock"
-            processes.start(f"supernode_{name}", [
-                str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
-                "--root-certificates", str(creds / "ca.crt"), "--auth-supernode-private-key",
-                str(creds / f"{name}.key"), "--port", str(_free_port()), "--node-config",
-                f'mailbox="{mailbox}"'], tmp / name)  # fmt: skip
-            mailbox_option = ["--trainer.strategy.init_args.transport.init_args.mailbox",
-                              str(mailboxes / "{silo}.sock")]  # fmt: skip
-            recipe = repo / "recipes" / "flamby" / "heart_flower.yaml"
+            link.supernode(name, f'mailbox="{mailboxes / f"{name}.sock"}"', tmp / name)
             command = _site_command(recipe, name, rounds, mailbox_option)
-            sites.append(processes.start(name, command, tmp / name))
-        subprocess.run([str(BIN / "flwr"), "run", str(repo / "recipes" / "flower"), "local",
-                        "--run-config", "sites=3 step-timeout=300"], env=env, cwd=tmp,
-                       check=True, capture_output=True)  # fmt: skip
+            sites.append(link.processes.start(name, command, tmp / name))
+        link.flwr("run", str(repo / "recipes" / "flower"), "local", "--run-config",
+                  "sites=3 step-timeout=300")  # fmt: skip
         log = tmp / "usa" / "outputs" / "flamby" / "heart_flower" / "version_0" / "sites"
         return _round_times(log / "usa.log", rounds, sites, 120 + 120 * rounds)
     finally:
-        processes.stop()
+        link.stop()
         shutil.rmtree(mailboxes, ignore_errors=True)
 
 
@@ -149,47 +169,18 @@ def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
     SuperNode per client of the heart recipe (4, ``--node-config client=N``), the
     ServerApp's FederatedServer aggregating; a round ends when the server writes its
     model (``server_model.pt``)."""
-    from lightning_fl.flower.credentials import write_credentials
-
     clients = [f"client{c}" for c in range(4)]
-    creds = tmp / "creds"
-    write_credentials(creds, clients)
-    port = _free_port()
-    env = {**os.environ, "FLWR_HOME": str(tmp / "home"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(repo), "PATH": f"{BIN}:{os.environ['PATH']}"}  # fmt: skip
-    (tmp / "home").mkdir()
-    (tmp / "home" / "config.toml").write_text(
-        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
-        f'root-certificates = "{creds / "ca.crt"}"\n'
-    )
-    processes = Processes(tmp, env)
+    link = SecureLink(tmp, repo, clients)
     out = tmp / "server"
     try:
-        processes.start("superlink", [
-            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
-            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
-            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
-            "--disable-runtime-dependency-installation"], tmp)  # fmt: skip
-        time.sleep(8)
-        nodes = []
-        for c, name in enumerate(clients):
-            subprocess.run([str(BIN / "flwr"), "supernode", "register", str(creds / f"{name}.pub"),
-                            "local", "--name", name], env=env, cwd=tmp, check=True,
-                           capture_output=True)  # fmt: skip
-            nodes.append(processes.start(f"supernode_{name}", [
-                str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}",
-                "--root-certificates", str(creds / "ca.crt"), "--auth-supernode-private-key",
-                str(creds / f"{name}.key"), "--port", str(_free_port()), "--node-config",
-                f"client={c}"], tmp))  # fmt: skip
+        nodes = [link.supernode(name, f"client={c}", tmp) for c, name in enumerate(clients)]
         recipe = repo / "recipes" / "flamby" / "heart_scaffold.yaml"
         config = (f'recipe="{recipe}" clients=4 out="{out}" overrides="--data.init_args.root '
                   f'{HEART} --trainer.max_epochs {rounds}"')  # fmt: skip
-        subprocess.run([str(BIN / "flwr"), "run", str(repo / "recipes" / "flower_server"),
-                        "local", "--run-config", config], env=env, cwd=tmp, check=True,
-                       capture_output=True)  # fmt: skip
+        link.flwr("run", str(repo / "recipes" / "flower_server"), "local", "--run-config", config)
         return _file_times(out / "server_model.pt", rounds, nodes, 120 + 120 * rounds)
     finally:
-        processes.stop()
+        link.stop()
 
 
 def _file_times(path: Path, rounds: int, running: list[subprocess.Popen], limit: float):

@@ -62,6 +62,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
+from lightning_fl.engine.outputs import append_csv
 from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback, RoundState
 from lightning_fl.engine.tensors import zeros_like
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
@@ -416,6 +417,8 @@ class FederatedServer(Strategy):
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
+    #: the aggregator's target weights p_i of those counts
+    target: torch.Tensor | None = None
     _round: tuple[int, Participation, dict[str, torch.Tensor]] | None = None
 
     def summary(self) -> None:
@@ -447,6 +450,7 @@ class FederatedServer(Strategy):
             counts[client] = int(metrics["num-examples"])
         size = max(counts) + 1
         self.counts = np.array([counts.get(c, 0) for c in range(size)], dtype=np.int64)
+        self.target = self.aggregator.target_weights(self.counts)  # fixed for the run
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -454,8 +458,8 @@ class FederatedServer(Strategy):
         if self.counts is None:
             self.meet(grid)
         round_idx = server_round - 1
-        p = self.aggregator.target_weights(self.counts)
-        participation = self.aggregator.participation(round_idx, self.seed, p, self.sampler)
+        participation = self.aggregator.participation(round_idx, self.seed, self.target,
+                                                      self.sampler)  # fmt: skip
         missing = [c for c in participation.clients if c not in self.nodes]
         if missing:
             raise ServerSideError(
@@ -507,7 +511,7 @@ class FederatedServer(Strategy):
         state = RoundState(
             round_idx=round_idx, participation=participation, global_tensors=global_tensors,
             update_sum=update_sum, model=None, store=None, num_clients=len(self.counts),
-            sample_counts=self.counts, target_weights=self.aggregator.target_weights(self.counts),
+            sample_counts=self.counts, target_weights=self.target,
             extra_sums=self._round_sums(participation.clients, sums),
             dropped=dropped, dropped_count=len(dropped),
         )  # fmt: skip
@@ -596,8 +600,6 @@ class FederatedServer(Strategy):
             summary[f"{name}/weighted"] = sum(v * n for v, n in zip(values, counts)) / sum(counts)
             summary[f"{name}/uniform"] = sum(values) / len(values)
         if self.out is not None:
-            from lightning_fl.engine.outputs import append_csv
-
             header = ["round", *summary]
             append_csv(str(self.out / "evaluation.csv"), header,
                        [[server_round - 1, *(f"{v:.10g}" for v in summary.values())]])  # fmt: skip
