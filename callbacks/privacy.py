@@ -275,10 +275,12 @@ class DPSGD(FederatedCallback):
     the sequential path seeds the global one, in the same order (parameter by parameter):
     the result equals the sequential run's. WERM's two-source batches are refused there.
 
-    Where the sites are separate institutions (``FederatedStrategy(silos=...)``) the
-    noise comes from a generator of the site's own, seeded at each fit from the operating
-    system's entropy (:func:`~lightning_fl.systems.privacy_noise.secret_generator`), not
-    from the recipe's seed: no other party can draw it again. A simulation's noise is its
+    Where the sites are separate institutions (``FederatedStrategy(silos=...)``), or the
+    fit is one site's part of a deployment (``secret_randomness=True``: a Flower
+    ClientApp's in the server-side mode), the noise comes from a generator of the site's
+    own, seeded at each fit from the operating system's entropy
+    (:func:`~lightning_fl.systems.privacy_noise.secret_generator`), not from the recipe's
+    seed: no other party can draw it again. A simulation's noise is its
     seed's, reproducible by anyone with it.
     """
 
@@ -311,7 +313,7 @@ class DPSGD(FederatedCallback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._sizes.clear()
         self._secret = None
-        if self.view is not None and self.view.config.silos:
+        if self.view is not None and self.view.config.secret_randomness:
             self._secret = secret_generator(pl_module.device)
         if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in pl_module.modules()):
             raise ValueError(

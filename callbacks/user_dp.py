@@ -374,11 +374,27 @@ class DPFedAvg(Aggregator):
         return self.clip_norm / (self.sampling.rate * self.population.total_weight)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._planned_rounds = trainer.max_epochs if (trainer.max_epochs or -1) >= 0 else None
-        self.population = None  # read again from this fit's counts and sampler
         sites = trainer.world_size
         if (group := collectives.across_ranks(sites)) is not None:
             sites = group.min_sites(sites)  # the fewest sites a round completes with
+        self._start(trainer.max_epochs, sites, trainer.global_rank)
+
+    def on_server_start(self, rounds: int | None) -> None:
+        """Flower's server-side mode: the server clips each update as it arrives and adds
+        the noise, from its operating system's secret generator (one site: the server)."""
+        self._start(rounds, 1, 0)
+
+    def client_side_hooks(self) -> tuple[str, ...]:
+        """Local noise acts on the clients (their clipping and shares), distributed noise
+        on the sites before their sums leave; central noise is the server's alone."""
+        return {"central": (), "local": ("transform_update",),
+                "distributed": ("on_before_round_sum",)}[self.noise]  # fmt: skip
+
+    def _start(self, rounds: int | None, sites: int, rank: int) -> None:
+        """The fit's planned rounds, W sites and this one's rank; the population is read
+        again from this fit's counts and sampler at its first round."""
+        self._planned_rounds = rounds if (rounds or -1) >= 0 else None
+        self.population = None
         if self.colluding_sites >= sites:
             raise ValueError(
                 f"DPFedAvg(colluding_sites={self.colluding_sites}) protects against that many "
@@ -386,7 +402,7 @@ class DPFedAvg(Aggregator):
                 f"and at least one share must stay secret: set colluding_sites to at most "
                 f"{sites - 1}, or run more sites (or a higher min_sites)."
             )
-        self._sites, self._rank = sites, trainer.global_rank
+        self._sites, self._rank = sites, rank
         if self.discrete:  # the exact grid sum, one flat float64 vector of multiples of γ
             dim = flat_size(self.view.tensors.tensors)
             self._grid = DiscreteGaussianShares(self.granularity_bits, self.rounding_beta, dim)
@@ -394,9 +410,10 @@ class DPFedAvg(Aggregator):
 
     @property
     def noise_source(self) -> NoiseSource:
-        """Secret noise when the sites are separate institutions (silo mode), else the
-        simulation's seeded noise (:mod:`lightning_fl.systems.privacy_noise`)."""
-        secret = self.view is not None and self.view.config.silos
+        """Secret noise when the sites are separate institutions (silo mode) or the server
+        is a deployment's (Flower's server-side mode), else the simulation's seeded noise
+        (:mod:`lightning_fl.systems.privacy_noise`)."""
+        secret = self.view is not None and self.view.config.secret_randomness
         return noise_source(secret, self.seed)
 
     def _check_budget(self) -> None:
@@ -533,10 +550,15 @@ class DPFedAvg(Aggregator):
         self.clip_norm = next_clip_norm(self.clip_norm, fraction, self.target_quantile,
                                         self.clip_lr)  # fmt: skip
 
+    def round_metrics(self) -> dict[str, float]:
+        """``dp/epsilon``, ``dp/clip_norm``, ``dp/noise_std`` (and with adaptive clipping
+        ``dp/unclipped_fraction``) of the last round."""
+        return {f"dp/{name}": float(value) for name, value in self.last.items()}
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         synced = trainer.world_size > 1  # equal on every rank
-        for name, value in self.last.items():
-            pl_module.log(f"dp/{name}", float(value), on_epoch=True, sync_dist=synced)
+        for name, value in self.round_metrics().items():
+            pl_module.log(name, value, on_epoch=True, sync_dist=synced)
 
 
 __all__ = ["DPFedAvg", "sampling_of"]

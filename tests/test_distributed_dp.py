@@ -275,10 +275,12 @@ def test_on_three_silos_the_wire_never_carries_a_noiseless_sum_and_noise_is_secr
             assert abs(correlation) < 0.5
 
 
-def _dpsgd_run(silos: bool) -> list[torch.Tensor]:
+def _dpsgd_run(silos: bool, secret_randomness: bool = False) -> list[torch.Tensor]:
     from lightning_fl.callbacks import DPSGD
 
-    trainer = make_trainer(FederatedStrategy(silos=silos, local_steps=2, seed=3), 2,
+    strategy = FederatedStrategy(silos=silos, local_steps=2, seed=3,
+                                 secret_randomness=secret_randomness)  # fmt: skip
+    trainer = make_trainer(strategy, 2,
                            [DPSGD(noise_multiplier=1.0, max_grad_norm=0.5)])  # fmt: skip
     module = tiny_module()
     trainer.fit(module, datamodule=tiny_datamodule())
@@ -291,6 +293,10 @@ def test_dp_sgds_noise_in_a_silo_is_its_own_and_a_simulations_is_its_seeds():
     assert all(torch.equal(a, b) for a, b in zip(simulated, again))
     assert not any(torch.equal(a, b) for a, b in zip(first, second))
     assert not any(torch.equal(a, b) for a, b in zip(first, simulated))
+    # one site's part of a deployment (a Flower ClientApp's fit): its own noise too
+    alone, again_alone = _dpsgd_run(False, True), _dpsgd_run(False, True)
+    assert not any(torch.equal(a, b) for a, b in zip(alone, again_alone))
+    assert not any(torch.equal(a, b) for a, b in zip(alone, _dpsgd_run(False)))
 
 
 def test_with_sites_that_may_drop_the_shares_are_scaled_to_min_sites():

@@ -254,6 +254,96 @@ def test_a_round_sum_of_its_own_shape_and_dtype_and_a_client_without_a_node(flow
         empty.meet(nobody)
 
 
+def test_dp_fedavgs_central_noise_is_drawn_by_the_server_from_its_secret(flower_run, monkeypatch):
+    """DPFedAvg(noise="central") on the server, 3 rounds: w_k = min(n_k/20, 1) = (0.5, 1,
+    0, 1), W = 2.5, p = ω = (0.2, 0.4, 0, 0.4); each reply's update (every entry
+    0.1(c + 1)(t + 1), ‖Δ‖ = that·√3) is clipped to C = 0.5 as it arrives, and θ^{t+1} =
+    θ^t + η(Σ ω_k clip(Δ_k) + σ g_t) with σ = zC/(qW) = 0.7·0.5/2.5 and g_t the server's
+    secret draw (here a known vector: the seeded source is never asked)."""
+    from lightning_fl.callbacks import DPFedAvg
+    from lightning_fl.systems import privacy_noise
+    from lightning_fl.systems.user_dp import Sampling, epsilon
+
+    draws = []
+
+    def secret_normal(self, size, purpose="", *keys):
+        draws.append((size, purpose, keys))
+        return torch.tensor([0.3, -1.1, 2.0], dtype=torch.float64)[:size] * (len(draws))
+
+    def seeded(self, *args):
+        raise AssertionError("the server's noise came from the recipe's seed")
+
+    monkeypatch.setattr(privacy_noise.SecretNoise, "normal", secret_normal)
+    monkeypatch.setattr(privacy_noise.SeededNoise, "normal", seeded)
+    grid = Grid([10, 30, 0, 60])
+    dp = DPFedAvg(noise_multiplier=0.7, clip_norm=0.5, example_cap=20.0, server_lr=0.8)
+    server = FederatedServer(FullParticipation(), dp, seed=5, clients=4, rounds=3)
+    theta = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    arrays = ArrayRecord(torch_state_dict=theta)
+    expected = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    sigma = 0.7 * 0.5 / 2.5
+    for server_round in (1, 2, 3):
+        messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
+        r = server_round - 1
+        step = torch.zeros(3, dtype=torch.float64)
+        for client, weight in ((0, 0.2), (1, 0.4), (3, 0.4)):
+            move = 0.1 * (client + 1) * (r + 1)
+            norm = move * 3**0.5
+            step += weight * move * min(1.0, 0.5 / norm)
+        step += sigma * torch.tensor([0.3, -1.1, 2.0], dtype=torch.float64) * server_round
+        expected = expected + 0.8 * step
+        got = arrays.to_torch_state_dict()
+        assert torch.allclose(torch.cat([got["w"], got["b"]]).double(), expected, atol=1e-6)
+        assert metrics["dp/noise_std"] == pytest.approx(sigma)
+        assert metrics["dp/clip_norm"] == 0.5
+        assert metrics["dp/epsilon"] == pytest.approx(
+            epsilon(0.7, Sampling.full(), server_round, 1e-5, "rdp"))  # fmt: skip
+    assert draws == [(3, "dp_fedavg", (0,)), (3, "dp_fedavg", (1,)), (3, "dp_fedavg", (2,))]
+    assert dp.view.config.secret_randomness and dp.view.config.seed == 5
+
+
+def test_dp_fedavgs_client_half_is_refused_and_an_empty_round_steps_only_if_it_aggregates(
+    flower_run,
+):
+    """DPFedAvg's local and distributed noise act beside the clients (the ClientApps
+    train without the aggregator): refused, naming the hook; central noise runs. A round
+    that draws nobody is not aggregated (FedAvgM's momentum would move θ), unless the
+    aggregator aggregates empty rounds (DPFedAvg noises it all the same)."""
+    from lightning_fl.callbacks import DPFedAvg, FedAvgM
+    from lightning_fl.systems.samplers import Participation
+
+    for noise, hook in (("local", "transform_update"), ("distributed", "on_before_round_sum")):
+        with pytest.raises(ServerSideError, match=f"DPFedAvg does not run in the server-side "
+                                                  f"mode yet: its {hook} run beside"):  # fmt: skip
+            server_side.check_server_side(DPFedAvg(noise=noise), [])
+    server_side.check_server_side(DPFedAvg(noise="central"), [])
+    over = DPFedAvg(noise_multiplier=0.7, epsilon_budget=1.0)  # the run's 3 rounds: ε > 1
+    tight = FederatedServer(FullParticipation(), over, seed=0, clients=2, rounds=3)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match="DPFedAvg: 3 rounds at z=0.7 .* over the budget"):
+        tight.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30]))
+
+    def nobody_in_round_1() -> FullParticipation:
+        sampler = FullParticipation()
+        draw = sampler.sample
+        sampler.sample = lambda r, seed, p: Participation((), ()) if r == 1 else draw(r, seed, p)
+        return sampler
+
+    theta = {"w": torch.tensor([1.0, -2.0])}
+    for aggregator, moves in ((FedAvgM(server_lr=1.0, beta=0.9), False),
+                              (DPFedAvg(noise_multiplier=0.5, clip_norm=9.0), True)):  # fmt: skip
+        grid = Grid([10, 30])
+        server = FederatedServer(nobody_in_round_1(), aggregator, seed=0, clients=2, rounds=2)
+        arrays = ArrayRecord(torch_state_dict=theta)
+        messages = server.configure_train(1, arrays, ConfigRecord({}), grid)
+        arrays, _ = server.aggregate_train(1, grid.send_and_receive(messages))
+        before = arrays.to_torch_state_dict()["w"]
+        assert server.configure_train(2, arrays, ConfigRecord({}), grid) == []
+        after, _ = server.aggregate_train(2, [])
+        assert torch.equal(after.to_torch_state_dict()["w"], before) is not moves
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})

@@ -64,6 +64,10 @@ class FederatedConfig:
     #: the round index of the fit's first epoch (a fit that trains one round of a longer
     #: run: a Flower ClientApp's, lightning_fl.flower.server_side)
     first_round: int = 0
+    #: randomness that protects privacy (DP noise) comes from the operating system's
+    #: secret generator, never from the seed: the sites are separate institutions (silo
+    #: mode), or the fit is one site's part of a deployment (a Flower ClientApp's)
+    secret_randomness: bool = False
 
     def __post_init__(self) -> None:
         """Check the settings together (one local-work rule, the vectorized options'

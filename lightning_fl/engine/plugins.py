@@ -562,6 +562,17 @@ class FederatedCallback(pl.Callback):
     ) -> None:
         """After aggregation; ``state.global_tensors`` holds θ^{t+1}."""
 
+    def on_server_start(self, rounds: int | None) -> None:
+        """Flower's server-side mode (:mod:`lightning_fl.flower.server_side`): the server's
+        instance, before its first round, where there is no trainer and so no
+        :meth:`on_fit_start`; ``rounds`` is the run's number of rounds (``max_epochs``)."""
+
+    def round_metrics(self) -> dict[str, float]:
+        """What the plugin reports of the round it just aggregated, by name (DPFedAvg's
+        ``dp/epsilon``): it logs them itself in a fit; the server-side mode's server puts
+        them in its round's ``MetricRecord``. Default: none."""
+        return {}
+
     def on_vectorized_clients_start(
         self,
         trainer: pl.Trainer,
@@ -677,6 +688,19 @@ class Aggregator(FederatedCallback):
         if self.weighting == "uniform":
             counts = (counts > 0).double()
         return counts / counts.sum()
+
+    #: the hooks that act beside the clients, on the rank that trains them
+    CLIENT_SIDE_HOOKS = ("on_client_start", "on_client_end", "transform_update",
+                         "on_round_start", "on_before_round_sum", "on_round_end")  # fmt: skip
+
+    def client_side_hooks(self) -> tuple[str, ...]:
+        """The hooks by which this aggregator, as configured, acts beside its clients (on
+        the rank that trains them, before the server receives their updates): where an
+        aggregator runs on a server alone (Flower's server-side mode) one with any is
+        refused. Default: every hook of :data:`CLIENT_SIDE_HOOKS` its class overrides;
+        an aggregator whose overrides act only in some configurations says which."""
+        return tuple(h for h in self.CLIENT_SIDE_HOOKS
+                     if getattr(type(self), h) is not getattr(Aggregator, h))  # fmt: skip
 
     def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
         """What the server does with ``client``'s update as it arrives, after every

@@ -141,6 +141,11 @@ class FederatedStrategy(DDPStrategy):
             trains one round of a longer run, as a Flower ClientApp's fits do in the
             server-side mode (:mod:`lightning_fl.flower.server_side`); its clients' seeds
             and batches are those of that round.
+        secret_randomness: draw the noise that protects privacy (DPSGD's, DPFedAvg's)
+            from the operating system's secret generator
+            (:mod:`lightning_fl.systems.privacy_noise`), not from ``seed``: a fit that is
+            one site's part of a deployment (a Flower ClientApp's in the server-side
+            mode). Always so with ``silos``; default False (a simulation, reproducible).
     """
 
     strategy_name = "federated"
@@ -177,6 +182,7 @@ class FederatedStrategy(DDPStrategy):
         eval_clients: int | None = None,
         vectorize_evaluation: bool | Literal["auto"] = "auto",
         first_round: int = 0,
+        secret_randomness: bool = False,
         **lightning_options: Any,
     ) -> None:
         super().__init__(timeout=processes.as_timedelta(timeout), **lightning_options)
@@ -190,7 +196,7 @@ class FederatedStrategy(DDPStrategy):
             local_steps_per_training_step=local_steps_per_training_step,
             allow_new_federation=allow_new_federation, eval_clients=eval_clients,
             vectorize_evaluation=vectorize_evaluation, silos=bool(silos),
-            first_round=first_round,
+            first_round=first_round, secret_randomness=bool(silos) or secret_randomness,
         )  # fmt: skip
         self.sites = SiloSites.named(silos, silo, transport)
         self.transport = transport  # None: torch.distributed (engine/collectives.py)

@@ -51,7 +51,7 @@ import logging
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,17 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
+from lightning_fl.engine.client_store import ClientStore
+from lightning_fl.engine.context import FederatedConfig
 from lightning_fl.engine.outputs import append_csv
-from lightning_fl.engine.plugins import Aggregator, FedAvg, FederatedCallback, RoundState
-from lightning_fl.engine.tensors import zeros_like
+from lightning_fl.engine.plugins import (
+    Aggregator,
+    FedAvg,
+    FederatedCallback,
+    PluginView,
+    RoundState,
+)
+from lightning_fl.engine.tensors import FederatedTensors, zeros_like
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
 logger = logging.getLogger(__name__)
@@ -214,7 +222,9 @@ def train_client(
     sampler = {"class_path": f"{__name__}.OneClient", "init_args": {"client": client}}
     one_round = ["--trainer.max_epochs", "1",
                  "--trainer.strategy.init_args.first_round", str(round_idx),
-                 "--trainer.strategy.init_args.sampler", json.dumps(sampler)]  # fmt: skip
+                 "--trainer.strategy.init_args.sampler", json.dumps(sampler),
+                 # a client's privacy noise (DP-SGD's) is its node's secret, not the recipe's
+                 "--trainer.strategy.init_args.secret_randomness", "true"]  # fmt: skip
     cli = instantiate(settings, [*_QUIET, *one_round])
     trainer = cli.trainer
     aggregator = recipe_aggregator(trainer.callbacks)
@@ -414,6 +424,13 @@ class FederatedServer(Strategy):
     #: the split the nodes evaluate the new model on (None: no evaluation)
     split: str | None = None
     evaluate_every: int = 1
+    #: the recipe's federated settings (seed, ...), read by the plugins through their
+    #: view; the server's randomness that protects privacy is secret whatever they say
+    config: FederatedConfig | None = None
+    #: the server's model's tensors, read by the plugins through their view
+    tensors: FederatedTensors | None = None
+    #: the run's number of rounds (the plugins' ``on_server_start``)
+    rounds: int | None = None
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -451,6 +468,23 @@ class FederatedServer(Strategy):
         size = max(counts) + 1
         self.counts = np.array([counts.get(c, 0) for c in range(size)], dtype=np.int64)
         self.target = self.aggregator.target_weights(self.counts)  # fixed for the run
+        self._start_plugins()
+
+    def _start_plugins(self) -> None:
+        """Give the aggregator and the plugins their view of the run (the nodes' counts,
+        the recipe's settings with secret randomness: the server's noise protects the
+        released model from the sites, who hold the recipe) and run ``on_server_start``."""
+        config = self.config or FederatedConfig(
+            seed=self.seed, local_steps=None, local_epochs=None, keep_optimizer_state=False,
+            max_consecutive_bad_rounds=3, vectorize=False, compile=False,
+            max_vectorized_clients=None, local_steps_per_training_step=1,
+            allow_new_federation=False,
+        )  # fmt: skip
+        config = replace(config, secret_randomness=True)
+        view = PluginView(ClientStore(), self.counts, self.tensors, config, self.aggregator)
+        for plugin in (self.aggregator, *self.plugins):
+            plugin.view = view
+            plugin.on_server_start(self.rounds)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -499,25 +533,26 @@ class FederatedServer(Strategy):
                 losses[client] = float(metrics["train_loss"])
         names = [k for k, v in start.items() if v.is_floating_point()]
         global_tensors = [start[k].clone() for k in names]
-        update_sum = [torch.zeros_like(t) for t in global_tensors]
-        for client, weight in zip(participation.clients, participation.weights):
-            if client in trained:  # a node that did not reply: a dropped update
-                update = [trained[client][k] - start[k] for k in names]
-                torch._foreach_add_(update_sum, update, alpha=weight)
         dropped = [c for c in participation.clients if c not in trained]
         if dropped:
             logger.warning("Round %d: clients %s did not reply; their updates are dropped.",
                            round_idx, dropped)  # fmt: skip
         state = RoundState(
             round_idx=round_idx, participation=participation, global_tensors=global_tensors,
-            update_sum=update_sum, model=None, store=None, num_clients=len(self.counts),
-            sample_counts=self.counts, target_weights=self.target,
+            update_sum=[torch.zeros_like(t) for t in global_tensors], model=None, store=None,
+            num_clients=len(self.counts), sample_counts=self.counts, target_weights=self.target,
             extra_sums=self._round_sums(participation.clients, sums),
             dropped=dropped, dropped_count=len(dropped),
         )  # fmt: skip
-        self.aggregator.aggregate(None, None, state)
-        for plugin in self.plugins:  # after aggregation, as the engine runs them
-            plugin.on_round_end(None, None, state)
+        for client, weight in zip(participation.clients, participation.weights):
+            if client in trained:  # a node that did not reply: a dropped update
+                update = [trained[client][k] - start[k] for k in names]
+                update = self.aggregator.receive_update(client, update, state)  # DP's clip
+                torch._foreach_add_(state.update_sum, update, alpha=weight)
+        if participation.clients or self.aggregator.aggregates_empty_rounds:
+            self.aggregator.aggregate(None, None, state)
+            for plugin in self.plugins:  # after aggregation, as the engine runs them
+                plugin.on_round_end(None, None, state)
         new = {**start, **dict(zip(names, state.global_tensors))}
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -528,6 +563,8 @@ class FederatedServer(Strategy):
         if losses:
             total = sum(counts.values()) or 1
             summary["train_loss"] = sum(losses[c] * counts[c] for c in losses) / total
+        for plugin in (self.aggregator, *self.plugins):
+            summary.update(plugin.round_metrics())
         logger.info("round %d: %d participants, train_loss %s", round_idx,
                     len(participation.clients), summary.get("train_loss"))  # fmt: skip
         return ArrayRecord(torch_state_dict=new), MetricRecord(summary)
@@ -538,7 +575,7 @@ class FederatedServer(Strategy):
         """The plugins' declared round sums over the clients that replied, added in the
         participants' order (the order in which one process adds them)."""
         totals: dict[str, list[torch.Tensor]] = {}
-        for plugin in self.plugins:
+        for plugin in (self.aggregator, *self.plugins):
             for name, shape in plugin.declared_round_sums().items():
                 key = plugin.round_sum_key(name)
                 dtype = plugin.round_sum_dtype(name) or self.params[0].dtype
@@ -625,7 +662,9 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     params = [p.detach().cpu().clone() for p in cli.model.parameters()]
     server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed, plugins, params,
                              settings.clients, out, settings.node_timeout,
-                             settings.min_available_nodes, settings.evaluate or None)  # fmt: skip
+                             settings.min_available_nodes, settings.evaluate or None,
+                             config=strategy.config, tensors=FederatedTensors(cli.model),
+                             rounds=cli.trainer.max_epochs)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     if settings.evaluate == "val" and cli.trainer.limit_val_batches == 0:
         server.split = None  # the recipe validates nothing during a fit (FLamby's)
@@ -640,20 +679,18 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
 #: hooks a plugin's server half may not need in the server-side mode (yet): what runs at
 #: a round's start or around its sum needs the relay mode's engine
 SERVER_HOOKS = ("on_round_start", "on_before_round_sum", "sum_over_ranks")
-#: an aggregator's hooks besides ``aggregate``: it then needs its clients (the relay mode)
-CLIENT_HOOKS = ("on_client_start", "on_client_end", "transform_update", "receive_update",
-                "on_round_start", "on_round_end")  # fmt: skip
 
 
 def check_server_side(aggregator: Aggregator, plugins: Sequence[FederatedCallback]) -> None:
-    """Refuse, naming it, an aggregator that needs its clients, or a plugin whose server
-    half needs more than its declared server state, round sums and round-end hook."""
-    own = [h for h in CLIENT_HOOKS if getattr(type(aggregator), h) is not getattr(Aggregator, h)]
-    if own:
+    """Refuse, naming it, an aggregator that acts beside its clients
+    (:meth:`Aggregator.client_side_hooks`: the ClientApps train without it), or a plugin
+    whose server half needs more than its declared server state, round sums and
+    round-end hook."""
+    if own := aggregator.client_side_hooks():
         raise ServerSideError(
             f"{type(aggregator).__name__} does not run in the server-side mode yet: its "
-            f"{', '.join(own)} run beside the clients. Use FedAvg, FedAvgM, FedAdam, FedYogi "
-            "or FedAdagrad, or the relay mode."
+            f"{', '.join(own)} run beside the clients. Use FedAvg, FedAvgM, FedAdam, FedYogi, "
+            "FedAdagrad or DPFedAvg(noise='central'), or the relay mode."
         )
     for plugin in plugins:
         name = type(plugin).__name__
