@@ -168,7 +168,7 @@ def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
     """The server-side mode on the same runtime (SuperLink with TLS and node keys): one
     SuperNode per client of the heart recipe (4, ``--node-config client=N``), the
     ServerApp's FederatedServer aggregating; a round ends when the server writes its
-    model (``server_model.pt``)."""
+    checkpoint (``server_checkpoint.pt``)."""
     clients = [f"client{c}" for c in range(4)]
     link = SecureLink(tmp, repo, clients)
     out = tmp / "server"
@@ -178,7 +178,7 @@ def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
         config = (f'recipe="{recipe}" clients=4 out="{out}" overrides="--data.init_args.root '
                   f'{HEART} --trainer.max_epochs {rounds}"')  # fmt: skip
         link.flwr("run", str(repo / "recipes" / "flower_server"), "local", "--run-config", config)
-        return _file_times(out / "server_model.pt", rounds, nodes, 120 + 120 * rounds)
+        return _file_times(out / "server_checkpoint.pt", rounds, nodes, 120 + 120 * rounds)
     finally:
         link.stop()
 

@@ -344,6 +344,76 @@ def test_dp_fedavgs_client_half_is_refused_and_an_empty_round_steps_only_if_it_a
         assert torch.equal(after.to_torch_state_dict()["w"], before) is not moves
 
 
+def test_a_resumed_server_continues_from_its_checkpoint_bit_for_bit(flower_run, tmp_path):
+    """FedAdam (its moments) and UniformSampler (2 of 4 a round), 4 rounds: a server that
+    stops after round 1 and a new one resumed from its ``server_checkpoint.pt`` (read with
+    ``weights_only``) send rounds 2 and 3 and end at the uninterrupted model exactly.
+    Refused: nodes that report other counts, a plugin's client state (SCAFFOLD's c_i in
+    the nodes' Context), no checkpoint."""
+    from lightning_fl.systems.samplers import UniformSampler
+
+    def server(out, plugins=()):
+        return FederatedServer(UniformSampler(2), FedAdam(server_lr=0.05), seed=3,
+                               plugins=list(plugins), clients=4, out=out, rounds=4)  # fmt: skip
+
+    def train(server, arrays, rounds, grid):
+        for server_round in rounds:
+            messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+            arrays, _ = server.aggregate_train(server_round, grid.send_and_receive(messages))
+        return arrays.to_torch_state_dict()
+
+    theta = ArrayRecord(torch_state_dict={"w": torch.tensor([1.0, -2.0]), "b": torch.zeros(1)})
+    whole_grid, cut_grid, resumed_grid = Grid([10, 30, 5, 60]), Grid([10, 30, 5, 60]), Grid(
+        [10, 30, 5, 60])  # fmt: skip
+    whole = train(server(tmp_path / "whole"), theta, (1, 2, 3, 4), whole_grid)
+    train(server(tmp_path / "cut"), theta, (1, 2), cut_grid)
+    checkpoint = server_side.read_checkpoint(tmp_path / "cut")
+    assert checkpoint["round"] == 1 and checkpoint["aggregator"]["first_moment"] is not None
+    resumed = server(tmp_path / "cut")
+    model = resumed.resume(checkpoint)
+    final = train(resumed, ArrayRecord(torch_state_dict=model), (1, 2), resumed_grid)
+    assert all(torch.equal(final[k], whole[k]) for k in whole)
+    assert [r for r, _, _ in resumed_grid.sent] == [2, 2, 3, 3]
+    assert resumed_grid.sent == whole_grid.sent[4:]
+    assert server_side.read_checkpoint(tmp_path / "cut")["round"] == 3
+    other = server(tmp_path / "cut")
+    other.resume(checkpoint)
+    with pytest.raises(ServerSideError, match=r"the nodes report the training counts "
+                                              r"\[10, 30, 5, 61\], and the checkpoint's run "
+                                              r"had \[10, 30, 5, 60\]"):  # fmt: skip
+        other.meet(Grid([10, 30, 5, 61]))
+    with pytest.raises(ServerSideError, match="SCAFFOLD keeps each client's state in its "
+                                              "node's Context"):  # fmt: skip
+        server(tmp_path / "cut", [SCAFFOLD()]).resume(checkpoint)
+    with pytest.raises(ServerSideError, match="resume=true, and there is no "
+                                              "server_checkpoint.pt"):  # fmt: skip
+        server_side.read_checkpoint(tmp_path / "nowhere")
+    assert Settings.read({"recipe": "r.yaml", "resume": True}).resume
+    assert not Settings.read({"recipe": "r.yaml", "resume": "false"}).resume
+
+
+def test_serve_resumes_the_recipes_run_from_its_out_folder(flower_run, tmp_path):
+    """The ServerApp's run of recipes/fedadam.yaml (20 clients, 10 a round, FedAdam) over
+    the answering grid: 2 rounds, then resume=true with max_epochs 4, end at the 4-round
+    run's model exactly; a resume with nothing left to train returns the checkpoint's."""
+
+    def serve(out, rounds, resume=False):
+        settings = Settings(str(ROOT / "recipes" / "fedadam.yaml"),
+                            ("--trainer.max_epochs", str(rounds)), clients=20, out=str(out),
+                            evaluate="", resume=resume)  # fmt: skip
+        return server_side.serve(settings, Grid([5 + c for c in range(20)]))
+
+    whole = serve(tmp_path / "whole", 4)
+    cut = serve(tmp_path / "cut", 2)
+    assert all(torch.equal(a, b) for a, b in zip(serve(tmp_path / "cut", 2, True).values(),
+                                                 cut.values()))  # fmt: skip
+    resumed = serve(tmp_path / "cut", 4, True)
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert not all(torch.equal(cut[k], whole[k]) for k in whole)
+    saved = torch.load(tmp_path / "cut" / "final_model.pt", weights_only=True)
+    assert all(torch.equal(saved[k], whole[k]) for k in whole)
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})

@@ -37,17 +37,32 @@ writes their weighted and uniform means to ``<out>/evaluation.csv``. A round sta
 ``min-available-nodes`` of the clients' nodes are connected; a participant whose node is
 not, or does not reply within ``round-timeout`` seconds, is a dropped update.
 
-Not built yet (issue 77): Flower's mods (``secaggplus_mod``) and DP wrappers, central DP
-noise from a secret on the server, a server checkpoint to resume from, a node that opens
-only its own client's data (the recipe's datamodule is built whole on every node), and
-plugins whose server half needs more than declared state, round sums and a round-end
-hook.
+User-level DP (McMahan et al. 2018, Alg. 1): ``DPFedAvg(noise="central")`` runs on the
+server alone: it clips each reply's update as it arrives (:meth:`Aggregator.receive_update`)
+and adds N(0, σ²) to the weighted sum, drawn from the server's operating system
+(:class:`~lightning_fl.systems.privacy_noise.SecretNoise`), never from the recipe's seed,
+which every site holds; ``dp/epsilon`` is in each round's metrics. A ClientApp's own
+noise (DP-SGD's) is its node's secret likewise (``secret_randomness``). Flower's DP
+wrappers (``DifferentialPrivacyServerSideFixedClipping``, ...) do not compose: they
+calibrate the noise to equal weights 1/n and draw it from NumPy's global generator, which
+the recipe's seed sets.
+
+After every round the server writes ``<out>/server_checkpoint.pt`` (θ^{t+1}, the
+aggregator's, the plugins' and the sampler's state, the clients' counts; tensors and plain
+values, read with ``weights_only=True``); the run config's ``resume=true`` continues after
+its round, exactly (:meth:`FederatedServer.resume`).
+
+Not built yet (issue 77): Flower's mods (``secaggplus_mod``), a node that opens only its
+own client's data (the recipe's datamodule is built whole on every node), a resume with
+client state kept in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and plugins whose
+server half needs more than declared state, round sums and a round-end hook.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -77,6 +92,9 @@ from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Part
 
 logger = logging.getLogger(__name__)
 
+#: the server's checkpoint in its folder (``out``), written after every round
+CHECKPOINT = "server_checkpoint.pt"
+
 
 class ServerSideError(RuntimeError):
     """A recipe or a node the server-side mode cannot run."""
@@ -99,6 +117,8 @@ class Settings:
     round_timeout: float = 600.0
     #: the split the nodes evaluate each round's model on ("val", "test"; "" for none)
     evaluate: str = "val"
+    #: continue from ``<out>/server_checkpoint.pt`` (the last round the server completed)
+    resume: bool = False
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -116,6 +136,7 @@ class Settings:
             None if least is None else int(least),
             float(run_config.get("round-timeout", 600.0)),
             str(run_config.get("evaluate", "val")),
+            str(run_config.get("resume", "false")).lower() in ("true", "1", "yes"),
         )  # fmt: skip
 
 
@@ -431,6 +452,10 @@ class FederatedServer(Strategy):
     tensors: FederatedTensors | None = None
     #: the run's number of rounds (the plugins' ``on_server_start``)
     rounds: int | None = None
+    #: the round index of Flower's first ``server_round`` (a resumed run's next round)
+    first_round: int = 0
+    #: the clients' training counts of the run a checkpoint resumes (checked at ``meet``)
+    resumed_counts: np.ndarray | None = None
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -467,6 +492,12 @@ class FederatedServer(Strategy):
             counts[client] = int(metrics["num-examples"])
         size = max(counts) + 1
         self.counts = np.array([counts.get(c, 0) for c in range(size)], dtype=np.int64)
+        if self.resumed_counts is not None and not np.array_equal(self.counts, self.resumed_counts):
+            raise ServerSideError(
+                f"the nodes report the training counts {self.counts.tolist()}, and the "
+                f"checkpoint's run had {self.resumed_counts.tolist()}: resume with the same "
+                "recipe, data and nodes, or start the run over without resume."
+            )
         self.target = self.aggregator.target_weights(self.counts)  # fixed for the run
         self._start_plugins()
 
@@ -491,7 +522,7 @@ class FederatedServer(Strategy):
     ) -> Iterable[Message]:
         if self.counts is None:
             self.meet(grid)
-        round_idx = server_round - 1
+        round_idx = self.first_round + server_round - 1
         participation = self.aggregator.participation(round_idx, self.seed, self.target,
                                                       self.sampler)  # fmt: skip
         missing = [c for c in participation.clients if c not in self.nodes]
@@ -555,8 +586,7 @@ class FederatedServer(Strategy):
                 plugin.on_round_end(None, None, state)
         new = {**start, **dict(zip(names, state.global_tensors))}
         if self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            torch.save({"round": round_idx, "state_dict": new}, self.out / "server_model.pt")
+            self.save_checkpoint(round_idx, new)
         counts = {c: int(self.counts[c]) for c in losses}
         summary: dict[str, float] = {"participants": float(len(participation.clients)),
                                      "dropped_updates": float(len(dropped))}  # fmt: skip
@@ -568,6 +598,41 @@ class FederatedServer(Strategy):
         logger.info("round %d: %d participants, train_loss %s", round_idx,
                     len(participation.clients), summary.get("train_loss"))  # fmt: skip
         return ArrayRecord(torch_state_dict=new), MetricRecord(summary)
+
+    def save_checkpoint(self, round_idx: int, model: dict[str, torch.Tensor]) -> None:
+        """``<out>/server_checkpoint.pt`` after round ``round_idx``: θ^{t+1}, the
+        aggregator's and the plugins' declared server state (a server optimizer's moments,
+        SCAFFOLD's c, DP-FedAvg's clip norm), the sampler's state and the clients' counts;
+        tensors and plain values only (read back with ``weights_only=True``), replaced
+        whole (a crash mid-write leaves the previous round's)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {
+            "round": round_idx, "model": model, "counts": torch.from_numpy(self.counts),
+            "aggregator": self.aggregator.state_dict(), "sampler": self.sampler.state_dict(),
+            "plugins": {type(p).__name__: p.state_dict() for p in self.plugins},
+        }  # fmt: skip
+        path = self.out / CHECKPOINT
+        torch.save(state, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def resume(self, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Continue after the checkpoint's round: restore the server's state and return
+        its model. Refused where a plugin keeps client state in the nodes' ``Context``
+        (SCAFFOLD's c_i), which a new Flower run starts empty."""
+        kept = [type(p).__name__ for p in self.plugins if p.declared_client_state()]
+        if kept:
+            raise ServerSideError(
+                f"{', '.join(kept)} keeps each client's state in its node's Context, which a "
+                "new Flower run starts empty: the resumed run would differ from the "
+                "uninterrupted one. Start the run over (resume=false)."
+            )
+        self.first_round = int(checkpoint["round"]) + 1
+        self.resumed_counts = checkpoint["counts"].numpy()
+        self.aggregator.load_state_dict(checkpoint["aggregator"])
+        self.sampler.load_state_dict(checkpoint["sampler"])
+        for plugin in self.plugins:
+            plugin.load_state_dict(checkpoint["plugins"][type(plugin).__name__])
+        return checkpoint["model"]
 
     def _round_sums(
         self, clients: Sequence[int], sums: dict[int, dict[str, torch.Tensor]]
@@ -638,8 +703,8 @@ class FederatedServer(Strategy):
             summary[f"{name}/uniform"] = sum(values) / len(values)
         if self.out is not None:
             header = ["round", *summary]
-            append_csv(str(self.out / "evaluation.csv"), header,
-                       [[server_round - 1, *(f"{v:.10g}" for v in summary.values())]])  # fmt: skip
+            row = [self.first_round + server_round - 1, *(f"{v:.10g}" for v in summary.values())]
+            append_csv(str(self.out / "evaluation.csv"), header, [row])
         return MetricRecord(summary)
 
 
@@ -668,12 +733,32 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     if settings.evaluate == "val" and cli.trainer.limit_val_batches == 0:
         server.split = None  # the recipe validates nothing during a fit (FLamby's)
-    rounds, timeout = cli.trainer.max_epochs, settings.round_timeout
-    result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds, timeout)
+    if settings.resume:
+        initial = server.resume(read_checkpoint(out))
+        logger.info("lightning-fl FederatedServer: resumed from its checkpoint of round %d",
+                    server.first_round - 1)  # fmt: skip
+    rounds = cli.trainer.max_epochs - server.first_round
+    if rounds <= 0:
+        logger.info("lightning-fl FederatedServer: the checkpoint's run had its %d rounds",
+                    server.first_round)  # fmt: skip
+        return initial
+    result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds,
+                          settings.round_timeout)  # fmt: skip
     final = result.arrays.to_torch_state_dict()
     if out is not None:
         torch.save(final, out / "final_model.pt")
     return final
+
+
+def read_checkpoint(out: Path | None) -> dict[str, Any]:
+    """The server's checkpoint in ``out`` (tensors and plain values only)."""
+    path = None if out is None else out / CHECKPOINT
+    if path is None or not path.exists():
+        raise ServerSideError(
+            f"resume=true, and there is no {CHECKPOINT} in the run config's out "
+            f"({out}): give the out of the run to resume, or start over with resume=false."
+        )
+    return torch.load(path, weights_only=True)
 
 
 #: hooks a plugin's server half may not need in the server-side mode (yet): what runs at
