@@ -45,6 +45,12 @@ class FederatedTensors:
         return torch._foreach_sub([t.detach() for t in self.tensors], reference)
 
 
+def float_names(state_dict: dict[str, Tensor]) -> list[str]:
+    """The floating-point entries of a state dict, in its order: what a round averages (an
+    integer buffer, such as BatchNorm's count, keeps its value)."""
+    return [name for name, value in state_dict.items() if value.is_floating_point()]
+
+
 def flatten(tensors: TensorList) -> Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 

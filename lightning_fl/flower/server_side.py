@@ -52,10 +52,14 @@ aggregator's, the plugins' and the sampler's state, the clients' counts; tensors
 values, read with ``weights_only=True``); the run config's ``resume=true`` continues after
 its round, exactly (:meth:`FederatedServer.resume`).
 
-Not built yet (issue 77): Flower's mods (``secaggplus_mod``), a node that opens only its
-own client's data (the recipe's datamodule is built whole on every node), a resume with
-client state kept in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and plugins whose
-server half needs more than declared state, round sums and a round-end hook.
+With the run config's ``secagg=true`` each round's training runs under Flower's SecAgg+
+(:mod:`lightning_fl.flower.secure_rounds`): the server learns only the sum of the
+participants' weighted updates and round sums (and each one's training loss, in clear).
+
+Not built yet (issue 77): Flower's DP mods, a node that opens only its own client's data
+(the recipe's datamodule is built whole on every node), a resume with client state kept
+in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and plugins whose server half needs
+more than declared state, round sums and a round-end hook.
 """
 
 from __future__ import annotations
@@ -87,7 +91,9 @@ from lightning_fl.engine.plugins import (
     PluginView,
     RoundState,
 )
-from lightning_fl.engine.tensors import FederatedTensors, zeros_like
+from lightning_fl.engine.tensors import FederatedTensors, float_names, zeros_like
+from lightning_fl.flower import secure_rounds
+from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
 logger = logging.getLogger(__name__)
@@ -119,6 +125,8 @@ class Settings:
     evaluate: str = "val"
     #: continue from ``<out>/server_checkpoint.pt`` (the last round the server completed)
     resume: bool = False
+    #: run each round's training under Flower's SecAgg+ (None: in clear)
+    secure: SecureAggregationSettings | None = None
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -137,6 +145,7 @@ class Settings:
             float(run_config.get("round-timeout", 600.0)),
             str(run_config.get("evaluate", "val")),
             str(run_config.get("resume", "false")).lower() in ("true", "1", "yes"),
+            SecureAggregationSettings.read(run_config),
         )  # fmt: skip
 
 
@@ -263,8 +272,10 @@ def train_client(
     cli.model.load_state_dict(start)
     trainer.fit(cli.model, datamodule=cli.datamodule)
     state = trainer.strategy.engine.current_round.state
+    declared = {plugin.round_sum_key(name) for plugin in plugins
+                for name in plugin.declared_round_sums()}  # fmt: skip
     sums = {f"{key}.{i}": t.detach().cpu() for key, tensors in state.extra_sums.items()
-            for i, t in enumerate(tensors)}  # fmt: skip
+            if key in declared for i, t in enumerate(tensors)}  # fmt: skip
     kept_state = {}
     for plugin in plugins:
         for name, key in plugin.declared_client_state().items():
@@ -399,6 +410,10 @@ def _train(settings: Settings, message: Message, context: Context) -> Message:
     trained = train_client(settings, client, round_idx, start, server_state, client_state)
     if trained.client_state:  # kept on the node, never sent
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
+    if secure_rounds.is_secure(message.content):  # masked by secaggplus_mod
+        weight = float(message.content["config"]["weight"])
+        vector = secure_rounds.contribution(weight, start, trained.model, trained.round_sums)
+        return secure_rounds.secure_reply(message, vector, {"client": client, **trained.metrics})
     reply = RecordDict({
         "arrays": ArrayRecord(torch_state_dict=trained.model),
         "metrics": MetricRecord({"client": client, **trained.metrics}),
@@ -541,55 +556,88 @@ class FederatedServer(Strategy):
             for name in plugin.server_state_like_params():
                 if getattr(plugin, name) is None:
                     setattr(plugin, name, zeros_like(self.params))
-        config_record = ConfigRecord({**config, "round": round_idx})
-        content = RecordDict({"arrays": arrays, "config": config_record})
-        if server_state := server_state_arrays(self.plugins):
-            content["server_state"] = ArrayRecord(torch_state_dict=server_state)
-        return [Message(content, dst_node_id=self.nodes[c], message_type="train")
-                for c in participation.clients if c not in away]  # fmt: skip
+        server_state = server_state_arrays(self.plugins)
+        messages = []
+        for client, weight in zip(participation.clients, participation.weights):
+            if client in away:
+                continue
+            # ω_i: what a node weighs its update by under secure aggregation
+            config_record = ConfigRecord({**config, "round": round_idx, "weight": weight})
+            content = RecordDict({"arrays": arrays, "config": config_record})
+            if server_state:
+                content["server_state"] = ArrayRecord(torch_state_dict=server_state)
+            messages.append(Message(content, dst_node_id=self.nodes[client], message_type="train"))
+        return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        round_idx, participation, start = self._round
+        _, participation, start = self._round
         trained: dict[int, dict[str, torch.Tensor]] = {}
         sums: dict[int, dict[str, torch.Tensor]] = {}
-        losses: dict[int, float] = {}
+        metrics: dict[int, Any] = {}
         for reply in replies:
-            metrics = _content(reply, "metrics")
-            client = int(metrics["client"])
+            record = _content(reply, "metrics")
+            client = int(record["client"])
+            metrics[client] = record
             trained[client] = reply.content["arrays"].to_torch_state_dict()
             sums[client] = _arrays(reply.content, "round_sums")
-            if "train_loss" in metrics:
-                losses[client] = float(metrics["train_loss"])
-        names = [k for k, v in start.items() if v.is_floating_point()]
-        global_tensors = [start[k].clone() for k in names]
-        dropped = [c for c in participation.clients if c not in trained]
-        if dropped:
-            logger.warning("Round %d: clients %s did not reply; their updates are dropped.",
-                           round_idx, dropped)  # fmt: skip
-        state = RoundState(
-            round_idx=round_idx, participation=participation, global_tensors=global_tensors,
-            update_sum=[torch.zeros_like(t) for t in global_tensors], model=None, store=None,
-            num_clients=len(self.counts), sample_counts=self.counts, target_weights=self.target,
-            extra_sums=self._round_sums(participation.clients, sums),
-            dropped=dropped, dropped_count=len(dropped),
-        )  # fmt: skip
+        state = self._round_state(metrics)
+        self._add_round_sums(state, [sums[c] for c in participation.clients if c in sums])
+        names = float_names(start)
         for client, weight in zip(participation.clients, participation.weights):
             if client in trained:  # a node that did not reply: a dropped update
                 update = [trained[client][k] - start[k] for k in names]
                 update = self.aggregator.receive_update(client, update, state)  # DP's clip
                 torch._foreach_add_(state.update_sum, update, alpha=weight)
+        return self._step(state, metrics)
+
+    def aggregate_sum(
+        self,
+        update_sum: list[torch.Tensor],
+        round_sums: dict[str, torch.Tensor],
+        metrics: dict[int, Any],
+    ) -> tuple[ArrayRecord, MetricRecord]:
+        """The round's step from sums alone (secure aggregation: the server never sees an
+        update): ``update_sum`` is Σ ω_i (θ_i − θ^t) over the clients in ``metrics`` (those
+        that replied, each with its metrics), ``round_sums`` the plugins' declared round
+        sums over them, named ``<key>.<i>`` as a ClientApp replies them."""
+        state = self._round_state(metrics)
+        torch._foreach_add_(state.update_sum, update_sum)
+        self._add_round_sums(state, [round_sums])
+        return self._step(state, metrics)
+
+    def _round_state(self, replied: dict[int, Any]) -> RoundState:
+        """The round's state before its sums: θ^t's floating tensors, zero sums, and the
+        participants that did not reply (dropped updates)."""
+        round_idx, participation, start = self._round
+        global_tensors = [start[k].clone() for k in float_names(start)]
+        dropped = [c for c in participation.clients if c not in replied]
+        if dropped:
+            logger.warning("Round %d: clients %s did not reply; their updates are dropped.",
+                           round_idx, dropped)  # fmt: skip
+        return RoundState(
+            round_idx=round_idx, participation=participation, global_tensors=global_tensors,
+            update_sum=[torch.zeros_like(t) for t in global_tensors], model=None, store=None,
+            num_clients=len(self.counts), sample_counts=self.counts, target_weights=self.target,
+            extra_sums=self._round_sums(), dropped=dropped, dropped_count=len(dropped),
+        )  # fmt: skip
+
+    def _step(self, state: RoundState, metrics: dict[int, Any]) -> tuple[ArrayRecord, MetricRecord]:
+        """Aggregate (a round without participants only where the aggregator aggregates
+        empty rounds), run the plugins' round-end hooks, checkpoint, and summarize."""
+        round_idx, participation, start = self._round
         if participation.clients or self.aggregator.aggregates_empty_rounds:
             self.aggregator.aggregate(None, None, state)
             for plugin in self.plugins:  # after aggregation, as the engine runs them
                 plugin.on_round_end(None, None, state)
-        new = {**start, **dict(zip(names, state.global_tensors))}
+        new = {**start, **dict(zip(float_names(start), state.global_tensors))}
         if self.out is not None:
             self.save_checkpoint(round_idx, new)
+        losses = {c: float(m["train_loss"]) for c, m in metrics.items() if "train_loss" in m}
         counts = {c: int(self.counts[c]) for c in losses}
         summary: dict[str, float] = {"participants": float(len(participation.clients)),
-                                     "dropped_updates": float(len(dropped))}  # fmt: skip
+                                     "dropped_updates": float(state.dropped_count)}  # fmt: skip
         if losses:
             total = sum(counts.values()) or 1
             summary["train_loss"] = sum(losses[c] * counts[c] for c in losses) / total
@@ -606,8 +654,10 @@ class FederatedServer(Strategy):
         tensors and plain values only (read back with ``weights_only=True``), replaced
         whole (a crash mid-write leaves the previous round's)."""
         self.out.mkdir(parents=True, exist_ok=True)
+        # host: the counts are bookkeeping, saved beside the model
+        counts = torch.from_numpy(self.counts)
         state = {
-            "round": round_idx, "model": model, "counts": torch.from_numpy(self.counts),
+            "round": round_idx, "model": model, "counts": counts,
             "aggregator": self.aggregator.state_dict(), "sampler": self.sampler.state_dict(),
             "plugins": {type(p).__name__: p.state_dict() for p in self.plugins},
         }  # fmt: skip
@@ -634,11 +684,8 @@ class FederatedServer(Strategy):
             plugin.load_state_dict(checkpoint["plugins"][type(plugin).__name__])
         return checkpoint["model"]
 
-    def _round_sums(
-        self, clients: Sequence[int], sums: dict[int, dict[str, torch.Tensor]]
-    ) -> dict[str, list[torch.Tensor]]:
-        """The plugins' declared round sums over the clients that replied, added in the
-        participants' order (the order in which one process adds them)."""
+    def _round_sums(self) -> dict[str, list[torch.Tensor]]:
+        """The aggregator's and the plugins' declared round sums, at zero."""
         totals: dict[str, list[torch.Tensor]] = {}
         for plugin in (self.aggregator, *self.plugins):
             for name, shape in plugin.declared_round_sums().items():
@@ -646,12 +693,21 @@ class FederatedServer(Strategy):
                 dtype = plugin.round_sum_dtype(name) or self.params[0].dtype
                 totals[key] = zeros_like(self.params) if shape is None else [
                     torch.zeros(shape, dtype=dtype, device=self.params[0].device)]  # fmt: skip
-        for client in clients:
-            parts = sums.get(client, {})
-            for key, total in totals.items():
-                if f"{key}.0" in parts:
-                    torch._foreach_add_(total, [parts[f"{key}.{i}"] for i in range(len(total))])
         return totals
+
+    def round_sum_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The declared round sums' parts, named ``<key>.<i>`` as a ClientApp replies
+        them, and their shapes."""
+        return {f"{key}.{i}": tuple(part.shape) for key, parts in self._round_sums().items()
+                for i, part in enumerate(parts)}  # fmt: skip
+
+    def _add_round_sums(self, state: RoundState, parts: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Add each reply's round sums (named ``<key>.<i>``), in the given order (the
+        participants': the order in which one process adds them)."""
+        for part in parts:
+            for key, total in state.extra_sums.items():
+                if f"{key}.0" in part:
+                    torch._foreach_add_(total, [part[f"{key}.{i}"] for i in range(len(total))])
 
     def available(self, grid: Grid, round_idx: int) -> set[int]:
         """The connected nodes of the run's clients, once at least
@@ -742,9 +798,13 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
         logger.info("lightning-fl FederatedServer: the checkpoint's run had its %d rounds",
                     server.first_round)  # fmt: skip
         return initial
-    result = server.start(grid, ArrayRecord(torch_state_dict=initial), rounds,
-                          settings.round_timeout)  # fmt: skip
-    final = result.arrays.to_torch_state_dict()
+    arrays = ArrayRecord(torch_state_dict=initial)
+    if settings.secure is not None:
+        check_secure(aggregator)
+        final = secure_rounds.run(server, grid, arrays, rounds, settings.secure)
+    else:
+        final = server.start(grid, arrays, rounds, settings.round_timeout).arrays
+    final = final.to_torch_state_dict()
     if out is not None:
         torch.save(final, out / "final_model.pt")
     return final
@@ -796,10 +856,21 @@ def check_server_side(aggregator: Aggregator, plugins: Sequence[FederatedCallbac
             )
 
 
+def check_secure(aggregator: Aggregator) -> None:
+    """Refuse an aggregator that reads each update on the server, which SecAgg+ hides."""
+    reads = type(aggregator).receive_update is not Aggregator.receive_update
+    if reads or aggregator.needs_client_updates:
+        raise ServerSideError(
+            f"{type(aggregator).__name__} reads each client's update on the server, and "
+            "secagg hides them: run without secagg, or use DPFedAvg(noise='local') in the "
+            "relay mode with SecureAggregation."
+        )
+
+
 def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
     """A ServerApp and a ClientApp bound to ``settings`` (Flower's simulation engine:
     ``flwr.simulation.run_simulation``, which passes no run config)."""
-    server, client = ServerApp(), ClientApp()
+    server, client = ServerApp(), ClientApp(mods=[secure_rounds.secure_mod])
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
@@ -821,7 +892,8 @@ def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
 
 
 server_app = ServerApp()
-client_app = ClientApp()
+#: the nodes' ClientApp; it masks its replies when the server runs a secure round
+client_app = ClientApp(mods=[secure_rounds.secure_mod])
 
 
 @server_app.main()
