@@ -627,3 +627,107 @@ def test_secagg_plus_hides_each_update_and_its_sum_steps_the_model(tmp_path):
     simulated, _ = _simulated(recipe, 2, tmp_path / "simulation", test=False)
     gap = max(float((flower[k] - simulated[k]).abs().max()) for k in simulated)
     assert gap <= 2 * 4 * 2 * 0.5 / 2**22  # 2 rounds, 4 nodes, a level 2c/2^22 each
+
+
+def test_flowers_dp_wrappers_compose_where_their_noise_is_calibrated(flower_run, monkeypatch):
+    """DifferentialPrivacyServerSideFixedClipping around the server, FedAvg with uniform
+    weights and UniformSampler (2 of 4: ω = 1/2 = 1/m), 3 rounds: each reply's update
+    (every entry 0.1(c + 1)(t + 1)) is clipped to C = 0.3, and θ^{t+1} = θ^t + Σ ½ clip(Δ_i)
+    + N(0, (zC/m)²), the noise drawn from NumPy's global generator, whose state the
+    wrapping replaced with the OS's entropy (no longer the recipe's seed)."""
+    from lightning_fl.flower import flower_dp
+    from lightning_fl.flower.flower_dp import FlowerDP
+    from lightning_fl.systems.samplers import UniformSampler
+
+    np.random.seed(0)  # what the recipe's seed_everything leaves
+    seeded = np.random.get_state()[1].copy()
+    server = FederatedServer(UniformSampler(2), FedAvg(weighting="uniform"), seed=1, clients=4)
+    dp = FlowerDP("server", 0.8, 0.3)
+    flower_dp.check(dp, server.aggregator, server.sampler, [], secure=False)
+    wrapped = flower_dp.wrap(dp, server, 4)
+    assert not np.array_equal(np.random.get_state()[1], seeded)
+    stds = []
+
+    def normal(mean, std, shape):
+        stds.append(std)
+        return np.full(shape, 1.5 * std)
+
+    monkeypatch.setattr(np.random, "normal", normal)
+    grid = Grid([10, 30, 5, 60])
+    theta = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    arrays, expected = ArrayRecord(torch_state_dict=theta), torch.tensor([1.0, -2.0, 0.5])
+    for server_round in (1, 2, 3):
+        messages = wrapped.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, _ = wrapped.aggregate_train(server_round, grid.send_and_receive(messages))
+        r = server_round - 1
+        clients = [c for t, _, c in grid.sent if t == r]
+        assert len(clients) == 2
+        step = sum(0.5 * min(0.1 * (c + 1) * (r + 1), 0.3 / 3**0.5) for c in clients)
+        expected = expected + step + 0.8 * 0.3 / 2 * 1.5
+        got = arrays.to_torch_state_dict()
+        assert torch.allclose(torch.cat([got["w"], got["b"]]), expected, atol=1e-6)
+    assert stds == [pytest.approx(0.8 * 0.3 / 2)] * 6  # w and b, 3 rounds
+
+
+def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_fit(
+    flower_run,
+):
+    """Sample weights, a random number of clients, SCAFFOLD's round sums, DPFedAvg, secagg
+    and a client without data (3 participants of 1/3 where m = 4 was promised) are refused,
+    naming the wrapper and the fix; the client-side wrapper sends C and fixedclipping_mod
+    (the ClientApp's dp_mod) clips the reply to it."""
+    from flwr.app import Message
+
+    from lightning_fl.callbacks import DPFedAvg
+    from lightning_fl.flower import flower_dp
+    from lightning_fl.flower.flower_dp import FlowerDP, FlowerDPError
+    from lightning_fl.systems.samplers import PoissonSampler, UniformSampler
+
+    dp = FlowerDP("server", 1.0, 0.5)
+    uniform, sampler = FedAvg(weighting="uniform"), UniformSampler(2)
+    refusals = [
+        (FedAvg(), sampler, [], False, "scales its noise to m clients of weight 1/m"),
+        (uniform, PoissonSampler(0.5), [], False, "with PoissonSampler weighs them otherwise"),
+        (uniform, sampler, [SCAFFOLD()], False, "SCAFFOLD sends round sums or server state"),
+        (DPFedAvg(), sampler, [], False, "and DPFedAvg both clip and noise"),
+        (uniform, sampler, [], True, "secagg hides them"),
+    ]
+    for aggregator, chosen, plugins, secure, why in refusals:
+        with pytest.raises(
+            FlowerDPError, match=f"DifferentialPrivacyServerSideFixedClipping.*{why}"
+        ):
+            flower_dp.check(dp, aggregator, chosen, plugins, secure)
+    flower_dp.check(dp, uniform, FullParticipation(), [FedProx(mu=0.1)], False)
+    server = FederatedServer(FullParticipation(), FedAvg(weighting="uniform"), seed=0, clients=4)
+    wrapped = flower_dp.wrap(dp, server, 4)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    with pytest.raises(ServerSideError, match=r"round 0 draws 3 participants of weights "
+                                              r"\[0.333333, 0.333333, 0.333333\], and "
+                                              r"DifferentialPrivacyServerSideFixedClipping "
+                                              r"scales its noise to 4 of weight 1/4"):  # fmt: skip
+        wrapped.configure_train(1, arrays, ConfigRecord({}), Grid([10, 0, 5, 60]))
+    with pytest.raises(FlowerDPError, match="dp-clipping='both': give 'server'"):
+        FlowerDP.read({"dp-clipping": "both"})
+    with pytest.raises(FlowerDPError, match="needs dp-clipping-norm in the run config"):
+        FlowerDP.read({"dp-clipping": "client", "dp-noise-multiplier": 1})
+    settings = Settings.read({"recipe": "r.yaml", "dp-clipping": "client",
+                              "dp-noise-multiplier": 1.1, "dp-clipping-norm": 0.2})  # fmt: skip
+    assert settings.dp == FlowerDP("client", 1.1, 0.2)
+    client_side = flower_dp.wrap(settings.dp, FederatedServer(
+        UniformSampler(2), FedAvg(weighting="uniform"), seed=0, clients=4), 4)  # fmt: skip
+    sent = client_side.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30, 5, 60]))
+    assert sent[0].content["config"]["clipping_norm"] == 0.2
+    message = Message(sent[0].content, dst_node_id=100, message_type="train")
+
+    def trained(msg, context):
+        moved = {"w": torch.tensor([3.0, 4.0])}  # ‖Δ‖ = 5
+        content = {"arrays": ArrayRecord(torch_state_dict=moved),
+                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
+        return Message(RecordDict(content), reply_to=msg)
+
+    reply = flower_dp.dp_mod(message, None, trained)
+    clipped = reply.content["arrays"].to_torch_state_dict()["w"]
+    assert torch.allclose(clipped, torch.tensor([0.12, 0.16]))  # scaled to norm 0.2
+    plain = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=100,
+                    message_type="train")  # fmt: skip
+    assert flower_dp.dp_mod(plain, None, lambda m, c: "untouched") == "untouched"

@@ -42,10 +42,10 @@ server alone: it clips each reply's update as it arrives (:meth:`Aggregator.rece
 and adds N(0, σ²) to the weighted sum, drawn from the server's operating system
 (:class:`~lightning_fl.systems.privacy_noise.SecretNoise`), never from the recipe's seed,
 which every site holds; ``dp/epsilon`` is in each round's metrics. A ClientApp's own
-noise (DP-SGD's) is its node's secret likewise (``secret_randomness``). Flower's DP
-wrappers (``DifferentialPrivacyServerSideFixedClipping``, ...) do not compose: they
-calibrate the noise to equal weights 1/n and draw it from NumPy's global generator, which
-the recipe's seed sets.
+noise (DP-SGD's) is its node's secret likewise (``secret_randomness``). Flower's own
+fixed-clipping DP wrappers (run config ``dp-clipping``, :mod:`lightning_fl.flower.flower_dp`)
+wrap the server where their calibration holds (m participants of weight 1/m each), with
+NumPy's generator made secret first.
 
 After every round the server writes ``<out>/server_checkpoint.pt`` (θ^{t+1}, the
 aggregator's, the plugins' and the sampler's state, the clients' counts; tensors and plain
@@ -56,10 +56,11 @@ With the run config's ``secagg=true`` each round's training runs under Flower's 
 (:mod:`lightning_fl.flower.secure_rounds`): the server learns only the sum of the
 participants' weighted updates and round sums (and each one's training loss, in clear).
 
-Not built yet (issue 77): Flower's DP mods, a node that opens only its own client's data
-(the recipe's datamodule is built whole on every node), a resume with client state kept
-in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and plugins whose server half needs
-more than declared state, round sums and a round-end hook.
+Not built yet (issue 77): Flower's adaptive-clipping DP wrappers and ``LocalDpMod``, a
+node that opens only its own client's data (the recipe's datamodule is built whole on
+every node), a resume with client state kept in the nodes' ``Context`` (SCAFFOLD's c_i:
+refused), and plugins whose server half needs more than declared state, round sums and
+a round-end hook.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ from lightning_fl.engine.plugins import (
     RoundState,
 )
 from lightning_fl.engine.tensors import FederatedTensors, float_names, zeros_like
-from lightning_fl.flower import secure_rounds
+from lightning_fl.flower import flower_dp, secure_rounds
+from lightning_fl.flower.flower_dp import FlowerDP
 from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
@@ -127,6 +129,8 @@ class Settings:
     resume: bool = False
     #: run each round's training under Flower's SecAgg+ (None: in clear)
     secure: SecureAggregationSettings | None = None
+    #: wrap the server in one of Flower's central-DP wrappers (None: none)
+    dp: FlowerDP | None = None
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -145,7 +149,7 @@ class Settings:
             float(run_config.get("round-timeout", 600.0)),
             str(run_config.get("evaluate", "val")),
             str(run_config.get("resume", "false")).lower() in ("true", "1", "yes"),
-            SecureAggregationSettings.read(run_config),
+            SecureAggregationSettings.read(run_config), FlowerDP.read(run_config),
         )  # fmt: skip
 
 
@@ -471,6 +475,8 @@ class FederatedServer(Strategy):
     first_round: int = 0
     #: the clients' training counts of the run a checkpoint resumes (checked at ``meet``)
     resumed_counts: np.ndarray | None = None
+    #: (m, why): every round must have m participants of weight 1/m (Flower's DP wrappers)
+    equal_weights: tuple[int, str] | None = None
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -540,6 +546,7 @@ class FederatedServer(Strategy):
         round_idx = self.first_round + server_round - 1
         participation = self.aggregator.participation(round_idx, self.seed, self.target,
                                                       self.sampler)  # fmt: skip
+        self._check_equal_weights(round_idx, participation)
         missing = [c for c in participation.clients if c not in self.nodes]
         if missing:
             raise ServerSideError(
@@ -568,6 +575,19 @@ class FederatedServer(Strategy):
                 content["server_state"] = ArrayRecord(torch_state_dict=server_state)
             messages.append(Message(content, dst_node_id=self.nodes[client], message_type="train"))
         return messages
+
+    def _check_equal_weights(self, round_idx: int, participation: Participation) -> None:
+        if self.equal_weights is None:
+            return
+        m, why = self.equal_weights
+        weights = participation.weights
+        if len(weights) != m or any(abs(w * m - 1.0) > 1e-9 for w in weights):
+            raise ServerSideError(
+                f"round {round_idx} draws {len(weights)} participants of weights "
+                f"{[round(w, 6) for w in weights]}, and {why} scales its noise to {m} of "
+                f"weight 1/{m} each: give every client data and weighting='uniform', or use "
+                "DPFedAvg(noise='central')."
+            )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -799,7 +819,11 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
                     server.first_round)  # fmt: skip
         return initial
     arrays = ArrayRecord(torch_state_dict=initial)
-    if settings.secure is not None:
+    if settings.dp is not None:  # Flower's wrapper, where its calibration holds
+        flower_dp.check(settings.dp, aggregator, server.sampler, plugins, bool(settings.secure))
+        wrapped = flower_dp.wrap(settings.dp, server, settings.clients or 1)
+        final = wrapped.start(grid, arrays, rounds, settings.round_timeout).arrays
+    elif settings.secure is not None:
         check_secure(aggregator)
         final = secure_rounds.run(server, grid, arrays, rounds, settings.secure)
     else:
@@ -867,10 +891,15 @@ def check_secure(aggregator: Aggregator) -> None:
         )
 
 
+#: the ClientApp's mods: Flower's secaggplus_mod for a secure round's messages, its
+#: fixedclipping_mod for those of DifferentialPrivacyClientSideFixedClipping
+CLIENT_MODS = [secure_rounds.secure_mod, flower_dp.dp_mod]
+
+
 def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
     """A ServerApp and a ClientApp bound to ``settings`` (Flower's simulation engine:
     ``flwr.simulation.run_simulation``, which passes no run config)."""
-    server, client = ServerApp(), ClientApp(mods=[secure_rounds.secure_mod])
+    server, client = ServerApp(), ClientApp(mods=CLIENT_MODS)
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
@@ -893,7 +922,7 @@ def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
 
 server_app = ServerApp()
 #: the nodes' ClientApp; it masks its replies when the server runs a secure round
-client_app = ClientApp(mods=[secure_rounds.secure_mod])
+client_app = ClientApp(mods=CLIENT_MODS)
 
 
 @server_app.main()
