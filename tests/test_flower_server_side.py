@@ -454,6 +454,36 @@ def test_secure_rounds_read_their_settings_and_refuse_what_they_would_hide(flowe
     assert [u.tolist() for u in nothing] == [[0.0, 0.0], [0.0]] and none == {}
 
 
+def test_a_robust_rule_reads_each_reply_and_a_non_finite_update_is_dropped(flower_run):
+    """CoordinateMedian on the server, 3 rounds, weights n = (10, 30, 5, 60): the
+    ω̄-weighted median of the updates (0.1(c + 1)(t + 1) every entry) is client 3's, 0.4(t + 1);
+    in round 1 client 3 replies NaN and is dropped as the engine drops it (counted, a
+    warning), and the median over clients 0-2, weights (10, 30, 5)/45, is client 1's."""
+    from lightning_fl.callbacks import CoordinateMedian
+
+    class NaNInRound1(Grid):
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            for reply in replies:
+                if reply.metadata.src_node_id == 103 and self.sent and self.sent[-1][0] == 1:
+                    nan = {
+                        k: torch.full_like(v, float("nan"))
+                        for k, v in reply.content["arrays"].to_torch_state_dict().items()
+                    }
+                    reply.content["arrays"] = ArrayRecord(torch_state_dict=nan)  # fmt: skip
+            return replies
+
+    grid = NaNInRound1([10, 30, 5, 60])
+    server = FederatedServer(FullParticipation(), CoordinateMedian(), seed=0, clients=4)
+    arrays, expected = ArrayRecord(torch_state_dict={"w": torch.zeros(2)}), 0.0
+    for server_round, moved in ((1, 0.4), (2, 0.2 * 2), (3, 0.4 * 3)):
+        messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
+        expected += moved
+        assert torch.allclose(arrays.to_torch_state_dict()["w"], torch.full((2,), expected))
+        assert metrics["dropped_updates"] == (1.0 if server_round == 2 else 0.0)
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})
@@ -508,6 +538,19 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     ):
         server_side.check_server_side(Near(), [])
     server_side.check_server_side(FedAdam(), [SCAFFOLD(), FedProx(mu=0.1)])
+    from lightning_fl.callbacks import FineTune, KNNPer, Pooled
+    from lightning_fl.systems.samplers import SimilarityClusteredSampler
+
+    with pytest.raises(ServerSideError, match="Pooled trains on every client's data in one"):
+        server_side.check_server_side(Pooled(), [])
+    with pytest.raises(ServerSideError, match="SimilarityClusteredSampler reads the round's "
+                                              "updates or the clients' losses"):  # fmt: skip
+        server_side.check_server_side(FedAvg(), [], SimilarityClusteredSampler(2))
+    for plugin in (FineTune(), KNNPer()):  # personalized evaluation: refused where nodes evaluate
+        with pytest.raises(ServerSideError, match=f"{type(plugin).__name__} personalizes or "
+                                                  "observes a client's evaluation"):  # fmt: skip
+            server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), "val")
+        server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), None)
     silo = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
     with pytest.raises(ServerSideError, match="names silos or a transport"):
         server_side.instantiate(Settings(str(silo)))

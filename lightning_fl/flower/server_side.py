@@ -86,13 +86,22 @@ from lightning_fl.engine.client_store import ClientStore
 from lightning_fl.engine.context import FederatedConfig
 from lightning_fl.engine.outputs import append_csv
 from lightning_fl.engine.plugins import (
+    CLIENT_UPDATES,
     Aggregator,
     FedAvg,
     FederatedCallback,
     PluginView,
     RoundState,
 )
-from lightning_fl.engine.tensors import FederatedTensors, float_names, zeros_like
+from lightning_fl.engine.tensors import (
+    FederatedTensors,
+    all_finite,
+    flat_size,
+    flatten,
+    float_names,
+    zeros_like,
+)
+from lightning_fl.engine.traits import Trait, traits_of
 from lightning_fl.flower import flower_dp, secure_rounds
 from lightning_fl.flower.flower_dp import FlowerDP
 from lightning_fl.flower.secure_rounds import SecureAggregationSettings
@@ -605,11 +614,27 @@ class FederatedServer(Strategy):
         state = self._round_state(metrics)
         self._add_round_sums(state, [sums[c] for c in participation.clients if c in sums])
         names = float_names(start)
-        for client, weight in zip(participation.clients, participation.weights):
-            if client in trained:  # a node that did not reply: a dropped update
-                update = [trained[client][k] - start[k] for k in names]
-                update = self.aggregator.receive_update(client, update, state)  # DP's clip
-                torch._foreach_add_(state.update_sum, update, alpha=weight)
+        if self.aggregator.needs_client_updates:  # robust rules read each update's row
+            rows = torch.zeros(len(participation.clients), flat_size(state.global_tensors) + 1,
+                               dtype=state.global_tensors[0].dtype,
+                               device=state.global_tensors[0].device)  # fmt: skip
+            state.extra_sums[CLIENT_UPDATES] = [rows]
+        for client in participation.clients:
+            if client not in trained or client in state.accepted:  # not replied: dropped
+                continue
+            update = [trained[client][k] - start[k] for k in names]
+            update = self.aggregator.receive_update(client, update, state)  # DP's clip
+            if not all_finite(update):  # as the engine: dropped, with a warning
+                logger.warning("Round %d: client %d sent an update with NaN or Inf; it is "
+                               "dropped.", state.round_idx, client)  # fmt: skip
+                state.dropped.append(client)
+                state.dropped_count += 1
+                continue
+            torch._foreach_add_(state.update_sum, update, alpha=state.weight_of(client))
+            state.accepted.append(client)
+            if CLIENT_UPDATES in state.extra_sums:
+                rows, row = state.extra_sums[CLIENT_UPDATES][0], state.row_of(client)
+                rows[row, :-1], rows[row, -1] = flatten(update), 1.0
         return self._step(state, metrics)
 
     def aggregate_sum(
@@ -798,17 +823,18 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     strategy = cli.trainer.strategy
     aggregator = recipe_aggregator(cli.trainer.callbacks)
     plugins = client_plugins(cli.trainer.callbacks)
-    check_server_side(aggregator, plugins)
+    split = settings.evaluate or None
+    if split == "val" and cli.trainer.limit_val_batches == 0:
+        split = None  # the recipe validates nothing during a fit (FLamby's)
+    check_server_side(aggregator, plugins, strategy.sampler, split)
     out = Path(settings.out) if settings.out else None
     params = [p.detach().cpu().clone() for p in cli.model.parameters()]
     server = FederatedServer(strategy.sampler, aggregator, strategy.config.seed, plugins, params,
                              settings.clients, out, settings.node_timeout,
-                             settings.min_available_nodes, settings.evaluate or None,
-                             config=strategy.config, tensors=FederatedTensors(cli.model),
+                             settings.min_available_nodes, split, config=strategy.config,
+                             tensors=FederatedTensors(cli.model),
                              rounds=cli.trainer.max_epochs)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
-    if settings.evaluate == "val" and cli.trainer.limit_val_batches == 0:
-        server.split = None  # the recipe validates nothing during a fit (FLamby's)
     if settings.resume:
         initial = server.resume(read_checkpoint(out))
         logger.info("lightning-fl FederatedServer: resumed from its checkpoint of round %d",
@@ -850,11 +876,42 @@ def read_checkpoint(out: Path | None) -> dict[str, Any]:
 SERVER_HOOKS = ("on_round_start", "on_before_round_sum", "sum_over_ranks")
 
 
-def check_server_side(aggregator: Aggregator, plugins: Sequence[FederatedCallback]) -> None:
+#: a plugin's hooks around a client's evaluation, which the nodes' evaluation skips
+EVALUATION_HOOKS = ("on_client_evaluation_start", "on_client_evaluation_end")
+
+
+def check_server_side(
+    aggregator: Aggregator,
+    plugins: Sequence[FederatedCallback],
+    sampler: ClientSampler | None = None,
+    split: str | None = None,
+) -> None:
     """Refuse, naming it, an aggregator that acts beside its clients
-    (:meth:`Aggregator.client_side_hooks`: the ClientApps train without it), or a plugin
-    whose server half needs more than its declared server state, round sums and
-    round-end hook."""
+    (:meth:`Aggregator.client_side_hooks`: the ClientApps train without it) or pools
+    them, a sampler that reads the round's updates or losses, a plugin whose server half
+    needs more than its declared server state, round sums and round-end hook, and, where
+    the nodes evaluate (``split``), a plugin that decides the evaluated model (the nodes'
+    evaluation runs the module alone)."""
+    if aggregator.pools_clients:
+        raise ServerSideError(
+            f"{type(aggregator).__name__} trains on every client's data in one process (the "
+            "centralized baseline), not on the nodes: run it with lightning-fl fit."
+        )
+    if sampler is not None and (sampler.needs_updates or sampler.needs_losses):
+        raise ServerSideError(
+            f"{type(sampler).__name__} reads the round's updates or the clients' losses, "
+            "which the server-side mode does not gather yet: use UniformSampler, MDSampler, "
+            "PoissonSampler or FullParticipation, or the relay mode."
+        )
+    for plugin in plugins if split is not None else ():
+        hooks = [h for h in EVALUATION_HOOKS
+                 if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
+        if hooks or Trait.DECIDES_THE_EVALUATED_MODEL in traits_of(plugin):
+            raise ServerSideError(
+                f"{type(plugin).__name__} personalizes or observes a client's evaluation, and "
+                "the nodes' evaluation runs the module alone: set the run config's "
+                'evaluate="" (and evaluate with lightning-fl test), or use the relay mode.'
+            )
     if own := aggregator.client_side_hooks():
         raise ServerSideError(
             f"{type(aggregator).__name__} does not run in the server-side mode yet: its "
