@@ -484,6 +484,40 @@ def test_a_robust_rule_reads_each_reply_and_a_non_finite_update_is_dropped(flowe
         assert metrics["dropped_updates"] == (1.0 if server_round == 2 else 0.0)
 
 
+def test_the_flower_apps_run_config_declares_every_option_with_its_default():
+    """``flwr run --run-config`` accepts only keys the app declares: every key the server
+    and the nodes read is in recipes/flower_server/pyproject.toml, and its values there
+    are the readers' defaults (min-available-nodes 0: every client's node)."""
+    import tomllib
+
+    app = tomllib.loads((ROOT / "recipes" / "flower_server" / "pyproject.toml").read_text())
+    declared = app["tool"]["flwr"]["app"]["config"]
+
+    class Asked(dict):
+        asked: set[str] = set()
+
+        def get(self, key, default=None):
+            self.asked.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            self.asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self.asked.add(key)
+            return super().__contains__(key)
+
+    read = Settings.read(Asked(declared))
+    Settings.read(Asked({**declared, "secagg": True, "dp-clipping": "server",
+                         "dp-noise-multiplier": 1.0, "dp-clipping-norm": 1.0}))  # fmt: skip
+    assert Asked.asked <= set(declared), Asked.asked - set(declared)
+    assert set(declared) <= Asked.asked, set(declared) - Asked.asked
+    defaults = Settings(declared["recipe"], (), 4, declared["out"])
+    assert read == defaults
+    assert Settings.read({**declared, "min-available-nodes": 3}).min_available_nodes == 3
+
+
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="has no 'recipe'"):
         Settings.read({})
@@ -751,7 +785,9 @@ def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_
         wrapped.configure_train(1, arrays, ConfigRecord({}), Grid([10, 0, 5, 60]))
     with pytest.raises(FlowerDPError, match="dp-clipping='both': give 'server'"):
         FlowerDP.read({"dp-clipping": "both"})
-    with pytest.raises(FlowerDPError, match="needs dp-clipping-norm in the run config"):
+    with pytest.raises(FlowerDPError, match=r"needs dp-noise-multiplier > 0 and "
+                                            r"dp-clipping-norm > 0 in the run config \(got 1 "
+                                            r"and 0\)"):  # fmt: skip
         FlowerDP.read({"dp-clipping": "client", "dp-noise-multiplier": 1})
     settings = Settings.read({"recipe": "r.yaml", "dp-clipping": "client",
                               "dp-noise-multiplier": 1.1, "dp-clipping-norm": 0.2})  # fmt: skip

@@ -79,16 +79,14 @@ class FlowerDP:
                 "DifferentialPrivacyServerSideFixedClipping) or 'client' (its client-side "
                 "wrapper with fixedclipping_mod)."
             )
-        missing = [k for k in ("dp-noise-multiplier", "dp-clipping-norm") if k not in run_config]
-        if missing:
+        z = float(run_config.get("dp-noise-multiplier", 0.0))
+        norm = float(run_config.get("dp-clipping-norm", 0.0))
+        if not z > 0 or not norm > 0:
             raise FlowerDPError(
-                f"dp-clipping={clipping} needs {' and '.join(missing)} in the run config."
+                f"dp-clipping={clipping} needs dp-noise-multiplier > 0 and dp-clipping-norm > 0 "
+                f"in the run config (got {z:g} and {norm:g})."
             )
-        return cls(
-            clipping,  # type: ignore[arg-type]
-            float(run_config["dp-noise-multiplier"]),
-            float(run_config["dp-clipping-norm"]),
-        )
+        return cls(clipping, z, norm)  # type: ignore[arg-type]
 
     @property
     def wrapper(self) -> str:

@@ -154,7 +154,7 @@ class Settings:
             str(run_config["recipe"]), tuple(overrides),
             None if clients is None else int(clients), run_config.get("out"),
             float(run_config.get("node-timeout", 120.0)),
-            None if least is None else int(least),
+            int(least) or None if least is not None else None,  # 0: every client's node
             float(run_config.get("round-timeout", 600.0)),
             str(run_config.get("evaluate", "val")),
             str(run_config.get("resume", "false")).lower() in ("true", "1", "yes"),
