@@ -200,6 +200,48 @@ def test_a_node_that_leaves_is_not_sent_and_min_available_nodes_stops_the_run(fl
         server.configure_train(3, after, ConfigRecord({}), grid)
 
 
+def test_a_node_that_left_is_a_dropped_update_and_a_client_apps_error_stops_the_run(
+    flower_run,
+):
+    """Flower answers for a node that left (its heartbeat stopped, its ClientApp's
+    process killed) with an error reply: the round goes on without it, as a dropped
+    update; an error of the ClientApp itself stops the run, naming the node and reason."""
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    class Failed(Reply):
+        def __init__(self, node, code, reason):
+            super().__init__(node, RecordDict())
+            self.error = Error(code, reason)
+
+        def has_error(self):
+            return True
+
+    class Leaving(Grid):
+        code = ErrorCode.NODE_UNAVAILABLE
+
+        def send_and_receive(self, messages, timeout=None):
+            replies = super().send_and_receive(messages, timeout)
+            if not self.sent or self.sent[-1][0] != 1:
+                return replies
+            return [Failed(103, self.code, "no heartbeat") if r.metadata.src_node_id == 103
+                    else r for r in replies]  # fmt: skip
+
+    grid = Leaving([10, 30, 0, 60])
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    for server_round in (1, 2):
+        messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
+    assert metrics["dropped_updates"] == 1.0
+    moved = 0.1 * 1 * 0.1 + 0.1 * 2 * 0.3 + 0.1 * 4 * 0.6 + 0.2 * 1 * 0.1 + 0.2 * 2 * 0.3
+    assert torch.allclose(arrays.to_torch_state_dict()["w"], torch.full((2,), moved))
+    grid.code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    messages = server.configure_train(2, arrays, ConfigRecord({}), grid)  # round 1 again
+    with pytest.raises(ServerSideError, match="the node 103 failed: no heartbeat"):
+        server.aggregate_train(2, grid.send_and_receive(messages))
+
+
 def test_a_plugins_server_state_goes_down_and_its_round_sums_come_up(flower_run):
     """SCAFFOLD's server half on the server: c (zero at first) goes to every participant
     with θ^t, and c ← c + Σ_i (p_i Δc_i) of the replies (control_weighting "target": the
@@ -602,6 +644,24 @@ def _simulated(recipe: Path, rounds: int, folder: Path, test: bool):
     return cli.model.state_dict(), metrics
 
 
+def _run_simulation(server, client, folder: Path) -> None:
+    """The apps under Flower's simulation engine (Ray), 4 SuperNodes, in ``folder`` (what
+    a ClientApp's fit writes stays there)."""
+    from flwr.simulation import run_simulation
+
+    pytest.importorskip("ray", reason="flwr[simulation] is not installed")
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_simulation(server, client, num_supernodes=4, backend_config={
+                "client_resources": {"num_cpus": 1},
+                "init_args": {"num_cpus": 2, "include_dashboard": False}})  # fmt: skip
+    finally:
+        os.chdir(cwd)
+
+
 @needs_heart
 @pytest.mark.parametrize("name", ["fedavg", "scaffold"])
 def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path):
@@ -611,25 +671,12 @@ def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path
     down with θ^t, each node keeps its c_i in its Context's state, and the server adds
     the replies' Σ p_i Δc_i (measured: FedAvg 0.0, SCAFFOLD 3.7e-9; FedAdam, FedYogi and
     FedProx 0.0 by the same run, outside the suite)."""
-    from flwr.simulation import run_simulation
-
-    pytest.importorskip("ray", reason="flwr[simulation] is not installed")
     recipe = ROOT / "recipes" / "flamby" / f"heart_{name}.yaml"
     out = tmp_path / "server"
     overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "3")
     split = "test" if name == "fedavg" else ""  # each round's evaluation, on one recipe
     settings = Settings(str(recipe), overrides, clients=4, out=str(out), evaluate=split)
-    server, client = server_side.make_apps(settings)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # anything a ClientApp's fit writes stays in the test's folder
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run_simulation(server, client, num_supernodes=4, backend_config={
-                "client_resources": {"num_cpus": 1},
-                "init_args": {"num_cpus": 2, "include_dashboard": False}})  # fmt: skip
-    finally:
-        os.chdir(cwd)
+    _run_simulation(*server_side.make_apps(settings), tmp_path)
     flower = torch.load(out / "final_model.pt", weights_only=True)
     simulated, tested = _simulated(recipe, 3, tmp_path / "simulation", test=bool(split))
     assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
@@ -648,14 +695,14 @@ def test_secagg_plus_hides_each_update_and_its_sum_steps_the_model(tmp_path):
     receives holds an array in clear, each masked vector is spread over [0, 2^32) where
     its quantized clear values would all sit near 2^21, and the model that the unmasked
     sums step (Σ ω_i Δ_i and SCAFFOLD's Σ p_i Δc_i) is lightning-fl's 1-process model
-    within SecAgg+'s quantization (2c/2^22 a coordinate and node; measured 2e-7)."""
+    within SecAgg+'s quantization: c = 0.5 (the largest weighted coordinate measured:
+    0.11), a level 2c/2^22 a coordinate, node and round (measured: 1.8e-5 with Flower's
+    default c = 8, 1.8e-6 with c = 1)."""
     from flwr.common import bytes_to_ndarray
     from flwr.serverapp import ServerApp
-    from flwr.simulation import run_simulation
 
     from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 
-    pytest.importorskip("ray", reason="flwr[simulation] is not installed")
     recipe = ROOT / "recipes" / "flamby" / "heart_scaffold.yaml"
     out = tmp_path / "server"
     overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "2")
@@ -681,17 +728,7 @@ def test_secagg_plus_hides_each_update_and_its_sum_steps_the_model(tmp_path):
     def _main(grid, context):
         server_side.serve(settings, Recording(grid))
 
-    _, client = server_side.make_apps(settings)
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run_simulation(server, client, num_supernodes=4, backend_config={
-                "client_resources": {"num_cpus": 1},
-                "init_args": {"num_cpus": 2, "include_dashboard": False}})  # fmt: skip
-    finally:
-        os.chdir(cwd)
+    _run_simulation(server, server_side.make_apps(settings)[1], tmp_path)
     masked = [r.content.config_records["secaggplus_configs"]["masked_params"]
               for r in received if "fitres.parameters" in r.content.array_records]  # fmt: skip
     assert len(masked) == 8  # 4 nodes, 2 rounds

@@ -237,6 +237,20 @@ def test_a_runs_status_is_its_exit_code_with_the_servers_reason(monkeypatch, cap
     monkeypatch.setattr(run_status, "_flwr", stopped)
     assert run_status.main(["42", "local"]) == 1
     assert capsys.readouterr().err.strip() == "lightning-fl: run 42 stopped: stopped by the user"
+    server_side = FakeFlwr(
+        ["finished:failed"],
+        (
+            "ERROR: ServerApp raised an exception\nTraceback (most recent call last):\n"
+            '  File "x.py", line 3, in serve\n'
+            "lightning_fl.flower.server_side.ServerSideError: round 2: 1 nodes are connected\n"
+            "ERROR: Exit Code: 201\n"
+        ),
+    )  # the exception, not Flower's exit code
+    monkeypatch.setattr(run_status, "_flwr", server_side)
+    assert run_status.main(["42", "local"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "lightning-fl: run 42 failed: lightning_fl.flower.server_side.ServerSideError: "
+        "round 2: 1 nodes are connected")  # fmt: skip
     other = FakeFlwr(["finished:failed"], "INFO: a\nValueError: the data is gone\nINFO: b\n")
     monkeypatch.setattr(run_status, "_flwr", other)
     assert run_status.main(["42", "local"]) == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,13 +44,21 @@ def status(run_id: int, superlink: Sequence[str]) -> tuple[str, str]:
     return runs[0]["status"], runs[0].get("status-details") or ""
 
 
+#: a traceback's last line: the exception's (dotted) class name, then its message
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure): ")
+
+
 def reason(run_id: int, superlink: Sequence[str], details: str) -> str:
     """Why the run failed: the last error of the relay in the server's log, else the
-    last error line there, else Flower's details."""
+    ServerApp's last exception there (``<module>.<Name>Error: …``), else its last error
+    line, else Flower's details."""
     lines = _flwr("log", str(run_id), *superlink, "--show").stdout.splitlines()
     marked = [line.split(FAILURE_MARK, 1)[1] for line in lines if FAILURE_MARK in line]
     if marked:
         return marked[-1].strip()
+    raised = [line.strip() for line in lines if EXCEPTION_LINE.match(line.strip())]
+    if raised:
+        return raised[-1]
     errors = [line.strip() for line in lines if "Error" in line or "ERROR" in line]
     return errors[-1] if errors else details or "no reason in the server's log"
 

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
@@ -605,7 +606,7 @@ class FederatedServer(Strategy):
         trained: dict[int, dict[str, torch.Tensor]] = {}
         sums: dict[int, dict[str, torch.Tensor]] = {}
         metrics: dict[int, Any] = {}
-        for reply in replies:
+        for reply in arrived(replies, self._round[0]):
             record = _content(reply, "metrics")
             client = int(record["client"])
             metrics[client] = record
@@ -791,7 +792,7 @@ class FederatedServer(Strategy):
         """The clients' metrics, weighted by their samples (``<m>/weighted``, lightning_fl's
         weighted mean over clients) and uniform (``<m>/uniform``), written with the round
         to ``<out>/evaluation.csv``."""
-        reports = [_content(reply, "metrics") for reply in replies]
+        reports = [_content(reply, "metrics") for reply in arrived(replies, server_round - 1)]
         reports = [r for r in reports if int(r["num-examples"]) > 0]
         if not reports:
             return None
@@ -807,6 +808,25 @@ class FederatedServer(Strategy):
             row = [self.first_round + server_round - 1, *(f"{v:.10g}" for v in summary.values())]
             append_csv(str(self.out / "evaluation.csv"), header, [row])
         return MetricRecord(summary)
+
+
+#: Flower's error codes of a node that left (its SuperNode stopped, or its ClientApp's
+#: process was killed): a dropped update, not a failed run
+NODE_GONE = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+             ErrorCode.NODE_UNAVAILABLE, ErrorCode.CLIENT_APP_CRASHED)  # fmt: skip
+
+
+def arrived(replies: Iterable[Message], round_idx: int) -> list[Message]:
+    """The replies with content; a node that left is logged and left out (its client a
+    dropped update); any other error (the ClientApp raised) stops the run, naming it."""
+    kept = []
+    for reply in replies:
+        if reply.has_error() and reply.error.code in NODE_GONE:
+            logger.warning("Round %d: the node %d left (%s); its client's update is dropped.",
+                           round_idx, reply.metadata.src_node_id, reply.error.reason)  # fmt: skip
+            continue
+        kept.append(reply)
+    return kept
 
 
 def _content(reply: Message, key: str) -> Any:
