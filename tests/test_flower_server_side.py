@@ -753,6 +753,19 @@ def test_flowers_dp_wrappers_compose_where_their_noise_is_calibrated(flower_run,
     from lightning_fl.flower.flower_dp import FlowerDP
     from lightning_fl.systems.samplers import UniformSampler
 
+    asked = []
+
+    def entropy(size):
+        asked.append(size)
+        return bytes(i % 251 for i in range(size))
+
+    system = os.urandom
+    monkeypatch.setattr(flower_dp.os, "urandom", entropy)
+    flower_dp.secret_numpy_state()  # the whole Mersenne Twister state from the OS: 624 words
+    monkeypatch.setattr(flower_dp.os, "urandom", system)
+    state = np.random.get_state()
+    assert asked == [624 * 4] and (state[2], state[3]) == (624, 0)
+    assert np.array_equal(state[1], np.frombuffer(entropy(2496), dtype=np.uint32))
     np.random.seed(0)  # what the recipe's seed_everything leaves
     seeded = np.random.get_state()[1].copy()
     server = FederatedServer(UniformSampler(2), FedAvg(weighting="uniform"), seed=1, clients=4)
@@ -826,9 +839,18 @@ def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_
                                             r"dp-clipping-norm > 0 in the run config \(got 1 "
                                             r"and 0\)"):  # fmt: skip
         FlowerDP.read({"dp-clipping": "client", "dp-noise-multiplier": 1})
+    with pytest.raises(FlowerDPError, match=r"\(got 0 and 1\)"):  # z = 0: no noise at all
+        FlowerDP.read({"dp-clipping": "server", "dp-noise-multiplier": 0, "dp-clipping-norm": 1})
     settings = Settings.read({"recipe": "r.yaml", "dp-clipping": "client",
-                              "dp-noise-multiplier": 1.1, "dp-clipping-norm": 0.2})  # fmt: skip
-    assert settings.dp == FlowerDP("client", 1.1, 0.2)
+                              "dp-noise-multiplier": "1.1", "dp-clipping-norm": "0.2"})  # fmt: skip
+    assert settings.dp == FlowerDP("client", 1.1, 0.2)  # from a run config's strings too
+
+    class Summed(FederatedCallback):  # round sums alone: the wrappers would clip them
+        def __init__(self):
+            self.add_round_sum("s", shape=(1,))
+
+    with pytest.raises(FlowerDPError, match="Summed sends round sums or server state"):
+        flower_dp.check(dp, uniform, sampler, [Summed()], False)
     client_side = flower_dp.wrap(settings.dp, FederatedServer(
         UniformSampler(2), FedAvg(weighting="uniform"), seed=0, clients=4), 4)  # fmt: skip
     sent = client_side.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30, 5, 60]))
