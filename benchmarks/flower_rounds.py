@@ -4,7 +4,8 @@ per site, as the README's "Deploying across hospitals" runs them; the server-sid
 the same runtime, one SuperNode per client, the ServerApp aggregating) against silo mode
 over gloo (the same 3 site processes, torch.distributed), and the 1-process simulation.
 
-    python benchmarks/flower_rounds.py [--rounds 6] [--modes relay,server_side,silo,simulation]
+    python benchmarks/flower_rounds.py [--rounds 6]
+        [--modes relay,server_side,server_side_secagg,silo,simulation]
         [--repo PATH] [--out benchmarks/results/flower.md]
 
 A round's time is the interval between two of the first site's round lines
@@ -164,11 +165,11 @@ def relay(tmp: Path, repo: Path, rounds: int) -> list[float]:
         shutil.rmtree(mailboxes, ignore_errors=True)
 
 
-def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
+def server_side(tmp: Path, repo: Path, rounds: int, extra: str = "") -> list[float]:
     """The server-side mode on the same runtime (SuperLink with TLS and node keys): one
     SuperNode per client of the heart recipe (4, ``--node-config client=N``), the
     ServerApp's FederatedServer aggregating; a round ends when the server writes its
-    checkpoint (``server_checkpoint.pt``)."""
+    checkpoint (``server_checkpoint.pt``). ``extra``: more run config."""
     clients = [f"client{c}" for c in range(4)]
     link = SecureLink(tmp, repo, clients)
     out = tmp / "server"
@@ -176,7 +177,7 @@ def server_side(tmp: Path, repo: Path, rounds: int) -> list[float]:
         nodes = [link.supernode(name, f"client={c}", tmp) for c, name in enumerate(clients)]
         recipe = repo / "recipes" / "flamby" / "heart_scaffold.yaml"
         config = (f'recipe="{recipe}" clients=4 out="{out}" overrides="--data.init_args.root '
-                  f'{HEART} --trainer.max_epochs {rounds}"')  # fmt: skip
+                  f'{HEART} --trainer.max_epochs {rounds}" {extra}')  # fmt: skip
         link.flwr("run", str(repo / "recipes" / "flower_server"), "local", "--run-config", config)
         return _file_times(out / "server_checkpoint.pt", rounds, nodes, 120 + 120 * rounds)
     finally:
@@ -242,7 +243,14 @@ def simulation(tmp: Path, repo: Path, rounds: int) -> list[float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-MODES = {"relay": relay, "server_side": server_side, "silo": silo, "simulation": simulation}
+def server_side_secagg(tmp: Path, repo: Path, rounds: int) -> list[float]:
+    """The server-side mode with each round's training under Flower's SecAgg+ (its four
+    stages: four messages a node and round)."""
+    return server_side(tmp, repo, rounds, "secagg=true secagg-clipping-range=1.0")
+
+
+MODES = {"relay": relay, "server_side": server_side, "server_side_secagg": server_side_secagg,
+         "silo": silo, "simulation": simulation}  # fmt: skip
 
 
 def main() -> None:
