@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -642,6 +643,39 @@ def _simulated(recipe: Path, rounds: int, folder: Path, test: bool):
                "--trainer.default_root_dir", str(folder)], exit_on_error=False)  # fmt: skip
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     return cli.model.state_dict(), metrics
+
+
+@needs_heart
+def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(tmp_path):
+    """A node of client 2 (switzerland) whose folder holds only processed.switzerland.data:
+    its count, its round of the heart SCAFFOLD recipe (c_i's "target" weighting reads p_2
+    from the server's counts) and its evaluation equal those of a node with all four
+    files; counts that disagree with its own data are refused."""
+    own = tmp_path / "switzerland"
+    own.mkdir()
+    shutil.copy(HEART / "processed.switzerland.data", own)
+    recipe = str(ROOT / "recipes" / "flamby" / "heart_scaffold.yaml")
+    whole = Settings(recipe, ("--data.init_args.root", str(HEART)))
+    alone = Settings(recipe, ("--data.init_args.root", str(own)))
+    counts = [server_side.client_count(whole, c) for c in range(4)]
+    assert server_side.client_count(alone, 2) == counts[2] and len(set(counts)) == 4
+    start = {k: v.clone() for k, v in server_side.instantiate(whole).model.state_dict().items()}
+    everything = server_side.train_client(whole, 2, 1, start)
+    only_its_own = server_side.train_client(alone, 2, 1, start, counts=counts)
+    for k in start:
+        assert torch.equal(only_its_own.model[k], everything.model[k]), k
+    assert only_its_own.round_sums.keys() == everything.round_sums.keys()
+    for k, v in everything.round_sums.items():  # p_2 Δc_2: the server's p_2
+        assert torch.equal(only_its_own.round_sums[k], v), k
+    assert server_side.evaluate_client(alone, 2, start, "test") == (
+        server_side.evaluate_client(whole, 2, start, "test"))  # fmt: skip
+    wrong = [*counts[:2], counts[2] + 1, counts[3]]
+    with pytest.raises(ValueError, match=f"client 2 has {counts[2]} training samples here, "
+                                         f"and training_counts says {counts[2] + 1}"):  # fmt: skip
+        server_side.train_client(alone, 2, 1, start, counts=wrong)
+    with pytest.raises(ValueError, match="training_counts gives 3 clients, and the "
+                                         "datamodule has 4"):  # fmt: skip
+        server_side.train_client(alone, 2, 1, start, counts=counts[:3])
 
 
 def _run_simulation(server, client, folder: Path) -> None:

@@ -68,6 +68,9 @@ class FederatedConfig:
     #: secret generator, never from the seed: the sites are separate institutions (silo
     #: mode), or the fit is one site's part of a deployment (a Flower ClientApp's)
     secret_randomness: bool = False
+    #: every client's training count, given rather than read: a fit whose datamodule
+    #: opens only its own clients (a Flower ClientApp's, with the server's counts)
+    training_counts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         """Check the settings together (one local-work rule, the vectorized options'
@@ -161,6 +164,7 @@ class Federation:
         datamodule: FederatedDataModule,
         require_data: bool = True,
         ranks: Ranks | None = None,
+        given: Sequence[int] | None = None,
     ) -> None:
         self.datamodule = datamodule
         #: in silo mode, every client's training batches per pass over its data
@@ -172,6 +176,8 @@ class Federation:
             counts = client_training_counts(datamodule, require_data)
         else:
             counts = self._gather_silos(ranks or Ranks(1, 0), require_data)
+        if given is not None:  # every client's count, given: this process's must agree
+            counts = _agreeing(np.asarray(counts, dtype=np.int64), given, datamodule)
         #: every client's training sample count (unseen clients: 0), an int64 array read
         #: once; read-only, host-side bookkeeping
         self.training_counts: np.ndarray = np.asarray(counts, dtype=np.int64)
@@ -276,6 +282,24 @@ def client_training_counts(dm: FederatedDataModule, require_data: bool = True) -
         "Every client has an empty training set: there is nothing to train on. Check the "
         "datamodule's split fractions and data path.",
     )  # fmt: skip
+
+
+def _agreeing(read: np.ndarray, given: Sequence[int], dm: FederatedDataModule) -> np.ndarray:
+    """The ``given`` counts, once this process's own clients' ``read`` counts agree."""
+    counts = np.asarray(given, dtype=np.int64)
+    if len(counts) != len(read):
+        raise ValueError(
+            f"training_counts gives {len(counts)} clients, and the datamodule has "
+            f"{len(read)}: give every client's count (the server's, in the client order)."
+        )
+    for client in dm.local_clients():
+        if counts[client] != read[client]:
+            raise ValueError(
+                f"client {client} has {read[client]} training samples here, and "
+                f"training_counts says {counts[client]}: this process's data differs from "
+                "what the counts were taken from."
+            )
+    return counts
 
 
 def _seen_training_counts(

@@ -146,6 +146,10 @@ class FederatedStrategy(DDPStrategy):
             (:mod:`lightning_fl.systems.privacy_noise`), not from ``seed``: a fit that is
             one site's part of a deployment (a Flower ClientApp's in the server-side
             mode). Always so with ``silos``; default False (a simulation, reproducible).
+        training_counts: every client's training count, given rather than read from the
+            datamodule (which then checks its own clients' against them): a fit whose
+            datamodule opens only its own client, as a Flower ClientApp's in the
+            server-side mode does, with the server's counts (the target weights p_i).
     """
 
     strategy_name = "federated"
@@ -183,6 +187,7 @@ class FederatedStrategy(DDPStrategy):
         vectorize_evaluation: bool | Literal["auto"] = "auto",
         first_round: int = 0,
         secret_randomness: bool = False,
+        training_counts: list[int] | None = None,
         **lightning_options: Any,
     ) -> None:
         super().__init__(timeout=processes.as_timedelta(timeout), **lightning_options)
@@ -197,6 +202,7 @@ class FederatedStrategy(DDPStrategy):
             allow_new_federation=allow_new_federation, eval_clients=eval_clients,
             vectorize_evaluation=vectorize_evaluation, silos=bool(silos),
             first_round=first_round, secret_randomness=bool(silos) or secret_randomness,
+            training_counts=None if training_counts is None else tuple(training_counts),
         )  # fmt: skip
         self.sites = SiloSites.named(silos, silo, transport)
         self.transport = transport  # None: torch.distributed (engine/collectives.py)
@@ -319,7 +325,8 @@ class FederatedStrategy(DDPStrategy):
         if not fitting and last is not None and last.datamodule is trainer.datamodule:
             federation, packed = last.federation, last.packed  # the last fit's, read once
         else:
-            federation, packed = Federation(trainer.datamodule, fitting, ranks), None
+            given = self.config.training_counts
+            federation, packed = Federation(trainer.datamodule, fitting, ranks, given), None
         if fitting:
             packed = self._prepare_fit(trainer, federation, plugins.aggregator.pools_clients)
             if not plugins.aggregator.pools_clients:

@@ -23,11 +23,14 @@ simulation engine :func:`make_apps` builds the same pair from arguments. A node 
 the recipe's client ``partition-id`` (the simulation engine's node config) or
 ``client`` (a SuperNode's ``--node-config client=N``).
 
-What crosses the network: at the start each node says which client it trains and its
-number of training samples (a ``query``); each round the server sends each participant
-θ^t and the round, and each replies its trained model θ_i, its sample count and its
-training loss. The server sees every participant's model: use the relay mode (the server
-sees only sums) where the server is not trusted with them.
+A node opens only its own client's data (:func:`open_own_client`: the datamodule's silo
+view of that one client), so its folder needs only that client's files. What crosses the
+network: at the start each node says which client it trains and its number of training
+samples (a ``query``); each round the server sends each participant θ^t, the round, its
+weight ω_i and every client's training count (what the target weights p_i read, as silo
+mode shares them), and each replies its trained model θ_i and its training loss. The
+server sees every participant's model: use the relay mode (the server sees only sums), or
+``secagg=true`` below, where the server is not trusted with them.
 
 Each round the server also sends θ^{t+1} to every connected node in an ``evaluate``
 message (run config ``evaluate``: the split, ``val`` by default unless the recipe
@@ -57,10 +60,9 @@ With the run config's ``secagg=true`` each round's training runs under Flower's 
 participants' weighted updates and round sums (and each one's training loss, in clear).
 
 Not built yet (issue 77): Flower's adaptive-clipping DP wrappers and ``LocalDpMod``, a
-node that opens only its own client's data (the recipe's datamodule is built whole on
-every node), a resume with client state kept in the nodes' ``Context`` (SCAFFOLD's c_i:
-refused), and plugins whose server half needs more than declared state, round sums and
-a round-end hook.
+resume with client state kept in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and
+plugins whose server half needs more than declared state, round sums and a round-end
+hook.
 """
 
 from __future__ import annotations
@@ -233,18 +235,25 @@ def node_client(node_config: dict[str, Any]) -> int:
     )
 
 
-def client_count(settings: Settings, client: int) -> int:
-    """The client's number of training samples (what the sampler's weights read)."""
-    cli = instantiate(settings, _QUIET)
-    dm = cli.datamodule
-    dm.prepare_data()
-    dm.setup("fit")
+def open_own_client(dm: Any, client: int) -> None:
+    """Make the node's datamodule hold ``client`` alone (its silo view, before ``setup``:
+    it opens only that client's data, so a node's folder needs only its own files)."""
     if not 0 <= client < dm.num_clients:
         raise ServerSideError(
             f"this node trains client {client}, and the recipe has {dm.num_clients} "
             f"clients (0-{dm.num_clients - 1}): fix the node's client or partition-id."
         )
-    return int(dm.sample_counts("train")[client])
+    dm.enter_silo(client, dm.num_clients)
+
+
+def client_count(settings: Settings, client: int) -> int:
+    """The client's number of training samples (what the sampler's weights read)."""
+    cli = instantiate(settings, _QUIET)
+    dm = cli.datamodule
+    open_own_client(dm, client)
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm.local_sample_counts("train")[client]
 
 
 def train_client(
@@ -254,13 +263,16 @@ def train_client(
     start: dict[str, torch.Tensor],
     server_state: dict[str, torch.Tensor] | None = None,
     client_state: dict[str, torch.Tensor] | None = None,
+    counts: Sequence[int] | None = None,
 ) -> Trained:
     """``client``'s local training of round ``round_idx`` from ``start``: one lightning_fl
     fit of that round, the client alone, with the recipe's module, data, local steps,
     seed and client-side plugins. The plugins' declared server state (SCAFFOLD's c) is
     ``server_state``'s, and the client's declared state (its c_i) ``client_state``'s;
     returned: the trained model, the plugins' round sums over this client (Σ Δc_i), its
-    new declared state and its training loss."""
+    new declared state and its training loss. The datamodule opens ``client``'s data
+    alone; ``counts`` are every client's training counts (the server's; the target
+    weights p_i read them), by default the datamodule's."""
     from lightning.pytorch.callbacks import Checkpoint
 
     sampler = {"class_path": f"{__name__}.OneClient", "init_args": {"client": client}}
@@ -269,7 +281,11 @@ def train_client(
                  "--trainer.strategy.init_args.sampler", json.dumps(sampler),
                  # a client's privacy noise (DP-SGD's) is its node's secret, not the recipe's
                  "--trainer.strategy.init_args.secret_randomness", "true"]  # fmt: skip
+    if counts is not None:
+        one_round += ["--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]
     cli = instantiate(settings, [*_QUIET, *one_round])
+    if counts is not None:  # else the whole federation's counts are read on this node
+        open_own_client(cli.datamodule, client)
     trainer = cli.trainer
     aggregator = recipe_aggregator(trainer.callbacks)
     plugins = client_plugins(trainer.callbacks)
@@ -378,6 +394,7 @@ def evaluate_client(
 
     cli = instantiate(settings, _QUIET)
     dm, module = cli.datamodule, cli.model
+    open_own_client(dm, client)
     dm.prepare_data()
     dm.setup("fit" if split == "val" else "test")
     module.load_state_dict(model)
@@ -421,7 +438,9 @@ def _train(settings: Settings, message: Message, context: Context) -> Message:
     start = message.content["arrays"].to_torch_state_dict()
     server_state = _arrays(message.content, "server_state")
     client_state = _arrays(context.state, CLIENT_STATE)
-    trained = train_client(settings, client, round_idx, start, server_state, client_state)
+    counts = message.content["config"].get("counts")
+    trained = train_client(settings, client, round_idx, start, server_state, client_state,
+                           None if counts is None else [int(n) for n in counts])  # fmt: skip
     if trained.client_state:  # kept on the node, never sent
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
     if secure_rounds.is_secure(message.content):  # masked by secaggplus_mod
@@ -487,6 +506,8 @@ class FederatedServer(Strategy):
     resumed_counts: np.ndarray | None = None
     #: (m, why): every round must have m participants of weight 1/m (Flower's DP wrappers)
     equal_weights: tuple[int, str] | None = None
+    #: the recipe's number of clients (the counts sent to the nodes cover them all)
+    num_clients: int | None = None
     #: client -> node, and each client's training count, from the nodes' answers
     nodes: dict[int, int] = field(default_factory=dict)
     counts: np.ndarray | None = None
@@ -521,7 +542,7 @@ class FederatedServer(Strategy):
                 )
             self.nodes[client] = reply.metadata.src_node_id
             counts[client] = int(metrics["num-examples"])
-        size = max(counts) + 1
+        size = max(max(counts) + 1, self.num_clients or 0)
         self.counts = np.array([counts.get(c, 0) for c in range(size)], dtype=np.int64)
         if self.resumed_counts is not None and not np.array_equal(self.counts, self.resumed_counts):
             raise ServerSideError(
@@ -579,7 +600,8 @@ class FederatedServer(Strategy):
             if client in away:
                 continue
             # ω_i: what a node weighs its update by under secure aggregation
-            config_record = ConfigRecord({**config, "round": round_idx, "weight": weight})
+            config_record = ConfigRecord({**config, "round": round_idx, "weight": weight,
+                                          "counts": [int(n) for n in self.counts]})  # fmt: skip
             content = RecordDict({"arrays": arrays, "config": config_record})
             if server_state:
                 content["server_state"] = ArrayRecord(torch_state_dict=server_state)
@@ -853,7 +875,8 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
                              settings.clients, out, settings.node_timeout,
                              settings.min_available_nodes, split, config=strategy.config,
                              tensors=FederatedTensors(cli.model),
-                             rounds=cli.trainer.max_epochs)  # fmt: skip
+                             rounds=cli.trainer.max_epochs,
+                             num_clients=cli.datamodule.num_clients)  # fmt: skip
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     if settings.resume:
         initial = server.resume(read_checkpoint(out))
