@@ -120,7 +120,7 @@ def test_the_strategy_applies_the_samplers_weights_by_hand_and_drops_a_silent_no
     message, and θ^{t+1} = θ^t + Σ_{i replied} ω_i (θ_i − θ^t), not renormalized."""
     grid = Grid([10, 30, 0, 60], silent={3}, silent_round=1)
     server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4)
-    theta = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5]), "steps": torch.tensor(3)}
+    theta = {"steps": torch.tensor(3), "w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
     arrays = ArrayRecord(torch_state_dict=theta)
     expected = {k: v.clone() for k, v in theta.items()}
     for server_round in (1, 2, 3):
@@ -395,9 +395,33 @@ def test_a_resumed_server_continues_from_its_checkpoint_bit_for_bit(flower_run, 
     the nodes' Context), no checkpoint."""
     from lightning_fl.systems.samplers import UniformSampler
 
-    def server(out, plugins=()):
-        return FederatedServer(UniformSampler(2), FedAdam(server_lr=0.05), seed=3,
-                               plugins=list(plugins), clients=4, out=out, rounds=4)  # fmt: skip
+    class Counted(UniformSampler):  # a sampler with state: the rounds it drew
+        def __init__(self):
+            super().__init__(2)
+            self.draws = 0
+
+        def sample(self, round_idx, seed, p):
+            self.draws += 1
+            return super().sample(round_idx, seed, p)
+
+        def state_dict(self):
+            return {"draws": self.draws}
+
+        def load_state_dict(self, state):
+            self.draws = state["draws"]
+
+    class Moved(FederatedCallback):  # server state like the parameters: Σ of the steps
+        def __init__(self):
+            self.add_server_state("moved", like="params")
+
+        def on_round_end(self, trainer, pl_module, state):
+            torch._foreach_add_(self.moved, state.update_sum)
+
+    def server(out, plugins=None):
+        plugins = [Moved()] if plugins is None else plugins
+        return FederatedServer(Counted(), FedAdam(server_lr=0.05), seed=3, plugins=plugins,
+                               params=[torch.zeros(2), torch.zeros(1)], clients=4, out=out,
+                               rounds=4)  # fmt: skip
 
     def train(server, arrays, rounds, grid):
         for server_round in rounds:
@@ -408,18 +432,27 @@ def test_a_resumed_server_continues_from_its_checkpoint_bit_for_bit(flower_run, 
     theta = ArrayRecord(torch_state_dict={"w": torch.tensor([1.0, -2.0]), "b": torch.zeros(1)})
     whole_grid, cut_grid, resumed_grid = Grid([10, 30, 5, 60]), Grid([10, 30, 5, 60]), Grid(
         [10, 30, 5, 60])  # fmt: skip
-    whole = train(server(tmp_path / "whole"), theta, (1, 2, 3, 4), whole_grid)
-    train(server(tmp_path / "cut"), theta, (1, 2), cut_grid)
-    checkpoint = server_side.read_checkpoint(tmp_path / "cut")
+    uninterrupted = server(tmp_path / "whole")
+    whole = train(uninterrupted, theta, (1, 2, 3, 4), whole_grid)
+    train(server(tmp_path / "cut" / "out"), theta, (1, 2), cut_grid)  # its folder made
+    checkpoint = server_side.read_checkpoint(tmp_path / "cut" / "out")
     assert checkpoint["round"] == 1 and checkpoint["aggregator"]["first_moment"] is not None
-    resumed = server(tmp_path / "cut")
+    resumed = server(tmp_path / "cut" / "out")
     model = resumed.resume(checkpoint)
+    assert resumed.sampler.draws == 2
     final = train(resumed, ArrayRecord(torch_state_dict=model), (1, 2), resumed_grid)
     assert all(torch.equal(final[k], whole[k]) for k in whole)
+    moved, whole_moved = resumed.plugins[0].moved, uninterrupted.plugins[0].moved
+    assert all(torch.equal(a, b) for a, b in zip(moved, whole_moved))
+    unsafe = tmp_path / "unsafe"
+    unsafe.mkdir()
+    torch.save({"round": 1, "code": Settings("r.yaml")}, unsafe / "server_checkpoint.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):  # never run as code
+        server_side.read_checkpoint(unsafe)
     assert [r for r, _, _ in resumed_grid.sent] == [2, 2, 3, 3]
     assert resumed_grid.sent == whole_grid.sent[4:]
-    assert server_side.read_checkpoint(tmp_path / "cut")["round"] == 3
-    other = server(tmp_path / "cut")
+    assert server_side.read_checkpoint(tmp_path / "cut" / "out")["round"] == 3
+    other = server(tmp_path / "cut" / "out")
     other.resume(checkpoint)
     with pytest.raises(ServerSideError, match=r"the nodes report the training counts "
                                               r"\[10, 30, 5, 61\], and the checkpoint's run "
@@ -427,7 +460,7 @@ def test_a_resumed_server_continues_from_its_checkpoint_bit_for_bit(flower_run, 
         other.meet(Grid([10, 30, 5, 61]))
     with pytest.raises(ServerSideError, match="SCAFFOLD keeps each client's state in its "
                                               "node's Context"):  # fmt: skip
-        server(tmp_path / "cut", [SCAFFOLD()]).resume(checkpoint)
+        server(tmp_path / "cut" / "out", [SCAFFOLD()]).resume(checkpoint)
     with pytest.raises(ServerSideError, match="resume=true, and there is no "
                                               "server_checkpoint.pt"):  # fmt: skip
         server_side.read_checkpoint(tmp_path / "nowhere")
@@ -438,13 +471,23 @@ def test_a_resumed_server_continues_from_its_checkpoint_bit_for_bit(flower_run, 
 def test_serve_resumes_the_recipes_run_from_its_out_folder(flower_run, tmp_path):
     """The ServerApp's run of recipes/fedadam.yaml (20 clients, 10 a round, FedAdam) over
     the answering grid: 2 rounds, then resume=true with max_epochs 4, end at the 4-round
-    run's model exactly; a resume with nothing left to train returns the checkpoint's."""
+    run's model exactly; a resume with nothing left to train returns the checkpoint's.
+    The nodes evaluate each round unless the recipe validates nothing during a fit, and a
+    recipe the mode cannot run is refused before any node is asked."""
 
-    def serve(out, rounds, resume=False):
-        settings = Settings(str(ROOT / "recipes" / "fedadam.yaml"),
-                            ("--trainer.max_epochs", str(rounds)), clients=20, out=str(out),
-                            evaluate="", resume=resume)  # fmt: skip
+    def serve(out, rounds, resume=False, evaluate="", recipe="fedadam.yaml", extra=()):
+        settings = Settings(str(ROOT / "recipes" / recipe),
+                            ("--trainer.max_epochs", str(rounds), *extra), clients=20,
+                            out=str(out), evaluate=evaluate, resume=resume)  # fmt: skip
         return server_side.serve(settings, Grid([5 + c for c in range(20)]))
+
+    serve(tmp_path / "evaluated", 1, evaluate="val")
+    assert (tmp_path / "evaluated" / "evaluation.csv").exists()
+    serve(tmp_path / "validates_nothing", 1, evaluate="val",
+          extra=("--trainer.limit_val_batches", "0"))  # fmt: skip
+    assert not (tmp_path / "validates_nothing" / "evaluation.csv").exists()
+    with pytest.raises(ServerSideError, match="Local does not run in the server-side mode"):
+        serve(tmp_path / "local", 1, recipe="local.yaml")
 
     whole = serve(tmp_path / "whole", 4)
     cut = serve(tmp_path / "cut", 2)
@@ -527,6 +570,31 @@ def test_a_robust_rule_reads_each_reply_and_a_non_finite_update_is_dropped(flowe
         assert metrics["dropped_updates"] == (1.0 if server_round == 2 else 0.0)
 
 
+def test_every_clients_count_goes_down_and_equal_weights_are_checked_each_round(flower_run):
+    """The recipe's 6 clients, 4 with a node: the counts sent with each train message cover
+    all 6 (the last two at 0); a wrapper that promises m participants of weight 1/m is
+    held to both: 2 of weight 1/4 each are refused, as sample weights are."""
+    grid = Grid([10, 30, 5, 60])
+    server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4, num_clients=6)
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    messages = server.configure_train(1, arrays, ConfigRecord({}), grid)
+    assert list(messages[0].content["config"]["counts"]) == [10, 30, 5, 60, 0, 0]
+    sampler = FullParticipation()
+    sampler.sample = lambda r, seed, p: server_side.Participation((0, 1), (0.25, 0.25))
+    quarter = FederatedServer(sampler, FedAvg(weighting="uniform"), seed=0, clients=4)
+    quarter.equal_weights = (2, "Wrapper")
+    with pytest.raises(ServerSideError, match=r"round 0 draws 2 participants of weights "
+                                              r"\[0.25, 0.25\], and Wrapper scales its "
+                                              r"noise to 2 of weight 1/2"):  # fmt: skip
+        quarter.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30, 5, 60]))
+    from lightning_fl.systems.samplers import UniformSampler
+
+    weighted = FederatedServer(UniformSampler(2), FedAvg(), seed=0, clients=4)
+    weighted.equal_weights = (2, "Wrapper")
+    with pytest.raises(ServerSideError, match="round 0 draws 2 participants of weights"):
+        weighted.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30, 5, 60]))
+
+
 def test_the_flower_apps_run_config_declares_every_option_with_its_default():
     """``flwr run --run-config`` accepts only keys the app declares: every key the server
     and the nodes read is in recipes/flower_server/pyproject.toml, and its values there
@@ -558,7 +626,7 @@ def test_the_flower_apps_run_config_declares_every_option_with_its_default():
     assert set(declared) <= Asked.asked, set(declared) - Asked.asked
     defaults = Settings(declared["recipe"], (), 4, declared["out"])
     assert read == defaults
-    assert Settings.read({**declared, "min-available-nodes": 3}).min_available_nodes == 3
+    assert Settings.read({**declared, "min-available-nodes": "3"}).min_available_nodes == 3
 
 
 def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
@@ -628,6 +696,14 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
                                                   "observes a client's evaluation"):  # fmt: skip
             server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), "val")
         server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), None)
+    from lightning_fl.engine.traits import Trait
+
+    class Decides(FederatedCallback):  # the trait alone, no evaluation hook
+        traits = {Trait.DECIDES_THE_EVALUATED_MODEL: ""}
+
+    with pytest.raises(ServerSideError, match="Decides personalizes or observes"):
+        server_side.check_server_side(FedAvg(), [Decides()], FullParticipation(), "val")
+    server_side.check_server_side(FedAvg(), [FedProx(mu=0.1)], FullParticipation(), "val")
     silo = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
     with pytest.raises(ServerSideError, match="names silos or a transport"):
         server_side.instantiate(Settings(str(silo)))
