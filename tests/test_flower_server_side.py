@@ -488,6 +488,17 @@ def test_serve_resumes_the_recipes_run_from_its_out_folder(flower_run, tmp_path)
     assert not (tmp_path / "validates_nothing" / "evaluation.csv").exists()
     with pytest.raises(ServerSideError, match="Local does not run in the server-side mode"):
         serve(tmp_path / "local", 1, recipe="local.yaml")
+    from lightning_fl.flower.flower_dp import FlowerDP, FlowerDPError
+    from lightning_fl.flower.secure_rounds import SecureAggregationSettings
+
+    recipe = str(ROOT / "recipes" / "fedadam.yaml")  # sample weights: Flower's noise misfits
+    with pytest.raises(FlowerDPError, match="scales its noise to m clients"):
+        server_side.serve(Settings(recipe, dp=FlowerDP("server", 1.0, 1.0)), Grid([5, 6]))
+    dp_recipe = str(ROOT / "recipes" / "privacy" / "digits_dp_fedavg.yaml")
+    with pytest.raises(ServerSideError, match="DPFedAvg reads each client's update"):
+        server_side.serve(
+            Settings(dp_recipe, evaluate="", secure=SecureAggregationSettings()), Grid([5, 6])
+        )
 
     whole = serve(tmp_path / "whole", 4)
     cut = serve(tmp_path / "cut", 2)
@@ -740,7 +751,11 @@ def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(
     only_its_own = server_side.train_client(alone, 2, 1, start, counts=counts)
     for k in start:
         assert torch.equal(only_its_own.model[k], everything.model[k]), k
-    assert only_its_own.round_sums.keys() == everything.round_sums.keys()
+    assert (
+        only_its_own.round_sums.keys()
+        == everything.round_sums.keys()
+        == {f"SCAFFOLD.control_delta.{i}" for i in range(len(start))}
+    )  # its declared sums only
     for k, v in everything.round_sums.items():  # p_2 Δc_2: the server's p_2
         assert torch.equal(only_its_own.round_sums[k], v), k
     assert server_side.evaluate_client(alone, 2, start, "test") == (
