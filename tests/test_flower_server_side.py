@@ -525,6 +525,11 @@ def test_secure_rounds_read_their_settings_and_refuse_what_they_would_hide(flowe
                                            "secagg-threshold": 0.5,
                                            "secagg-clipping-range": 2})  # fmt: skip
     assert read == SecureAggregationSettings(3, 0.5, 2.0)
+    # a TOML float that is a whole count above 1 is a count; 1.0 and below, a fraction
+    shares = [SecureAggregationSettings.read({"secagg": "true", "secagg-num-shares": n})
+              .num_shares for n in (3.0, 2.0, 1.0, 0.5, "4")]  # fmt: skip
+    assert shares == [3, 2, 1.0, 0.5, 4] and [type(n) for n in shares] == [
+        int, int, float, float, int]  # fmt: skip
     assert Settings.read({"recipe": "r.yaml", "secagg": "true"}).secure == (
         SecureAggregationSettings())  # fmt: skip
     with pytest.raises(ServerSideError, match="DPFedAvg reads each client's update on the "
