@@ -74,8 +74,6 @@ class SecureAggregationSettings:
     clipping_range: float = 8.0
     #: quantization levels over [−c, c]
     quantization_range: int = 2**22
-    #: seconds to wait for each stage's replies (None: until every node answers)
-    timeout: float | None = None
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> SecureAggregationSettings | None:
@@ -137,29 +135,36 @@ def run(
     initial: ArrayRecord,
     rounds: int,
     settings: SecureAggregationSettings,
+    timeout: float | None = None,
 ) -> ArrayRecord:
     """``rounds`` rounds of ``server`` (a FederatedServer) with each round's training
-    under SecAgg+, then its evaluation as in the clear mode; returns the final model."""
+    under SecAgg+, then its evaluation as in the clear mode; returns the final model.
+    ``timeout``: the seconds each stage waits for its replies (the run's round timeout:
+    a node that has not answered by then has dropped)."""
     arrays = initial
     for server_round in range(1, rounds + 1):
         messages = list(server.configure_train(server_round, arrays, ConfigRecord({}), grid))
-        total, metrics = secure_sum(grid, messages, server_round, settings)
+        total, metrics = secure_sum(grid, messages, server_round, settings, timeout)
         update_sum, round_sums = split_sum(total, arrays.to_torch_state_dict(),
                                            server.round_sum_shapes())  # fmt: skip
         arrays, _ = server.aggregate_sum(update_sum, round_sums, metrics)
         evaluations = list(server.configure_evaluate(server_round, arrays, ConfigRecord({}), grid))
         if evaluations:
-            replies = grid.send_and_receive(evaluations, timeout=settings.timeout)
+            replies = grid.send_and_receive(evaluations, timeout=timeout)
             server.aggregate_evaluate(server_round, replies)
     return arrays
 
 
 def secure_sum(
-    grid: Grid, messages: Sequence[Message], server_round: int, settings: SecureAggregationSettings
+    grid: Grid,
+    messages: Sequence[Message],
+    server_round: int,
+    settings: SecureAggregationSettings,
+    timeout: float | None = None,
 ) -> tuple[list[np.ndarray] | None, dict[int, Any]]:
-    """SecAgg+ over the nodes of ``messages`` (each node's round content): the sum of
-    the vectors of the nodes that replied (None if none did), and their metrics by
-    client."""
+    """SecAgg+ over the nodes of ``messages`` (each node's round content), each stage
+    waiting ``timeout`` seconds at most: the sum of the vectors of the nodes that replied
+    (None if none did), and their metrics by client."""
     if len(messages) < 2:
         raise RuntimeError(
             f"round {server_round - 1} has {len(messages)} participant(s) with a node: SecAgg+ "
@@ -180,7 +185,7 @@ def secure_sum(
         {m.metadata.dst_node_id: m.content for m in messages},
         num_shares=settings.num_shares, reconstruction_threshold=settings.reconstruction_threshold,
         max_weight=1.0, clipping_range=settings.clipping_range,
-        quantization_range=settings.quantization_range, timeout=settings.timeout,
+        quantization_range=settings.quantization_range, timeout=timeout,
     )  # fmt: skip
     workflow(grid, context)
     if collector.mean is None:

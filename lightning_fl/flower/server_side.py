@@ -595,13 +595,14 @@ class FederatedServer(Strategy):
                 if getattr(plugin, name) is None:
                     setattr(plugin, name, zeros_like(self.params))
         server_state = server_state_arrays(self.plugins)
+        counts = self.counts.tolist()  # every client's: the nodes' target weights read them
         messages = []
         for client, weight in zip(participation.clients, participation.weights):
             if client in away:
                 continue
             # ω_i: what a node weighs its update by under secure aggregation
             config_record = ConfigRecord({**config, "round": round_idx, "weight": weight,
-                                          "counts": [int(n) for n in self.counts]})  # fmt: skip
+                                          "counts": counts})  # fmt: skip
             content = RecordDict({"arrays": arrays, "config": config_record})
             if server_state:
                 content["server_state"] = ArrayRecord(torch_state_dict=server_state)
@@ -814,7 +815,8 @@ class FederatedServer(Strategy):
         """The clients' metrics, weighted by their samples (``<m>/weighted``, lightning_fl's
         weighted mean over clients) and uniform (``<m>/uniform``), written with the round
         to ``<out>/evaluation.csv``."""
-        reports = [_content(reply, "metrics") for reply in arrived(replies, server_round - 1)]
+        round_idx = self.first_round + server_round - 1
+        reports = [_content(reply, "metrics") for reply in arrived(replies, round_idx)]
         reports = [r for r in reports if int(r["num-examples"]) > 0]
         if not reports:
             return None
@@ -827,7 +829,7 @@ class FederatedServer(Strategy):
             summary[f"{name}/uniform"] = sum(values) / len(values)
         if self.out is not None:
             header = ["round", *summary]
-            row = [self.first_round + server_round - 1, *(f"{v:.10g}" for v in summary.values())]
+            row = [round_idx, *(f"{v:.10g}" for v in summary.values())]
             append_csv(str(self.out / "evaluation.csv"), header, [row])
         return MetricRecord(summary)
 
@@ -894,7 +896,8 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
         final = wrapped.start(grid, arrays, rounds, settings.round_timeout).arrays
     elif settings.secure is not None:
         check_secure(aggregator)
-        final = secure_rounds.run(server, grid, arrays, rounds, settings.secure)
+        final = secure_rounds.run(server, grid, arrays, rounds, settings.secure,
+                                  settings.round_timeout)  # fmt: skip
     else:
         final = server.start(grid, arrays, rounds, settings.round_timeout).arrays
     final = final.to_torch_state_dict()
