@@ -103,7 +103,7 @@ def check(
     """Refuse, naming both and the fix, what the wrapper's calibration or clipping does
     not fit (the module's docstring)."""
     name = dp.wrapper
-    if type(aggregator).receive_update is not Aggregator.receive_update:
+    if Trait.BOUNDS_THE_SUMS_SENSITIVITY in traits_of(aggregator):  # its own clip and noise
         raise FlowerDPError(
             f"{name} and {type(aggregator).__name__} both clip and noise the updates: keep "
             "one (drop dp-clipping, or aggregate with FedAvg)."
