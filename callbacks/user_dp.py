@@ -257,7 +257,7 @@ class DPFedAvg(Aggregator):
         self.add_server_state("clip_norm", self.initial_clip_norm)  # C_t (adaptive)
         self.add_server_state("momentum")  # the server momentum's buffer
         if target_quantile is not None:
-            self.add_round_sum("unclipped", shape=(1,))  # b_t's count, over every rank
+            self.add_round_sum("unclipped", shape=(1,), bound=1.0)  # b_t's count
         self._planned_rounds: int | None = None
         self._sites, self._rank = 1, 0  # W and this site's rank, read at the fit's start
         #: W, the eligible users and q of this fit, read from its counts and sampler at
@@ -381,7 +381,8 @@ class DPFedAvg(Aggregator):
 
     def on_server_start(self, rounds: int | None) -> None:
         """Flower's server-side mode: the server clips each update as it arrives and adds
-        the noise, from its operating system's secret generator (one site: the server)."""
+        the noise, from its operating system's secret generator (one site: the server);
+        with local noise, each node's half clips and noises its own client's update."""
         self._start(rounds, 1, 0)
 
     def client_side_hooks(self) -> tuple[str, ...]:
@@ -389,6 +390,11 @@ class DPFedAvg(Aggregator):
         on the sites before their sums leave; central noise is the server's alone."""
         return {"central": (), "local": ("transform_update",),
                 "distributed": ("on_before_round_sum",)}[self.noise]  # fmt: skip
+
+    def reads_each_update(self) -> bool:
+        """The server clips each update as it arrives with central and distributed noise;
+        with local noise each client clips its own."""
+        return self.noise != "local"
 
     def _start(self, rounds: int | None, sites: int, rank: int) -> None:
         """The fit's planned rounds, W sites and this one's rank; the population is read

@@ -349,18 +349,24 @@ def test_dp_fedavgs_central_noise_is_drawn_by_the_server_from_its_secret(flower_
 def test_dp_fedavgs_client_half_is_refused_and_an_empty_round_steps_only_if_it_aggregates(
     flower_run,
 ):
-    """DPFedAvg's local and distributed noise act beside the clients (the ClientApps
-    train without the aggregator): refused, naming the hook; central noise runs. A round
+    """DPFedAvg's distributed noise acts on the sites' sums before they leave (the
+    ClientApps train without the aggregator): refused, naming the hook; central noise
+    runs on the server, local noise on the nodes (their half of the aggregator), and
+    secagg hides nothing the server needs only with local noise. A round
     that draws nobody is not aggregated (FedAvgM's momentum would move θ), unless the
     aggregator aggregates empty rounds (DPFedAvg noises it all the same)."""
     from lightning_fl.callbacks import DPFedAvg, FedAvgM
     from lightning_fl.systems.samplers import Participation
 
-    for noise, hook in (("local", "transform_update"), ("distributed", "on_before_round_sum")):
-        with pytest.raises(ServerSideError, match=f"DPFedAvg does not run in the server-side "
-                                                  f"mode yet: its {hook} run beside"):  # fmt: skip
-            server_side.check_server_side(DPFedAvg(noise=noise), [])
+    refused = "DPFedAvg does not run in the server-side mode yet: its on_before_round_sum run"
+    with pytest.raises(ServerSideError, match=refused):
+        server_side.check_server_side(DPFedAvg(noise="distributed"), [])
     server_side.check_server_side(DPFedAvg(noise="central"), [])
+    server_side.check_server_side(DPFedAvg(noise="local"), [])
+    server_side.check_secure(DPFedAvg(noise="local"))
+    with pytest.raises(ServerSideError, match="DPFedAvg reads each client's update on the "
+                                              "server, and secagg hides them"):  # fmt: skip
+        server_side.check_secure(DPFedAvg(noise="central"))
     over = DPFedAvg(noise_multiplier=0.7, epsilon_budget=1.0)  # the run's 3 rounds: ε > 1
     tight = FederatedServer(FullParticipation(), over, seed=0, clients=2, rounds=3)
     arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
@@ -536,6 +542,14 @@ def test_secure_rounds_read_their_settings_and_refuse_what_they_would_hide(flowe
                                               "server, and secagg hides them"):  # fmt: skip
         server_side.check_secure(DPFedAvg())
     server_side.check_secure(FedAdam())
+    adaptive = DPFedAvg(noise="local", target_quantile=0.5)  # its count: 0 or 1 a node
+    clipped = (
+        "DPFedAvg's round sum 'unclipped' reaches 1 a client, and "
+        "secagg-clipping-range=0.5 would clip it: set secagg-clipping-range to at least 1"
+    )
+    with pytest.raises(ServerSideError, match=clipped):
+        server_side.check_secure(adaptive, [SCAFFOLD()], 0.5)
+    server_side.check_secure(adaptive, [SCAFFOLD()], 1.0)
     one = [flwr.app.Message(RecordDict(), dst_node_id=5, message_type="train")]
     with pytest.raises(RuntimeError, match="round 2 has 1 participant.*needs at least 2"):
         secure_rounds.secure_sum(Grid([1]), one, 3, SecureAggregationSettings())
@@ -821,23 +835,32 @@ def test_flowers_simulation_engine_equals_lightning_fl_simulation(name, tmp_path
 @needs_heart
 def test_secagg_plus_hides_each_update_and_its_sum_steps_the_model(tmp_path):
     """SecAgg+ (``secaggplus_mod`` on the nodes, Flower's workflow on the server) for the
-    heart SCAFFOLD recipe, 2 rounds under ``run_simulation``: no train reply the server
-    receives holds an array in clear, each masked vector is spread over [0, 2^32) where
-    its quantized clear values would all sit near 2^21, and the model that the unmasked
-    sums step (Σ ω_i Δ_i and SCAFFOLD's Σ p_i Δc_i) is lightning-fl's 1-process model
-    within SecAgg+'s quantization: c = 0.5 (the largest weighted coordinate measured:
-    0.11), a level 2c/2^22 a coordinate, node and round (measured: 1.8e-5 with Flower's
-    default c = 8, 1.8e-6 with c = 1)."""
+    heart SCAFFOLD recipe with DPFedAvg(noise="local")'s adaptive clipping as its
+    aggregator (z = 0: each node clips its own update to C_t before SCAFFOLD reads it,
+    and masks its count of unclipped updates; C^0 = 0.05 clips 3 of the 4 in round 0),
+    2 rounds under ``run_simulation``: no train reply the server receives holds an array
+    in clear, each masked vector is spread over [0, 2^32) where its quantized clear
+    values would all sit near 2^21, and the model that the unmasked sums step (Σ ω_i
+    clip(Δ_i), SCAFFOLD's Σ p_i Δc_i, and the count that moves C_1) is lightning-fl's
+    1-process model within SecAgg+'s quantization: c = 1 (the count's bound), a level
+    2c/2^22 a coordinate, node and round (measured with SCAFFOLD and FedAvg: 1.8e-5 with
+    Flower's default c = 8, 1.8e-6 with c = 1)."""
+    import yaml
     from flwr.common import bytes_to_ndarray
     from flwr.serverapp import ServerApp
 
     from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 
-    recipe = ROOT / "recipes" / "flamby" / "heart_scaffold.yaml"
+    config = yaml.safe_load((ROOT / "recipes" / "flamby" / "heart_scaffold.yaml").read_text())
+    config["trainer"]["callbacks"][1] = {"class_path": "lightning_fl.callbacks.DPFedAvg",
+        "init_args": {"noise": "local", "noise_multiplier": 0.0, "clip_norm": 0.05,
+                      "target_quantile": 0.5}}  # fmt: skip
+    recipe = tmp_path / "heart_scaffold_dp.yaml"
+    recipe.write_text(yaml.safe_dump(config))
     out = tmp_path / "server"
     overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "2")
     settings = Settings(str(recipe), overrides, clients=4, out=str(out), evaluate="",
-                        secure=SecureAggregationSettings(clipping_range=0.5))  # fmt: skip
+                        secure=SecureAggregationSettings(clipping_range=1.0))  # fmt: skip
     received = []
 
     class Recording:
@@ -870,7 +893,7 @@ def test_secagg_plus_hides_each_update_and_its_sum_steps_the_model(tmp_path):
     flower = torch.load(out / "final_model.pt", weights_only=True)
     simulated, _ = _simulated(recipe, 2, tmp_path / "simulation", test=False)
     gap = max(float((flower[k] - simulated[k]).abs().max()) for k in simulated)
-    assert gap <= 2 * 4 * 2 * 0.5 / 2**22  # 2 rounds, 4 nodes, a level 2c/2^22 each
+    assert gap <= 2 * 4 * 2 * 1.0 / 2**22  # 2 rounds, 4 nodes, a level 2c/2^22 each
 
 
 def test_flowers_dp_wrappers_compose_where_their_noise_is_calibrated(flower_run, monkeypatch):
@@ -999,3 +1022,99 @@ def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_
     plain = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=100,
                     message_type="train")  # fmt: skip
     assert flower_dp.dp_mod(plain, None, lambda m, c: "untouched") == "untouched"
+
+
+class Nodes:
+    """Four nodes that answer as the ClientApp does (its query and train handlers, each
+    node with its own Context: ``client`` in its node config, its own state)."""
+
+    def __init__(self, settings: Settings) -> None:
+        from flwr.app import Context
+
+        self.settings = settings
+        self.contexts = {100 + c: Context(7, 100 + c, {"client": c}, RecordDict(), {})
+                         for c in range(4)}  # fmt: skip
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        answer = {"query": server_side._answer_query, "train": server_side._train}
+        replies = []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            handler = answer[message.metadata.message_type]
+            reply = handler(self.settings, message, self.contexts[node])
+            replies.append(Reply(node, reply.content))
+        return replies
+
+
+def _dp_recipe(folder: Path, noise: str, sampler: dict) -> Path:
+    """The heart FedAvg recipe, 10 local steps, with DPFedAvg's ``noise`` and adaptive
+    clipping (C^0 = 0.05 clips some updates and not others)."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "recipes" / "flamby" / "heart_fedavg.yaml").read_text())
+    recipe["trainer"]["strategy"]["init_args"].update(local_steps=10, sampler=sampler)
+    recipe["trainer"]["callbacks"] = [{"class_path": "lightning_fl.callbacks.DPFedAvg",
+        "init_args": {"noise": noise, "noise_multiplier": 0.8, "clip_norm": 0.05,
+                      "example_cap": 100.0, "target_quantile": 0.5, "count_std": 1.0,
+                      "server_lr": 0.9}}]  # fmt: skip
+    path = folder / f"heart_dp_{noise}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@needs_heart
+def test_dp_fedavgs_local_noise_is_added_on_each_node_from_its_secret(
+    flower_run, monkeypatch, tmp_path
+):
+    """DPFedAvg(noise="local") with adaptive clipping, UniformSampler 3 of 4, 3 rounds, on
+    the heart data (counts 199, 172, 30, 85: w = (1, 1, 0.3, 0.85) with ŵ = 100): each
+    node draws the round's participation itself, clips its update and adds its share
+    N(0, σ²/K)/ω_k from its own secret, and replies its count of unclipped updates; the
+    server adds the count's noise from its secret. With every secret draw replaced by the
+    seeded one of the same (purpose, keys), the server's model equals lightning-fl's
+    1-process simulation to 1e-6; the nodes drew "dp_fedavg_local" for exactly the
+    round's participants, the server only "dp_count"."""
+    from lightning_fl.systems import privacy_noise
+
+    drawn: list[tuple[str, tuple[int, ...]]] = []
+    seeded = privacy_noise.SeededNoise.normal
+
+    def secret_normal(self, size, purpose="", *keys):
+        drawn.append((purpose, keys))
+        return seeded(privacy_noise.SeededNoise(0), size, purpose, *keys)
+
+    monkeypatch.setattr(privacy_noise.SecretNoise, "normal", secret_normal)
+    sampler = {"class_path": "lightning_fl.UniformSampler", "init_args": {"clients_per_round": 3}}
+    recipe = _dp_recipe(tmp_path, "local", sampler)
+    overrides = ("--data.init_args.root", str(HEART), "--trainer.max_epochs", "3")
+    settings = Settings(str(recipe), overrides, clients=4, evaluate="")
+    flower = server_side.serve(settings, Nodes(settings))
+    local = [keys for purpose, keys in drawn if purpose == "dp_fedavg_local"]
+    assert [p for p, _ in drawn if p != "dp_fedavg_local"] == ["dp_count"] * 3
+    assert len(local) == 9 and {r for r, _ in local} == {0, 1, 2}
+    for r in range(3):  # the participants the recipe's sampler draws, each once
+        from lightning_fl.systems.samplers import UniformSampler
+
+        p = torch.tensor([1.0, 1.0, 0.3, 0.85], dtype=torch.float64) / 3.15
+        assert sorted(c for t, c in local if t == r) == sorted(
+            UniformSampler(3).sample(r, 0, p).clients)  # fmt: skip
+    simulated, _ = _simulated(recipe, 3, tmp_path / "simulation", test=False)
+    assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
+    # a node scales its share by its own ω_k, and refuses a server that says otherwise
+    from flwr.app import Message
+
+    drawn_0 = [c for t, c in local if t == 0]
+    left_out = ({0, 1, 2, 3} - set(drawn_0)).pop()
+    nodes = Nodes(settings)
+    for client, weight, why in ((drawn_0[0], 0.123, "weighs client .* by 0.123, and the "
+                                 "recipe's sampler by"),
+                                (left_out, 0.5, f"sent client {left_out} round 0, and the "
+                                 "recipe's UniformSampler does not draw it")):  # fmt: skip
+        config = ConfigRecord({"round": 0, "weight": weight, "counts": [199, 172, 30, 85]})
+        content = RecordDict({"arrays": ArrayRecord(torch_state_dict=flower), "config": config})
+        message = Message(content, dst_node_id=100 + client, message_type="train")
+        with pytest.raises(ServerSideError, match=why):
+            server_side._train(settings, message, nodes.contexts[100 + client])

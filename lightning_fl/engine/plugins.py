@@ -356,16 +356,28 @@ class FederatedCallback(pl.Callback):
         store.set(client, self.client_state_key(name), value)
 
     def add_round_sum(
-        self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+        self,
+        name: str,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        bound: float | None = None,
     ) -> None:
         """Declare ``name``: a sum over a round's clients that every rank adds to (SCAFFOLD's
         Σ Δc_i, DP-FedAvg's count of clipped updates). The engine creates it at zero before
         ``on_round_start`` (like the model's parameters, or one tensor of ``shape``, in the
         parameters' dtype or ``dtype``, on their device), adds it over the ranks in the
-        round's one all-reduce, and the hooks read it with ``state.round_sum(self, name)``."""
+        round's one all-reduce, and the hooks read it with ``state.round_sum(self, name)``.
+        ``bound``: the largest magnitude of an entry one client adds, where one is known
+        (a count: 1), which a secure sum's fixed range must hold."""
         self._declared_state("sum")[name] = shape
         if dtype is not None:
             self._declared_state("sum_dtype")[name] = dtype
+        if bound is not None:
+            self._declared_state("sum_bound")[name] = float(bound)
+
+    def round_sum_bound(self, name: str) -> float | None:
+        """The declared bound of one client's entries of round sum ``name`` (None: none)."""
+        return self._declared_state("sum_bound").get(name)
 
     def add_round_rows(self, name: str) -> None:
         """Declare ``name``: one row per participant of the round (in participation order,
@@ -696,11 +708,20 @@ class Aggregator(FederatedCallback):
     def client_side_hooks(self) -> tuple[str, ...]:
         """The hooks by which this aggregator, as configured, acts beside its clients (on
         the rank that trains them, before the server receives their updates): where an
-        aggregator runs on a server alone (Flower's server-side mode) one with any is
-        refused. Default: every hook of :data:`CLIENT_SIDE_HOOKS` its class overrides;
+        aggregator runs on a server (Flower's server-side mode) its ``transform_update``
+        runs on the nodes, and one with any other is refused. Default: every hook of :data:`CLIENT_SIDE_HOOKS` its class overrides;
         an aggregator whose overrides act only in some configurations says which."""
         return tuple(h for h in self.CLIENT_SIDE_HOOKS
                      if getattr(type(self), h) is not getattr(Aggregator, h))  # fmt: skip
+
+    def reads_each_update(self) -> bool:
+        """Whether this aggregator, as configured, reads each client's update on the
+        server (what secure aggregation hides): a robust rule's rows, or a
+        :meth:`receive_update` that acts. Default: it needs the rows or its class
+        overrides :meth:`receive_update`; one whose override acts only in some
+        configurations says which."""
+        overrides = type(self).receive_update is not Aggregator.receive_update
+        return self.needs_client_updates or overrides
 
     def receive_update(self, client: int, update: TensorList, state: RoundState) -> TensorList:
         """What the server does with ``client``'s update as it arrives, after every

@@ -28,8 +28,9 @@ quantizing; each node reports 1 (with ``max_weight`` 1), so that weighting keeps
 quantization level, and the unmasked mean times the number of nodes that replied is the sum.
 
 Refused with secure aggregation: an aggregator that reads each update on the server
-(``DPFedAvg``'s clipping: use its ``noise="local"`` in the relay mode, or none), and a round
-of fewer than 2 participants (SecAgg+ hides nothing there).
+(``DPFedAvg``'s central clipping: use its ``noise="local"``, whose nodes clip and noise
+their own updates), a round sum whose declared bound a node's entries reach beyond ±c,
+and a round of fewer than 2 participants (SecAgg+ hides nothing there).
 """
 
 from __future__ import annotations

@@ -44,7 +44,9 @@ User-level DP (McMahan et al. 2018, Alg. 1): ``DPFedAvg(noise="central")`` runs 
 server alone: it clips each reply's update as it arrives (:meth:`Aggregator.receive_update`)
 and adds N(0, σ²) to the weighted sum, drawn from the server's operating system
 (:class:`~lightning_fl.systems.privacy_noise.SecretNoise`), never from the recipe's seed,
-which every site holds; ``dp/epsilon`` is in each round's metrics. A ClientApp's own
+which every site holds; ``dp/epsilon`` is in each round's metrics. ``DPFedAvg(noise=
+"local")`` runs its client half on the nodes (:class:`AggregatorOnNode`): each clips its
+update and adds its share of the noise from its own secret before it leaves. A ClientApp's own
 noise (DP-SGD's) is its node's secret likewise (``secret_randomness``). Flower's own
 fixed-clipping DP wrappers (run config ``dp-clipping``, :mod:`lightning_fl.flower.flower_dp`)
 wrap the server where their calibration holds (m participants of weight 1/m each), with
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import warnings
@@ -264,6 +267,7 @@ def train_client(
     server_state: dict[str, torch.Tensor] | None = None,
     client_state: dict[str, torch.Tensor] | None = None,
     counts: Sequence[int] | None = None,
+    aggregator_state: dict[str, float] | None = None,
 ) -> Trained:
     """``client``'s local training of round ``round_idx`` from ``start``: one lightning_fl
     fit of that round, the client alone, with the recipe's module, data, local steps,
@@ -272,13 +276,11 @@ def train_client(
     returned: the trained model, the plugins' round sums over this client (Σ Δc_i), its
     new declared state and its training loss. The datamodule opens ``client``'s data
     alone; ``counts`` are every client's training counts (the server's; the target
-    weights p_i read them), by default the datamodule's."""
+    weights p_i read them), by default the datamodule's; ``aggregator_state`` the
+    aggregator's scalar server state its client half reads (DPFedAvg's adaptive C_t)."""
     from lightning.pytorch.callbacks import Checkpoint
 
-    sampler = {"class_path": f"{__name__}.OneClient", "init_args": {"client": client}}
-    one_round = ["--trainer.max_epochs", "1",
-                 "--trainer.strategy.init_args.first_round", str(round_idx),
-                 "--trainer.strategy.init_args.sampler", json.dumps(sampler),
+    one_round = ["--trainer.strategy.init_args.first_round", str(round_idx),
                  # a client's privacy noise (DP-SGD's) is its node's secret, not the recipe's
                  "--trainer.strategy.init_args.secret_randomness", "true"]  # fmt: skip
     if counts is not None:
@@ -286,14 +288,22 @@ def train_client(
     cli = instantiate(settings, [*_QUIET, *one_round])
     if counts is not None:  # else the whole federation's counts are read on this node
         open_own_client(cli.datamodule, client)
-    trainer = cli.trainer
+    trainer, strategy = cli.trainer, cli.trainer.strategy
+    rounds, trainer.fit_loop.max_epochs = trainer.max_epochs, 1  # the recipe's, then this one
+    recipe_sampler, strategy.sampler = strategy.sampler, OneClient(client)
     aggregator = recipe_aggregator(trainer.callbacks)
     plugins = client_plugins(trainer.callbacks)
     # the recipe's aggregator and server optimizer run on the server; here FedAvg with
     # weight 1 and server_lr 1 leaves the client's model θ^t + (θ_i − θ^t) in the module,
-    # with the recipe's target weights p_i (which SCAFFOLD's "target" weighting reads)
+    # with the recipe's target weights p_i (which SCAFFOLD's "target" weighting reads);
+    # the aggregator's client half (DPFedAvg's local noise) runs first, as in simulation
+    on_node = []
+    if aggregator.client_side_hooks():
+        for name, value in (aggregator_state or {}).items():
+            setattr(aggregator, name, value)
+        on_node = [AggregatorOnNode(aggregator, recipe_sampler, strategy.config, rounds)]
     kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
-    trainer.callbacks = [*kept, FedAvg(weighting=aggregator.weighting)]
+    trainer.callbacks = [*on_node, *kept, FedAvg(weighting=aggregator.weighting)]
     for plugin in plugins:
         load_server_state(plugin, server_state or {})
     store = trainer.strategy.client_store
@@ -306,6 +316,8 @@ def train_client(
                 for name in plugin.declared_round_sums()}  # fmt: skip
     sums = {f"{key}.{i}": t.detach().cpu() for key, tensors in state.extra_sums.items()
             if key in declared for i, t in enumerate(tensors)}  # fmt: skip
+    for half in on_node:
+        sums.update(half.round_sums())
     kept_state = {}
     for plugin in plugins:
         for name, key in plugin.declared_client_state().items():
@@ -322,18 +334,87 @@ def train_client(
         if name == "train_loss"
     }  # fmt: skip
     model = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
-    return Trained(model, sums, kept_state, metrics)
+    weight = on_node[0].weight if on_node else None
+    return Trained(model, sums, kept_state, metrics, weight)
 
 
 @dataclass(frozen=True)
 class Trained:
     """A client's round: its model, its round sums and declared state (flattened to
-    named tensors), and its training loss."""
+    named tensors), its training loss, and, where the aggregator's client half ran on
+    the node, the weight ω_i the node drew for itself."""
 
     model: dict[str, torch.Tensor]
     round_sums: dict[str, torch.Tensor]
     client_state: dict[str, torch.Tensor]
     metrics: dict[str, float]
+    weight: float | None = None
+
+
+class AggregatorOnNode(FederatedCallback):
+    """The recipe aggregator's client half in a node's one-client fit: the hooks it runs
+    beside its clients before the update leaves them (:data:`NODE_HOOKS`: DPFedAvg's
+    ``noise="local"``, each client clipping its update to C and adding its share
+    N(0, σ²/K)/ω_k of the noise, McMahan et al. 2018, Alg. 1 with the noise split over
+    the round's K participants), run first, as the engine runs the aggregator's.
+
+    The node draws the round's participation itself, from the recipe's sampler and seed
+    and the fit's training counts (the pure function of (seed, round) the server draws),
+    so the K and ω_k its share reads are the recipe's, not the server's word; its noise
+    comes from the node's secret (``secret_randomness``), and the aggregator's round sums
+    (adaptive clipping's count of unclipped updates) go up with the reply. The
+    aggregator's scalar server state comes down with θ^t (:func:`scalar_server_state`:
+    adaptive clipping's C_t, which scales the clipping and the noise alike, so that a
+    server that sends another C changes the update's scale, not its ε)."""
+
+    supports_vectorized_clients = True
+
+    def __init__(
+        self, aggregator: Aggregator, sampler: ClientSampler, config: FederatedConfig, rounds: int
+    ) -> None:
+        self.aggregator, self.sampler, self.rounds = aggregator, sampler, rounds
+        self.config = replace(config, secret_randomness=True)
+        self.state: RoundState | None = None
+        #: ω_k of this node's client in the round, as the node drew it
+        self.weight: float | None = None
+
+    def transform_update(self, trainer, pl_module, client: int, update, state: RoundState):
+        self.state = self._round(client, state)
+        self.weight = self.state.weight_of(client)
+        return self.aggregator.transform_update(trainer, pl_module, client, update, self.state)
+
+    def _round(self, client: int, fit: RoundState) -> RoundState:
+        """The round as the aggregator sees it on the server: its participants and
+        weights, θ^t, and the aggregator's declared round sums at zero."""
+        aggregator = self.aggregator
+        aggregator.view = PluginView(ClientStore(), fit.sample_counts, self.view.tensors,
+                                     self.config, aggregator)  # fmt: skip
+        aggregator.on_server_start(self.rounds)
+        target = aggregator.target_weights(fit.sample_counts)
+        participation = aggregator.participation(fit.round_idx, self.config.seed, target,
+                                                 self.sampler)  # fmt: skip
+        if client not in participation.clients:
+            raise ServerSideError(
+                f"the server sent client {client} round {fit.round_idx}, and the recipe's "
+                f"{type(self.sampler).__name__} does not draw it: give the server and "
+                "this node the same recipe and seed."
+            )
+        sums = zero_round_sums([aggregator], fit.global_params)
+        return replace(
+            fit,
+            participation=participation,
+            extra_sums=sums,
+            update_sum=zeros_like(fit.global_tensors),
+            accepted=[],
+            dropped=[],
+        )
+
+    def round_sums(self) -> dict[str, torch.Tensor]:
+        """The aggregator's round sums over this node's client, named ``<key>.<i>``."""
+        if self.state is None:
+            return {}
+        return {f"{key}.{i}": t.detach().cpu() for key, parts in self.state.extra_sums.items()
+                for i, t in enumerate(parts)}  # fmt: skip
 
 
 def recipe_aggregator(callbacks: Sequence[Any]) -> Aggregator:
@@ -356,6 +437,32 @@ def server_state_arrays(plugins: Sequence[FederatedCallback]) -> dict[str, torch
             for i, tensor in enumerate(getattr(plugin, name) or []):
                 arrays[f"{type(plugin).__name__}.{name}.{i}"] = tensor.detach().cpu()
     return arrays
+
+
+def scalar_server_state(plugin: FederatedCallback) -> dict[str, float]:
+    """``plugin``'s declared server state that is a number (DPFedAvg's clip norm C_t),
+    by name: what a node's half of the aggregator reads of the server's."""
+    values = {name: getattr(plugin, name) for name in plugin.declared_server_state()}
+    return {name: float(value) for name, value in values.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
+
+
+#: a train message's config entries of the aggregator's scalar server state
+AGGREGATOR_STATE = "aggregator."
+
+
+def zero_round_sums(
+    plugins: Sequence[FederatedCallback], like: Sequence[torch.Tensor]
+) -> dict[str, list[torch.Tensor]]:
+    """``plugins``' declared round sums at zero: shaped like ``like`` (the parameters)
+    where a sum declares no shape, on its device."""
+    totals: dict[str, list[torch.Tensor]] = {}
+    for plugin in plugins:
+        for name, shape in plugin.declared_round_sums().items():
+            dtype = plugin.round_sum_dtype(name) or like[0].dtype
+            totals[plugin.round_sum_key(name)] = zeros_like(like) if shape is None else [
+                torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
+    return totals
 
 
 def load_server_state(plugin: FederatedCallback, arrays: dict[str, torch.Tensor]) -> None:
@@ -438,13 +545,23 @@ def _train(settings: Settings, message: Message, context: Context) -> Message:
     start = message.content["arrays"].to_torch_state_dict()
     server_state = _arrays(message.content, "server_state")
     client_state = _arrays(context.state, CLIENT_STATE)
-    counts = message.content["config"].get("counts")
+    config = message.content["config"]
+    counts = config.get("counts")
+    aggregator_state = {k[len(AGGREGATOR_STATE) :]: float(v) for k, v in config.items()
+                        if k.startswith(AGGREGATOR_STATE)}  # fmt: skip
     trained = train_client(settings, client, round_idx, start, server_state, client_state,
-                           None if counts is None else [int(n) for n in counts])  # fmt: skip
+                           None if counts is None else [int(n) for n in counts],
+                           aggregator_state)  # fmt: skip
+    weight = float(config["weight"])
+    if trained.weight is not None and not math.isclose(trained.weight, weight, rel_tol=1e-12):
+        raise ServerSideError(
+            f"the server weighs client {client}'s update of round {round_idx} by {weight:.6g}, "
+            f"and the recipe's sampler by {trained.weight:.6g} (the weight its privacy noise "
+            "is scaled to): give the server and this node the same recipe, data and seed."
+        )
     if trained.client_state:  # kept on the node, never sent
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
     if secure_rounds.is_secure(message.content):  # masked by secaggplus_mod
-        weight = float(message.content["config"]["weight"])
         vector = secure_rounds.contribution(weight, start, trained.model, trained.round_sums)
         return secure_rounds.secure_reply(message, vector, {"client": client, **trained.metrics})
     reply = RecordDict({
@@ -596,13 +713,16 @@ class FederatedServer(Strategy):
                     setattr(plugin, name, zeros_like(self.params))
         server_state = server_state_arrays(self.plugins)
         counts = self.counts.tolist()  # every client's: the nodes' target weights read them
+        down = {"round": round_idx, "counts": counts}
+        if self.aggregator.client_side_hooks():  # its half on the nodes reads its state
+            down |= {AGGREGATOR_STATE + k: v
+                     for k, v in scalar_server_state(self.aggregator).items()}  # fmt: skip
         messages = []
         for client, weight in zip(participation.clients, participation.weights):
             if client in away:
                 continue
             # ω_i: what a node weighs its update by under secure aggregation
-            config_record = ConfigRecord({**config, "round": round_idx, "weight": weight,
-                                          "counts": counts})  # fmt: skip
+            config_record = ConfigRecord({**config, **down, "weight": weight})
             content = RecordDict({"arrays": arrays, "config": config_record})
             if server_state:
                 content["server_state"] = ArrayRecord(torch_state_dict=server_state)
@@ -755,14 +875,7 @@ class FederatedServer(Strategy):
 
     def _round_sums(self) -> dict[str, list[torch.Tensor]]:
         """The aggregator's and the plugins' declared round sums, at zero."""
-        totals: dict[str, list[torch.Tensor]] = {}
-        for plugin in (self.aggregator, *self.plugins):
-            for name, shape in plugin.declared_round_sums().items():
-                key = plugin.round_sum_key(name)
-                dtype = plugin.round_sum_dtype(name) or self.params[0].dtype
-                totals[key] = zeros_like(self.params) if shape is None else [
-                    torch.zeros(shape, dtype=dtype, device=self.params[0].device)]  # fmt: skip
-        return totals
+        return zero_round_sums([self.aggregator, *self.plugins], self.params)
 
     def round_sum_shapes(self) -> dict[str, tuple[int, ...]]:
         """The declared round sums' parts, named ``<key>.<i>`` as a ClientApp replies
@@ -895,7 +1008,7 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
         wrapped = flower_dp.wrap(settings.dp, server, settings.clients or 1)
         final = wrapped.start(grid, arrays, rounds, settings.round_timeout).arrays
     elif settings.secure is not None:
-        check_secure(aggregator)
+        check_secure(aggregator, plugins, settings.secure.clipping_range)
         final = secure_rounds.run(server, grid, arrays, rounds, settings.secure,
                                   settings.round_timeout)  # fmt: skip
     else:
@@ -920,6 +1033,10 @@ def read_checkpoint(out: Path | None) -> dict[str, Any]:
 #: hooks a plugin's server half may not need in the server-side mode (yet): what runs at
 #: a round's start or around its sum needs the relay mode's engine
 SERVER_HOOKS = ("on_round_start", "on_before_round_sum", "sum_over_ranks")
+
+
+#: an aggregator's client-side hooks that a node runs in its fit (:class:`AggregatorOnNode`)
+NODE_HOOKS = ("transform_update",)
 
 
 #: a plugin's hooks around a client's evaluation, which the nodes' evaluation skips
@@ -958,11 +1075,11 @@ def check_server_side(
                 "the nodes' evaluation runs the module alone: set the run config's "
                 'evaluate="" (and evaluate with lightning-fl test), or use the relay mode.'
             )
-    if own := aggregator.client_side_hooks():
+    if own := [h for h in aggregator.client_side_hooks() if h not in NODE_HOOKS]:
         raise ServerSideError(
             f"{type(aggregator).__name__} does not run in the server-side mode yet: its "
             f"{', '.join(own)} run beside the clients. Use FedAvg, FedAvgM, FedAdam, FedYogi, "
-            "FedAdagrad or DPFedAvg(noise='central'), or the relay mode."
+            "FedAdagrad or DPFedAvg(noise='central' or 'local'), or the relay mode."
         )
     for plugin in plugins:
         name = type(plugin).__name__
@@ -983,15 +1100,29 @@ def check_server_side(
             )
 
 
-def check_secure(aggregator: Aggregator) -> None:
-    """Refuse an aggregator that reads each update on the server, which SecAgg+ hides."""
-    reads = type(aggregator).receive_update is not Aggregator.receive_update
-    if reads or aggregator.needs_client_updates:
+def check_secure(
+    aggregator: Aggregator,
+    plugins: Sequence[FederatedCallback] = (),
+    clipping_range: float | None = None,
+) -> None:
+    """Refuse an aggregator that reads each update on the server, which SecAgg+ hides,
+    and a round sum whose declared bound on one client's entries (a count's 1) SecAgg+'s
+    ``clipping_range`` would clip."""
+    if aggregator.reads_each_update():
         raise ServerSideError(
             f"{type(aggregator).__name__} reads each client's update on the server, and "
-            "secagg hides them: run without secagg, or use DPFedAvg(noise='local') in the "
-            "relay mode with SecureAggregation."
+            "secagg hides them: run without secagg, or use DPFedAvg(noise='local'), whose "
+            "nodes clip and noise their own updates."
         )
+    for plugin in (aggregator, *plugins) if clipping_range is not None else ():
+        for name in plugin.declared_round_sums():
+            bound = plugin.round_sum_bound(name)
+            if bound is not None and bound > clipping_range:
+                raise ServerSideError(
+                    f"{type(plugin).__name__}'s round sum {name!r} reaches {bound:g} a "
+                    f"client, and secagg-clipping-range={clipping_range:g} would clip it: "
+                    f"set secagg-clipping-range to at least {bound:g}."
+                )
 
 
 #: the ClientApp's mods: Flower's secaggplus_mod for a secure round's messages, its
