@@ -709,8 +709,9 @@ class Aggregator(FederatedCallback):
         """The hooks by which this aggregator, as configured, acts beside its clients (on
         the rank that trains them, before the server receives their updates): where an
         aggregator runs on a server (Flower's server-side mode) its ``transform_update``
-        runs on the nodes, and one with any other is refused. Default: every hook of :data:`CLIENT_SIDE_HOOKS` its class overrides;
-        an aggregator whose overrides act only in some configurations says which."""
+        runs on the nodes, and one with any other is refused. Default: every hook of
+        :data:`CLIENT_SIDE_HOOKS` its class overrides; an aggregator whose overrides act
+        only in some configurations says which."""
         return tuple(h for h in self.CLIENT_SIDE_HOOKS
                      if getattr(type(self), h) is not getattr(Aggregator, h))  # fmt: skip
 
