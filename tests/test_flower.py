@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,84 @@ def _opened(tmp: Path, name: str) -> list[str]:
     for report in (tmp / "audit").glob(f"{name}*/opened_rank*.json"):
         paths += json.loads(report.read_text())
     return paths
+
+
+def test_the_server_side_mode_over_tls_goes_on_without_a_killed_node(tmp_path):
+    """The server-side mode as the README deploys it, on localhost: a SuperLink with TLS
+    and node authentication, three registered SuperNodes (each ``--node-config
+    client=N`` of the quickstart recipe cut to 3 clients, all drawn each round), the
+    Flower App ``recipes/flower_server`` submitted with ``min-available-nodes=2``; client
+    2's SuperNode is SIGKILLed once the server has checkpointed round 0. The rounds go on
+    without it: the run completes (exit 0 of the status command), every round steps,
+    client 2's update is dropped in round 1 (the server's log names each round's
+    participants that did not reply within ``round-timeout``; Flower marks a node gone
+    after 60 s without a heartbeat), and the final model equals lightning-fl's 1-process
+    simulation with those updates dropped, to 1e-6."""
+    from lightning_fl.flower import server_side
+    from lightning_fl.flower.credentials import write_credentials
+    from tests.test_flower_dropout import DroppedIn
+
+    tmp, rounds = tmp_path, 2
+    nodes = ["client0", "client1", "client2"]
+    creds = tmp / "creds"
+    write_credentials(creds, nodes)
+    fed = Federation(tmp)
+    port = _free_port()
+    (tmp / "flwr_home").mkdir()
+    (tmp / "flwr_home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "local"\n[superlink.local]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca.crt"}"\n'
+    )
+    recipe = ROOT / "recipes" / "quickstart.yaml"
+    cut = ["--data.init_args.num_clients", "3", "--trainer.max_epochs", str(rounds),
+           "--trainer.strategy.init_args.sampler.init_args.clients_per_round", "3"]  # fmt: skip
+    out = tmp / "server"
+    try:
+        link = fed.start("superlink", [
+            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
+            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
+            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
+            "--disable-runtime-dependency-installation"])  # fmt: skip
+        _wait_for_port(port, link, fed.logs / "superlink.log")
+        for name in nodes:
+            registered = fed.run([str(BIN / "flwr"), "supernode", "register",
+                                  str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
+            assert "registered successfully" in registered.stdout, registered.stdout
+        for c, name in enumerate(nodes):
+            (tmp / name).mkdir()
+            fed.start(name, [sys.executable, "-m", "lightning_fl.flower.supernode",
+                "--superlink", f"127.0.0.1:{port}", "--root-certificates", str(creds / "ca.crt"),
+                "--auth-supernode-private-key", str(creds / f"{name}.key"), "--port",
+                str(_free_port()), "--node-config", f"client={c}"], cwd=tmp / name)  # fmt: skip
+        config = (f'recipe="{recipe}" out="{out}" clients=3 min-available-nodes=2 '
+                  f'round-timeout=15 evaluate="" overrides="{" ".join(cut)}"')  # fmt: skip
+        submitted = fed.run([str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower_server"),
+                             "local", "--run-config", config, "--format", "json"])  # fmt: skip
+        run = json.loads(submitted.stdout)["run-id"]
+        deadline = time.monotonic() + 240
+        while not (out / server_side.CHECKPOINT).exists():  # round 0 is aggregated
+            assert time.monotonic() < deadline, fed.log("client2")[-3000:]
+            time.sleep(0.1)
+        os.killpg(fed.processes["client2"].pid, signal.SIGKILL)
+        status = [sys.executable, "-m", "lightning_fl.flower.run_status", str(run), "local"]
+        completed = fed.run([*status, "--wait", "300"])
+        assert (completed.returncode, completed.stdout.strip()) == (
+            0, f"run {run}: finished:completed"), completed  # fmt: skip
+        log = fed.run([str(BIN / "flwr"), "log", str(run), "local", "--show"]).stdout
+    finally:
+        fed.stop_all()
+    assert log.count("Aggregated MetricRecord") == rounds, log[-3000:]  # every round's step
+    dropped: dict[int, set[int]] = {}  # round -> its participants that did not reply
+    for found in re.finditer(r"Round (\d+): clients \[([\d, ]+)\] did not reply", log):
+        dropped[int(found[1])] = {int(c) for c in found[2].split(",")}
+    assert 2 in dropped.get(rounds - 1, ()), log[-3000:]  # gone: not sent, or no reply
+    quiet = ("--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+             "--trainer.default_root_dir", str(tmp / "simulation"))  # fmt: skip
+    cli = server_side.instantiate(server_side.Settings(str(recipe), (*cut, *quiet)))
+    cli.trainer.callbacks += [DroppedIn(clients, {r}) for r, clients in dropped.items()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dropped updates' warnings
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    flower = torch.load(out / "final_model.pt", weights_only=True)
+    simulated = cli.model.state_dict()
+    assert max(float((flower[k] - simulated[k]).abs().max()) for k in flower) <= 1e-6

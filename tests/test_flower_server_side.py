@@ -7,6 +7,7 @@ hand with a grid that answers for the nodes."""
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import shutil
 import warnings
@@ -202,7 +203,7 @@ def test_a_node_that_leaves_is_not_sent_and_min_available_nodes_stops_the_run(fl
 
 
 def test_a_node_that_left_is_a_dropped_update_and_a_client_apps_error_stops_the_run(
-    flower_run,
+    flower_run, caplog
 ):
     """Flower answers for a node that left (its heartbeat stopped, its ClientApp's
     process killed) with an error reply: the round goes on without it, as a dropped
@@ -210,10 +211,11 @@ def test_a_node_that_left_is_a_dropped_update_and_a_client_apps_error_stops_the_
     from flwr.app import Error
     from flwr.common.constant import ErrorCode
 
-    class Failed(Reply):
-        def __init__(self, node, code, reason):
+    class Failed(Reply):  # the SuperLink's answer (node 1) to the message it names
+        def __init__(self, node, code, reason, answers):
             super().__init__(node, RecordDict())
             self.error = Error(code, reason)
+            self.metadata.reply_to_message_id = answers
 
         def has_error(self):
             return True
@@ -222,24 +224,29 @@ def test_a_node_that_left_is_a_dropped_update_and_a_client_apps_error_stops_the_
         code = ErrorCode.NODE_UNAVAILABLE
 
         def send_and_receive(self, messages, timeout=None):
+            for message in messages:  # Flower sets each sent message's id in place
+                message.metadata.__dict__["_message_id"] = f"id{message.metadata.dst_node_id}"
             replies = super().send_and_receive(messages, timeout)
             if not self.sent or self.sent[-1][0] != 1:
                 return replies
-            return [Failed(103, self.code, "no heartbeat") if r.metadata.src_node_id == 103
-                    else r for r in replies]  # fmt: skip
+            node = 1 if self.code == ErrorCode.NODE_UNAVAILABLE else 103
+            return [Failed(node, self.code, "no heartbeat", "id103")
+                    if r.metadata.src_node_id == 103 else r for r in replies]  # fmt: skip
 
     grid = Leaving([10, 30, 0, 60])
     server = FederatedServer(FullParticipation(), FedAvg(), seed=0, clients=4)
     arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
     for server_round in (1, 2):
         messages = server.configure_train(server_round, arrays, ConfigRecord({}), grid)
-        arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
+        with caplog.at_level(logging.WARNING, logger="lightning_fl.flower.server_side"):
+            arrays, metrics = server.aggregate_train(server_round, grid.send_and_receive(messages))
     assert metrics["dropped_updates"] == 1.0
+    assert "Round 1: client 3's node left (no heartbeat); its update is dropped." in caplog.text
     moved = 0.1 * 1 * 0.1 + 0.1 * 2 * 0.3 + 0.1 * 4 * 0.6 + 0.2 * 1 * 0.1 + 0.2 * 2 * 0.3
     assert torch.allclose(arrays.to_torch_state_dict()["w"], torch.full((2,), moved))
     grid.code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
     messages = server.configure_train(2, arrays, ConfigRecord({}), grid)  # round 1 again
-    with pytest.raises(ServerSideError, match="the node 103 failed: no heartbeat"):
+    with pytest.raises(ServerSideError, match=r"client 3's node \(103\) failed: no heartbeat"):
         server.aggregate_train(2, grid.send_and_receive(messages))
 
 

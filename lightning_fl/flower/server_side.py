@@ -282,7 +282,11 @@ def train_client(
 
     one_round = ["--trainer.strategy.init_args.first_round", str(round_idx),
                  # a client's privacy noise (DP-SGD's) is its node's secret, not the recipe's
-                 "--trainer.strategy.init_args.secret_randomness", "true"]  # fmt: skip
+                 "--trainer.strategy.init_args.secret_randomness", "true",
+                 # the nodes evaluate in evaluate messages: this fit trains, and opens no
+                 # other client's validation data
+                 "--trainer.limit_val_batches", "0",
+                 "--trainer.num_sanity_val_steps", "0"]  # fmt: skip
     if counts is not None:
         one_round += ["--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]
     cli = instantiate(settings, [*_QUIET, *one_round])
@@ -631,6 +635,8 @@ class FederatedServer(Strategy):
     #: the aggregator's target weights p_i of those counts
     target: torch.Tensor | None = None
     _round: tuple[int, Participation, dict[str, torch.Tensor]] | None = None
+    #: the last messages sent, each with its client
+    _sent: list[tuple[Message, int]] = field(default_factory=list)
 
     def summary(self) -> None:
         aggregator, sampler = type(self.aggregator).__name__, type(self.sampler).__name__
@@ -726,8 +732,10 @@ class FederatedServer(Strategy):
             content = RecordDict({"arrays": arrays, "config": config_record})
             if server_state:
                 content["server_state"] = ArrayRecord(torch_state_dict=server_state)
-            messages.append(Message(content, dst_node_id=self.nodes[client], message_type="train"))
-        return messages
+            message = Message(content, dst_node_id=self.nodes[client], message_type="train")
+            messages.append((message, client))
+        self._sent = messages  # their ids, set as Flower sends them, name a node that left
+        return [message for message, _ in messages]
 
     def _check_equal_weights(self, round_idx: int, participation: Participation) -> None:
         if self.equal_weights is None:
@@ -749,8 +757,8 @@ class FederatedServer(Strategy):
         trained: dict[int, dict[str, torch.Tensor]] = {}
         sums: dict[int, dict[str, torch.Tensor]] = {}
         metrics: dict[int, Any] = {}
-        for reply in arrived(replies, self._round[0]):
-            record = _content(reply, "metrics")
+        for reply in arrived(replies, self._round[0], self._sent):
+            record = _content(reply, "metrics", self.nodes)
             client = int(record["client"])
             metrics[client] = record
             trained[client] = reply.content["arrays"].to_torch_state_dict()
@@ -919,8 +927,10 @@ class FederatedServer(Strategy):
         connected = set(grid.get_node_ids())
         content = RecordDict({"arrays": arrays,
                               "config": ConfigRecord({**config, "split": self.split})})  # fmt: skip
-        return [Message(content, dst_node_id=node, message_type="evaluate")
-                for client, node in sorted(self.nodes.items()) if node in connected]  # fmt: skip
+        self._sent = [(Message(content, dst_node_id=node, message_type="evaluate"), client)
+                      for client, node in sorted(self.nodes.items())
+                      if node in connected]  # fmt: skip
+        return [message for message, _ in self._sent]
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -929,7 +939,8 @@ class FederatedServer(Strategy):
         weighted mean over clients) and uniform (``<m>/uniform``), written with the round
         to ``<out>/evaluation.csv``."""
         round_idx = self.first_round + server_round - 1
-        reports = [_content(reply, "metrics") for reply in arrived(replies, round_idx)]
+        reports = [_content(r, "metrics", self.nodes)
+                   for r in arrived(replies, round_idx, self._sent)]  # fmt: skip
         reports = [r for r in reports if int(r["num-examples"]) > 0]
         if not reports:
             return None
@@ -953,22 +964,34 @@ NODE_GONE = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
              ErrorCode.NODE_UNAVAILABLE, ErrorCode.CLIENT_APP_CRASHED)  # fmt: skip
 
 
-def arrived(replies: Iterable[Message], round_idx: int) -> list[Message]:
-    """The replies with content; a node that left is logged and left out (its client a
-    dropped update); any other error (the ClientApp raised) stops the run, naming it."""
+def arrived(
+    replies: Iterable[Message], round_idx: int, sent: Sequence[tuple[Message, int]] = ()
+) -> list[Message]:
+    """The replies with content; a node that left is logged, naming its client (``sent``:
+    the messages sent, each with its client; Flower's error reply comes from the
+    SuperLink and names the message it answers), and left out (its client a dropped
+    update); any other error (the ClientApp raised) stops the run, naming it."""
+    clients = {m.metadata.message_id: c for m, c in sent if m.metadata.message_id}
     kept = []
     for reply in replies:
         if reply.has_error() and reply.error.code in NODE_GONE:
-            logger.warning("Round %d: the node %d left (%s); its client's update is dropped.",
-                           round_idx, reply.metadata.src_node_id, reply.error.reason)  # fmt: skip
+            client = clients.get(reply.metadata.reply_to_message_id)
+            who = "a node" if client is None else f"client {client}'s node"
+            logger.warning("Round %d: %s left (%s); its update is dropped.", round_idx, who,
+                           reply.error.reason)  # fmt: skip
             continue
         kept.append(reply)
     return kept
 
 
-def _content(reply: Message, key: str) -> Any:
+def _content(reply: Message, key: str, nodes: dict[int, int] | None = None) -> Any:
+    """``reply``'s record ``key``; an error reply stops the run, naming the node's client
+    (``nodes``: client -> node) and Flower's reason."""
     if reply.has_error():
-        raise ServerSideError(f"the node {reply.metadata.src_node_id} failed: {reply.error.reason}")
+        node = reply.metadata.src_node_id
+        client = {n: c for c, n in (nodes or {}).items()}.get(node)
+        who = f"the node {node}" if client is None else f"client {client}'s node ({node})"
+        raise ServerSideError(f"{who} failed: {reply.error.reason}")
     return reply.content[key]
 
 
