@@ -658,7 +658,9 @@ def test_the_flower_apps_run_config_declares_every_option_with_its_default():
 
     read = Settings.read(Asked(declared))
     Settings.read(Asked({**declared, "secagg": True, "dp-clipping": "server",
-                         "dp-noise-multiplier": 1.0, "dp-clipping-norm": 1.0}))  # fmt: skip
+                         "dp-noise-multiplier": 1.0, "dp-clipping-norm": 1.0,
+                         "local-dp-epsilon": 1.0, "local-dp-delta": 1e-5,
+                         "local-dp-clipping-norm": 1.0, "local-dp-sensitivity": 1.0}))  # fmt: skip
     assert Asked.asked <= set(declared), Asked.asked - set(declared)
     assert set(declared) <= Asked.asked, set(declared) - Asked.asked
     defaults = Settings(declared["recipe"], (), 4, declared["out"])
@@ -1125,3 +1127,138 @@ def test_dp_fedavgs_local_noise_is_added_on_each_node_from_its_secret(
         message = Message(content, dst_node_id=100 + client, message_type="train")
         with pytest.raises(ServerSideError, match=why):
             server_side._train(settings, message, nodes.contexts[100 + client])
+
+
+def test_flowers_adaptive_clipping_wrappers_move_c_as_flower_computes_it(
+    flower_run, monkeypatch, caplog
+):
+    """DifferentialPrivacyServerSideAdaptiveClipping around the server (FedAvg, uniform
+    weights, UniformSampler 2 of 4), z = 0.8, C^0 = 0.3, γ = 0.5, η_C = 0.2, σ_b = 1, 3
+    rounds, each reply's update every entry 0.1(c + 1)(t + 1): Flower clips each to C_t,
+    counts the clipped ones, moves C_{t+1} = C_t·exp(−η_C((count + σ_b g)/2 − γ)) and
+    noises the mean with z_Δ C_{t+1}/2, z_Δ = (z⁻² − (2σ_b)⁻²)^−½ (g: NumPy's draw, here
+    1.5 a draw); the wrapping warns that this is not Andrew et al.'s direction. The
+    client-side wrapper sends C_t, and the nodes' dp_mod applies adaptiveclipping_mod,
+    which clips and replies the norm bit."""
+    import math
+
+    from flwr.app import Message
+
+    from lightning_fl.flower import flower_dp
+    from lightning_fl.flower.flower_dp import FlowerDP
+    from lightning_fl.systems.samplers import UniformSampler
+
+    def normal(mean, std, shape=None):
+        return mean + 1.5 * std if shape is None else np.full(shape, mean + 1.5 * std)
+
+    server = FederatedServer(UniformSampler(2), FedAvg(weighting="uniform"), seed=1, clients=4)
+    dp = FlowerDP("server-adaptive", 0.8, 0.3, 0.5, 0.2, 1.0)
+    flower_dp.check(dp, server.aggregator, server.sampler, [], secure=False)
+    with caplog.at_level(logging.WARNING, logger="lightning_fl.flower.flower_dp"):
+        wrapped = flower_dp.wrap(dp, server, 4)
+    assert "moves C by the fraction of clipped updates, where Andrew et al." in caplog.text
+    monkeypatch.setattr(np.random, "normal", normal)
+    grid = Grid([10, 30, 5, 60])
+    theta = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    arrays, expected = ArrayRecord(torch_state_dict=theta), torch.tensor([1.0, -2.0, 0.5])
+    clip, z_delta = 0.3, (0.8**-2 - 2.0**-2) ** -0.5
+    for server_round in (1, 2, 3):
+        messages = wrapped.configure_train(server_round, arrays, ConfigRecord({}), grid)
+        arrays, _ = wrapped.aggregate_train(server_round, grid.send_and_receive(messages))
+        r = server_round - 1
+        clients = [c for t, _, c in grid.sent if t == r]
+        moves = [0.1 * (c + 1) * (r + 1) for c in clients]
+        step = sum(0.5 * min(move, clip / 3**0.5) for move in moves)
+        clipped = sum(move * 3**0.5 > clip for move in moves)
+        clip *= math.exp(-0.2 * ((clipped + 1.5) / 2 - 0.5))
+        expected = expected + step + 1.5 * z_delta * clip / 2
+        got = arrays.to_torch_state_dict()
+        assert torch.allclose(torch.cat([got["w"], got["b"]]), expected, atol=1e-6)
+        assert wrapped.clipping_norm == pytest.approx(clip)
+    client_side = flower_dp.wrap(FlowerDP("client-adaptive", 0.8, 0.2, clipped_count_stddev=1.0),
+                                 FederatedServer(UniformSampler(2), FedAvg(weighting="uniform"),
+                                                 seed=0, clients=4), 4)  # fmt: skip
+    arrays = ArrayRecord(torch_state_dict={"w": torch.zeros(2)})
+    sent = client_side.configure_train(1, arrays, ConfigRecord({}), Grid([10, 30, 5, 60]))
+    config = sent[0].content["config"]
+    assert (config["clipping_norm"], config[flower_dp.MOD_KEY]) == (0.2, "client-adaptive")
+    message = Message(sent[0].content, dst_node_id=100, message_type="train")
+
+    def trained(msg, context):
+        moved = {"w": torch.tensor([3.0, 4.0])}  # ‖Δ‖ = 5
+        content = {"arrays": ArrayRecord(torch_state_dict=moved),
+                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
+        return Message(RecordDict(content), reply_to=msg)
+
+    reply = flower_dp.dp_mod(message, None, trained)
+    assert torch.allclose(reply.content["arrays"].to_torch_state_dict()["w"],
+                          torch.tensor([0.12, 0.16]))  # fmt: skip
+    assert reply.content["metrics"]["norm_bit"] == 1  # clipped
+
+
+def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run, monkeypatch):
+    """LocalDpMod (run config local-dp-*: C = 0.5, s = 0.5, ε = 2, δ = 1e-5) on a node:
+    the reply θ^t + clip(Δ) + N(0, σ²), σ = s√(2 ln(1.25/δ))/ε, the noise drawn after the
+    training, from NumPy's global generator set from the OS's entropy (the training had
+    seeded it from the recipe); messages other than train, and runs without it, pass.
+    Refused beside a central wrapper, DPFedAvg, SCAFFOLD's round sums, secagg and a model
+    with integer entries, naming both."""
+    from flwr.app import Message
+
+    from lightning_fl.callbacks import DPFedAvg
+    from lightning_fl.flower import flower_dp
+    from lightning_fl.flower.flower_dp import FlowerDP, FlowerDPError, LocalDP
+
+    run_config = {"local-dp-epsilon": "2", "local-dp-delta": "1e-5",
+                  "local-dp-clipping-norm": "0.5", "local-dp-sensitivity": "0.5"}  # fmt: skip
+    local = Settings.read({"recipe": "r.yaml", **run_config}).local_dp
+    assert local == LocalDP(0.5, 0.5, 2.0, 1e-5)
+    sigma = 0.5 * (2 * np.log(1.25 / 1e-5)) ** 0.5 / 2.0
+    assert local.noise_std == pytest.approx(sigma)
+    entropy = bytes((7 * i) % 256 for i in range(624 * 4))
+    monkeypatch.setattr(flower_dp.os, "urandom", lambda size: entropy[:size])
+    start = {"w": torch.tensor([1.0, -2.0])}
+    content = RecordDict({"arrays": ArrayRecord(torch_state_dict=start),
+                          "config": ConfigRecord({"round": 0})})  # fmt: skip
+    message = Message(content, dst_node_id=100, message_type="train")
+
+    def trained(msg, context):
+        np.random.seed(0)  # the recipe's seed_everything
+        moved = {"w": torch.tensor([4.0, 2.0])}  # Δ = (3, 4), ‖Δ‖ = 5
+        content = {"arrays": ArrayRecord(torch_state_dict=moved),
+                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
+        return Message(RecordDict(content), reply_to=msg)
+
+    mod = flower_dp.local_dp_mod(lambda context: local)
+    got = mod(message, None, trained).content["arrays"].to_torch_state_dict()["w"]
+    np.random.set_state(("MT19937", np.frombuffer(entropy, dtype=np.uint32), 624, 0, 0.0))
+    noise = np.random.normal(0, sigma, (2,)).astype(np.float32)
+    assert torch.allclose(got, torch.tensor([1.3, -1.6]) + torch.from_numpy(noise), atol=1e-6)
+    np.random.seed(0)
+    assert not torch.allclose(got, torch.tensor([1.3, -1.6]) + torch.from_numpy(
+        np.random.normal(0, sigma, (2,)).astype(np.float32)), atol=1e-3)  # fmt: skip
+    evaluate = Message(content, dst_node_id=100, message_type="evaluate")
+    assert mod(evaluate, None, lambda m, c: "untouched") == "untouched"
+    assert flower_dp.local_dp_mod(lambda c: None)(message, None, lambda m, c: "as is") == "as is"
+    uniform = FedAvg(weighting="uniform")
+    refusals = [
+        (FlowerDP("server", 1.0, 0.5), uniform, [], False, (), "and DifferentialPrivacyServer"),
+        (None, DPFedAvg(), [], False, (), "and DPFedAvg both clip and noise"),
+        (None, uniform, [SCAFFOLD()], False, (), "SCAFFOLD sends round sums or server state"),
+        (None, uniform, [], True, (), "secagg masks it"),
+        (None, uniform, [], False, ["bn.num_batches_tracked"], r"\['bn.num_batches_tracked'\] "
+                                                               "hold integers"),
+    ]  # fmt: skip
+    for dp, aggregator, plugins, secure, integers, why in refusals:
+        with pytest.raises(FlowerDPError, match=rf"LocalDpMod \(local-dp-epsilon\).*{why}"):
+            flower_dp.check_local(local, dp, aggregator, plugins, secure, integers)
+    flower_dp.check_local(local, None, uniform, [FedProx(mu=0.1)], False)
+    with pytest.raises(FlowerDPError, match=r"needs local-dp-clipping-norm > 0, .*\(got 0, 0.5"):
+        LocalDP.read({**run_config, "local-dp-clipping-norm": 0})
+    with pytest.raises(FlowerDPError, match="DifferentialPrivacyServerSideFixedClipping scales "
+                                            "and noises every entry"):  # fmt: skip
+        flower_dp.check(FlowerDP("server", 1.0, 0.5), uniform, FullParticipation(), [], False,
+                        ["bn.num_batches_tracked"])  # fmt: skip
+    with pytest.raises(FlowerDPError, match=r"dp-target-clipped-quantile in \[0, 1\].*\(got 1.5"):
+        FlowerDP.read({"dp-clipping": "client-adaptive", "dp-noise-multiplier": 1,
+                       "dp-clipping-norm": 1, "dp-target-clipped-quantile": 1.5})  # fmt: skip

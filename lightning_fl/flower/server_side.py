@@ -61,10 +61,13 @@ With the run config's ``secagg=true`` each round's training runs under Flower's 
 (:mod:`lightning_fl.flower.secure_rounds`): the server learns only the sum of the
 participants' weighted updates and round sums (and each one's training loss, in clear).
 
-Not built yet (issue 77): Flower's adaptive-clipping DP wrappers and ``LocalDpMod``, a
-resume with client state kept in the nodes' ``Context`` (SCAFFOLD's c_i: refused), and
-plugins whose server half needs more than declared state, round sums and a round-end
-hook.
+Flower's adaptive-clipping wrappers and its ``LocalDpMod`` compose likewise (run config
+``dp-clipping=server-adaptive|client-adaptive``, ``local-dp-*``:
+:mod:`~lightning_fl.flower.flower_dp`).
+
+Not built yet (issue 77): a resume with client state kept in the nodes' ``Context``
+(SCAFFOLD's c_i: refused), the personalization plugins' local models, and plugins whose
+server half needs more than declared state, round sums and a round-end hook.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ from lightning_fl.engine.tensors import (
 )
 from lightning_fl.engine.traits import Trait, traits_of
 from lightning_fl.flower import flower_dp, secure_rounds
-from lightning_fl.flower.flower_dp import FlowerDP
+from lightning_fl.flower.flower_dp import FlowerDP, LocalDP
 from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
 
@@ -146,6 +149,8 @@ class Settings:
     secure: SecureAggregationSettings | None = None
     #: wrap the server in one of Flower's central-DP wrappers (None: none)
     dp: FlowerDP | None = None
+    #: Flower's LocalDpMod on every node (None: none)
+    local_dp: LocalDP | None = None
 
     @classmethod
     def read(cls, run_config: dict[str, Any]) -> Settings:
@@ -165,6 +170,7 @@ class Settings:
             str(run_config.get("evaluate", "val")),
             str(run_config.get("resume", "false")).lower() in ("true", "1", "yes"),
             SecureAggregationSettings.read(run_config), FlowerDP.read(run_config),
+            LocalDP.read(run_config),
         )  # fmt: skip
 
 
@@ -627,6 +633,9 @@ class FederatedServer(Strategy):
     resumed_counts: np.ndarray | None = None
     #: (m, why): every round must have m participants of weight 1/m (Flower's DP wrappers)
     equal_weights: tuple[int, str] | None = None
+    #: entries of every train message's config beside the round's (the clipping mod a
+    #: client-side DP wrapper has the nodes apply)
+    train_config: dict[str, Any] = field(default_factory=dict)
     #: the recipe's number of clients (the counts sent to the nodes cover them all)
     num_clients: int | None = None
     #: client -> node, and each client's training count, from the nodes' answers
@@ -719,7 +728,7 @@ class FederatedServer(Strategy):
                     setattr(plugin, name, zeros_like(self.params))
         server_state = server_state_arrays(self.plugins)
         counts = self.counts.tolist()  # every client's: the nodes' target weights read them
-        down = {"round": round_idx, "counts": counts}
+        down = {**self.train_config, "round": round_idx, "counts": counts}
         if self.aggregator.client_side_hooks():  # its half on the nodes reads its state
             down |= {AGGREGATOR_STATE + k: v
                      for k, v in scalar_server_state(self.aggregator).items()}  # fmt: skip
@@ -1026,8 +1035,13 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
                     server.first_round)  # fmt: skip
         return initial
     arrays = ArrayRecord(torch_state_dict=initial)
+    integers = [name for name in initial if name not in float_names(initial)]
+    if settings.local_dp is not None:  # the nodes' LocalDpMod
+        flower_dp.check_local(settings.local_dp, settings.dp, aggregator, plugins,
+                              bool(settings.secure), integers)  # fmt: skip
     if settings.dp is not None:  # Flower's wrapper, where its calibration holds
-        flower_dp.check(settings.dp, aggregator, server.sampler, plugins, bool(settings.secure))
+        flower_dp.check(settings.dp, aggregator, server.sampler, plugins, bool(settings.secure),
+                        integers)  # fmt: skip
         wrapped = flower_dp.wrap(settings.dp, server, settings.clients or 1)
         final = wrapped.start(grid, arrays, rounds, settings.round_timeout).arrays
     elif settings.secure is not None:
@@ -1148,15 +1162,19 @@ def check_secure(
                 )
 
 
-#: the ClientApp's mods: Flower's secaggplus_mod for a secure round's messages, its
-#: fixedclipping_mod for those of DifferentialPrivacyClientSideFixedClipping
-CLIENT_MODS = [secure_rounds.secure_mod, flower_dp.dp_mod]
+def client_mods(local_of: Any) -> list[Any]:
+    """The ClientApp's mods: Flower's secaggplus_mod for a secure round's messages, its
+    fixedclipping_mod or adaptiveclipping_mod for those of a client-side DP wrapper, and
+    its LocalDpMod where the run asks for it (``local_of``: a node's context → the run's
+    :class:`~lightning_fl.flower.flower_dp.LocalDP`)."""
+    return [secure_rounds.secure_mod, flower_dp.dp_mod, flower_dp.local_dp_mod(local_of)]
 
 
 def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
     """A ServerApp and a ClientApp bound to ``settings`` (Flower's simulation engine:
     ``flwr.simulation.run_simulation``, which passes no run config)."""
-    server, client = ServerApp(), ClientApp(mods=CLIENT_MODS)
+    server = ServerApp()
+    client = ClientApp(mods=client_mods(lambda context: settings.local_dp))
 
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
@@ -1179,7 +1197,7 @@ def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
 
 server_app = ServerApp()
 #: the nodes' ClientApp; it masks its replies when the server runs a secure round
-client_app = ClientApp(mods=CLIENT_MODS)
+client_app = ClientApp(mods=client_mods(lambda context: LocalDP.read(context.run_config)))
 
 
 @server_app.main()
