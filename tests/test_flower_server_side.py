@@ -1048,7 +1048,7 @@ class Nodes:
         return list(self.contexts)
 
     def send_and_receive(self, messages, timeout=None):
-        answer = {"query": server_side._answer_query, "train": server_side._train}
+        answer = {"query": server_side.answer_query, "train": server_side.train}
         replies = []
         for message in messages:
             node = message.metadata.dst_node_id
@@ -1126,7 +1126,7 @@ def test_dp_fedavgs_local_noise_is_added_on_each_node_from_its_secret(
         content = RecordDict({"arrays": ArrayRecord(torch_state_dict=flower), "config": config})
         message = Message(content, dst_node_id=100 + client, message_type="train")
         with pytest.raises(ServerSideError, match=why):
-            server_side._train(settings, message, nodes.contexts[100 + client])
+            server_side.train(settings, message, nodes.contexts[100 + client])
 
 
 def test_flowers_adaptive_clipping_wrappers_move_c_as_flower_computes_it(
@@ -1262,3 +1262,26 @@ def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run
     with pytest.raises(FlowerDPError, match=r"dp-target-clipped-quantile in \[0, 1\].*\(got 1.5"):
         FlowerDP.read({"dp-clipping": "client-adaptive", "dp-noise-multiplier": 1,
                        "dp-clipping-norm": 1, "dp-target-clipped-quantile": 1.5})  # fmt: skip
+
+
+def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it():
+    """The Flower App's ClientApp (lightning_fl.flower.client_app, a process a message)
+    starts with Flower alone: SecAgg+'s stages without training never import torch or
+    Lightning; its secure rounds are recognized by Flower's own record name."""
+    import subprocess
+    import sys
+
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    from lightning_fl.flower import client_app
+
+    assert client_app.SECAGG_RECORD == RECORD_KEY_CONFIGS
+    probe = (
+        "import sys, lightning_fl.flower.client_app; "
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=True).stdout.split("\n")[-2]  # fmt: skip
+    assert "torch" not in loaded and "lightning" not in loaded, loaded
+    app = (ROOT / "recipes" / "flower_server" / "pyproject.toml").read_text()
+    assert 'clientapp = "lightning_fl.flower.client_app:client_app"' in app

@@ -6,9 +6,10 @@ Each round, :class:`~lightning_fl.flower.server_side.FederatedServer` draws the
 participants and their weights ω_i as usual; Flower's ``SecAggPlusWorkflow`` then runs its
 four stages over their nodes (key setup, key shares, masked vectors, unmasking), carrying
 the round's ``train`` message in its third stage. Each node's ClientApp, through
-:func:`secure_mod` (Flower's ``secaggplus_mod`` for the messages of a secure round), trains
-as in the clear mode, and masks :func:`contribution`: ω_i(θ_i − θ^t) over the model's
-floating-point entries, then its plugins' declared round sums (SCAFFOLD's p_i Δc_i),
+:func:`~lightning_fl.flower.client_app.secure_mod` (Flower's ``secaggplus_mod`` for the
+messages of a secure round), trains as in the clear mode, and masks
+:func:`contribution`: ω_i(θ_i − θ^t) over the model's floating-point entries, then its
+plugins' declared round sums (SCAFFOLD's p_i Δc_i),
 flattened in an order both sides derive from the recipe. The server unmasks only the
 sum over the nodes that replied (:func:`run`), and steps from it
 (:meth:`~lightning_fl.flower.server_side.FederatedServer.aggregate_sum`).
@@ -43,10 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.client.mod import secaggplus_mod
-from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import Code, FitIns, FitRes, Parameters, Status, ndarrays_to_parameters
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import ServerConfig, SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
@@ -96,19 +94,6 @@ def _share(value: Any) -> float | int:
 
 
 # ---------------------------------------------------------------------- the nodes
-def secure_mod(message: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    """The ClientApp's mod: Flower's ``secaggplus_mod`` for the ``train`` messages of a
-    secure round (those carrying its configuration record), else nothing."""
-    if message.metadata.message_type == "train" and is_secure(message.content):
-        return secaggplus_mod(message, context, call_next)
-    return call_next(message, context)
-
-
-def is_secure(content: RecordDict) -> bool:
-    """Whether a ``train`` message is a secure round's."""
-    return RECORD_KEY_CONFIGS in content.config_records
-
-
 def contribution(
     weight: float,
     start: dict[str, torch.Tensor],
@@ -274,9 +259,7 @@ class _RoundWorkflow(SecAggPlusWorkflow):
 __all__ = [
     "SecureAggregationSettings",
     "contribution",
-    "is_secure",
     "run",
-    "secure_mod",
     "secure_reply",
     "secure_sum",
     "split_sum",

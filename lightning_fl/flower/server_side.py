@@ -112,6 +112,7 @@ from lightning_fl.engine.tensors import (
 )
 from lightning_fl.engine.traits import Trait, traits_of
 from lightning_fl.flower import flower_dp, secure_rounds
+from lightning_fl.flower.client_app import is_secure, secure_mod
 from lightning_fl.flower.flower_dp import FlowerDP, LocalDP
 from lightning_fl.flower.secure_rounds import SecureAggregationSettings
 from lightning_fl.systems.samplers import ClientSampler, FullParticipation, Participation
@@ -494,7 +495,8 @@ _QUIET = ("--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
           "--trainer.strategy.init_args.enable_plots", "false")  # fmt: skip
 
 
-def _answer_query(settings: Settings, message: Message, context: Context) -> Message:
+def answer_query(settings: Settings, message: Message, context: Context) -> Message:
+    """A node's answer to the server's first message: its client and training count."""
     client = node_client(context.node_config)
     record = MetricRecord({"client": client, "num-examples": client_count(settings, client)})
     return Message(RecordDict({"metrics": record}), reply_to=message)
@@ -536,7 +538,8 @@ def evaluate_client(
     return {"num-examples": count, **{f"{split}_{k}": v / count for k, v in totals.items()}}
 
 
-def _evaluate(settings: Settings, message: Message, context: Context) -> Message:
+def evaluate(settings: Settings, message: Message, context: Context) -> Message:
+    """A node's ``evaluate`` reply: its client's metric means and sample count."""
     client = node_client(context.node_config)
     split = str(message.content["config"].get("split", "val"))
     model = message.content["arrays"].to_torch_state_dict()
@@ -549,7 +552,9 @@ def _evaluate(settings: Settings, message: Message, context: Context) -> Message
 CLIENT_STATE = "lightning_fl.client_state"
 
 
-def _train(settings: Settings, message: Message, context: Context) -> Message:
+def train(settings: Settings, message: Message, context: Context) -> Message:
+    """A node's ``train`` reply: its client's round (:func:`train_client`), in clear or
+    masked for a secure round; its client's declared state stays in ``context.state``."""
     client = node_client(context.node_config)
     round_idx = int(message.content["config"]["round"])
     start = message.content["arrays"].to_torch_state_dict()
@@ -571,7 +576,7 @@ def _train(settings: Settings, message: Message, context: Context) -> Message:
         )
     if trained.client_state:  # kept on the node, never sent
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
-    if secure_rounds.is_secure(message.content):  # masked by secaggplus_mod
+    if is_secure(message.content):  # masked by secaggplus_mod
         vector = secure_rounds.contribution(weight, start, trained.model, trained.round_sums)
         return secure_rounds.secure_reply(message, vector, {"client": client, **trained.metrics})
     reply = RecordDict({
@@ -1167,12 +1172,14 @@ def client_mods(local_of: Any) -> list[Any]:
     fixedclipping_mod or adaptiveclipping_mod for those of a client-side DP wrapper, and
     its LocalDpMod where the run asks for it (``local_of``: a node's context → the run's
     :class:`~lightning_fl.flower.flower_dp.LocalDP`)."""
-    return [secure_rounds.secure_mod, flower_dp.dp_mod, flower_dp.local_dp_mod(local_of)]
+    return [secure_mod, flower_dp.dp_mod, flower_dp.local_dp_mod(local_of)]
 
 
 def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
     """A ServerApp and a ClientApp bound to ``settings`` (Flower's simulation engine:
-    ``flwr.simulation.run_simulation``, which passes no run config)."""
+    ``flwr.simulation.run_simulation``, which passes no run config). A deployment's
+    ClientApp is :data:`lightning_fl.flower.client_app.client_app`, which imports this
+    module when a message needs it."""
     server = ServerApp()
     client = ClientApp(mods=client_mods(lambda context: settings.local_dp))
 
@@ -1182,39 +1189,23 @@ def make_apps(settings: Settings) -> tuple[ServerApp, ClientApp]:
 
     @client.query()
     def _query(message: Message, context: Context) -> Message:
-        return _answer_query(settings, message, context)
+        return answer_query(settings, message, context)
 
     @client.train()
     def _client_train(message: Message, context: Context) -> Message:
-        return _train(settings, message, context)
+        return train(settings, message, context)
 
     @client.evaluate()
     def _client_evaluate(message: Message, context: Context) -> Message:
-        return _evaluate(settings, message, context)
+        return evaluate(settings, message, context)
 
     return server, client
 
 
+#: the Flower App's ServerApp (its ClientApp: :mod:`lightning_fl.flower.client_app`)
 server_app = ServerApp()
-#: the nodes' ClientApp; it masks its replies when the server runs a secure round
-client_app = ClientApp(mods=client_mods(lambda context: LocalDP.read(context.run_config)))
 
 
 @server_app.main()
 def _serve_run(grid: Grid, context: Context) -> None:
     serve(Settings.read(context.run_config), grid)
-
-
-@client_app.query()
-def _query_run(message: Message, context: Context) -> Message:
-    return _answer_query(Settings.read(context.run_config), message, context)
-
-
-@client_app.train()
-def _train_run(message: Message, context: Context) -> Message:
-    return _train(Settings.read(context.run_config), message, context)
-
-
-@client_app.evaluate()
-def _evaluate_run(message: Message, context: Context) -> Message:
-    return _evaluate(Settings.read(context.run_config), message, context)
