@@ -730,18 +730,26 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     with pytest.raises(ServerSideError, match="SimilarityClusteredSampler reads the round's "
                                               "updates or the clients' losses"):  # fmt: skip
         server_side.check_server_side(FedAvg(), [], SimilarityClusteredSampler(2))
-    for plugin in (FineTune(), KNNPer()):  # personalized evaluation: refused where nodes evaluate
-        with pytest.raises(ServerSideError, match=f"{type(plugin).__name__} personalizes or "
-                                                  "observes a client's evaluation"):  # fmt: skip
-            server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), "val")
-        server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), None)
+    from lightning_fl.callbacks import MembershipInference
     from lightning_fl.engine.traits import Trait
 
     class Decides(FederatedCallback):  # the trait alone, no evaluation hook
         traits = {Trait.DECIDES_THE_EVALUATED_MODEL: ""}
 
-    with pytest.raises(ServerSideError, match="Decides personalizes or observes"):
-        server_side.check_server_side(FedAvg(), [Decides()], FullParticipation(), "val")
+    for plugin in (FineTune(), KNNPer(), Decides()):  # personalized: each node evaluates its own
+        assert server_side.personalizes_evaluation(plugin)
+        server_side.check_server_side(FedAvg(), [plugin], FullParticipation(), "val")
+    assert not server_side.personalizes_evaluation(FedProx(mu=0.1))
+    from lightning_fl.callbacks import Ditto
+
+    with pytest.raises(ServerSideError, match=r"Ditto does not run in the server-side mode "
+                                              r"yet \(on_round_start\)"):  # fmt: skip
+        server_side.check_server_side(FedAvg(), [Ditto()], FullParticipation(), "val")
+    observer = MembershipInference()  # every client's evaluation together: refused there
+    with pytest.raises(ServerSideError, match="MembershipInference observes every client's "
+                                              "evaluation together"):  # fmt: skip
+        server_side.check_server_side(FedAvg(), [observer], FullParticipation(), "val")
+    server_side.check_server_side(FedAvg(), [observer], FullParticipation(), None)
     server_side.check_server_side(FedAvg(), [FedProx(mu=0.1)], FullParticipation(), "val")
     silo = ROOT / "recipes" / "flamby" / "heart_flower.yaml"
     with pytest.raises(ServerSideError, match="names silos or a transport"):
@@ -1034,21 +1042,23 @@ def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_
 
 
 class Nodes:
-    """Four nodes that answer as the ClientApp does (its query and train handlers, each
-    node with its own Context: ``client`` in its node config, its own state)."""
+    """Nodes (four by default) that answer as the ClientApp does (its query, train and
+    evaluate handlers, each node with its own Context: ``client`` in its node config, its
+    own state)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clients: int = 4) -> None:
         from flwr.app import Context
 
         self.settings = settings
         self.contexts = {100 + c: Context(7, 100 + c, {"client": c}, RecordDict(), {})
-                         for c in range(4)}  # fmt: skip
+                         for c in range(clients)}  # fmt: skip
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
 
     def send_and_receive(self, messages, timeout=None):
-        answer = {"query": server_side.answer_query, "train": server_side.train}
+        answer = {"query": server_side.answer_query, "train": server_side.train,
+                  "evaluate": server_side.evaluate}  # fmt: skip
         replies = []
         for message in messages:
             node = message.metadata.dst_node_id
@@ -1285,3 +1295,52 @@ def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it(
     assert "torch" not in loaded and "lightning" not in loaded, loaded
     app = (ROOT / "recipes" / "flower_server" / "pyproject.toml").read_text()
     assert 'clientapp = "lightning_fl.flower.client_app:client_app"' in app
+
+
+def test_a_personal_head_stays_on_its_node_and_evaluates_the_client_as_in_simulation(
+    flower_run, tmp_path
+):
+    """FedRep (Collins et al. 2021) in the server-side mode, the quickstart MLP on 3
+    digits clients, all of them 2 rounds: each node keeps its client's head in its
+    Context (never sent), the body alone moves the global model, and each node's
+    evaluation (lightning_fl's own, with the head its Context holds) gives that client's
+    test loss and accuracy of lightning-fl's 1-process fit to 1e-6, as does the final
+    model. FedRep's round-end hook tends the node's module, not the server's: it has no
+    server half."""
+    import yaml
+    from flwr.app import Message
+
+    from lightning_fl.cli import run
+
+    config = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    config["trainer"]["callbacks"] = [
+        {"class_path": "lightning_fl.callbacks.FedAvg"},
+        {"class_path": "lightning_fl.callbacks.FedRep",
+         "init_args": {"head_epochs": 2, "head_lr": 0.05}}]  # fmt: skip
+    recipe = tmp_path / "fedrep.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    cut = ("--data.init_args.num_clients", "3", "--trainer.max_epochs", "2",
+           "--trainer.strategy.init_args.sampler.init_args.clients_per_round", "3")  # fmt: skip
+    settings = Settings(str(recipe), cut, clients=3, evaluate="")
+    nodes = Nodes(settings, clients=3)
+    flower = server_side.serve(settings, nodes)
+    assert all(set(c.state[server_side.CLIENT_STATE].keys()) == {"fedrep_head"}
+               for c in nodes.contexts.values())  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = run(["fit", "--config", str(recipe), *cut, "--trainer.logger", "false",
+                   "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir",
+                   str(tmp_path / "simulation")], exit_on_error=False)  # fmt: skip
+    simulated = cli.model.state_dict()
+    assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
+    tested = cli.trainer.strategy.evaluation.last_report[1]
+    sizes = cli.datamodule.local_sample_counts("train")
+    for node, context in nodes.contexts.items():
+        client = node - 100
+        config = ConfigRecord({"split": "test", "counts": [int(sizes[c]) for c in range(3)]})
+        content = RecordDict({"arrays": ArrayRecord(torch_state_dict=flower), "config": config})
+        message = Message(content, dst_node_id=node, message_type="evaluate")
+        metrics = server_side.evaluate(settings, message, context).content["metrics"]
+        for name in ("test_loss", "test_acc"):
+            assert metrics[name] == pytest.approx(tested[name][client][0], abs=1e-6), name
+        assert metrics["num-examples"] == tested["test_loss"][client][1]

@@ -254,4 +254,8 @@ def _candidates(federation: Federation, ranks: Ranks, cohort: np.ndarray | None)
         seen = cohort[~is_unseen[cohort]]
         unseen = unseen[np.isin(unseen, cohort)]
     ordered = np.concatenate([seen, unseen]).astype(np.int64)
-    return ordered[ordered % ranks.world_size == ranks.rank]
+    ordered = ordered[ordered % ranks.world_size == ranks.rank]
+    silo = getattr(federation.datamodule, "silo", None)
+    if silo is not None:  # a silo view holds its own clients alone (a Flower node's: one)
+        ordered = ordered[ordered % silo[1] == silo[0]]
+    return ordered

@@ -65,9 +65,13 @@ Flower's adaptive-clipping wrappers and its ``LocalDpMod`` compose likewise (run
 ``dp-clipping=server-adaptive|client-adaptive``, ``local-dp-*``:
 :mod:`~lightning_fl.flower.flower_dp`).
 
+A personalization plugin's local model is its declared client state, kept in the node's
+``Context``; where a plugin personalizes the evaluated model, a node evaluates its client
+by lightning_fl's own evaluation with that state (:func:`evaluate_personalized`).
+
 Not built yet (issue 77): a resume with client state kept in the nodes' ``Context``
-(SCAFFOLD's c_i: refused), the personalization plugins' local models, and plugins whose
-server half needs more than declared state, round sums and a round-end hook.
+(SCAFFOLD's c_i: refused), Ditto (its round-start hook), and plugins whose server half
+needs more than declared state, round sums and a round-end hook.
 """
 
 from __future__ import annotations
@@ -502,16 +506,37 @@ def answer_query(settings: Settings, message: Message, context: Context) -> Mess
     return Message(RecordDict({"metrics": record}), reply_to=message)
 
 
+def personalizes_evaluation(plugin: FederatedCallback) -> bool:
+    """Whether ``plugin`` acts around a client's evaluation (its evaluation hooks, or the
+    trait of deciding the evaluated model: FineTune, APFL, FedRep, pFedMe, kNN-Per)."""
+    hooks = [h for h in EVALUATION_HOOKS
+             if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
+    return bool(hooks) or Trait.DECIDES_THE_EVALUATED_MODEL in traits_of(plugin)
+
+
 def evaluate_client(
-    settings: Settings, client: int, model: dict[str, torch.Tensor], split: str
+    settings: Settings,
+    client: int,
+    model: dict[str, torch.Tensor],
+    split: str,
+    counts: Sequence[int] | None = None,
+    client_state: dict[str, torch.Tensor] | None = None,
+    server_state: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """``model`` on ``client``'s ``split`` data (``val``, or ``test`` for a recipe
     without a validation split): the module's loss and metrics, each the batch-size
     weighted mean over the client's samples (Σ value·B / Σ B, as lightning_fl sums a
-    client's evaluation), and ``num-examples``."""
+    client's evaluation), and ``num-examples``. Where a plugin personalizes the evaluated
+    model, lightning_fl's own evaluation of that one client runs instead
+    (:func:`evaluate_personalized`)."""
     from lightning_fl.engine.local_training import batches, evaluation_mode
 
-    cli = instantiate(settings, _QUIET)
+    extra = [] if counts is None else [
+        "--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]  # fmt: skip
+    cli = instantiate(settings, [*_QUIET, *extra])
+    if any(personalizes_evaluation(p) for p in client_plugins(cli.trainer.callbacks)):
+        return evaluate_personalized(cli, client, model, split, counts is not None,
+                                     client_state, server_state)  # fmt: skip
     dm, module = cli.datamodule, cli.model
     open_own_client(dm, client)
     dm.prepare_data()
@@ -538,12 +563,60 @@ def evaluate_client(
     return {"num-examples": count, **{f"{split}_{k}": v / count for k, v in totals.items()}}
 
 
+def evaluate_personalized(
+    cli: Any,
+    client: int,
+    model: dict[str, torch.Tensor],
+    split: str,
+    alone: bool,
+    client_state: dict[str, torch.Tensor] | None = None,
+    server_state: dict[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """lightning_fl's evaluation (``validate``, or ``test``) of ``client`` alone with the
+    recipe's plugins: its declared state (FedRep's head, APFL's v and α, pFedMe's θ̂)
+    from ``client_state`` (the node's ``Context``), the plugins' declared server state
+    from ``server_state``, and their evaluation hooks (FineTune's fine-tuning, a personal
+    model loaded), as in simulation; ``alone``: the datamodule opens ``client``'s data
+    only (the recipe's training counts are the server's). The client's metrics and its
+    sample count, from the fit's per-client report."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    trainer, strategy = cli.trainer, cli.trainer.strategy
+    if alone:
+        open_own_client(cli.datamodule, client)
+    strategy.sampler = OneClient(client)
+    aggregator = recipe_aggregator(trainer.callbacks)
+    kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
+    trainer.callbacks = [*kept, FedAvg(weighting=aggregator.weighting)]
+    for plugin in client_plugins(kept):
+        load_server_state(plugin, server_state or {})
+    for key, value in (client_state or {}).items():
+        strategy.client_store.set(client, key, value)
+    cli.model.load_state_dict(model)
+    run = trainer.validate if split == "val" else trainer.test
+    run(cli.model, datamodule=cli.datamodule, verbose=False)
+    report = strategy.evaluation.last_report
+    values = {} if report is None else {
+        name: per_client[client] for name, per_client in report[1].items()
+        if client in per_client}  # fmt: skip
+    if not values:
+        return {"num-examples": 0}
+    count = max(int(n) for _, n in values.values())
+    return {"num-examples": count, **{name: float(v) for name, (v, _) in values.items()}}
+
+
 def evaluate(settings: Settings, message: Message, context: Context) -> Message:
-    """A node's ``evaluate`` reply: its client's metric means and sample count."""
+    """A node's ``evaluate`` reply: its client's metric means and sample count (with its
+    declared state from the node's ``Context`` where a plugin personalizes the model)."""
     client = node_client(context.node_config)
-    split = str(message.content["config"].get("split", "val"))
+    config = message.content["config"]
+    split = str(config.get("split", "val"))
     model = message.content["arrays"].to_torch_state_dict()
-    metrics = evaluate_client(settings, client, model, split)
+    counts = config.get("counts")
+    metrics = evaluate_client(settings, client, model, split,
+                              None if counts is None else [int(n) for n in counts],
+                              _arrays(context.state, CLIENT_STATE),
+                              _arrays(message.content, "server_state"))  # fmt: skip
     return Message(RecordDict({"metrics": MetricRecord({"client": client, **metrics})}),
                    reply_to=message)  # fmt: skip
 
@@ -651,6 +724,14 @@ class FederatedServer(Strategy):
     _round: tuple[int, Participation, dict[str, torch.Tensor]] | None = None
     #: the last messages sent, each with its client
     _sent: list[tuple[Message, int]] = field(default_factory=list)
+
+    @property
+    def server_halves(self) -> list[FederatedCallback]:
+        """The plugins with a half on the server: those that declare server state or round
+        sums, which their round-end hook updates (SCAFFOLD's c); another plugin's
+        round-end hook tends its client's module, in the node's fit (FedRep's head)."""
+        return [p for p in self.plugins
+                if p.declared_server_state() or p.declared_round_sums()]  # fmt: skip
 
     def summary(self) -> None:
         aggregator, sampler = type(self.aggregator).__name__, type(self.sampler).__name__
@@ -840,7 +921,7 @@ class FederatedServer(Strategy):
         round_idx, participation, start = self._round
         if participation.clients or self.aggregator.aggregates_empty_rounds:
             self.aggregator.aggregate(None, None, state)
-            for plugin in self.plugins:  # after aggregation, as the engine runs them
+            for plugin in self.server_halves:  # after aggregation, as the engine runs them
                 plugin.on_round_end(None, None, state)
         new = {**start, **dict(zip(float_names(start), state.global_tensors))}
         if self.out is not None:
@@ -939,8 +1020,10 @@ class FederatedServer(Strategy):
         if self.split is None or server_round % self.evaluate_every:
             return []
         connected = set(grid.get_node_ids())
-        content = RecordDict({"arrays": arrays,
-                              "config": ConfigRecord({**config, "split": self.split})})  # fmt: skip
+        down = {**config, "split": self.split, "counts": self.counts.tolist()}
+        content = RecordDict({"arrays": arrays, "config": ConfigRecord(down)})
+        if server_state := server_state_arrays(self.plugins):
+            content["server_state"] = ArrayRecord(torch_state_dict=server_state)
         self._sent = [(Message(content, dst_node_id=node, message_type="evaluate"), client)
                       for client, node in sorted(self.nodes.items())
                       if node in connected]  # fmt: skip
@@ -1092,11 +1175,12 @@ def check_server_side(
     split: str | None = None,
 ) -> None:
     """Refuse, naming it, an aggregator that acts beside its clients
-    (:meth:`Aggregator.client_side_hooks`: the ClientApps train without it) or pools
-    them, a sampler that reads the round's updates or losses, a plugin whose server half
-    needs more than its declared server state, round sums and round-end hook, and, where
-    the nodes evaluate (``split``), a plugin that decides the evaluated model (the nodes'
-    evaluation runs the module alone)."""
+    (:meth:`Aggregator.client_side_hooks` other than :data:`NODE_HOOKS`: the ClientApps
+    train without it) or pools them, a sampler that reads the round's updates or losses,
+    a plugin whose server half needs more than its declared server state, round sums and
+    round-end hook, and, where the nodes evaluate (``split``), an observer of every
+    client's evaluation together (membership inference; a plugin that personalizes the
+    evaluated model is evaluated on each node, :func:`evaluate_personalized`)."""
     if aggregator.pools_clients:
         raise ServerSideError(
             f"{type(aggregator).__name__} trains on every client's data in one process (the "
@@ -1109,13 +1193,11 @@ def check_server_side(
             "PoissonSampler or FullParticipation, or the relay mode."
         )
     for plugin in plugins if split is not None else ():
-        hooks = [h for h in EVALUATION_HOOKS
-                 if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
-        if hooks or Trait.DECIDES_THE_EVALUATED_MODEL in traits_of(plugin):
+        if plugin.evaluation_observer:
             raise ServerSideError(
-                f"{type(plugin).__name__} personalizes or observes a client's evaluation, and "
-                "the nodes' evaluation runs the module alone: set the run config's "
-                'evaluate="" (and evaluate with lightning-fl test), or use the relay mode.'
+                f"{type(plugin).__name__} observes every client's evaluation together, and "
+                'each node evaluates its own client: set the run config\'s evaluate="" '
+                "(and evaluate with lightning-fl test), or use the relay mode."
             )
     if own := [h for h in aggregator.client_side_hooks() if h not in NODE_HOOKS]:
         raise ServerSideError(
