@@ -73,6 +73,8 @@ class FedEM(FederatedCallback):
         #: (log π_t^{k−1}, log π_t^k, θ_t^{k−1}) of this round's started clients, for
         #: vectorized clients (θ^{k−1} differs between clients under GossipAveraging)
         self._started: dict[int, tuple[Tensor, Tensor, list[Tensor]]] = {}
+        #: the last round's mean entropy of π (None: no client counted)
+        self._entropy: float | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not isinstance(pl_module, MixtureClassifier):
@@ -170,16 +172,25 @@ class FedEM(FederatedCallback):
 
     def on_round_end(self, trainer, pl_module, state: RoundState) -> None:
         """Logs ``fedem/pi_entropy``, the mean entropy of the accepted clients' π_t^k
-        over every rank's clients (their π may have gone back to another rank by now)."""
+        over every rank's clients (their π may have gone back to another rank by now).
+        Flower's server-side mode runs it on the server, which has no module: there it
+        only keeps the metric for :meth:`round_metrics`."""
+        total, count = state.round_sum(self, "entropy")[0]
+        self._entropy = float(total / count) if count > 0 else None
+        if pl_module is None:
+            return
         pl_module.responsibilities = None
         self._started.clear()
         pl_module.log_mixture_weights = torch.log(self.uniform(pl_module))
-        total, count = state.round_sum(self, "entropy")[0]
         if count > 0:
             pl_module.log(
                 "fedem/pi_entropy", total / count, on_epoch=True, batch_size=1,
                 sync_dist=trainer.world_size > 1,
             )  # fmt: skip
+
+    def round_metrics(self) -> dict[str, float]:
+        """``fedem/pi_entropy`` of the last round (where one of its clients was counted)."""
+        return {} if self._entropy is None else {"fedem/pi_entropy": self._entropy}
 
     def on_client_evaluation_start(self, trainer, pl_module, client: int) -> None:
         if client in set(trainer.datamodule.unseen_clients):

@@ -127,9 +127,16 @@ class Ditto(FederatedCallback):
         #: w^t of each client started and not yet ended (vectorized clients start together)
         self._received: dict[int, TensorList] = {}
 
-    def on_round_start(self, trainer, pl_module, state: RoundState) -> None:
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """w^0: the model the fit starts from (a resumed fit's, restored, is kept)."""
         if self.initial is None:
-            self.initial = flatten(state.global_params).clone()
+            self.initial = flatten(_params(pl_module)).detach().clone()
+
+    def on_server_start(self, rounds: int | None) -> None:
+        """Flower's server-side mode: w^0 is the server's first model, sent to the nodes
+        with the rest of the declared server state."""
+        if self.initial is None:
+            self.initial = flatten(self.view.tensors.params).detach().clone()
 
     def on_client_start(self, trainer, pl_module, client: int, state: RoundState) -> None:
         self._received[client] = [p.detach().clone() for p in _params(pl_module)]

@@ -742,9 +742,7 @@ def test_refusals_name_the_cause_and_the_fix(flower_run, tmp_path):
     assert not server_side.personalizes_evaluation(FedProx(mu=0.1))
     from lightning_fl.callbacks import Ditto
 
-    with pytest.raises(ServerSideError, match=r"Ditto does not run in the server-side mode "
-                                              r"yet \(on_round_start\)"):  # fmt: skip
-        server_side.check_server_side(FedAvg(), [Ditto()], FullParticipation(), "val")
+    server_side.check_server_side(FedAvg(), [Ditto()], FullParticipation(), "val")
     observer = MembershipInference()  # every client's evaluation together: refused there
     with pytest.raises(ServerSideError, match="MembershipInference observes every client's "
                                               "evaluation together"):  # fmt: skip
@@ -1297,34 +1295,50 @@ def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it(
     assert 'clientapp = "lightning_fl.flower.client_app:client_app"' in app
 
 
-def test_a_personal_head_stays_on_its_node_and_evaluates_the_client_as_in_simulation(
-    flower_run, tmp_path
+MIXTURE = {"class_path": "lightning_fl.MixtureClassifier",
+           "init_args": {"num_components": 2, "lr": 0.2, "network": {
+               "class_path": "lightning_fl.MLP",
+               "init_args": {"in_features": 64, "hidden": [64], "num_classes": 10}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "plugin, kept, model",
+    [({"class_path": "lightning_fl.callbacks.FedRep",
+       "init_args": {"head_epochs": 2, "head_lr": 0.05}}, "fedrep_head", None),
+     ({"class_path": "lightning_fl.callbacks.Ditto",
+       "init_args": {"lam": 0.5, "personal_lr": 0.05}}, "ditto_personal", None),
+     ({"class_path": "lightning_fl.callbacks.FedEM"}, "fedem_pi", MIXTURE)],
+    ids=["fedrep", "ditto", "fedem"],
+)  # fmt: skip
+def test_a_personal_model_stays_on_its_node_and_evaluates_the_client_as_in_simulation(
+    flower_run, tmp_path, plugin, kept, model
 ):
-    """FedRep (Collins et al. 2021) in the server-side mode, the quickstart MLP on 3
-    digits clients, all of them 2 rounds: each node keeps its client's head in its
-    Context (never sent), the body alone moves the global model, and each node's
-    evaluation (lightning_fl's own, with the head its Context holds) gives that client's
-    test loss and accuracy of lightning-fl's 1-process fit to 1e-6, as does the final
-    model. FedRep's round-end hook tends the node's module, not the server's: it has no
-    server half."""
+    """FedRep (Collins et al. 2021), Ditto (Li et al. 2021) and FedEM (Marfoq et al.
+    2021, a mixture of 2 MLPs) in the server-side mode, the quickstart MLP on 3 digits
+    clients, 2 a round, 2 rounds (client 1 first trains in round 1, clients 0 and 2 in
+    round 0): each node keeps its client's head, personal model v_k or mixture weights π
+    in its Context (never sent), and each node's evaluation (lightning_fl's
+    own, with what its Context holds) gives that client's test loss and accuracy of
+    lightning-fl's 1-process fit to 1e-6, as does the final model. FedRep's round-end
+    hook tends the node's module, not the server's (it has no server half); Ditto's w^0,
+    client 1's v_k start in round 1, is the server's first model, sent down with
+    its declared server state."""
     import yaml
     from flwr.app import Message
 
     from lightning_fl.cli import run
 
     config = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
-    config["trainer"]["callbacks"] = [
-        {"class_path": "lightning_fl.callbacks.FedAvg"},
-        {"class_path": "lightning_fl.callbacks.FedRep",
-         "init_args": {"head_epochs": 2, "head_lr": 0.05}}]  # fmt: skip
-    recipe = tmp_path / "fedrep.yaml"
+    config["trainer"]["callbacks"] = [{"class_path": "lightning_fl.callbacks.FedAvg"}, plugin]
+    config["model"] = model or config["model"]
+    recipe = tmp_path / "personalized.yaml"
     recipe.write_text(yaml.safe_dump(config))
     cut = ("--data.init_args.num_clients", "3", "--trainer.max_epochs", "2",
-           "--trainer.strategy.init_args.sampler.init_args.clients_per_round", "3")  # fmt: skip
+           "--trainer.strategy.init_args.sampler.init_args.clients_per_round", "2")  # fmt: skip
     settings = Settings(str(recipe), cut, clients=3, evaluate="")
     nodes = Nodes(settings, clients=3)
     flower = server_side.serve(settings, nodes)
-    assert all(set(c.state[server_side.CLIENT_STATE].keys()) == {"fedrep_head"}
+    assert all(set(c.state[server_side.CLIENT_STATE].keys()) == {kept}
                for c in nodes.contexts.values())  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

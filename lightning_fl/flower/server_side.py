@@ -70,8 +70,8 @@ A personalization plugin's local model is its declared client state, kept in the
 by lightning_fl's own evaluation with that state (:func:`evaluate_personalized`).
 
 Not built yet (issue 77): a resume with client state kept in the nodes' ``Context``
-(SCAFFOLD's c_i: refused), Ditto (its round-start hook), and plugins whose server half
-needs more than declared state, round sums and a round-end hook.
+(SCAFFOLD's c_i: refused), and plugins whose server half needs more than declared state,
+round sums and a round-end hook.
 """
 
 from __future__ import annotations
@@ -444,14 +444,42 @@ def client_plugins(callbacks: Sequence[Any]) -> list[FederatedCallback]:
 
 
 def server_state_arrays(plugins: Sequence[FederatedCallback]) -> dict[str, torch.Tensor]:
-    """The plugins' declared server state shaped like the parameters (SCAFFOLD's c), as
-    named tensors ``<Class>.<name>.<i>`` (what the clients need of the server's state)."""
+    """The plugins' declared server state that is tensors (SCAFFOLD's c, shaped like the
+    parameters; Ditto's w^0, one flat tensor), as named tensors ``<Class>.<name>.<i>`` for
+    a list and ``<Class>.<name>`` for one tensor (what the clients need of the server's
+    state); a value still None is not sent."""
     arrays = {}
     for plugin in plugins:
-        for name in plugin.server_state_like_params():
-            for i, tensor in enumerate(getattr(plugin, name) or []):
-                arrays[f"{type(plugin).__name__}.{name}.{i}"] = tensor.detach().cpu()
+        for name in plugin.declared_server_state():
+            value, prefix = getattr(plugin, name), f"{type(plugin).__name__}.{name}"
+            if isinstance(value, torch.Tensor):
+                arrays[prefix] = value.detach().cpu()
+            elif name in plugin.server_state_like_params():
+                for i, tensor in enumerate(value or []):
+                    arrays[f"{prefix}.{i}"] = tensor.detach().cpu()
+            elif value is not None:
+                raise ServerSideError(
+                    f"{type(plugin).__name__}'s server state {name!r} is a "
+                    f"{type(value).__name__}, not tensors: the server-side mode sends only "
+                    "tensors to the clients. Use the relay mode."
+                )
     return arrays
+
+
+def load_server_state(plugin: FederatedCallback, arrays: dict[str, torch.Tensor]) -> None:
+    """Set ``plugin``'s declared server state from ``arrays`` (:func:`server_state_arrays`);
+    a state the server has not set yet stays as it is (None: the engine starts state like
+    the parameters at zero)."""
+    for name in plugin.declared_server_state():
+        prefix = f"{type(plugin).__name__}.{name}"
+        if prefix in arrays:
+            setattr(plugin, name, arrays[prefix])
+            continue
+        parts = sorted(
+            (int(k[len(prefix) + 1 :]), v) for k, v in arrays.items() if k.startswith(prefix + ".")
+        )
+        if parts:
+            setattr(plugin, name, [v for _, v in parts])
 
 
 def scalar_server_state(plugin: FederatedCallback) -> dict[str, float]:
@@ -478,19 +506,6 @@ def zero_round_sums(
             totals[plugin.round_sum_key(name)] = zeros_like(like) if shape is None else [
                 torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
     return totals
-
-
-def load_server_state(plugin: FederatedCallback, arrays: dict[str, torch.Tensor]) -> None:
-    """Set ``plugin``'s declared server state like the parameters from ``arrays``
-    (:func:`server_state_arrays`); a state the server has not set yet stays None (the
-    engine starts it at zero)."""
-    for name in plugin.server_state_like_params():
-        prefix = f"{type(plugin).__name__}.{name}."
-        parts = sorted(
-            (int(k[len(prefix) :]), v) for k, v in arrays.items() if k.startswith(prefix)
-        )
-        if parts:
-            setattr(plugin, name, [v for _, v in parts])
 
 
 #: a ClientApp's fits write nothing and say nothing
@@ -1216,11 +1231,12 @@ def check_server_side(
                 "mode, whose sites run every hook."
             )
         other = [n for n in plugin.declared_server_state()
-                 if n not in plugin.server_state_like_params()]  # fmt: skip
+                 if n not in plugin.server_state_like_params()
+                 and not isinstance(getattr(plugin, n), (torch.Tensor, type(None)))]  # fmt: skip
         if other:
             raise ServerSideError(
-                f"{name}'s server state {other} is not shaped like the parameters: the "
-                "server-side mode sends only such state to the clients. Use the relay mode."
+                f"{name}'s server state {other} is not tensors: the server-side mode sends "
+                "only tensors to the clients. Use the relay mode."
             )
 
 
