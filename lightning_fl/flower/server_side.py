@@ -21,7 +21,8 @@ YAML's path), ``overrides`` (extra recipe options, e.g. the data's root), ``clie
 (the number of nodes to wait for) and ``out`` (the server's folder); under Flower's
 simulation engine :func:`make_apps` builds the same pair from arguments. A node trains
 the recipe's client ``partition-id`` (the simulation engine's node config) or
-``client`` (a SuperNode's ``--node-config client=N``).
+``client`` (a SuperNode's ``--node-config client=N``; ``state-dir`` its folder of the
+client's state, :class:`ClientStateFolder`).
 
 A node opens only its own client's data (:func:`open_own_client`: the datamodule's silo
 view of that one client), so its folder needs only that client's files. What crosses the
@@ -69,9 +70,12 @@ A personalization plugin's local model is its declared client state, kept in the
 ``Context``; where a plugin personalizes the evaluated model, a node evaluates its client
 by lightning_fl's own evaluation with that state (:func:`evaluate_personalized`).
 
-Not built yet (issue 77): a resume with client state kept in the nodes' ``Context``
-(SCAFFOLD's c_i: refused), and plugins whose server half needs more than declared state,
-round sums and a round-end hook.
+A node with ``--node-config 'state-dir=/path'`` keeps its client's state in that folder
+(:class:`ClientStateFolder`), so that a resumed run continues it; without one, a resume
+of a run whose plugins keep client state is refused.
+
+Not built yet (issue 77): plugins whose server half needs more than declared state, round
+sums and a round-end hook.
 """
 
 from __future__ import annotations
@@ -247,6 +251,56 @@ def node_client(node_config: dict[str, Any]) -> int:
         "this SuperNode trains no client: start it with --node-config 'client=<the "
         "recipe's client id>'."
     )
+
+
+#: a node config key: the folder where a node keeps its client's declared state
+STATE_DIR = "state-dir"
+#: the saved rounds a node keeps of its client's state (a resumed server repeats at most
+#: the round it lost)
+KEPT_ROUNDS = 3
+
+
+class ClientStateFolder:
+    """A node's folder of its client's declared state (SCAFFOLD's c_i, a personal model)
+    after each round it trained (``--node-config 'state-dir=/path'``): it outlives a
+    Flower run, whose ``Context`` a new run starts empty, so that a resumed server's run
+    continues with each client's state as the uninterrupted run had it. Each round's
+    state is its own file (``round_<r>.pt``, tensors only, read with
+    ``weights_only=True``); a round reads the latest state saved before it, so a round
+    the server lost and repeats reads the state that preceded it."""
+
+    def __init__(self, folder: str | os.PathLike, client: int) -> None:
+        self.folder = Path(folder) / f"client_{client}"
+
+    def rounds(self) -> list[int]:
+        """The rounds whose state is saved, ascending."""
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(p.stem.split("_")[1]) for p in self.folder.glob("round_*.pt"))
+
+    def load(self, before: int) -> dict[str, torch.Tensor]:
+        """The client's state after its last round before round ``before`` (none: {})."""
+        saved = [r for r in self.rounds() if r < before]
+        if not saved:
+            return {}
+        return torch.load(self.folder / f"round_{saved[-1]}.pt", weights_only=True)
+
+    def save(self, round_idx: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep ``state`` as the client's after round ``round_idx`` (written whole, then
+        renamed), and forget all but the last :data:`KEPT_ROUNDS` rounds."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f"round_{round_idx}.pt.partial"
+        torch.save(state, partial)
+        os.replace(partial, self.folder / f"round_{round_idx}.pt")
+        for old in self.rounds()[:-KEPT_ROUNDS]:
+            (self.folder / f"round_{old}.pt").unlink(missing_ok=True)
+
+
+def state_folder(node_config: dict[str, Any], client: int) -> ClientStateFolder | None:
+    """The node's :class:`ClientStateFolder` (node config ``state-dir``), or None: its
+    client's state lives in the run's ``Context``."""
+    folder = str(node_config.get(STATE_DIR, "") or "")
+    return ClientStateFolder(folder, client) if folder else None
 
 
 def open_own_client(dm: Any, client: int) -> None:
@@ -517,7 +571,9 @@ _QUIET = ("--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
 def answer_query(settings: Settings, message: Message, context: Context) -> Message:
     """A node's answer to the server's first message: its client and training count."""
     client = node_client(context.node_config)
-    record = MetricRecord({"client": client, "num-examples": client_count(settings, client)})
+    record = MetricRecord({"client": client, "num-examples": client_count(settings, client),
+                           "keeps-state": int(state_folder(context.node_config, client)
+                                              is not None)})  # fmt: skip
     return Message(RecordDict({"metrics": record}), reply_to=message)
 
 
@@ -628,9 +684,14 @@ def evaluate(settings: Settings, message: Message, context: Context) -> Message:
     split = str(config.get("split", "val"))
     model = message.content["arrays"].to_torch_state_dict()
     counts = config.get("counts")
+    folder = state_folder(context.node_config, client)
+    kept = (
+        _arrays(context.state, CLIENT_STATE)
+        if folder is None
+        else folder.load(int(config.get("round", 0)) + 1)
+    )  # the state after the round that made the model
     metrics = evaluate_client(settings, client, model, split,
-                              None if counts is None else [int(n) for n in counts],
-                              _arrays(context.state, CLIENT_STATE),
+                              None if counts is None else [int(n) for n in counts], kept,
                               _arrays(message.content, "server_state"))  # fmt: skip
     return Message(RecordDict({"metrics": MetricRecord({"client": client, **metrics})}),
                    reply_to=message)  # fmt: skip
@@ -647,7 +708,9 @@ def train(settings: Settings, message: Message, context: Context) -> Message:
     round_idx = int(message.content["config"]["round"])
     start = message.content["arrays"].to_torch_state_dict()
     server_state = _arrays(message.content, "server_state")
-    client_state = _arrays(context.state, CLIENT_STATE)
+    folder = state_folder(context.node_config, client)
+    client_state = _arrays(context.state, CLIENT_STATE) if folder is None else folder.load(
+        round_idx)  # fmt: skip
     config = message.content["config"]
     counts = config.get("counts")
     aggregator_state = {k[len(AGGREGATOR_STATE) :]: float(v) for k, v in config.items()
@@ -662,7 +725,9 @@ def train(settings: Settings, message: Message, context: Context) -> Message:
             f"and the recipe's sampler by {trained.weight:.6g} (the weight its privacy noise "
             "is scaled to): give the server and this node the same recipe, data and seed."
         )
-    if trained.client_state:  # kept on the node, never sent
+    if trained.client_state and folder is not None:  # kept on the node, never sent
+        folder.save(round_idx, trained.client_state)
+    elif trained.client_state:
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
     if is_secure(message.content):  # masked by secaggplus_mod
         vector = secure_rounds.contribution(weight, start, trained.model, trained.round_sums)
@@ -766,6 +831,7 @@ class FederatedServer(Strategy):
         asked = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node,
                          message_type="query") for node in nodes]  # fmt: skip
         counts: dict[int, int] = {}
+        forgetful: list[int] = []  # clients whose node keeps no state across runs
         for reply in grid.send_and_receive(asked, timeout=self.node_timeout):
             metrics = _content(reply, "metrics")
             client = int(metrics["client"])
@@ -775,6 +841,17 @@ class FederatedServer(Strategy):
                 )
             self.nodes[client] = reply.metadata.src_node_id
             counts[client] = int(metrics["num-examples"])
+            if not int(metrics.get("keeps-state", 0)):
+                forgetful.append(client)
+        kept = [type(p).__name__ for p in self.plugins if p.declared_client_state()]
+        if self.first_round > 0 and kept and forgetful:
+            raise ServerSideError(
+                f"{', '.join(kept)} keeps each client's state on its node, and the nodes of "
+                f"clients {sorted(forgetful)} keep it in the run's Context, which a new Flower "
+                "run starts empty: the resumed run would differ from the uninterrupted one. "
+                f"Start each SuperNode with --node-config '{STATE_DIR}=<a folder>' from the "
+                "run's start, or start the run over (resume=false)."
+            )
         size = max(max(counts) + 1, self.num_clients or 0)
         self.counts = np.array([counts.get(c, 0) for c in range(size)], dtype=np.int64)
         if self.resumed_counts is not None and not np.array_equal(self.counts, self.resumed_counts):
@@ -974,15 +1051,9 @@ class FederatedServer(Strategy):
 
     def resume(self, checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Continue after the checkpoint's round: restore the server's state and return
-        its model. Refused where a plugin keeps client state in the nodes' ``Context``
-        (SCAFFOLD's c_i), which a new Flower run starts empty."""
-        kept = [type(p).__name__ for p in self.plugins if p.declared_client_state()]
-        if kept:
-            raise ServerSideError(
-                f"{', '.join(kept)} keeps each client's state in its node's Context, which a "
-                "new Flower run starts empty: the resumed run would differ from the "
-                "uninterrupted one. Start the run over (resume=false)."
-            )
+        its model. Where a plugin keeps client state (SCAFFOLD's c_i), every node must
+        keep it in a folder (``state-dir``: a new Flower run starts its ``Context``
+        empty), checked when the nodes answer (:meth:`meet`)."""
         self.first_round = int(checkpoint["round"]) + 1
         self.resumed_counts = checkpoint["counts"].numpy()
         self.aggregator.load_state_dict(checkpoint["aggregator"])
@@ -1035,7 +1106,8 @@ class FederatedServer(Strategy):
         if self.split is None or server_round % self.evaluate_every:
             return []
         connected = set(grid.get_node_ids())
-        down = {**config, "split": self.split, "counts": self.counts.tolist()}
+        down = {**config, "split": self.split, "counts": self.counts.tolist(),
+                "round": self.first_round + server_round - 1}  # fmt: skip
         content = RecordDict({"arrays": arrays, "config": ConfigRecord(down)})
         if server_state := server_state_arrays(self.plugins):
             content["server_state"] = ArrayRecord(torch_state_dict=server_state)
