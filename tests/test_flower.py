@@ -302,7 +302,7 @@ def test_the_server_side_mode_over_tls_goes_on_without_a_killed_node(tmp_path):
                 "--auth-supernode-private-key", str(creds / f"{name}.key"), "--port",
                 str(_free_port()), "--node-config", f"client={c}"], cwd=tmp / name)  # fmt: skip
         config = (f'recipe="{recipe}" out="{out}" clients=3 min-available-nodes=2 '
-                  f'round-timeout=10 evaluate="" overrides="{" ".join(cut)}"')  # fmt: skip
+                  f'round-timeout=15 evaluate="" overrides="{" ".join(cut)}"')  # fmt: skip
         submitted = fed.run([str(BIN / "flwr"), "run", str(ROOT / "recipes" / "flower_server"),
                              "local", "--run-config", config, "--format", "json"])  # fmt: skip
         run = json.loads(submitted.stdout)["run-id"]
@@ -319,6 +319,15 @@ def test_the_server_side_mode_over_tls_goes_on_without_a_killed_node(tmp_path):
     finally:
         fed.stop_all()
     assert log.count("Aggregated MetricRecord") == rounds, log[-3000:]  # every round's step
+    said = [line.split("lightning-fl: ", 1)[1] for line in log.splitlines()
+            if "lightning-fl: round " in line]  # fmt: skip
+    assert [line.split(":")[0] for line in said] == ["round 0/1", "round 1/1"], log[-3000:]
+    gone = said[1].split("dropped [", 1)[1].split("]")[0]  # client 2's, and any late reply
+    assert said[1].startswith("round 1/1: clients [0, 1, 2]") and "2" in gone.split(", ")
+    with open(out / "rounds.csv") as handle:
+        assert [row["round"] for row in csv.DictReader(handle)] == ["0", "1"]
+    for c in range(3):  # each node's console: its client's rounds (client 2 until it left)
+        assert f"lightning-fl: client {c}: round 0/1 trained, train_loss " in fed.log(f"client{c}")
     dropped: dict[int, set[int]] = {}  # round -> its participants that did not reply
     for found in re.finditer(r"Round (\d+): clients \[([\d, ]+)\] did not reply", log):
         dropped[int(found[1])] = {int(c) for c in found[2].split(",")}

@@ -88,6 +88,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from logging import INFO
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
+from flwr.common.logger import log as flower_log
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy
 
@@ -729,6 +731,10 @@ def train(settings: Settings, message: Message, context: Context) -> Message:
         folder.save(round_idx, trained.client_state)
     elif trained.client_state:
         context.state[CLIENT_STATE] = ArrayRecord(torch_state_dict=trained.client_state)
+    rounds = config.get("rounds")
+    flower_log(INFO, "lightning-fl: client %d: round %d/%s trained, train_loss %s", client,
+               round_idx, "?" if rounds is None else int(rounds) - 1,
+               trained.metrics.get("train_loss", "n/a"))  # fmt: skip
     if is_secure(message.content):  # masked by secaggplus_mod
         vector = secure_rounds.contribution(weight, start, trained.model, trained.round_sums)
         return secure_rounds.secure_reply(message, vector, {"client": client, **trained.metrics})
@@ -907,6 +913,8 @@ class FederatedServer(Strategy):
         server_state = server_state_arrays(self.plugins)
         counts = self.counts.tolist()  # every client's: the nodes' target weights read them
         down = {**self.train_config, "round": round_idx, "counts": counts}
+        if self.rounds is not None:
+            down["rounds"] = self.rounds
         if self.aggregator.client_side_hooks():  # its half on the nodes reads its state
             down |= {AGGREGATOR_STATE + k: v
                      for k, v in scalar_server_state(self.aggregator).items()}  # fmt: skip
@@ -1027,9 +1035,26 @@ class FederatedServer(Strategy):
             summary["train_loss"] = sum(losses[c] * counts[c] for c in losses) / total
         for plugin in (self.aggregator, *self.plugins):
             summary.update(plugin.round_metrics())
-        logger.info("round %d: %d participants, train_loss %s", round_idx,
-                    len(participation.clients), summary.get("train_loss"))  # fmt: skip
+        self.report_round(round_idx, participation.clients, state.dropped, summary)
         return ArrayRecord(torch_state_dict=new), MetricRecord(summary)
+
+    def report_round(
+        self, round_idx: int, clients: Sequence[int], dropped: Sequence[int], summary: dict
+    ) -> None:
+        """Say the round on the server's console (Flower's log: ``flwr run --stream``,
+        ``flwr log RUN``) and append it to ``<out>/rounds.csv``: round r of R, its
+        participants, the dropped updates and the training loss (and the plugins'
+        metrics, in the round's ``MetricRecord``)."""
+        loss = summary.get("train_loss")
+        shown = "n/a" if loss is None else f"{loss:.6g}"
+        total = "?" if self.rounds is None else str(self.rounds - 1)
+        flower_log(INFO, "lightning-fl: round %d/%s: clients %s, dropped %s, train_loss %s",
+                   round_idx, total, list(clients), list(dropped), shown)  # fmt: skip
+        if self.out is not None:
+            row = [round_idx, " ".join(map(str, clients)), " ".join(map(str, dropped)),
+                   "" if loss is None else loss]  # fmt: skip
+            header = ["round", "participants", "dropped", "train_loss"]
+            append_csv(str(self.out / "rounds.csv"), header, [row])
 
     def save_checkpoint(self, round_idx: int, model: dict[str, torch.Tensor]) -> None:
         """``<out>/server_checkpoint.pt`` after round ``round_idx``: θ^{t+1}, the
@@ -1202,11 +1227,11 @@ def serve(settings: Settings, grid: Grid) -> dict[str, torch.Tensor]:
     initial = {k: v.detach().cpu() for k, v in cli.model.state_dict().items()}
     if settings.resume:
         initial = server.resume(read_checkpoint(out))
-        logger.info("lightning-fl FederatedServer: resumed from its checkpoint of round %d",
+        flower_log(INFO, "lightning-fl: the server resumed from its checkpoint of round %d",
                     server.first_round - 1)  # fmt: skip
     rounds = cli.trainer.max_epochs - server.first_round
     if rounds <= 0:
-        logger.info("lightning-fl FederatedServer: the checkpoint's run had its %d rounds",
+        flower_log(INFO, "lightning-fl: the checkpoint's run had its %d rounds",
                     server.first_round)  # fmt: skip
         return initial
     arrays = ArrayRecord(torch_state_dict=initial)
