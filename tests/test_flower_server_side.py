@@ -1265,15 +1265,34 @@ def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run
         with pytest.raises(FlowerDPError, match=rf"LocalDpMod \(local-dp-epsilon\).*{why}"):
             flower_dp.check_local(local, dp, aggregator, plugins, secure, integers)
     flower_dp.check_local(local, None, uniform, [FedProx(mu=0.1)], False)
-    with pytest.raises(FlowerDPError, match=r"needs local-dp-clipping-norm > 0, .*\(got 0, 0.5"):
-        LocalDP.read({**run_config, "local-dp-clipping-norm": 0})
+    for key, value, got in (("local-dp-clipping-norm", 0, "0, 0.5 and 1e-05"),
+                            ("local-dp-sensitivity", "0", "0.5, 0 and 1e-05"),
+                            ("local-dp-delta", "1", "0.5, 0.5 and 1")):  # fmt: skip
+        with pytest.raises(
+            FlowerDPError, match=rf"needs local-dp-clipping-norm > 0, .*\(got {got}\)"
+        ):
+            LocalDP.read({**run_config, key: value})
     with pytest.raises(FlowerDPError, match="DifferentialPrivacyServerSideFixedClipping scales "
                                             "and noises every entry"):  # fmt: skip
         flower_dp.check(FlowerDP("server", 1.0, 0.5), uniform, FullParticipation(), [], False,
                         ["bn.num_batches_tracked"])  # fmt: skip
-    with pytest.raises(FlowerDPError, match=r"dp-target-clipped-quantile in \[0, 1\].*\(got 1.5"):
-        FlowerDP.read({"dp-clipping": "client-adaptive", "dp-noise-multiplier": 1,
-                       "dp-clipping-norm": 1, "dp-target-clipped-quantile": 1.5})  # fmt: skip
+    adaptive = {
+        "dp-clipping": "client-adaptive",
+        "dp-noise-multiplier": "1",
+        "dp-clipping-norm": "0.1",
+        "dp-target-clipped-quantile": "0.4",
+        "dp-clip-norm-lr": "0.3",
+        "dp-clipped-count-stddev": "2",
+    }  # a run config's strings
+    assert FlowerDP.read(adaptive) == FlowerDP("client-adaptive", 1.0, 0.1, 0.4, 0.3, 2.0)
+    assert FlowerDP.read({**adaptive, "dp-clipped-count-stddev": "0"}).clipped_count_stddev is None
+    for key, value, got in (("dp-target-clipped-quantile", "1.5", "1.5, 0.3 and 2"),
+                            ("dp-clip-norm-lr", "0", "0.4, 0 and 2"),
+                            ("dp-clipped-count-stddev", "-1", "0.4, 0.3 and -1")):  # fmt: skip
+        with pytest.raises(
+            FlowerDPError, match=rf"dp-target-clipped-quantile in \[0, 1\].*\(got {got}\)"
+        ):
+            FlowerDP.read({**adaptive, key: value})
 
 
 def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it():

@@ -49,6 +49,7 @@ reply) and plugins with round sums or server state (:func:`check_local`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ class LocalDP:
     def noise_std(self) -> float:
         """s·√(2 ln(1.25/δ))/ε: the Gaussian mechanism's σ (Dwork and Roth 2014, Thm 3.22),
         as ``LocalDpMod`` computes it."""
-        return self.sensitivity * float(np.sqrt(2 * np.log(1.25 / self.delta))) / self.epsilon
+        return self.sensitivity * math.sqrt(2 * math.log(1.25 / self.delta)) / self.epsilon
 
 
 def _check_arrays(name: str, plugins: Sequence[FederatedCallback], integers: Sequence[str]):
@@ -299,7 +300,7 @@ def dp_mod(message: Message, context: Context, call_next: ClientAppCallable) -> 
     else nothing."""
     if message.metadata.message_type == "train":
         configs = message.content.config_records.values()
-        named = next((str(record[MOD_KEY]) for record in configs if MOD_KEY in record), None)
+        named = next((record[MOD_KEY] for record in configs if MOD_KEY in record), None)
         if named is not None:
             return NODE_MODS[named](message, context, call_next)
     return call_next(message, context)
