@@ -1295,7 +1295,7 @@ def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run
             FlowerDP.read({**adaptive, key: value})
 
 
-def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it():
+def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it(flower_run):
     """The Flower App's ClientApp (lightning_fl.flower.client_app, a process a message)
     starts with Flower alone: SecAgg+'s stages without training never import torch or
     Lightning; its secure rounds are recognized by Flower's own record name."""
@@ -1307,6 +1307,35 @@ def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it(
     from lightning_fl.flower import client_app
 
     assert client_app.SECAGG_RECORD == RECORD_KEY_CONFIGS
+    from flwr.app import Context, Message
+
+    from lightning_fl.flower import flower_dp
+
+    def message(kind, **config):
+        content = RecordDict({"arrays": ArrayRecord(torch_state_dict={"w": torch.zeros(2)}),
+                              "config": ConfigRecord(config)})  # fmt: skip
+        return Message(content, dst_node_id=100, message_type=kind)
+
+    def moved(msg, context):
+        content = {"arrays": ArrayRecord(torch_state_dict={"w": torch.tensor([3.0, 4.0])}),
+                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
+        return Message(RecordDict(content), reply_to=msg)
+
+    plain = Context(7, 100, {"client": 0}, RecordDict(), {})
+    for kind in ("train", "evaluate", "query"):  # nothing to mask, clip or noise: as is
+        for mod in client_app.client_app._mods:
+            assert mod(message(kind), plain, lambda m, c: "as is") == "as is"
+    clipped = message("train", **{flower_dp.MOD_KEY: "client", "clipping_norm": 0.5})
+    reply = client_app._dp_mod(clipped, plain, moved)  # the wrapper's mod, by its name
+    assert torch.allclose(reply.content["arrays"].to_torch_state_dict()["w"],
+                          torch.tensor([0.3, 0.4]))  # fmt: skip
+    local = Context(7, 100, {"client": 0}, RecordDict(), {
+        "local-dp-epsilon": 1.0, "local-dp-delta": 1e-5, "local-dp-clipping-norm": 0.5,
+        "local-dp-sensitivity": 1e-9})  # fmt: skip
+    reply = client_app._local_dp_mod(message("train"), local, moved)  # from the run config
+    assert torch.allclose(reply.content["arrays"].to_torch_state_dict()["w"],
+                          torch.tensor([0.3, 0.4]), atol=1e-6)  # clipped, σ ≈ 5e-9  # fmt: skip
+    assert client_app._local_dp_mod(message("evaluate"), local, lambda m, c: "as is") == "as is"
     probe = (
         "import sys, lightning_fl.flower.client_app; "
         "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
