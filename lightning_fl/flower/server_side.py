@@ -657,7 +657,6 @@ def evaluate_personalized(
     trainer, strategy = cli.trainer, cli.trainer.strategy
     if alone:
         open_own_client(cli.datamodule, client)
-    strategy.sampler = OneClient(client)
     aggregator = recipe_aggregator(trainer.callbacks)
     kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
     trainer.callbacks = [*kept, FedAvg(weighting=aggregator.weighting)]
