@@ -83,6 +83,21 @@ class Federation:
                 process.wait(timeout=30)
 
 
+def _start_superlink(fed: Federation, creds: Path, port: int, names: list[str]) -> None:
+    """A SuperLink on ``port`` with TLS and node authentication, and ``names``' public
+    keys registered with it (the README's deployment)."""
+    link = fed.start("superlink", [
+        str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
+        "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile", str(creds / "server.key"),
+        "--enable-supernode-auth", "--port", str(port),
+        "--disable-runtime-dependency-installation"])  # fmt: skip
+    _wait_for_port(port, link, fed.logs / "superlink.log")
+    for name in names:
+        registered = fed.run([str(BIN / "flwr"), "supernode", "register",
+                              str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
+        assert "registered successfully" in registered.stdout, registered.stdout
+
+
 def _site_command(tmp: Path, name: str, audit: str, mailboxes: Path, extra: list[str]) -> list[str]:
     (tmp / "audit" / audit).mkdir(parents=True)
     return [sys.executable, "-m", "tests.silo_audit", str(tmp / "sites"),
@@ -146,16 +161,7 @@ def test_three_hospitals_over_tls_equal_the_simulation_and_a_killed_site_rejoins
         for center in centers:
             shutil.copy(HEART / f"processed.{center}.data", folder)
     try:
-        link = fed.start("superlink", [
-            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
-            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
-            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
-            "--disable-runtime-dependency-installation"])  # fmt: skip
-        _wait_for_port(port, link, fed.logs / "superlink.log")
-        for name in SITES:
-            registered = fed.run([str(BIN / "flwr"), "supernode", "register",
-                                  str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
-            assert "registered successfully" in registered.stdout, registered.stdout
+        _start_superlink(fed, creds, port, list(SITES))
         # the README's SuperNode: flower-supernode, its refusals said in one line each
         supernode = [sys.executable, "-m", "lightning_fl.flower.supernode", "--superlink",
                      f"127.0.0.1:{port}"]  # fmt: skip
@@ -285,16 +291,7 @@ def test_the_server_side_mode_over_tls_goes_on_without_a_killed_node(tmp_path):
            "--trainer.strategy.init_args.sampler.init_args.clients_per_round", "3"]  # fmt: skip
     out = tmp / "server"
     try:
-        link = fed.start("superlink", [
-            str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds / "ca.crt"),
-            "--ssl-certfile", str(creds / "server.pem"), "--ssl-keyfile",
-            str(creds / "server.key"), "--enable-supernode-auth", "--port", str(port),
-            "--disable-runtime-dependency-installation"])  # fmt: skip
-        _wait_for_port(port, link, fed.logs / "superlink.log")
-        for name in nodes:
-            registered = fed.run([str(BIN / "flwr"), "supernode", "register",
-                                  str(creds / f"{name}.pub"), "local", "--name", name])  # fmt: skip
-            assert "registered successfully" in registered.stdout, registered.stdout
+        _start_superlink(fed, creds, port, nodes)
         for c, name in enumerate(nodes):
             (tmp / name).mkdir()
             fed.start(name, [sys.executable, "-m", "lightning_fl.flower.supernode",

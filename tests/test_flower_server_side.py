@@ -107,6 +107,21 @@ class Grid:
         return replies
 
 
+def replies_moved(seeding=None):
+    """A ClientApp's next step that replies w = (3, 4) (an update of norm 5 from 0) for
+    client 0, after ``seeding()`` (what the node's training does to NumPy's state)."""
+    from flwr.app import Message
+
+    def trained(msg, context):
+        if seeding is not None:
+            seeding()
+        content = {"arrays": ArrayRecord(torch_state_dict={"w": torch.tensor([3.0, 4.0])}),
+                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
+        return Message(RecordDict(content), reply_to=msg)
+
+    return trained
+
+
 @pytest.fixture
 def flower_run(monkeypatch):
     """Flower builds messages only inside a run: a run id for the test's messages."""
@@ -1028,13 +1043,7 @@ def test_flowers_dp_wrappers_are_refused_where_their_noise_or_clipping_does_not_
     assert sent[0].content["config"]["clipping_norm"] == 0.2
     message = Message(sent[0].content, dst_node_id=100, message_type="train")
 
-    def trained(msg, context):
-        moved = {"w": torch.tensor([3.0, 4.0])}  # ‖Δ‖ = 5
-        content = {"arrays": ArrayRecord(torch_state_dict=moved),
-                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
-        return Message(RecordDict(content), reply_to=msg)
-
-    reply = flower_dp.dp_mod(message, None, trained)
+    reply = flower_dp.dp_mod(message, None, replies_moved())
     clipped = reply.content["arrays"].to_torch_state_dict()["w"]
     assert torch.allclose(clipped, torch.tensor([0.12, 0.16]))  # scaled to norm 0.2
     plain = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=100,
@@ -1196,25 +1205,19 @@ def test_flowers_adaptive_clipping_wrappers_move_c_as_flower_computes_it(
     assert (config["clipping_norm"], config[flower_dp.MOD_KEY]) == (0.2, "client-adaptive")
     message = Message(sent[0].content, dst_node_id=100, message_type="train")
 
-    def trained(msg, context):
-        moved = {"w": torch.tensor([3.0, 4.0])}  # ‖Δ‖ = 5
-        content = {"arrays": ArrayRecord(torch_state_dict=moved),
-                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
-        return Message(RecordDict(content), reply_to=msg)
-
-    reply = flower_dp.dp_mod(message, None, trained)
+    reply = flower_dp.dp_mod(message, None, replies_moved())
     assert torch.allclose(reply.content["arrays"].to_torch_state_dict()["w"],
                           torch.tensor([0.12, 0.16]))  # fmt: skip
     assert reply.content["metrics"]["norm_bit"] == 1  # clipped
 
 
 def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run, monkeypatch):
-    """LocalDpMod (run config local-dp-*: C = 0.5, s = 0.5, ε = 2, δ = 1e-5) on a node:
-    the reply θ^t + clip(Δ) + N(0, σ²), σ = s√(2 ln(1.25/δ))/ε, the noise drawn after the
-    training, from NumPy's global generator set from the OS's entropy (the training had
-    seeded it from the recipe); messages other than train, and runs without it, pass.
-    Refused beside a central wrapper, DPFedAvg, SCAFFOLD's round sums, secagg and a model
-    with integer entries, naming both."""
+    """LocalDpMod (run config local-dp-*: C = 0.5, s = 0.5, ε = 2, δ = 1e-5) on a node
+    (θ^t = 0, Δ = (3, 4)): the reply θ^t + clip(Δ) + N(0, σ²), σ = s√(2 ln(1.25/δ))/ε,
+    the noise drawn after the training, from NumPy's global generator set from the OS's
+    entropy (the training had seeded it from the recipe); messages other than train, and
+    runs without it, pass. Refused beside a central wrapper, DPFedAvg, SCAFFOLD's round
+    sums, secagg and a model with integer entries, naming both."""
     from flwr.app import Message
 
     from lightning_fl.callbacks import DPFedAvg
@@ -1229,25 +1232,18 @@ def test_flowers_local_dp_mod_noises_each_reply_from_the_nodes_secret(flower_run
     assert local.noise_std == pytest.approx(sigma)
     entropy = bytes((7 * i) % 256 for i in range(624 * 4))
     monkeypatch.setattr(flower_dp.os, "urandom", lambda size: entropy[:size])
-    start = {"w": torch.tensor([1.0, -2.0])}
+    start = {"w": torch.zeros(2)}
     content = RecordDict({"arrays": ArrayRecord(torch_state_dict=start),
                           "config": ConfigRecord({"round": 0})})  # fmt: skip
     message = Message(content, dst_node_id=100, message_type="train")
-
-    def trained(msg, context):
-        np.random.seed(0)  # the recipe's seed_everything
-        moved = {"w": torch.tensor([4.0, 2.0])}  # Δ = (3, 4), ‖Δ‖ = 5
-        content = {"arrays": ArrayRecord(torch_state_dict=moved),
-                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
-        return Message(RecordDict(content), reply_to=msg)
-
+    trained = replies_moved(seeding=lambda: np.random.seed(0))  # the recipe's seed_everything
     mod = flower_dp.local_dp_mod(lambda context: local)
     got = mod(message, None, trained).content["arrays"].to_torch_state_dict()["w"]
     np.random.set_state(("MT19937", np.frombuffer(entropy, dtype=np.uint32), 624, 0, 0.0))
     noise = np.random.normal(0, sigma, (2,)).astype(np.float32)
-    assert torch.allclose(got, torch.tensor([1.3, -1.6]) + torch.from_numpy(noise), atol=1e-6)
+    assert torch.allclose(got, torch.tensor([0.3, 0.4]) + torch.from_numpy(noise), atol=1e-6)
     np.random.seed(0)
-    assert not torch.allclose(got, torch.tensor([1.3, -1.6]) + torch.from_numpy(
+    assert not torch.allclose(got, torch.tensor([0.3, 0.4]) + torch.from_numpy(
         np.random.normal(0, sigma, (2,)).astype(np.float32)), atol=1e-3)  # fmt: skip
     evaluate = Message(content, dst_node_id=100, message_type="evaluate")
     assert mod(evaluate, None, lambda m, c: "untouched") == "untouched"
@@ -1316,11 +1312,7 @@ def test_the_deployed_client_app_imports_torch_only_for_a_message_that_needs_it(
                               "config": ConfigRecord(config)})  # fmt: skip
         return Message(content, dst_node_id=100, message_type=kind)
 
-    def moved(msg, context):
-        content = {"arrays": ArrayRecord(torch_state_dict={"w": torch.tensor([3.0, 4.0])}),
-                   "metrics": MetricRecord({"client": 0})}  # fmt: skip
-        return Message(RecordDict(content), reply_to=msg)
-
+    moved = replies_moved()
     plain = Context(7, 100, {"client": 0}, RecordDict(), {})
     for kind in ("train", "evaluate", "query"):  # nothing to mask, clip or noise: as is
         for mod in client_app.client_app._mods:
