@@ -566,6 +566,10 @@ def test_secure_rounds_read_their_settings_and_refuse_what_they_would_hide(flowe
     with pytest.raises(ServerSideError, match="DPFedAvg reads each client's update on the "
                                               "server, and secagg hides them"):  # fmt: skip
         server_side.check_secure(DPFedAvg())
+    from lightning_fl.callbacks import CoordinateMedian
+
+    with pytest.raises(ServerSideError, match="CoordinateMedian reads each client's update"):
+        server_side.check_secure(CoordinateMedian())  # its rows: no receive_update of its own
     server_side.check_secure(FedAdam())
     adaptive = DPFedAvg(noise="local", target_quantile=0.5)  # its count: 0 or 1 a node
     clipped = (
@@ -1446,3 +1450,26 @@ def test_a_node_keeps_its_clients_state_in_its_folder_and_a_resumed_run_reads_it
     flower = serve(3, True)
     simulated, _ = _simulated(recipe, 3, tmp_path / "simulation", test=False)
     assert max(float((flower[k] - simulated[k]).abs().max()) for k in simulated) <= 1e-6
+
+
+def test_fedems_round_end_on_the_server_keeps_its_entropy_for_the_rounds_metrics():
+    """FedEM's round-end hook on the server (no trainer, no module): the round's mean
+    entropy of the clients' π, Σ H / count from its round sum, is the round's
+    ``fedem/pi_entropy`` metric; a round that counted no client reports none."""
+    from lightning_fl.callbacks import FedEM
+    from lightning_fl.engine.plugins import RoundState
+    from lightning_fl.systems.samplers import Participation
+
+    fedem = FedEM()
+
+    def ended(total: float, count: float) -> dict[str, float]:
+        sums = {fedem.round_sum_key("entropy"): [torch.tensor([total, count])]}
+        state = RoundState(0, Participation((), ()), [], [], None, None, 0, np.zeros(0),
+                           torch.zeros(0), extra_sums=sums)  # fmt: skip
+        fedem.on_round_end(None, None, state)
+        return fedem.round_metrics()
+
+    assert ended(1.2, 3.0) == {"fedem/pi_entropy": pytest.approx(0.4)}
+    assert type(fedem.round_metrics()["fedem/pi_entropy"]) is float  # a MetricRecord's value
+    assert ended(0.0, 0.0) == {}
+    assert ended(0.9, 1.0) == {"fedem/pi_entropy": pytest.approx(0.9)}

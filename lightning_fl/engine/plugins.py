@@ -373,7 +373,7 @@ class FederatedCallback(pl.Callback):
         if dtype is not None:
             self._declared_state("sum_dtype")[name] = dtype
         if bound is not None:
-            self._declared_state("sum_bound")[name] = float(bound)
+            self._declared_state("sum_bound")[name] = bound
 
     def round_sum_bound(self, name: str) -> float | None:
         """The declared bound of one client's entries of round sum ``name`` (None: none)."""
