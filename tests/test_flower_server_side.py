@@ -1143,11 +1143,15 @@ def test_dp_fedavgs_local_noise_is_added_on_each_node_from_its_secret(
     drawn_0 = [c for t, c in local if t == 0]
     left_out = ({0, 1, 2, 3} - set(drawn_0)).pop()
     nodes = Nodes(settings)
-    for client, weight, why in ((drawn_0[0], 0.123, "weighs client .* by 0.123, and the "
-                                 "recipe's sampler by"),
-                                (left_out, 0.5, f"sent client {left_out} round 0, and the "
-                                 "recipe's UniformSampler does not draw it")):  # fmt: skip
-        config = ConfigRecord({"round": 0, "weight": weight, "counts": [199, 172, 30, 85]})
+    for client, weight, why, extra in (
+        (drawn_0[0], 0.123, "weighs client .* by 0.123, and the recipe's sampler by", {}),
+        (left_out, 0.5, f"sent client {left_out} round 0, and the recipe's UniformSampler "
+                        "does not draw it", {}),
+        (drawn_0[0], 0.5, "sets DPFedAvg's 'noise_multiplier', which is not its declared "
+                          "server state", {"aggregator.noise_multiplier": 0.0}),
+    ):  # fmt: skip
+        config = ConfigRecord({"round": 0, "weight": weight, "counts": [199, 172, 30, 85],
+                               **extra})  # fmt: skip
         content = RecordDict({"arrays": ArrayRecord(torch_state_dict=flower), "config": config})
         message = Message(content, dst_node_id=100 + client, message_type="train")
         with pytest.raises(ServerSideError, match=why):

@@ -20,7 +20,13 @@ from lightning_fl.engine import collectives
 from lightning_fl.engine.client_store import move_client_states
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.data_contract import FederatedDataModule
-from lightning_fl.engine.plugins import CLIENT_UPDATES, POOLED_CLIENT, SERVER_CLIENT, RoundState
+from lightning_fl.engine.plugins import (
+    CLIENT_UPDATES,
+    POOLED_CLIENT,
+    SERVER_CLIENT,
+    RoundState,
+    zero_round_sums,
+)
 from lightning_fl.engine.schedule import ClientSchedule, chunk_positions
 from lightning_fl.engine.seeding import generator
 from lightning_fl.engine.tensors import flat_size, zeros_like
@@ -375,13 +381,11 @@ class RoundPlanner:
             for name in plugin.server_state_like_params():
                 if getattr(plugin, name) is None:
                     setattr(plugin, name, zeros_like(global_tensors[: model.num_params]))
-        for plugin in fit.plugins.callbacks:  # the declared round sums, at zero
-            for name, shape in plugin.declared_round_sums().items():
-                like = global_tensors[: model.num_params]
-                dtype = plugin.round_sum_dtype(name) or like[0].dtype
-                zeros = zeros_like(like) if shape is None else [
-                    torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
-                state.extra_sums[plugin.round_sum_key(name)] = zeros
+        # the declared round sums, at zero
+        state.extra_sums.update(
+            zero_round_sums(fit.plugins.callbacks, global_tensors[: model.num_params])
+        )
+        for plugin in fit.plugins.callbacks:
             for name in plugin.declared_round_rows():  # a row per participant, at zero
                 rows = torch.zeros(len(participation.clients), flat_size(global_tensors),
                                    dtype=global_tensors[0].dtype, device=fit.device)  # fmt: skip

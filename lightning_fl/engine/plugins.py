@@ -401,6 +401,12 @@ class FederatedCallback(pl.Callback):
         ``name``."""
         return f"{type(self).__name__}.{name}"
 
+    def overridden_hooks(self, hooks: Sequence[str]) -> tuple[str, ...]:
+        """The hooks of ``hooks`` that this plugin's class overrides (what it does, read
+        from its class rather than from a table of class names)."""
+        return tuple(h for h in hooks
+                     if getattr(type(self), h) is not getattr(FederatedCallback, h))  # fmt: skip
+
     def declared_round_sums(self) -> dict[str, tuple[int, ...] | None]:
         """The declared round sums and their shapes (None: like the parameters)."""
         return dict(self._declared_state("sum"))
@@ -712,8 +718,7 @@ class Aggregator(FederatedCallback):
         runs on the nodes, and one with any other is refused. Default: every hook of
         :data:`CLIENT_SIDE_HOOKS` its class overrides; an aggregator whose overrides act
         only in some configurations says which."""
-        return tuple(h for h in self.CLIENT_SIDE_HOOKS
-                     if getattr(type(self), h) is not getattr(Aggregator, h))  # fmt: skip
+        return self.overridden_hooks(self.CLIENT_SIDE_HOOKS)
 
     def reads_each_update(self) -> bool:
         """Whether this aggregator, as configured, reads each client's update on the
@@ -756,6 +761,21 @@ class FedAvg(Aggregator):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: RoundState
     ) -> None:
         torch._foreach_add_(state.global_tensors, state.update_sum, alpha=self.server_lr)
+
+
+def zero_round_sums(
+    plugins: Sequence[FederatedCallback], like: TensorList
+) -> dict[str, TensorList]:
+    """``plugins``' declared round sums at zero, by key: shaped like ``like`` (the
+    parameters) where a sum declares no shape, else one tensor of its shape and dtype (the
+    parameters' by default), on ``like``'s device."""
+    totals: dict[str, TensorList] = {}
+    for plugin in plugins:
+        for name, shape in plugin.declared_round_sums().items():
+            dtype = plugin.round_sum_dtype(name) or like[0].dtype
+            totals[plugin.round_sum_key(name)] = zeros_like(like) if shape is None else [
+                torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
+    return totals
 
 
 def _check_like(like: str) -> str:

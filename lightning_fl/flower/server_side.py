@@ -111,6 +111,7 @@ from lightning_fl.engine.plugins import (
     FederatedCallback,
     PluginView,
     RoundState,
+    zero_round_sums,
 )
 from lightning_fl.engine.tensors import (
     FederatedTensors,
@@ -345,8 +346,6 @@ def train_client(
     alone; ``counts`` are every client's training counts (the server's; the target
     weights p_i read them), by default the datamodule's; ``aggregator_state`` the
     aggregator's scalar server state its client half reads (DPFedAvg's adaptive C_t)."""
-    from lightning.pytorch.callbacks import Checkpoint
-
     one_round = ["--trainer.strategy.init_args.first_round", str(round_idx),
                  # a client's privacy noise (DP-SGD's) is its node's secret, not the recipe's
                  "--trainer.strategy.init_args.secret_randomness", "true",
@@ -354,32 +353,26 @@ def train_client(
                  # other client's validation data
                  "--trainer.limit_val_batches", "0",
                  "--trainer.num_sanity_val_steps", "0"]  # fmt: skip
-    if counts is not None:
-        one_round += ["--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]
-    cli = instantiate(settings, [*_QUIET, *one_round])
+    cli = instantiate(settings, [*_QUIET, *one_round, *_counts_options(counts)])
     if counts is not None:  # else the whole federation's counts are read on this node
         open_own_client(cli.datamodule, client)
     trainer, strategy = cli.trainer, cli.trainer.strategy
     rounds, trainer.fit_loop.max_epochs = trainer.max_epochs, 1  # the recipe's, then this one
     recipe_sampler, strategy.sampler = strategy.sampler, OneClient(client)
     aggregator = recipe_aggregator(trainer.callbacks)
-    plugins = client_plugins(trainer.callbacks)
-    # the recipe's aggregator and server optimizer run on the server; here FedAvg with
-    # weight 1 and server_lr 1 leaves the client's model θ^t + (θ_i − θ^t) in the module,
-    # with the recipe's target weights p_i (which SCAFFOLD's "target" weighting reads);
     # the aggregator's client half (DPFedAvg's local noise) runs first, as in simulation
     on_node = []
     if aggregator.client_side_hooks():
         for name, value in (aggregator_state or {}).items():
+            if name not in aggregator.declared_server_state():  # never its privacy settings
+                raise ServerSideError(
+                    f"the server sets {type(aggregator).__name__}'s {name!r}, which is not "
+                    "its declared server state: a node takes only that from the server. "
+                    "Give the server and this node the same lightning-fl and recipe."
+                )
             setattr(aggregator, name, value)
         on_node = [AggregatorOnNode(aggregator, recipe_sampler, strategy.config, rounds)]
-    kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
-    trainer.callbacks = [*on_node, *kept, FedAvg(weighting=aggregator.weighting)]
-    for plugin in plugins:
-        load_server_state(plugin, server_state or {})
-    store = trainer.strategy.client_store
-    for key, value in (client_state or {}).items():
-        store.set(client, key, value)
+    plugins = one_client_fit(trainer, client, server_state, client_state, on_node)
     cli.model.load_state_dict(start)
     trainer.fit(cli.model, datamodule=cli.datamodule)
     state = trainer.strategy.engine.current_round.state
@@ -392,7 +385,7 @@ def train_client(
     kept_state = {}
     for plugin in plugins:
         for name, key in plugin.declared_client_state().items():
-            value = store.get(client, key)
+            value = strategy.client_store.get(client, key)
             if value is not None and not isinstance(value, torch.Tensor):
                 raise ServerSideError(
                     f"{type(plugin).__name__}'s client state {name!r} is not a tensor: "
@@ -488,6 +481,40 @@ class AggregatorOnNode(FederatedCallback):
                 for i, t in enumerate(parts)}  # fmt: skip
 
 
+def _counts_options(counts: Sequence[int] | None) -> list[str]:
+    """The recipe options that give a node's fit every client's training counts (the
+    server's), where it has them."""
+    if counts is None:
+        return []
+    return ["--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]
+
+
+def one_client_fit(
+    trainer: Any,
+    client: int,
+    server_state: dict[str, torch.Tensor] | None,
+    client_state: dict[str, torch.Tensor] | None,
+    first: Sequence[FederatedCallback] = (),
+) -> list[FederatedCallback]:
+    """Make the recipe's trainer ``client``'s alone: the recipe's aggregator and server
+    optimizer run on the server, so here FedAvg of weight 1 and ``server_lr`` 1 (with the
+    recipe's weighting: the target weights p_i SCAFFOLD's "target" weighting reads) leaves
+    θ^t + (θ_i − θ^t) in the module; checkpoints go, ``first`` runs before the plugins,
+    the plugins get their declared server state and the client its declared state.
+    Returns the plugins."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    aggregator = recipe_aggregator(trainer.callbacks)
+    kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
+    trainer.callbacks = [*first, *kept, FedAvg(weighting=aggregator.weighting)]
+    plugins = client_plugins(kept)
+    for plugin in plugins:
+        load_server_state(plugin, server_state or {})
+    for key, value in (client_state or {}).items():
+        trainer.strategy.client_store.set(client, key, value)
+    return plugins
+
+
 def recipe_aggregator(callbacks: Sequence[Any]) -> Aggregator:
     """The recipe's aggregator (FedAvg when it names none)."""
     return next((cb for cb in callbacks if isinstance(cb, Aggregator)), None) or FedAvg()
@@ -550,20 +577,6 @@ def scalar_server_state(plugin: FederatedCallback) -> dict[str, float]:
 AGGREGATOR_STATE = "aggregator."
 
 
-def zero_round_sums(
-    plugins: Sequence[FederatedCallback], like: Sequence[torch.Tensor]
-) -> dict[str, list[torch.Tensor]]:
-    """``plugins``' declared round sums at zero: shaped like ``like`` (the parameters)
-    where a sum declares no shape, on its device."""
-    totals: dict[str, list[torch.Tensor]] = {}
-    for plugin in plugins:
-        for name, shape in plugin.declared_round_sums().items():
-            dtype = plugin.round_sum_dtype(name) or like[0].dtype
-            totals[plugin.round_sum_key(name)] = zeros_like(like) if shape is None else [
-                torch.zeros(shape, dtype=dtype, device=like[0].device)]  # fmt: skip
-    return totals
-
-
 #: a ClientApp's fits write nothing and say nothing
 _QUIET = ("--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
           "--trainer.enable_model_summary", "false",
@@ -582,8 +595,7 @@ def answer_query(settings: Settings, message: Message, context: Context) -> Mess
 def personalizes_evaluation(plugin: FederatedCallback) -> bool:
     """Whether ``plugin`` acts around a client's evaluation (its evaluation hooks, or the
     trait of deciding the evaluated model: FineTune, APFL, FedRep, pFedMe, kNN-Per)."""
-    hooks = [h for h in EVALUATION_HOOKS
-             if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
+    hooks = plugin.overridden_hooks(EVALUATION_HOOKS)
     return bool(hooks) or Trait.DECIDES_THE_EVALUATED_MODEL in traits_of(plugin)
 
 
@@ -604,9 +616,7 @@ def evaluate_client(
     (:func:`evaluate_personalized`)."""
     from lightning_fl.engine.local_training import batches, evaluation_mode
 
-    extra = [] if counts is None else [
-        "--trainer.strategy.init_args.training_counts", json.dumps(list(counts))]  # fmt: skip
-    cli = instantiate(settings, [*_QUIET, *extra])
+    cli = instantiate(settings, [*_QUIET, *_counts_options(counts)])
     if any(personalizes_evaluation(p) for p in client_plugins(cli.trainer.callbacks)):
         return evaluate_personalized(cli, client, model, split, counts is not None,
                                      client_state, server_state)  # fmt: skip
@@ -652,18 +662,10 @@ def evaluate_personalized(
     model loaded), as in simulation; ``alone``: the datamodule opens ``client``'s data
     only (the recipe's training counts are the server's). The client's metrics and its
     sample count, from the fit's per-client report."""
-    from lightning.pytorch.callbacks import Checkpoint
-
     trainer, strategy = cli.trainer, cli.trainer.strategy
     if alone:
         open_own_client(cli.datamodule, client)
-    aggregator = recipe_aggregator(trainer.callbacks)
-    kept = [cb for cb in trainer.callbacks if not isinstance(cb, (Aggregator, Checkpoint))]
-    trainer.callbacks = [*kept, FedAvg(weighting=aggregator.weighting)]
-    for plugin in client_plugins(kept):
-        load_server_state(plugin, server_state or {})
-    for key, value in (client_state or {}).items():
-        strategy.client_store.set(client, key, value)
+    one_client_fit(trainer, client, server_state, client_state)
     cli.model.load_state_dict(model)
     run = trainer.validate if split == "val" else trainer.test
     run(cli.model, datamodule=cli.datamodule, verbose=False)
@@ -706,13 +708,13 @@ def train(settings: Settings, message: Message, context: Context) -> Message:
     """A node's ``train`` reply: its client's round (:func:`train_client`), in clear or
     masked for a secure round; its client's declared state stays in ``context.state``."""
     client = node_client(context.node_config)
-    round_idx = int(message.content["config"]["round"])
+    config = message.content["config"]
+    round_idx = int(config["round"])
     start = message.content["arrays"].to_torch_state_dict()
     server_state = _arrays(message.content, "server_state")
     folder = state_folder(context.node_config, client)
     client_state = _arrays(context.state, CLIENT_STATE) if folder is None else folder.load(
         round_idx)  # fmt: skip
-    config = message.content["config"]
     counts = config.get("counts")
     aggregator_state = {k[len(AGGREGATOR_STATE) :]: float(v) for k, v in config.items()
                         if k.startswith(AGGREGATOR_STATE)}  # fmt: skip
@@ -1318,8 +1320,7 @@ def check_server_side(
         )
     for plugin in plugins:
         name = type(plugin).__name__
-        hooks = [h for h in SERVER_HOOKS
-                 if getattr(type(plugin), h) is not getattr(FederatedCallback, h)]  # fmt: skip
+        hooks = plugin.overridden_hooks(SERVER_HOOKS)
         if hooks or plugin.declared_round_rows() or plugin.undeclared_client_state is not None:
             why = ", ".join(hooks) or "per-participant rows or undeclared client state"
             raise ServerSideError(
