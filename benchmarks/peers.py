@@ -55,69 +55,138 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
+HERE = str(Path(__file__).resolve().parent)
+RESULTS = Path(HERE) / "results" / "peers.md"
 RUNNERS = ("plain", "vectorized_all", "vectorized", "sequential_fused", "sequential")
+PEERS = ("pfl", "flower")
 
 
 @dataclass(frozen=True)
 class Shape:
+    """A workload: the federation, the network and the local training."""
+
     clients: int
     per_round: int
+    network: str = "mlp"  # "mlp": features-hidden-classes; "cnn": MnistCNN on 1×28×28
     features: int = 32
     classes: int = 10
     hidden: int = 64
     batch: int = 10
     lr: float = 0.05
+    sizes: tuple[float, float, int, int] = (40.0, 0.6, 10, 400)  # lognormal median, σ, clip
 
 
-SHAPES = {"issue": Shape(1000, 100), "small": Shape(20, 10)}
+SHAPES = {
+    "issue": Shape(1000, 100),
+    "small": Shape(20, 10),
+    # a CNN on 28×28 images (lightning_fl's MnistCNN), 20 of 200 clients a round
+    "cnn": Shape(200, 20, network="cnn", features=28 * 28),
+    # the population recipe's tiny clients: Sent140's counts (2.42 ± 4.71 a user, LEAF
+    # Table 1: lognormal median e^0.10, σ 1.25), an MLP 4-16-2, batches of 4, lr 0.1
+    "population": Shape(
+        10_000,
+        100,
+        features=4,
+        classes=2,
+        hidden=16,
+        batch=4,
+        lr=0.1,
+        sizes=(float(np.exp(0.101)), 1.251, 1, 400),
+    ),  # fmt: skip
+}
 
 
 def federation(shape: Shape, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The clients' (x, y): lognormal sizes, Dirichlet(0.5) label skew."""
+    """The clients' (x, y): lognormal sizes, Dirichlet(0.5) label skew; a sample is its
+    class's mean plus unit noise (images: 1×28×28)."""
     rng = np.random.default_rng(seed)
-    sizes = np.clip(rng.lognormal(np.log(40), 0.6, shape.clients), 10, 400).astype(int)
+    median, sigma, low, high = shape.sizes
+    sizes = np.clip(np.ceil(rng.lognormal(np.log(median), sigma, shape.clients)), low, high)
     means = rng.normal(0, 1, (shape.classes, shape.features))
     clients = []
-    for n in sizes:
+    for n in sizes.astype(int):
         labels = rng.choice(shape.classes, n, p=rng.dirichlet([0.5] * shape.classes))
-        x = means[labels] + rng.normal(0, 1, (n, shape.features))
-        clients.append((torch.tensor(x, dtype=torch.float32), torch.tensor(labels)))
+        x = torch.tensor(means[labels] + rng.normal(0, 1, (n, shape.features)))
+        x = x.float().view(n, 1, 28, 28) if shape.network == "cnn" else x.float()
+        clients.append((x, torch.tensor(labels)))
     return clients
 
 
-def model(shape: Shape) -> torch.nn.Module:
-    from lightning_fl import MLP
+def network(shape: Shape) -> torch.nn.Module:
+    """The network as a user writes it in plain torch: the same layers, in the same order,
+    as lightning_fl's ``MLP`` and ``MnistCNN``, so that one seed gives them one θ⁰."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    if shape.network == "cnn":
+        features = nn.Sequential(
+            nn.Conv2d(1, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        head = nn.Sequential(
+            nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, shape.classes)
+        )
+        return nn.Sequential(features, head)
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(shape.features, shape.hidden), nn.ReLU(),
+        nn.Linear(shape.hidden, shape.classes),
+    )  # fmt: skip
+
+
+def lightning_fl_network(shape: Shape) -> torch.nn.Module:
+    from lightning_fl import MLP, MnistCNN
 
     torch.manual_seed(0)
+    if shape.network == "cnn":
+        return MnistCNN(shape.classes)
     return MLP(shape.features, (shape.hidden,), shape.classes)
 
 
-def cohorts(shape: Shape, rounds: int, sizes: np.ndarray, seed: int = 0) -> list[list[int]]:
-    """The clients of each round, as lightning_fl's UniformSampler draws them."""
+def cohorts(shape: Shape, rounds: int, every_client: bool) -> list[list[int]]:
+    """The clients of each round, as lightning_fl's UniformSampler draws them (every
+    client with ``every_client``)."""
+    if every_client:
+        return [list(range(shape.clients))] * rounds
     from lightning_fl import UniformSampler
 
+    sizes = np.array([len(y) for _, y in federation(shape)])
     p = torch.tensor(sizes / sizes.sum(), dtype=torch.float64)
     sampler = UniformSampler(shape.per_round)
-    return [list(sampler.sample(r, seed=seed, p=p).clients) for r in range(rounds)]
+    return [list(sampler.sample(r, seed=0, p=p).clients) for r in range(rounds)]
 
 
-def run_plain(shape: Shape, rounds: int, every_client: bool, same_order: bool) -> dict:
+def batch_order(n: int, order: str, r: int, c: int, rng: torch.Generator) -> torch.Tensor:
+    """A client's sample order for one epoch: ``seeded`` is lightning_fl's per-(round,
+    client) draw, ``none`` the data's own order (pfl's), ``random`` one shared generator."""
+    if order == "none":
+        return torch.arange(n)
+    if order == "seeded":
+        from lightning_fl.engine.seeding import generator
+
+        return torch.randperm(n, generator=generator(0, "data", r, c))
+    return torch.randperm(n, generator=rng)
+
+
+def local_epoch(net, x, y, shape: Shape, order: torch.Tensor) -> None:
+    """One epoch of SGD over (x, y) in ``order``: the loop every peer's client runs."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=shape.lr)
+    for i in range(0, len(y), shape.batch):
+        index = order[i : i + shape.batch]
+        optimizer.zero_grad()
+        F.cross_entropy(net(x[index]), y[index]).backward()
+        optimizer.step()
+
+
+def run_plain(shape: Shape, cohort: list[list[int]], every_client: bool, order: str) -> dict:
     """FedAvg by hand: for each sampled client, load θ, one epoch of SGD, add ω_i Δ_i."""
-    from lightning_fl.engine.seeding import generator
-
     clients = federation(shape)
     sizes = np.array([len(y) for _, y in clients])
-    net = model(shape)
+    net = network(shape)
     params = list(net.parameters())
     global_ = [p.detach().clone() for p in params]
-    cohort = [list(range(len(clients)))] * rounds if every_client else None
-    cohort = cohort or cohorts(shape, rounds, sizes)
     times = []
     rng = torch.Generator().manual_seed(0)
-    for r in range(rounds):
+    for r, members in enumerate(cohort):
         start = time.perf_counter()
-        members = cohort[r]
         scale = 1.0 if every_client else len(clients) / len(members)
         total = [torch.zeros_like(g) for g in global_]
         for c in members:
@@ -125,14 +194,7 @@ def run_plain(shape: Shape, rounds: int, every_client: bool, same_order: bool) -
             with torch.no_grad():
                 for p, g in zip(params, global_):
                     p.copy_(g)
-            optimizer = torch.optim.SGD(params, lr=shape.lr)
-            gen = generator(0, "data", r, c) if same_order else rng
-            order = torch.randperm(len(y), generator=gen)
-            for i in range(0, len(y), shape.batch):
-                index = order[i : i + shape.batch]
-                optimizer.zero_grad()
-                F.cross_entropy(net(x[index]), y[index]).backward()
-                optimizer.step()
+            local_epoch(net, x, y, shape, batch_order(len(y), order, r, c, rng))
             weight = scale * sizes[c] / sizes.sum()
             with torch.no_grad():
                 for t, p, g in zip(total, params, global_):
@@ -144,6 +206,152 @@ def run_plain(shape: Shape, rounds: int, every_client: bool, same_order: bool) -
     return {"times": times, "weights": [g.tolist() for g in global_]}
 
 
+def run_pfl(shape: Shape, cohort: list[list[int]]) -> dict:
+    """pfl-research's FedAvg in its SimulatedBackend: the cohort's users through a
+    ``FederatedDataset`` whose sampler yields them in order, weighted by data points
+    (Σ n_i Δ_i / Σ n_i), applied by a central SGD at lr 1; pfl trains each user on its
+    data in order (no shuffling)."""
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.aggregate.weighting import WeightByDatapoints
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.hyperparam import NNEvalHyperParams, NNTrainHyperParams
+    from pfl.metrics import Metrics
+    from pfl.model.pytorch import PyTorchModel
+
+    clients = federation(shape)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = network(shape)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def loss(self, x, y, eval=False):
+            return F.cross_entropy(self.net(x), y)
+
+        def metrics(self, x, y, eval=False):
+            return {}
+
+    queue = iter([c for members in cohort for c in members])
+    dataset = FederatedDataset(lambda c: Dataset(raw_data=list(clients[c])), lambda: next(queue))
+    net = Net()
+    model = PyTorchModel(
+        net, local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+    )  # fmt: skip
+    stamps = [time.perf_counter()]
+
+    class RoundTimes(TrainingProcessCallback):
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            stamps.append(time.perf_counter())
+            return False, Metrics()
+
+    FederatedAveraging().run(
+        algorithm_params=NNAlgorithmParams(
+            central_num_iterations=len(cohort), evaluation_frequency=10**9,
+            train_cohort_size=len(cohort[0]), val_cohort_size=0,
+        ),
+        backend=SimulatedBackend(
+            training_data=dataset, val_data=None, postprocessors=[WeightByDatapoints()]
+        ),
+        model=model,
+        model_train_params=NNTrainHyperParams(
+            local_num_epochs=1, local_learning_rate=shape.lr, local_batch_size=shape.batch
+        ),
+        model_eval_params=NNEvalHyperParams(local_batch_size=shape.batch),
+        callbacks=[RoundTimes()],
+    )  # fmt: skip
+    times = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"times": times, "weights": [p.detach().tolist() for p in net.net.parameters()]}
+
+
+_FLOWER_CLIENTS: dict[str, list] = {}
+
+
+def flower_train(msg, context):
+    """The Flower ClientApp's train handler: the client named in the message's config
+    loads θ, runs one epoch of the plain loop and replies its weights and sample count.
+    A module-level function, so that Ray's workers import it rather than unpickle it."""
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+    torch.set_num_threads(1)
+    config = msg.content["config"]
+    shape = SHAPES[str(config["shape"])]
+    clients = _FLOWER_CLIENTS.setdefault(str(config["shape"]), federation(shape))
+    c, r = int(config["client"]), int(config["round"])
+    x, y = clients[c]
+    net = network(shape)
+    net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    local_epoch(
+        net, x, y, shape, batch_order(len(y), str(config["order"]), r, c, torch.Generator())
+    )
+    content = RecordDict(
+        {"arrays": ArrayRecord(net.state_dict()), "metrics": MetricRecord({"num-examples": len(y)})}
+    )
+    return Message(content=content, reply_to=msg)
+
+
+def run_flower(name: str, cohort: list[list[int]], order: str) -> dict:
+    """Flower's simulation (Ray), the Message API's FedAvg: one SuperNode a client; the
+    strategy sends round r's message to each cohort client's node (its client id in the
+    config), the ClientApp loads θ, runs the plain loop's epoch and replies its weights and
+    sample count; FedAvg averages them weighted by the counts."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    shape = SHAPES[name]
+    os.environ["PYTHONPATH"] = HERE  # Ray's workers import this file's ClientApp handler
+
+    class CohortFedAvg(FedAvg):
+        def configure_train(self, server_round, arrays, config, grid):
+            nodes = sorted(grid.get_node_ids())
+            while len(nodes) < shape.clients:
+                time.sleep(0.1)
+                nodes = sorted(grid.get_node_ids())
+            messages = []
+            for c in cohort[server_round - 1]:
+                record = ConfigRecord(
+                    {"shape": name, "order": order, "client": c, "round": server_round - 1}
+                )
+                content = RecordDict({"arrays": arrays, "config": record})
+                messages.append(
+                    Message(content=content, message_type="train", dst_node_id=nodes[c])
+                )
+            return messages
+
+    client_app = ClientApp()
+    client_app.train()(flower_train)
+
+    stamps: list[float] = []
+    final: dict = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        strategy = CohortFedAvg(fraction_evaluate=0.0, min_available_nodes=shape.clients)
+        result = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(network(shape).state_dict()),
+            num_rounds=len(cohort),
+            evaluate_fn=lambda r, arrays: stamps.append(time.perf_counter()),
+        )  # fmt: skip
+        final.update(result.arrays.to_torch_state_dict())
+
+    run_simulation(
+        server_app=server_app, client_app=client_app, num_supernodes=shape.clients,
+        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 1}},
+    )  # fmt: skip
+    times = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"times": times, "weights": [w.tolist() for w in final.values()]}
+
+
 def run_lightning_fl(shape: Shape, rounds: int, every_client: bool, runner: str) -> dict:
     import lightning.pytorch as pl
 
@@ -152,7 +360,7 @@ def run_lightning_fl(shape: Shape, rounds: int, every_client: bool, runner: str)
 
     clients = [{"train": xy} for xy in federation(shape)]
     dm = InMemoryFederatedDataModule(clients, batch_size=shape.batch)
-    module = Classifier(model(shape), lr=shape.lr)
+    module = Classifier(lightning_fl_network(shape), lr=shape.lr)
     sampler = FullParticipation() if every_client else UniformSampler(shape.per_round)
     options = {
         "plain": {},
@@ -185,26 +393,51 @@ def run_lightning_fl(shape: Shape, rounds: int, every_client: bool, runner: str)
     return {"times": times, "weights": weights}
 
 
-def run(shape: str, runner: str, rounds: int, every_client: bool = False) -> dict:
+PEER_PACKAGES = ("torch==2.13.0", "pfl[pytorch]==0.6.0", "flwr[simulation]==1.42.0")
+
+
+def run(shape: str, runner: str, every_client: bool, order: str, cohort_file: str) -> dict:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning_fl"):
+    for name in ("lightning", "lightning.pytorch", "lightning_fl", "flwr", "ray"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    cohort = json.loads(Path(cohort_file).read_text())
     if runner == "plain":
-        return run_plain(SHAPES[shape], rounds, every_client, same_order=every_client)
-    return run_lightning_fl(SHAPES[shape], rounds, every_client, runner)
+        return run_plain(SHAPES[shape], cohort, every_client, order)
+    if runner == "pfl":
+        return run_pfl(SHAPES[shape], cohort)
+    if runner == "flower":
+        return run_flower(shape, cohort, order)
+    return run_lightning_fl(SHAPES[shape], len(cohort), every_client, runner)
 
 
-def in_fresh_process(
-    shape: str, runner: str, rounds: int, every_client: bool, tree: str | None = None
-) -> dict:
-    """``runner`` in a process of its own; ``tree``: a checkout whose lightning_fl it runs
-    (``--before``), in place of this one."""
-    command = [sys.executable, __file__, "--one", shape, runner, str(rounds)]
-    command += ["--every-client"] if every_client else []
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
+@dataclass(frozen=True)
+class Runner:
+    """One column of the table: a runner, the interpreter that runs it (the peers' own
+    virtual environment) and the checkout whose lightning_fl it imports (``--before``)."""
+
+    name: str
+    python: str = sys.executable
+    tree: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name + (" (before)" if self.tree else "")
+
+    def __call__(self, shape: str, cohort_file: str, every_client: bool, order: str) -> dict:
+        command = [self.python, __file__, "--one", shape, self.name, cohort_file, order]
+        command += ["--every-client"] if every_client else []
+        env = {**os.environ, "PYTHONPATH": self.tree} if self.tree else None
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise SystemExit(f"{self.label} on {shape} failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cohort_file(folder: str, shape: str, rounds: int, every_client: bool) -> str:
+    path = Path(folder) / f"{shape}_{rounds}_{every_client}.json"
+    path.write_text(json.dumps(cohorts(SHAPES[shape], rounds, every_client)))
+    return str(path)
 
 
 def largest_difference(a: list, b: list) -> float:
@@ -213,38 +446,53 @@ def largest_difference(a: list, b: list) -> float:
     )
 
 
-def check(rounds: int = 3) -> None:
-    """Every client of the ``small`` federation, ``rounds`` rounds: the final weights."""
-    results = {r: in_fresh_process("small", r, rounds, every_client=True) for r in RUNNERS}
-    for runner in RUNNERS[1:]:
-        gap = largest_difference(results["plain"]["weights"], results[runner]["weights"])
-        print(f"{runner:>16}: largest |Δθ| from the plain loop after {rounds} rounds: {gap:.2e}")
+def check(peers: str | None, rounds: int = 3) -> None:
+    """Every client of the ``small`` federation, ``rounds`` rounds: the final weights of
+    each runner against the plain loop's with the same sample order (lightning_fl's
+    seeded one; the data's own for pfl, which does not shuffle, and Flower's check)."""
+    with tempfile.TemporaryDirectory() as folder:
+        every = cohort_file(folder, "small", rounds, every_client=True)
+        plain = {o: Runner("plain")("small", every, True, o) for o in ("seeded", "none")}
+        runs = [(Runner(name), "seeded") for name in RUNNERS[1:]]
+        runs += [(Runner(name, peers), "none") for name in PEERS] if peers else []
+        for runner, order in runs:
+            weights = runner("small", every, True, order)["weights"]
+            gap = largest_difference(plain[order]["weights"], weights)
+            print(
+                f"{runner.label:>16}: largest |Δθ| from the plain loop after {rounds} "
+                f"rounds: {gap:.2e}"
+            )
 
 
-def measure(shapes: list[str], repeats: int, rounds: int, before: str | None) -> str:
-    """The table; with ``before`` (a checkout), its runners too, interleaved."""
-    runs = [(runner, None) for runner in RUNNERS]
-    if before:
-        runs += [(runner, before) for runner in RUNNERS[1:] if runner != "sequential_fused"]
+def measure(
+    shapes: list[str], repeats: int, rounds: int, before: str | None, peers: str | None
+) -> str:
+    """The table; with ``before`` (a checkout), its runners too; with ``peers`` (a
+    Python with pfl and Flower), theirs; all interleaved."""
+    runs = [Runner(name) for name in RUNNERS]
+    runs += [
+        Runner(name, tree=before) for name in RUNNERS[1:] if before and name != "sequential_fused"
+    ]
+    runs += [Runner(name, peers) for name in PEERS] if peers else []
     rows = []
     for shape in shapes:
-        ratios: dict[tuple, list[float]] = {r: [] for r in runs}
-        seconds: dict[tuple, list[float]] = {r: [] for r in runs}
-        for _ in range(repeats):  # interleaved: the machine's noise falls on every runner
-            per_round = {}
-            for runner, tree in runs:
-                out = in_fresh_process(shape, runner, rounds, every_client=False, tree=tree)
-                per_round[runner, tree] = statistics.median(out["times"][1:])
-            for run in runs:
-                seconds[run].append(per_round[run])
-                ratios[run].append(per_round[run] / per_round["plain", None])
+        ratios: dict[Runner, list[float]] = {r: [] for r in runs}
+        seconds: dict[Runner, list[float]] = {r: [] for r in runs}
+        with tempfile.TemporaryDirectory() as folder:
+            sampled = cohort_file(folder, shape, rounds, every_client=False)
+            for _ in range(repeats):  # interleaved: the machine's noise falls on every runner
+                per_round = {
+                    r: statistics.median(r(shape, sampled, False, "random")["times"][1:])
+                    for r in runs
+                }
+                for r in runs:
+                    seconds[r].append(per_round[r])
+                    ratios[r].append(per_round[r] / per_round[runs[0]])
         s = SHAPES[shape]
-        for run in runs:
-            label = run[0] if run[1] is None else f"{run[0]} (before)"
+        for r in runs:
             rows.append(
-                f"| {shape} ({s.per_round} of {s.clients}) | {label} | "
-                f"{statistics.median(seconds[run]):.4f} | "
-                f"{statistics.median(ratios[run]):.2f} |"
+                f"| {shape} ({s.per_round} of {s.clients}) | {r.label} | "
+                f"{statistics.median(seconds[r]):.4f} | {statistics.median(ratios[r]):.2f} |"
             )
             print(rows[-1], flush=True)
     return "\n".join(
@@ -252,30 +500,29 @@ def measure(shapes: list[str], repeats: int, rounds: int, before: str | None) ->
     )
 
 
-ISSUE_PEERS = """The peers, as issue 78 measured them on this machine's twin (the issue's workload,
-one CPU, median of 3 interleaved repeats; not rerun here: `pip install pfl-research
-"flwr[simulation]"` belongs in a virtual environment of its own, never in CI):
-
-| framework | s/round | against a plain per-client PyTorch loop |
-|---|---|---|
-| plain per-client loop | 0.0655 | 1.00 |
-| pfl-research 0.6.0 (Apple), SimulatedBackend | 0.1091 | 1.67 |
-| Flower 1.42 simulation (Ray, Message API FedAvg) | 1.2749 | 19.5 |
-"""
+def setup_peers(folder: str) -> None:
+    """The peers' own virtual environment (pfl pins ``dp-accounting<0.6``; never CI's)."""
+    subprocess.run([sys.executable, "-m", "venv", folder], check=True)
+    pip = [str(Path(folder) / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, *PEER_PACKAGES], check=True)
+    print(f"peers installed: python benchmarks/peers.py --peers {folder}/bin/python")
 
 
 def report(table: str, args: argparse.Namespace) -> str:
     command = f"python benchmarks/peers.py --repeats {args.repeats} --rounds {args.rounds}"
+    command += f" --shapes {' '.join(args.shapes)}"
+    if args.peers:
+        command += " --peers <venv>/bin/python"
     if args.before:
         command += " --before <checkout of the earlier commit>"
     return (
-        "# lightning_fl beside the plain loop (issue 78)\n\n"
-        f"`{command}`: each runner in a fresh process at one CPU thread, the median round "
-        "(the first excluded) of each repeat, the median over repeats interleaved; the "
-        "ratio is to the plain loop of the same repeat. `python benchmarks/peers.py "
-        "--check` shows the runners compute the same update (every client, 3 rounds: "
-        "|Δθ| ≤ 1.5e-8 from the plain loop, 0 for the sequential paths).\n\n"
-        f"{table}\n\n{ISSUE_PEERS}"
+        "# lightning_fl beside the plain loop and the peers (issue 78)\n\n"
+        f"`{command}` (the peers' environment from `--setup-peers <venv>`: "
+        f"{', '.join(PEER_PACKAGES)}): each runner in a fresh process at one CPU thread, "
+        "the median round (the first excluded) of each repeat, the median over repeats "
+        "interleaved; the ratio is to the plain loop of the same repeat. Every runner "
+        "trains the same clients each round (lightning_fl's uniform sampler's draw).\n\n"
+        f"{table}\n"
     )
 
 
@@ -288,16 +535,25 @@ def main() -> None:
     parser.add_argument(
         "--before", help="a checkout of an earlier commit: its runners too, interleaved"
     )
+    parser.add_argument(
+        "--peers", help="the Python of a virtual environment with pfl and flwr[simulation]"
+    )
+    parser.add_argument("--setup-peers", metavar="FOLDER", help="create that environment")
     parser.add_argument("--every-client", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        shape, runner, rounds = args.one
-        print(json.dumps(run(shape, runner, int(rounds), args.every_client)))
+        shape, runner, cohorts_path, order = args.one
+        sys.path.insert(0, HERE)
+        import peers  # this file as a module: Ray's workers import its ClientApp handler
+
+        print(json.dumps(peers.run(shape, runner, args.every_client, order, cohorts_path)))
+    elif args.setup_peers:
+        setup_peers(args.setup_peers)
     elif args.check:
-        check()
+        check(args.peers)
     else:
-        table = measure(args.shapes, args.repeats, args.rounds, args.before)
+        table = measure(args.shapes, args.repeats, args.rounds, args.before, args.peers)
         RESULTS.write_text(report(table, args))
         print(table)
 
