@@ -465,15 +465,22 @@ def check(peers: str | None, rounds: int = 3) -> None:
 
 
 def measure(
-    shapes: list[str], repeats: int, rounds: int, before: str | None, peers: str | None
+    shapes: list[str],
+    repeats: int,
+    rounds: int,
+    before: str | None,
+    peers: str | None,
+    chosen: list[str] | None = None,
 ) -> str:
     """The table; with ``before`` (a checkout), its runners too; with ``peers`` (a
-    Python with pfl and Flower), theirs; all interleaved."""
+    Python with pfl and Flower), theirs; all interleaved. ``chosen``: only these runners
+    (the plain loop, the reference, always)."""
     runs = [Runner(name) for name in RUNNERS]
     runs += [
         Runner(name, tree=before) for name in RUNNERS[1:] if before and name != "sequential_fused"
     ]
     runs += [Runner(name, peers) for name in PEERS] if peers else []
+    runs = [r for r in runs if r.name == "plain" or chosen is None or r.name in chosen]
     rows = []
     for shape in shapes:
         ratios: dict[Runner, list[float]] = {r: [] for r in runs}
@@ -539,6 +546,10 @@ def main() -> None:
         "--peers", help="the Python of a virtual environment with pfl and flwr[simulation]"
     )
     parser.add_argument("--setup-peers", metavar="FOLDER", help="create that environment")
+    parser.add_argument(
+        "--runners", nargs="+", choices=[*RUNNERS, *PEERS], help="only these (and the plain loop)"
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the table's file")
     parser.add_argument("--every-client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -553,8 +564,10 @@ def main() -> None:
     elif args.check:
         check(args.peers)
     else:
-        table = measure(args.shapes, args.repeats, args.rounds, args.before, args.peers)
-        RESULTS.write_text(report(table, args))
+        table = measure(
+            args.shapes, args.repeats, args.rounds, args.before, args.peers, args.runners
+        )
+        args.out.write_text(report(table, args))
         print(table)
 
 

@@ -1020,6 +1020,63 @@ def test_padded_short_batches_equal_the_sequential_path(name):
         assert value == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
 
 
+def _conv_module() -> Classifier:
+    torch.manual_seed(1)
+    net = nn.Sequential(
+        nn.Unflatten(1, (1, 2, 3)), nn.Conv2d(1, 2, 2, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Linear(2 * 3 * 4, OUT),
+    )  # fmt: skip
+    return Classifier(network=net, lr=0.1)
+
+
+class _MixesSamples(nn.Module):
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def _mixing_module() -> Classifier:
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Linear(IN, HIDDEN), _MixesSamples(), nn.Linear(HIDDEN, OUT))
+    return Classifier(network=net, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "stacked"),
+    [(lambda: _module(0.0), True), (_conv_module, True), (_mixing_module, False)],
+    ids=["mlp", "conv", "mixes_samples"],
+)
+def test_the_stacked_layers_run_without_vmap_and_equal_the_sequential_path(
+    make, stacked, monkeypatch
+):
+    """With per-sample layers (Linear, Conv2d) the vectorized steps run the task's layers
+    on the clients' batches laid end to end, never vmap: FedProx over 3 rounds (2 local
+    epochs of unequal clients, padded short batches) equals the sequential run. A layer
+    that mixes a batch's samples is found by the set-up probe: the steps stay vmapped,
+    short batches are not padded (the padding would enter the mix), the log says why, and
+    the run is as exact."""
+    from lightning_fl.engine import vectorized, vectorized_step
+
+    said, vmapped = [], []
+    monkeypatch.setattr(vectorized, "rank_zero_info", said.append)
+    real_vmap = vectorized_step.vmap
+    monkeypatch.setattr(
+        vectorized_step, "vmap", lambda *a, **k: vmapped.append(1) or real_vmap(*a, **k)
+    )
+    runs = []
+    for vectorize in (False, True):
+        module = make()
+        _, trainer = _fit(vectorize, [FedProx(mu=0.5)], module=module, chunk=4)
+        runs.append((module, trainer))
+    (seq, _), (vec, vec_trainer) = runs
+    step = vec_trainer.strategy.vectorized.step
+    assert (step.stacked_layers is not None) == stacked
+    assert vec_trainer.strategy.vectorized.pads_short_batches == stacked
+    assert (len(vmapped) == 1) == stacked  # the set-up's check_runs only
+    assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5
+    lines = [m for m in said if "stay under vmap" in m]
+    assert len(lines) == (0 if stacked else 1)
+
+
 class _Regularized(Classifier):
     """A loss with a term of its own: its inherited per-sample losses no longer mean to it."""
 

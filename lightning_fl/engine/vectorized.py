@@ -41,10 +41,12 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.func import vmap
 
 from lightning_fl.engine.packed import ChunkBatches
 from lightning_fl.engine.schedule import PackedLocalSteps
 from lightning_fl.engine.seeding import derive_seeds, generator, seed_global_rng
+from lightning_fl.engine.stacked_layers import StackedLayers, agree, unstackable
 from lightning_fl.engine.stacked_optimizer import StackedOptimizer
 from lightning_fl.engine.tensors import TensorList
 from lightning_fl.engine.vectorized_checks import (
@@ -161,6 +163,34 @@ class VectorizedClients:
             self.step.check_runs(batch)
             if self.pads_short_batches:
                 self.pads_short_batches = self._sample_means_agree(batch)
+            if self.pads_short_batches:
+                self.step.stacked_layers = self._stacked_layers(batch)
+                self.pads_short_batches = self.step.stacked_layers is not None or (
+                    unstackable(self.fit.module, self.fit.tensors.param_names) is not None
+                )
+
+    def _stacked_layers(self, batch: Any) -> StackedLayers | None:
+        """The task's layers on stacked parameters (no vmap), where its parameters are
+        all ``nn.Linear``'s and ``nn.Conv2d``'s and the set-up probe finds the same
+        losses, metrics and gradients as vmap; None otherwise (a layer that mixes the
+        samples of a batch, say: then padded batches would mix too, and are not padded),
+        and the log says why."""
+        fit, step = self.fit, self.step
+        if unstackable(fit.module, fit.tensors.param_names) is not None:
+            return None
+        stacked = StackedLayers(fit.module, fit.tensors.param_names)
+        vmapped = vmap(
+            lambda params, one: step._client_loss(params, [], one, None, []), randomness="error"
+        )
+        if agree(stacked, vmapped, fit.tensors.params, batch):
+            return stacked
+        rank_zero_info(
+            f"lightning_fl: vectorized steps stay under vmap, and short last batches run as "
+            f"steps of their own: {type(fit.module).__name__}'s layers on the clients' "
+            "batches laid end to end do not give each client its own loss and gradient (a "
+            "layer that mixes a batch's samples?)."
+        )
+        return None
 
     def _sample_means_agree(self, batch: Any) -> bool:
         """Whether the task's ``sample_losses_and_metrics`` means equal its

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_fl.engine.client_dropout import ClientDropout
 from lightning_fl.engine.stacked_batches import batch_shape_key, batch_size_of, stack_batches
+from lightning_fl.engine.stacked_layers import StackedLayers
 from lightning_fl.engine.stacked_optimizer import StackedOptimizer, clip_gradients_
 from lightning_fl.engine.tensors import TensorList
 from lightning_fl.engine.vectorized_checks import not_vmappable, refuse
@@ -151,6 +152,9 @@ class VectorizedStep:
         #: the chunk's stacked tensors (set by the strategy at every chunk start)
         self.client_contexts: list[Callable[[list[Tensor]], Any]] = []
         self.client_state: list[list[Tensor]] = []
+        #: the task's layers run on stacked parameters without vmap (set at set-up where
+        #: they apply and agree with vmap: :mod:`lightning_fl.engine.stacked_layers`)
+        self.stacked_layers: StackedLayers | None = None
         #: positions of the trainable parameters the loss does not use, found by the
         #: set-up probe (:meth:`check_runs`), for the compiled path, whose gradients are
         #: zeros for them; the eager path finds them at every step (no gradient)
@@ -353,6 +357,10 @@ class VectorizedStep:
         masks = self._dropout_masks(key, params, buffers, batch, client_state)
         if self.compiled is not None:
             loss, metrics, found = self.compiled(params, buffers, batch, key)
+        elif self.stacked_layers is not None and not masks and not self.client_contexts:
+            loss, metrics = self.stacked_layers.losses(params, batch, sample_mask)
+            wanted = [params[j] for j in self.optimizer.stepped]
+            found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         else:
             try:
                 own = () if sample_mask is None else (sample_mask,)  # vmap takes no None
