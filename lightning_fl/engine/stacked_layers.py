@@ -170,7 +170,9 @@ def agree(
     generator = torch.Generator().manual_seed(0)  # host: a fixed probe draw, then moved
 
     def moved(t: Tensor) -> Tensor:
-        noise = torch.randn(t.shape, generator=generator, dtype=t.dtype)  # host: probe
+        noise = torch.randn(
+            t.shape, generator=generator, dtype=t.dtype
+        )  # host: the seeded probe draw
         return t + 0.1 * noise.to(t.device)
 
     rows = [torch.stack([p.detach(), moved(p.detach())]) for p in params]
