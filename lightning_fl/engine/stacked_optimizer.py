@@ -146,12 +146,17 @@ class StackedOptimizer:
         active = [(slot, entry, counts) for slot, entry, counts in slots
                   if slot[0] not in self.frozen]  # fmt: skip
         at_rows = np.asarray(rows)
+        # every row of every step at once: one functional call per setting (the usual case)
+        whole: dict[tuple[int, int, float], tuple[dict, list]] = {}
         for ((j, group, _), entry, counts), grad in zip(active, grads, strict=True):
             if grad is None:
                 continue
             groups = self._row_groups(rows, counts[at_rows])
             for (count, factor), members in groups.items():
-                if members is None:  # every row of the step: no regrouping
+                if members is None and index is None:
+                    key = (id(group), count, factor)
+                    whole.setdefault(key, (group, []))[1].append((params[j], grad, entry))
+                elif members is None:  # every row of the step: no regrouping
                     self._apply(params[j], grad, entry, group, count, factor, index)
                 else:
                     at = torch.tensor([rows[k] for k in members], device=grad.device)
@@ -161,6 +166,24 @@ class StackedOptimizer:
                 counts[at_rows] += 1
             else:
                 counts[at_rows] = 1
+        for (_, count, factor), (group, tensors) in whole.items():
+            self._apply_every_row(tensors, group, count, factor)
+
+    def _apply_every_row(
+        self, tensors: list[tuple[Tensor, Tensor, dict[str, Tensor]]], group: dict,
+        count: int, factor: float,
+    ) -> None:  # fmt: skip
+        """Step every row of several parameters (``(stacked param, grad, state)``) of one
+        param group and one count in one functional call, in place: torch's single-tensor
+        rule loops over them as it would over separate calls."""
+        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
+        params = [p for p, _, _ in tensors]
+        grads = [g for _, g, _ in tensors]
+        states = [entry for _, _, entry in tensors]
+        if self.kind == "sgd":
+            _sgd_step(params, grads, states, group, lr, fresh=count == 0)
+        else:
+            _adam_step(params, grads, states, group, lr, count, type(self.optimizer))
 
     def _row_groups(
         self, rows: list[int], counts: np.ndarray
@@ -197,37 +220,44 @@ class StackedOptimizer:
         state = entry if at is None else {name: value[at] for name, value in entry.items()}
         lr = group["lr"] if factor == 1.0 else group["lr"] * factor
         if self.kind == "sgd":
-            _sgd_step(p, grad, state, group, lr, fresh=count == 0)
+            _sgd_step([p], [grad], [state], group, lr, fresh=count == 0)
         else:
-            _adam_step(p, grad, state, group, lr, count, type(self.optimizer))
+            _adam_step([p], [grad], [state], group, lr, count, type(self.optimizer))
         if at is not None:
             full[at] = p
             for name, value in state.items():
                 entry[name][at] = value
 
 
-def _sgd_step(p: Tensor, grad: Tensor, state: dict, group: dict, lr: float, fresh: bool) -> None:
-    """``torch.optim.sgd.sgd`` on the stacked rows ``p``; ``fresh``: no momentum buffer yet
-    (torch starts it as a copy of the first gradient)."""
-    buffers = [None if fresh else state["momentum_buffer"]]
-    sgd([p], [grad], buffers, foreach=False, weight_decay=group["weight_decay"],
+def _sgd_step(
+    params: TensorList, grads: TensorList, states: list[dict], group: dict, lr: float, fresh: bool
+) -> None:
+    """``torch.optim.sgd.sgd`` on stacked rows ``params`` (their ``states``' momentum
+    buffers); ``fresh``: no momentum buffer yet (torch starts it as a copy of the first
+    gradient)."""
+    buffers = [None if fresh else state["momentum_buffer"] for state in states]
+    sgd(params, grads, buffers, foreach=False, weight_decay=group["weight_decay"],
         momentum=group["momentum"], lr=lr, dampening=group["dampening"],
         nesterov=group["nesterov"], maximize=group["maximize"])  # fmt: skip
-    if fresh and buffers[0] is not None:
-        state["momentum_buffer"].copy_(buffers[0])
+    if fresh:
+        for state, buffer in zip(states, buffers):
+            if buffer is not None:
+                state["momentum_buffer"].copy_(buffer)
 
 
 def _adam_step(
-    p: Tensor, grad: Tensor, state: dict, group: dict, lr: float, count: int, kind: type
-) -> None:
-    """``torch.optim.adam.adam`` (``adamw.adamw`` for decoupled weight decay) on the stacked
-    rows ``p``, whose step count is ``count`` before this step."""
-    step = torch.tensor(float(count))  # host: torch.optim keeps a step count on the CPU
+    params: TensorList, grads: TensorList, states: list[dict], group: dict, lr: float,
+    count: int, kind: type,
+) -> None:  # fmt: skip
+    """``torch.optim.adam.adam`` (``adamw.adamw`` for decoupled weight decay) on stacked
+    rows ``params``, whose step count is ``count`` before this step."""
+    steps = [torch.tensor(float(count)) for _ in params]  # host: torch.optim's step counts
     decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
     function = adamw if decoupled else adam
-    max_sq = [state["max_exp_avg_sq"]] if group["amsgrad"] else []
+    max_sq = [state["max_exp_avg_sq"] for state in states] if group["amsgrad"] else []
     beta1, beta2 = group["betas"]
-    function([p], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], max_sq, [step],
+    function(params, grads, [state["exp_avg"] for state in states],
+             [state["exp_avg_sq"] for state in states], max_sq, steps,
              foreach=False, amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=lr,
              weight_decay=group["weight_decay"], eps=group["eps"],
              maximize=group["maximize"])  # fmt: skip
