@@ -145,8 +145,19 @@ class _TorchOptimizer(Classifier):
         (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.05, "amsgrad": True}),
         (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.3, "decoupled_weight_decay": True}),
         (torch.optim.SGD, {"lr": 0.02, "momentum": 0.5, "weight_decay": 0.1, "maximize": True}),
+        (torch.optim.SGD, {"lr": 0.02, "maximize": True}),  # stateless: rows added in place
+        (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.2}),
     ],
-    ids=["nesterov", "dampening", "adamw", "adam-amsgrad-l2", "adam-decoupled", "sgd-maximize"],
+    ids=[
+        "nesterov",
+        "dampening",
+        "adamw",
+        "adam-amsgrad-l2",
+        "adam-decoupled",
+        "sgd-maximize",
+        "sgd-plain-maximize",
+        "sgd-weight-decay",
+    ],  # fmt: skip
 )
 def test_torch_optimizer_settings_equal_the_sequential_path(optimizer_class, kw):
     """Every option is torch.optim's own (the stacked optimizer calls its functional

@@ -215,10 +215,15 @@ class StackedOptimizer:
         at: Tensor | None,
     ) -> None:
         """Step the rows ``at`` of ``full`` (None: all, in place) with torch's functional
-        rule, their state gathered from ``entry`` and written back."""
+        rule, their state gathered from ``entry`` and written back. Plain SGD (no
+        momentum, no weight decay: no state) adds ``-lr·grad`` to the rows in place, the
+        same ``add_`` as torch's single-tensor rule, without gathering them."""
+        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
+        if at is not None and self.kind == "sgd" and _stateless(group):
+            full.index_add_(0, at, grad, alpha=lr if group["maximize"] else -lr)
+            return
         p = full if at is None else full[at]
         state = entry if at is None else {name: value[at] for name, value in entry.items()}
-        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
         if self.kind == "sgd":
             _sgd_step([p], [grad], [state], group, lr, fresh=count == 0)
         else:
@@ -227,6 +232,11 @@ class StackedOptimizer:
             full[at] = p
             for name, value in state.items():
                 entry[name][at] = value
+
+
+def _stateless(group: dict) -> bool:
+    """Whether torch's SGD steps this param group as ``param.add_(grad, alpha=-lr)``."""
+    return group["momentum"] == 0 and group["weight_decay"] == 0
 
 
 def _sgd_step(
