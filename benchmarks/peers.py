@@ -1,20 +1,26 @@
 """lightning_fl beside the loop a user would write, and beside the peers (issue 78, item 5).
 
-    python benchmarks/peers.py [--shapes issue small] [--repeats 3] [--rounds 8]
-    python benchmarks/peers.py --check        # the frameworks compute the same update
+    python benchmarks/peers.py --setup-peers /tmp/peers   # pfl and Flower, a venv apart
+    python benchmarks/peers.py [--shapes issue small cnn population] [--repeats 3]
+        [--rounds 8] [--peers /tmp/peers/bin/python] [--runners ...] [--before CHECKOUT]
+    python benchmarks/peers.py --check [--peers /tmp/peers/bin/python]  # the same update
 
 The workload (issue 78): the same FedAvg computation in every framework. A federation of
-clients with lognormal sizes (mean 47 samples, clipped to 10..400), 32 features, 10
-classes with label skew (each client's labels from a Dirichlet(0.5) draw; a sample is its
-class's mean plus unit noise); an MLP 32-64-10; one local epoch of batches of 10, SGD at
-lr 0.05; the round's update Σ_i ω_i (θ_i − θ) with the uniform sampler's unbiased weights
-ω_i = (n/m)·p_i, p_i the client's share of the samples (Fraboni et al., Tab. 2.1).
+clients with lognormal sizes (median 40 samples, σ 0.6, clipped to 10..400), 32 features,
+10 classes with label skew (each client's labels from a Dirichlet(0.5) draw; a sample is
+its class's mean plus unit noise); an MLP 32-64-10; one local epoch of batches of 10, SGD
+at lr 0.05; the round's update Σ_i ω_i (θ_i − θ) with the uniform sampler's unbiased
+weights ω_i = (n/m)·p_i, p_i the client's share of the samples (Fraboni et al., Tab. 2.1).
 
 Shapes: ``issue`` (1,000 clients, 100 a round), ``small`` (20 clients, 10 a round: the
-fixed cost of a round). Each framework runs in a fresh process at one CPU thread; the
-table gives the median over ``--repeats`` interleaved repeats of the median round time
-(the first round, which builds and warms up, excluded), and its ratio to the plain
-per-client PyTorch loop of the same repeat.
+fixed cost of a round), ``cnn`` (lightning_fl's MnistCNN on 1×28×28 inputs, 20 of 200
+clients a round), ``population`` (the population recipe's tiny clients: Sent140's counts,
+an MLP 4-16-2, batches of 4, lr 0.1; 100 of 10,000 clients a round). Each framework runs
+in a fresh process at one CPU thread; the table gives the median over ``--repeats``
+interleaved repeats of the median round time (the first round, which builds and warms
+up, excluded), and its ratio to the plain per-client PyTorch loop of the same repeat.
+Every runner trains the same clients each round (lightning_fl's uniform sampler's draw,
+computed once and handed to each).
 
 The runners:
 
@@ -25,15 +31,21 @@ The runners:
   (``local_steps_per_training_step=None``);
 - ``sequential``: ``FederatedStrategy()``, one client after another, one local step per
   Lightning step; ``sequential_fused``: all of a client's local steps in one Lightning
-  step (``local_steps_per_training_step=None``).
+  step (``local_steps_per_training_step=None``);
+- ``pfl`` (``--peers``): pfl-research's ``FederatedAveraging`` in its
+  ``SimulatedBackend``, weighted by data points, the central update by SGD at lr 1;
+- ``flower`` (``--peers``): Flower's simulation (Ray) with the Message API's ``FedAvg``,
+  one SuperNode a client, the ClientApp running the plain loop's epoch.
 
-``--check`` runs every client of a 20-client federation for 3 rounds in each runner, the
-plain loop shuffling with lightning_fl's per-(round, client) generators, and prints the
-largest difference of the final weights (float32 round-off: about 1e-7).
+The peers live in a virtual environment of their own (``--setup-peers``: the CPU torch
+wheel first, then ``pfl[pytorch]`` and ``flwr[simulation]``): pfl pins
+``dp-accounting<0.6``, and neither belongs in CI.
 
-pfl-research and Flower's simulation are not installed here (pfl pins
-``dp-accounting<0.6``, and neither belongs in CI); their figures in
-``benchmarks/results/peers.md`` are the issue's, measured on this machine's twin.
+``--check`` runs every client of the ``small`` federation for 3 rounds in each runner
+and prints the largest difference of the final weights from the plain loop's with the
+same sample order (lightning_fl's per-(round, client) permutations for lightning_fl's
+runners; the data's own order for pfl, which does not shuffle, and Flower): float32
+round-off, about 1e-7.
 """
 
 from __future__ import annotations
