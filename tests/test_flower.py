@@ -304,7 +304,10 @@ def test_the_server_side_mode_over_tls_goes_on_without_a_killed_node(tmp_path):
                              "local", "--run-config", config, "--format", "json"])  # fmt: skip
         run = json.loads(submitted.stdout)["run-id"]
         deadline = time.monotonic() + 240
-        while not (out / server_side.CHECKPOINT).exists():  # round 0 is aggregated
+        trained = "lightning-fl: client 2: round 0/1 trained"
+        # round 0 is aggregated, and client 2's console line (printed before its reply)
+        # has come through its SuperNode's output pump, which the kill would cut
+        while not (out / server_side.CHECKPOINT).exists() or trained not in fed.log("client2"):
             assert time.monotonic() < deadline, fed.log("client2")[-3000:]
             time.sleep(0.1)
         os.killpg(fed.processes["client2"].pid, signal.SIGKILL)
