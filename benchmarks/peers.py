@@ -295,7 +295,9 @@ def flower_train(msg, context):
     torch.set_num_threads(1)
     config = msg.content["config"]
     shape = SHAPES[str(config["shape"])]
-    clients = _FLOWER_CLIENTS.setdefault(str(config["shape"]), federation(shape))
+    if str(config["shape"]) not in _FLOWER_CLIENTS:  # once per worker process
+        _FLOWER_CLIENTS[str(config["shape"])] = federation(shape)
+    clients = _FLOWER_CLIENTS[str(config["shape"])]
     c, r = int(config["client"]), int(config["round"])
     x, y = clients[c]
     net = network(shape)
