@@ -24,12 +24,25 @@ class _SmallCNN(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2)
         self.pool = nn.MaxPool2d(2)
-        self.hidden = nn.Linear(4 * 2 * 2, 6, bias=False)
+        self.hidden = nn.Linear(4 * 2 * 1, 6, bias=False)
         self.out = nn.Linear(6, CLASSES)
 
     def forward(self, x):
         h = self.pool(self.conv(x).relu())
         return self.out(self.hidden(h.view(h.shape[0], -1)).tanh())
+
+
+class _PerPosition(nn.Module):
+    """A Linear on 3-D inputs (each of a sample's 7 positions), then one on the flattened
+    result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = nn.Linear(1, 3)
+        self.out = nn.Linear(21, CLASSES)
+
+    def forward(self, x):
+        return self.out(self.position(x.unsqueeze(-1)).flatten(1))
 
 
 def _task(network: nn.Module) -> Classifier:
@@ -70,9 +83,10 @@ class _LossOf(nn.Module):
     ("make", "shape"),
     [
         (lambda: _task(nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, CLASSES))), (7,)),
-        (_cnn_task, (2, 8, 8)),
+        (_cnn_task, (2, 8, 4)),  # not square: height and width kept apart
+        (lambda: _task(_PerPosition()), (7,)),
     ],
-    ids=["mlp", "cnn"],
+    ids=["mlp", "cnn", "linear_on_3d_inputs"],
 )
 def test_each_client_gets_its_own_loss_metrics_and_gradient(make, shape):
     """Three clients with their own parameters and batches, the third of them with 1 of
@@ -113,6 +127,15 @@ def test_without_a_mask_each_client_averages_its_whole_batch():
         logits = x[row] @ params[0][row].T + params[1][row]
         expected = nn.functional.cross_entropy(logits, y[row])
         assert float(loss[row]) == pytest.approx(float(expected), rel=1e-6)
+
+
+class _WithSpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(7, CLASSES), nn.Linear(7, CLASSES)
+
+    def forward(self, x):
+        return self.used(x)
 
 
 class _MixesSamples(nn.Module):
@@ -163,6 +186,10 @@ def test_the_probe_keeps_per_sample_layers_and_finds_a_layer_that_mixes_samples(
     names = [n for n, _ in fine.named_parameters()]
     params = list(fine.parameters())
     assert agree(StackedLayers(fine, names), _vmapped(fine), params, one_batch)
+    torch.manual_seed(0)
+    spare = _task(_WithSpare())  # a parameter the loss does not use: no gradient either way
+    names = [n for n, _ in spare.named_parameters()]
+    assert agree(StackedLayers(spare, names), _vmapped(spare), list(spare.parameters()), one_batch)
     networks = [
         nn.Sequential(nn.Linear(7, 5), _MixesSamples(), nn.Linear(5, CLASSES)),
         nn.Sequential(nn.Linear(7, 5), _MixesGradients(), nn.Linear(5, CLASSES)),

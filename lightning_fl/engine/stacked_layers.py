@@ -72,7 +72,8 @@ class StackedLayers:
     @contextmanager
     def installed(self, params: Sequence[Tensor], rows: int) -> Iterator[None]:
         """Within: each layer's forward uses its stacked parameters (``params``, one row
-        per client) on a long batch of ``rows`` clients' blocks."""
+        per client, every parameter of the task: :func:`unstackable` checked that each is
+        a layer's) on a long batch of ``rows`` clients' blocks."""
         stacked: dict[nn.Module, dict[str, Tensor]] = {layer: {} for layer in self._layers}
         for (layer, attr), value in zip(self._slots, params, strict=True):
             stacked[layer][attr] = value
@@ -111,16 +112,12 @@ def _bound(run: Callable, layer: nn.Module, params: dict[str, Tensor], rows: int
 
 
 def _linear(layer: nn.Linear, params: dict[str, Tensor], rows: int, x: Tensor) -> Tensor:
-    """``x @ W_rᵀ + b_r`` for each client r's block of rows of ``x``."""
-    weight, bias = params.get("weight", layer.weight), params.get("bias", layer.bias)
-    if weight.dim() == 2:  # not federated (frozen): the same for every client
-        weight = weight.expand(rows, *weight.shape)
+    """``x @ W_rᵀ + b_r`` for each client r's block of rows of ``x`` (any leading shape)."""
+    weight, bias = params["weight"], params.get("bias")
     blocks = x.reshape(rows, -1, x.shape[-1])
     if bias is None:
         out = torch.bmm(blocks, weight.transpose(1, 2))
     else:
-        if bias.dim() == 1:
-            bias = bias.expand(rows, *bias.shape)
         out = torch.baddbmm(bias.unsqueeze(1), blocks, weight.transpose(1, 2))
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -128,11 +125,7 @@ def _linear(layer: nn.Linear, params: dict[str, Tensor], rows: int, x: Tensor) -
 def _conv2d(layer: nn.Conv2d, params: dict[str, Tensor], rows: int, x: Tensor) -> Tensor:
     """Client r's filters on its block of samples: one convolution with the clients'
     channels side by side and ``rows × groups`` groups."""
-    weight, bias = params.get("weight", layer.weight), params.get("bias", layer.bias)
-    if weight.dim() == 4:
-        weight = weight.expand(rows, *weight.shape)
-    if bias is not None and bias.dim() == 1:
-        bias = bias.expand(rows, *bias.shape)
+    weight, bias = params["weight"], params.get("bias")
     batch, channels, height, width = x.shape
     per_client = batch // rows
     side_by_side = (
