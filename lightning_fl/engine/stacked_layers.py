@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -67,23 +68,26 @@ class StackedLayers:
         for name in param_names:
             owner, _, attr = name.rpartition(".")
             self._slots.append((modules[owner], attr))
-        self._layers = list(dict.fromkeys(layer for layer, _ in self._slots))
+        #: each layer and its stacked forward ``(params, rows, x)``, found once
+        self._layers = [
+            (layer, _linear if isinstance(layer, nn.Linear) else partial(_conv2d, layer))
+            for layer in dict.fromkeys(layer for layer, _ in self._slots)
+        ]
 
     @contextmanager
     def installed(self, params: Sequence[Tensor], rows: int) -> Iterator[None]:
         """Within: each layer's forward uses its stacked parameters (``params``, one row
         per client, every parameter of the task: :func:`unstackable` checked that each is
         a layer's) on a long batch of ``rows`` clients' blocks."""
-        stacked: dict[nn.Module, dict[str, Tensor]] = {layer: {} for layer in self._layers}
+        stacked: dict[nn.Module, dict[str, Tensor]] = {layer: {} for layer, _ in self._layers}
         for (layer, attr), value in zip(self._slots, params, strict=True):
             stacked[layer][attr] = value
-        for layer in self._layers:
-            run = _linear if isinstance(layer, nn.Linear) else _conv2d
-            layer.forward = _bound(run, layer, stacked[layer], rows)  # an instance attribute
+        for layer, run in self._layers:
+            layer.forward = partial(run, stacked[layer], rows)  # an instance attribute
         try:
             yield
         finally:
-            for layer in self._layers:
+            for layer, _ in self._layers:
                 del layer.forward
 
     def losses(
@@ -95,23 +99,18 @@ class StackedLayers:
         long_batch = tree_map(lambda t: t.reshape(-1, *t.shape[2:]), batch)
         with self.installed(params, rows):
             losses, metrics = self.task.sample_losses_and_metrics(long_batch)
-        weights = None if sample_mask is None else sample_mask.to(losses.dtype)
 
         def mean(values: Tensor) -> Tensor:
             values = values.reshape(rows, -1)
-            if weights is None:
+            if sample_mask is None:
                 return values.mean(dim=1)
-            own = weights.to(values.dtype)
+            own = sample_mask.to(values.dtype)
             return (values * own).sum(dim=1) / own.sum(dim=1)
 
         return mean(losses), {name: mean(values) for name, values in metrics.items()}
 
 
-def _bound(run: Callable, layer: nn.Module, params: dict[str, Tensor], rows: int) -> Callable:
-    return lambda x: run(layer, params, rows, x)
-
-
-def _linear(layer: nn.Linear, params: dict[str, Tensor], rows: int, x: Tensor) -> Tensor:
+def _linear(params: dict[str, Tensor], rows: int, x: Tensor) -> Tensor:
     """``x @ W_rᵀ + b_r`` for each client r's block of rows of ``x`` (any leading shape)."""
     weight, bias = params["weight"], params.get("bias")
     blocks = x.reshape(rows, -1, x.shape[-1])

@@ -176,7 +176,7 @@ class StackedOptimizer:
         """Step every row of several parameters (``(stacked param, grad, state)``) of one
         param group and one count in one functional call, in place: torch's single-tensor
         rule loops over them as it would over separate calls."""
-        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
+        lr = _lr(group, factor)
         params = [p for p, _, _ in tensors]
         grads = [g for _, g, _ in tensors]
         states = [entry for _, _, entry in tensors]
@@ -212,26 +212,27 @@ class StackedOptimizer:
         group: dict,
         count: int,
         factor: float,
-        at: Tensor | None,
+        at: Tensor,
     ) -> None:
-        """Step the rows ``at`` of ``full`` (None: all, in place) with torch's functional
-        rule, their state gathered from ``entry`` and written back. Plain SGD (no
-        momentum, no weight decay: no state) adds ``-lr·grad`` to the rows in place, the
-        same ``add_`` as torch's single-tensor rule, without gathering them."""
-        lr = group["lr"] if factor == 1.0 else group["lr"] * factor
-        if at is not None and self.kind == "sgd" and _stateless(group):
+        """Step the rows ``at`` of ``full`` with torch's functional rule, their state
+        gathered from ``entry`` and written back. Plain SGD (no momentum, no weight decay:
+        no state) adds ``-lr·grad`` to the rows in place, the same ``add_`` as torch's
+        single-tensor rule, without gathering them."""
+        if self.kind == "sgd" and _stateless(group):
+            lr = _lr(group, factor)
             full.index_add_(0, at, grad, alpha=lr if group["maximize"] else -lr)
             return
-        p = full if at is None else full[at]
-        state = entry if at is None else {name: value[at] for name, value in entry.items()}
-        if self.kind == "sgd":
-            _sgd_step([p], [grad], [state], group, lr, fresh=count == 0)
-        else:
-            _adam_step([p], [grad], [state], group, lr, count, type(self.optimizer))
-        if at is not None:
-            full[at] = p
-            for name, value in state.items():
-                entry[name][at] = value
+        p = full[at]
+        state = {name: value[at] for name, value in entry.items()}
+        self._apply_every_row([(p, grad, state)], group, count, factor)
+        full[at] = p
+        for name, value in state.items():
+            entry[name][at] = value
+
+
+def _lr(group: dict, factor: float) -> float:
+    """The param group's learning rate times a row's factor (``lr_scale``)."""
+    return group["lr"] if factor == 1.0 else group["lr"] * factor
 
 
 def _stateless(group: dict) -> bool:

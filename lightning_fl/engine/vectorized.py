@@ -163,21 +163,20 @@ class VectorizedClients:
             self.step.check_runs(batch)
             if self.pads_short_batches:
                 self.pads_short_batches = self._sample_means_agree(batch)
-            if self.pads_short_batches:
+            if self.pads_short_batches and self._has_stacked_form():
                 self.step.stacked_layers = self._stacked_layers(batch)
-                self.pads_short_batches = self.step.stacked_layers is not None or (
-                    unstackable(self.fit.module, self.fit.tensors.param_names) is not None
-                )
+                self.pads_short_batches = self.step.stacked_layers is not None
+
+    def _has_stacked_form(self) -> bool:
+        """Whether the task's parameters are all ``nn.Linear``'s and ``nn.Conv2d``'s."""
+        return unstackable(self.fit.module, self.fit.tensors.param_names) is None
 
     def _stacked_layers(self, batch: Any) -> StackedLayers | None:
-        """The task's layers on stacked parameters (no vmap), where its parameters are
-        all ``nn.Linear``'s and ``nn.Conv2d``'s and the set-up probe finds the same
-        losses, metrics and gradients as vmap; None otherwise (a layer that mixes the
-        samples of a batch, say: then padded batches would mix too, and are not padded),
-        and the log says why."""
+        """The task's layers on stacked parameters (no vmap), where the set-up probe finds
+        the same losses, metrics and gradients as vmap; None otherwise (a layer that
+        mixes the samples of a batch, say: then padded batches would mix too, and are not
+        padded), and the log says why."""
         fit, step = self.fit, self.step
-        if unstackable(fit.module, fit.tensors.param_names) is not None:
-            return None
         stacked = StackedLayers(fit.module, fit.tensors.param_names)
         vmapped = vmap(
             lambda params, one: step._client_loss(params, [], one, None, []), randomness="error"

@@ -357,18 +357,17 @@ class VectorizedStep:
         masks = self._dropout_masks(key, params, buffers, batch, client_state)
         if self.compiled is not None:
             loss, metrics, found = self.compiled(params, buffers, batch, key)
-        elif self.stacked_layers is not None and not masks and not self.client_contexts:
-            loss, metrics = self.stacked_layers.losses(params, batch, sample_mask)
-            wanted = [params[j] for j in self.optimizer.stepped]
-            found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         else:
-            try:
-                own = () if sample_mask is None else (sample_mask,)  # vmap takes no None
-                loss, metrics = vmap(self._client_loss, randomness="error")(
-                    params, buffers, batch, masks, client_state, *own
-                )
-            except RuntimeError as err:
-                raise not_vmappable(err) from err
+            if self.stacked_layers is not None and not masks and not self.client_contexts:
+                loss, metrics = self.stacked_layers.losses(params, batch, sample_mask)
+            else:
+                try:
+                    own = () if sample_mask is None else (sample_mask,)  # vmap takes no None
+                    loss, metrics = vmap(self._client_loss, randomness="error")(
+                        params, buffers, batch, masks, client_state, *own
+                    )
+                except RuntimeError as err:
+                    raise not_vmappable(err) from err
             wanted = [params[j] for j in self.optimizer.stepped]
             found = torch.autograd.grad(loss.sum(), wanted, allow_unused=True)
         # a parameter the loss does not use has no gradient (None), as on the sequential
