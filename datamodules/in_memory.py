@@ -4,13 +4,15 @@ benchmarks' and the small datasets' federation)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import methodcaller
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from lightning_fl.engine.bulk import collector_paused
 from lightning_fl.engine.data_contract import FederatedDataModule, Split
-from lightning_fl.engine.tensors import adjacent_view
+from lightning_fl.engine.tensors import adjacent_view, uniform_rows
 
 #: One client's tensors per split: ``{"train": (x, y), "val": (x, y), "test": (x, y)}``.
 ClientTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -69,6 +71,21 @@ class InMemoryFederatedDataModule(FederatedDataModule):
         data = self._clients[client].get(split)
         return None if data is None else TensorDataset(*data)
 
+    def _reads_own_tensors(self) -> bool:
+        """Whether the clients' tensors are the truth: not in silo mode (a silo holds its
+        own clients) and not where a subclass overrides ``client_dataset``."""
+        return self.silo is None and (
+            type(self).client_dataset is InMemoryFederatedDataModule.client_dataset
+        )
+
+    def sample_counts(self, split: Split = "train") -> list[int]:
+        """Each client's rows in ``split``, read from its tensors (no dataset made); a
+        client whose tensors differ in length is refused, naming it."""
+        if not self._reads_own_tensors():
+            return super().sample_counts(split)
+        with collector_paused():
+            return _row_counts([client.get(split) for client in self._clients], split).tolist()
+
     def split_arrays(self, split: Split) -> tuple[list[torch.Tensor], np.ndarray] | None:
         """The clients' tensors of ``split`` packed once into columns with N + 1 offsets (a
         view when the clients are slices of one tensor in order; else a copy, and each
@@ -77,30 +94,51 @@ class InMemoryFederatedDataModule(FederatedDataModule):
         silo mode (a silo holds its own clients), where a subclass overrides
         ``client_dataset`` (its datasets are the truth), and where the clients' columns
         differ in number, dtype or row shape."""
-        if self.silo is not None or type(self).client_dataset is not (
-            InMemoryFederatedDataModule.client_dataset
-        ):
+        if not self._reads_own_tensors():
             return None
         if split not in self._packed:
-            self._packed[split] = self._pack(split)
+            with collector_paused():
+                self._packed[split] = self._pack(split)
         return self._packed[split]
 
     def _pack(self, split: Split) -> tuple[list[torch.Tensor], np.ndarray] | None:
         parts = [client.get(split) for client in self._clients]
         present = [p for p in parts if p is not None]
-        if not present:
+        if not present or len(set(map(len, present))) != 1:  # tuples' len: C
             return None
-        width = len(present[0])
-        shapes = {tuple((t.dtype, tuple(t.shape[1:]), t.device) for t in p) for p in present}
-        if len(shapes) != 1 or any(len(p) != width for p in present):
+        parts_of = list(zip(*present))
+        if not all(map(uniform_rows, parts_of)):
             return None
-        sizes = [0 if p is None else len(p[0]) for p in parts]
-        parts_of = [[p[k] for p in present] for k in range(width)]
+        sizes = _row_counts(parts, split)
         # clients cut from one tensor in order are a view of it (no copy), else a copy
         views = [adjacent_view(column) for column in parts_of]
         columns = [torch.cat(c) if v is None else v for c, v in zip(parts_of, views)]
-        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        for client, part, start, stop in zip(self._clients, parts, offsets, offsets[1:]):
-            if part is not None:  # the client's tensors become views of the columns
-                client[split] = tuple(column[start:stop] for column in columns)
-        return columns, offsets
+        # the clients' tensors become views of the columns (torch.split: one call in C)
+        pieces = [torch.split(column, sizes[sizes > 0].tolist()) for column in columns]
+        holders = [client for client, size in zip(self._clients, sizes.tolist()) if size]
+        for client, own in zip(holders, zip(*pieces)):
+            client[split] = own
+        return columns, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+def _row_counts(parts: list[tuple[torch.Tensor, ...] | None], split: Split) -> np.ndarray:
+    """Rows of each client's tensors (0 where it has none); a client whose tensors differ
+    in length is refused, naming it."""
+    sizes = np.zeros(len(parts), dtype=np.int64)
+    present = [c for c, p in enumerate(parts) if p is not None]
+    for k, column in enumerate(zip(*(parts[c] for c in present))):
+        rows = np.fromiter(map(_rows, column), np.int64, len(present))
+        if k > 0 and (bad := np.flatnonzero(rows != sizes[present])).size:
+            c = present[bad[0]]
+            raise ValueError(
+                f"Client {c}'s {split!r} tensors differ in length ({sizes[c]} rows in the "
+                f"first, {rows[bad[0]]} in tensor {k}): every tensor of a client's split has "
+                f"one row per sample. Fix client {c}'s data given to "
+                "InMemoryFederatedDataModule."
+            )
+        sizes[present] = rows
+    return sizes
+
+
+#: A tensor's rows, called in C (``len`` of a tensor is a Python method).
+_rows = methodcaller("size", 0)

@@ -21,6 +21,7 @@ from lightning_fl.engine import packed as packed_module
 from lightning_fl.engine.packed import pack_federation
 from lightning_fl.engine.schedule import cycle_batches
 from lightning_fl.engine.seeding import derive_seed, derive_seeds, generator
+from lightning_fl.engine.tensors import adjacent_view, uniform_rows
 from lightning_fl.engine.vectorized_checks import needs_client_hooks
 from tests.helpers import (
     CallCounter,
@@ -411,6 +412,64 @@ def test_clients_cut_from_one_tensor_are_packed_without_a_copy(monkeypatch):
             patched.setattr(packed_module, "_free_memory", lambda device: 0)
             tight, _ = pack_federation(dm, dm.sample_counts(), torch.device("cpu"))
             assert (tight is not None) == shared
+
+
+def test_adjacent_view_checks_every_part_s_place_in_one_storage():
+    """A view where the parts lie end to end in one storage (an empty part first or
+    between: an empty tensor has no address), None where the offsets chain but the
+    addresses do not (parts of two tensors), where a part is not contiguous, where the
+    rows differ in dtype, row shape or device, and where a later part's storage runs past
+    the first's (two storages over one buffer): a view would read outside it."""
+    x, z = torch.arange(24.0).reshape(12, 2), torch.arange(24.0).reshape(12, 2)
+    view = adjacent_view([x[0:0], x[0:3], x[3:3], x[3:7]])
+    assert torch.equal(view, x[:7]) and view.data_ptr() == x.data_ptr()
+    assert torch.equal(adjacent_view([x[2:5], x[5:6]]), x[2:6])
+    assert adjacent_view([x[0:3], z[3:7]]) is None  # offsets chain, addresses do not
+    assert adjacent_view([x[0:3], x[4:7]]) is None  # a gap
+    assert adjacent_view([x[0:3], x[3:7:2]]) is None  # not contiguous
+    assert adjacent_view([x[0:3], x[3:5].double()]) is None
+    assert adjacent_view([x[0:3], torch.empty(2, 2, device="meta")]) is None
+    flat = torch.arange(24.0)
+    assert adjacent_view([flat[0:6], flat[6:12].reshape(3, 2)]) is None  # row shapes
+    buffer = np.arange(20, dtype=np.float32)
+    short, long = torch.from_numpy(buffer[:6]), torch.from_numpy(buffer)
+    assert short.data_ptr() == long.data_ptr()
+    assert adjacent_view([short[0:6], long[6:20]]) is None  # past the first's storage
+    assert uniform_rows([x[0:3], x[5:6]]) and not uniform_rows([x[:1], x[:1].long()])
+
+
+def test_an_in_memory_federation_counts_rows_from_its_tensors():
+    """The counts equal the datasets' (the base implementation, one TensorDataset per
+    client), 0 for a client without the split; a client whose tensors differ in length is
+    refused, naming it, by the counts and by the packing alike; the garbage collector is
+    paused during the work and left as it was (off stays off)."""
+    import gc
+
+    from lightning_fl.engine.bulk import collector_paused
+    from lightning_fl.engine.data_contract import FederatedDataModule
+
+    x, y = torch.randn(12, 3), torch.arange(12)
+    clients = [{"train": (x[:5], y[:5])}, {"val": (x[5:7], y[5:7])}, {"train": (x[7:], y[7:])}]
+    dm = InMemoryFederatedDataModule(clients)
+    for split in ("train", "val", "test"):
+        assert dm.sample_counts(split) == FederatedDataModule.sample_counts(dm, split)
+    assert dm.sample_counts("train") == [5, 0, 5]
+    bad = [clients[0], {"train": (x[5:9], y[5:8])}]
+    message = r"Client 1's 'train' tensors differ in length \(4 rows in the first, 3 in tensor 1\)"
+    with pytest.raises(ValueError, match=message):
+        InMemoryFederatedDataModule(bad).sample_counts("train")
+    with pytest.raises(ValueError, match=message):
+        InMemoryFederatedDataModule(bad).split_arrays("train")
+    seen = []
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            with collector_paused():
+                seen.append(gc.isenabled())
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+    assert seen == [False, False]
 
 
 def test_the_schedule_primitives_by_hand():

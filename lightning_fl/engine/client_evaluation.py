@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import WandbLogger
 
 from lightning_fl.engine import collectives
+from lightning_fl.engine.bulk import collector_paused
 from lightning_fl.engine.cohort import cohort_standard_errors
 from lightning_fl.engine.context import FitContext
 from lightning_fl.engine.evaluation import (
@@ -124,6 +125,10 @@ class ClientEvaluation:
     def report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """The epoch's report: every rank's clients summarized and logged (seen and
         unseen apart), ``client_metrics.csv`` and W&B histograms written by rank 0."""
+        with collector_paused():  # a full pass's report holds a row per client
+            self._report(trainer, pl_module, stage)
+
+    def _report(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.end_client()
         if trainer.sanity_checking:
             return
