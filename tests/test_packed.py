@@ -597,6 +597,8 @@ def test_an_in_memory_federation_packs_each_split_into_arrays_once():
     assert InMemoryFederatedDataModule(mixed).split_arrays("train") is None
     wider = [{"train": (x[:2], y[:2])}, {"train": (torch.randn(2, 4), y[2:4])}]  # rows of 3, 4
     assert InMemoryFederatedDataModule(wider).split_arrays("train") is None
+    longer = [{"train": (x[:2], y[:2])}, {"train": (x[2:4], y[2:4], y[2:4])}]  # 2, 3 tensors
+    assert InMemoryFederatedDataModule(longer).split_arrays("train") is None
     alone = [{"train": (x[:2], y[:2])}, {"train": (x[2:5], y[2:5]), "test": (x[5:7], y[5:7])}]
     test_columns, test_offsets = InMemoryFederatedDataModule(alone).split_arrays("test")
     assert test_offsets.tolist() == [0, 0, 2] and torch.equal(test_columns[0], x[5:7])
