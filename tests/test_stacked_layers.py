@@ -88,12 +88,15 @@ class _LossOf(nn.Module):
     ],
     ids=["mlp", "cnn", "linear_on_3d_inputs"],
 )
-def test_each_client_gets_its_own_loss_metrics_and_gradient(make, shape):
+@pytest.mark.parametrize("client_by_client", [False, True], ids=["long_batch", "by_client"])
+def test_each_client_gets_its_own_loss_metrics_and_gradient(make, shape, client_by_client):
     """Three clients with their own parameters and batches, the third of them with 1 of
     its 5 samples its own (a padded short batch), the second with 3: each row's loss,
-    accuracy and gradient equal that client's own, computed alone on its own samples."""
+    accuracy and gradient equal that client's own, computed alone on its own samples;
+    through the long batch and client by client (the CPU's form for convolutions)."""
     task = make()
-    stacked = StackedLayers(task, [n for n, _ in task.named_parameters()])
+    names = [n for n, _ in task.named_parameters()]
+    stacked = StackedLayers(task, names, client_by_client=client_by_client)
     params = [p.clone().requires_grad_() for p in _rows(task)]
     x, y = _batch(shape)
     own = [BATCH, 3, 1]
@@ -117,9 +120,11 @@ def test_each_client_gets_its_own_loss_metrics_and_gradient(make, shape):
     )
 
 
-def test_without_a_mask_each_client_averages_its_whole_batch():
+@pytest.mark.parametrize("client_by_client", [False, True], ids=["long_batch", "by_client"])
+def test_without_a_mask_each_client_averages_its_whole_batch(client_by_client):
     task = _task(nn.Sequential(nn.Linear(7, CLASSES)))
-    stacked = StackedLayers(task, [n for n, _ in task.named_parameters()])
+    names = [n for n, _ in task.named_parameters()]
+    stacked = StackedLayers(task, names, client_by_client=client_by_client)
     params = _rows(task)
     x, y = _batch((7,))
     loss, _ = stacked.losses(params, (x, y), None)
@@ -179,7 +184,8 @@ def _vmapped(task: Classifier):
 def test_the_probe_keeps_per_sample_layers_and_finds_a_layer_that_mixes_samples():
     """Two clients that differ (parameters moved, samples reversed): a network of
     per-sample layers agrees with vmap; one that mixes the samples of its batch, in its
-    values (of a layer or of a metric) or only in its gradient, does not."""
+    values (of a layer or of a metric) or only in its gradient, does not on the long
+    batch, and does client by client."""
     x, y = _batch((7,))
     one_batch = (x[0], y[0])
     fine = _task(nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, CLASSES)))
@@ -202,6 +208,9 @@ def test_the_probe_keeps_per_sample_layers_and_finds_a_layer_that_mixes_samples(
         names = [n for n, _ in mixing.named_parameters()]
         params = list(mixing.parameters())
         assert not agree(StackedLayers(mixing, names), _vmapped(mixing), params, one_batch)
+        # client by client, a layer that mixes samples sees its client's alone, as vmap
+        by_client = StackedLayers(mixing, names, client_by_client=True)
+        assert agree(by_client, _vmapped(mixing), params, one_batch)
 
 
 class _WithScale(nn.Module):

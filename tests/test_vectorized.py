@@ -1051,11 +1051,21 @@ def _mixing_module() -> Classifier:
     return Classifier(network=net, lr=0.1)
 
 
+def _conv_mixing_module() -> Classifier:
+    torch.manual_seed(1)
+    net = nn.Sequential(
+        nn.Unflatten(1, (1, 2, 3)), nn.Conv2d(1, 2, 2, padding=1), _MixesSamples(),
+        nn.Flatten(), nn.Linear(2 * 3 * 4, OUT),
+    )  # fmt: skip
+    return Classifier(network=net, lr=0.1)
+
+
 @pytest.mark.parametrize(
     ("make", "stacked"),
-    [(lambda: _module(0.0), True), (_conv_module, True), (_mixing_module, False)],
-    ids=["mlp", "conv", "mixes_samples"],
-)
+    [(lambda: _module(0.0), True), (_conv_module, True), (_mixing_module, False),
+     (_conv_mixing_module, True)],
+    ids=["mlp", "conv", "mixes_samples", "conv_mixes_samples"],
+)  # fmt: skip
 def test_the_stacked_layers_run_without_vmap_and_equal_the_sequential_path(
     make, stacked, monkeypatch
 ):
@@ -1064,7 +1074,9 @@ def test_the_stacked_layers_run_without_vmap_and_equal_the_sequential_path(
     epochs of unequal clients, padded short batches) equals the sequential run. A layer
     that mixes a batch's samples is found by the set-up probe: the steps stay vmapped,
     short batches are not padded (the padding would enter the mix), the log says why, and
-    the run is as exact."""
+    the run is as exact. A network with a convolution runs client by client on the CPU,
+    each client's block cut to its own samples: there a layer that mixes samples sees its
+    client's alone, and the padded run is exact."""
     from lightning_fl.engine import vectorized, vectorized_step
 
     said, vmapped = [], []
@@ -1081,6 +1093,8 @@ def test_the_stacked_layers_run_without_vmap_and_equal_the_sequential_path(
     (seq, _), (vec, vec_trainer) = runs
     step = vec_trainer.strategy.vectorized.step
     assert (step.stacked_layers is not None) == stacked
+    if stacked:
+        assert step.stacked_layers.client_by_client == ("conv" in make.__name__)
     assert vec_trainer.strategy.vectorized.pads_short_batches == stacked
     assert (len(vmapped) == 1) == stacked  # the set-up's check_runs only
     assert max_abs_diff(params_of(seq), params_of(vec)) <= 1e-5

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import vmap
 
 from lightning_fl.engine.packed import ChunkBatches
@@ -177,7 +177,10 @@ class VectorizedClients:
         mixes the samples of a batch, say: then padded batches would mix too, and are not
         padded), and the log says why."""
         fit, step = self.fit, self.step
-        stacked = StackedLayers(fit.module, fit.tensors.param_names)
+        # on the CPU a convolution's activations stay in cache client by client
+        convolutional = any(isinstance(m, nn.Conv2d) for m in fit.module.modules())
+        client_by_client = convolutional and fit.device.type == "cpu"
+        stacked = StackedLayers(fit.module, fit.tensors.param_names, client_by_client)
         vmapped = vmap(
             lambda params, one: step._client_loss(params, [], one, None, []), randomness="error"
         )
