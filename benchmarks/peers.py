@@ -414,7 +414,28 @@ def run_lightning_fl(shape: Shape, rounds: int, every_client: bool, runner: str)
 PEER_PACKAGES = ("torch==2.13.0", "pfl[pytorch]==0.6.0", "flwr[simulation]==1.42.0")
 
 
+def use_tree(tree: str) -> None:
+    """Import ``lightning_fl`` with its ``callbacks`` and ``datamodules`` from the checkout
+    ``tree`` (a ``--before`` runner): on ``PYTHONPATH`` the tree gives ``lightning_fl``, but
+    the editable install would still map the two top-level folders to this checkout."""
+    import importlib.util
+
+    import lightning_fl
+
+    for name in ("callbacks", "datamodules"):
+        folder = Path(tree) / name
+        spec = importlib.util.spec_from_file_location(
+            f"lightning_fl.{name}", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        setattr(lightning_fl, name, module)
+        spec.loader.exec_module(module)
+
+
 def run(shape: str, runner: str, every_client: bool, order: str, cohort_file: str) -> dict:
+    if tree := os.environ.get("LIGHTNING_FL_TREE"):
+        use_tree(tree)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     for name in ("lightning", "lightning.pytorch", "lightning_fl", "flwr", "ray"):
@@ -445,7 +466,9 @@ class Runner:
     def __call__(self, shape: str, cohort_file: str, every_client: bool, order: str) -> dict:
         command = [self.python, __file__, "--one", shape, self.name, cohort_file, order]
         command += ["--every-client"] if every_client else []
-        env = {**os.environ, "PYTHONPATH": self.tree} if self.tree else None
+        env = None
+        if self.tree:
+            env = {**os.environ, "PYTHONPATH": self.tree, "LIGHTNING_FL_TREE": self.tree}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode:
             raise SystemExit(f"{self.label} on {shape} failed:\n{done.stderr[-3000:]}")
