@@ -825,6 +825,36 @@ def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(
         server_side.train_client(alone, 2, 1, start, counts=counts[:3])
 
 
+@needs_heart
+def test_a_nodes_evaluation_is_its_models_mean_over_the_clients_samples():
+    """``evaluate_client`` by hand: the given model (not the recipe's initial weights) on
+    client 2's test split in batches of 5, 5, 5 and 1, the loss and accuracy the means over
+    its 16 samples (batch means weighted by their sizes), ``num-examples`` its count."""
+    recipe = str(ROOT / "recipes" / "flamby" / "heart_scaffold.yaml")
+    overrides = ("--data.init_args.root", str(HEART), "--data.init_args.eval_batch_size", "5")
+    settings = Settings(recipe, overrides)
+    cli = server_side.instantiate(settings)
+    g = torch.Generator().manual_seed(3)
+    model = {
+        k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in cli.model.state_dict().items()
+    }
+    got = server_side.evaluate_client(settings, 2, model, "test")
+    cli.datamodule.prepare_data()
+    cli.datamodule.setup("test")
+    x, y = cli.datamodule.client_dataset(2, "test").tensors
+    assert len(y) == 16
+    logits = (x @ model["network.weight"].T + model["network.bias"]).reshape(-1)
+    target = y.reshape(-1).double()
+    losses = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits.double(), target, reduction="none"
+    )
+    accuracy = ((logits > 0).double() == target).double().mean()
+    assert got["num-examples"] == 16
+    assert got["test_loss"] == pytest.approx(float(losses.mean()), rel=1e-6)
+    assert got["test_acc"] == pytest.approx(float(accuracy), abs=1e-7)
+    assert set(got) == {"num-examples", "test_loss", "test_acc"}
+
+
 def _run_simulation(server, client, folder: Path) -> None:
     """The apps under Flower's simulation engine (Ray), 4 SuperNodes, in ``folder`` (what
     a ClientApp's fit writes stays there)."""
