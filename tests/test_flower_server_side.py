@@ -789,11 +789,12 @@ def _simulated(recipe: Path, rounds: int, folder: Path, test: bool):
 
 
 @needs_heart
-def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(tmp_path):
+def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(tmp_path, capsys):
     """A node of client 2 (switzerland) whose folder holds only processed.switzerland.data:
     its count, its round of the heart SCAFFOLD recipe (c_i's "target" weighting reads p_2
     from the server's counts) and its evaluation equal those of a node with all four
-    files; counts that disagree with its own data are refused."""
+    files; counts that disagree with its own data are refused. A node's fits name no run
+    folder on its console (they write none)."""
     own = tmp_path / "switzerland"
     own.mkdir()
     shutil.copy(HEART / "processed.switzerland.data", own)
@@ -823,6 +824,7 @@ def test_a_node_opens_only_its_own_clients_files_and_trains_as_with_all_of_them(
     with pytest.raises(ValueError, match="training_counts gives 3 clients, and the "
                                          "datamodule has 4"):  # fmt: skip
         server_side.train_client(alone, 2, 1, start, counts=counts[:3])
+    assert "Outputs:" not in capsys.readouterr().out
 
 
 @needs_heart
