@@ -4,7 +4,6 @@ benchmarks' and the small datasets' federation)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import methodcaller
 
 import numpy as np
 import torch
@@ -12,7 +11,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from lightning_fl.engine.bulk import collector_paused
 from lightning_fl.engine.data_contract import FederatedDataModule, Split
-from lightning_fl.engine.tensors import adjacent_view, uniform_rows
+from lightning_fl.engine.tensors import adjacent_view, row_count, uniform_rows
 
 #: One client's tensors per split: ``{"train": (x, y), "val": (x, y), "test": (x, y)}``.
 ClientTensors = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -127,7 +126,7 @@ def _row_counts(parts: list[tuple[torch.Tensor, ...] | None], split: Split) -> n
     sizes = np.zeros(len(parts), dtype=np.int64)
     present = [c for c, p in enumerate(parts) if p is not None]
     for k, column in enumerate(zip(*(parts[c] for c in present))):
-        rows = np.fromiter(map(_rows, column), np.int64, len(present))
+        rows = np.fromiter(map(row_count, column), np.int64, len(present))
         if k > 0 and (bad := np.flatnonzero(rows != sizes[present])).size:
             c = present[bad[0]]
             raise ValueError(
@@ -138,7 +137,3 @@ def _row_counts(parts: list[tuple[torch.Tensor, ...] | None], split: Split) -> n
             )
         sizes[present] = rows
     return sizes
-
-
-#: A tensor's rows, called in C (``len`` of a tensor is a Python method).
-_rows = methodcaller("size", 0)

@@ -142,9 +142,8 @@ class StackedLayers:
         counts = None if sample_mask is None else sample_mask.sum(dim=1).tolist()
         losses, metrics = [], {}
         for r in range(rows):
-            one = tree_map(itemgetter(r), batch)
-            if counts is not None:
-                one = tree_map(itemgetter(slice(int(counts[r]))), one)
+            index = r if counts is None else (r, slice(counts[r]))
+            one = tree_map(itemgetter(index), batch)
             with self.installed([p[r] for p in own], None):
                 loss, values = self.task.sample_losses_and_metrics(one)
             losses.append(loss.mean())

@@ -92,6 +92,10 @@ def zeros_like(tensors: TensorList) -> TensorList:
     return [torch.zeros_like(t) for t in tensors]
 
 
+#: A tensor's number of rows, called in C (``len`` of a tensor is a Python method).
+row_count = methodcaller("size", 0)
+
+
 def uniform_rows(parts: Sequence[Tensor]) -> bool:
     """Whether ``parts`` share one dtype, device and row shape (all but the first
     dimension): whether they concatenate without promotion. One pass in C per property."""
@@ -123,6 +127,6 @@ def adjacent_view(parts: Sequence[Tensor]) -> Tensor | None:
         or ends[-1] * item > storage.nbytes()
     ):
         return None
-    rows = int(np.fromiter(map(methodcaller("size", 0), parts), np.int64, count).sum())
+    rows = int(np.fromiter(map(row_count, parts), np.int64, count).sum())
     shape, stride = (rows, *first.shape[1:]), first.stride()
     return first.new_empty(0).set_(storage, offset, shape, stride)
